@@ -1,0 +1,110 @@
+"""The decoupled PPO loss of AReaL over packed token tensors.
+
+AReaL (Fu et al., arXiv:2505.24298, §5.2, Eq. 5) decouples the *behaviour* policy that generated
+the tokens (possibly several versions old, even mixed within one response) from the *proximal*
+policy that anchors the trust region (the trainer's policy before this update):
+
+    L(θ) = -Σ_t m_t · w_t · min(r_t A_t, clip(r_t, 1-ε, 1+ε_high) A_t) / Σ_t m_t
+    r_t = π_θ(y_t) / π_prox(y_t) = exp(theta_t - prox_t)
+    w_t = π_prox(y_t) / π_behav(y_t) = exp(prox_t - behav_t)   (no gradient)
+
+With ``behav_imp_weight_cap`` = c, tokens whose w_t > c contribute 0 (their w_t is set to 0) but
+still count in the denominator, as in AReaL's implementation. All log-probs are of the
+temperature-scaled distribution the rollout sampled from. A KL penalty is not part of this
+function (AReaL-boba uses coefficient 0).
+
+Aggregation: by default the loss is the token mean over this call's ``loss_mask``. For a global
+token mean across micro-batches and data-parallel ranks, pass ``num_tokens`` = the total number
+of loss tokens in the whole step (all micro-batches, all ranks); then each call returns its
+*share* of the global mean (its sum divided by ``num_tokens``), the shares add up across
+micro-batches, and averaging gradients over R ranks needs the loss scaled by R (see
+``areal_async.trainer.step``). The statistics are normalised the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def decoupled_ppo_loss(
+    theta_logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    *,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled-PPO policy loss (AReaL Eq. 5) over ``T`` packed tokens.
+
+    Args:
+        theta_logp: ``[T] float`` log π_θ of each token (requires grad).
+        prox_logp: ``[T] float`` log π_prox, recomputed by the trainer before the update.
+        behav_logp: ``[T] float`` log π_behav as returned by the inference server.
+        advantages: ``[T] float`` per-token advantages.
+        loss_mask: ``[T] bool`` (or 0/1) — true on response tokens that enter the loss.
+        eps_clip: ε, lower clip ``1-ε`` (and upper when ``eps_clip_high`` is ``None``).
+        eps_clip_high: ε_high for the upper clip ``1+ε_high`` (DAPO's clip-higher); ``None`` = ε.
+        behav_imp_weight_cap: c; tokens with w_t > c get weight 0. ``None`` = no cap.
+        num_tokens: the denominator; ``None`` = ``Σ loss_mask`` of this call. Floored at 1, so
+            an empty mask gives a loss of exactly 0 (with a zero gradient), never NaN.
+
+    Returns:
+        ``(loss, stats)``: ``loss`` a scalar tensor; ``stats`` detached scalars, each a sum over
+        masked tokens divided by the same denominator: ``clip_ratio`` (tokens where the clipped
+        term is the active one), ``importance_weight`` (w_t after the cap), ``behav_capped_ratio``
+        (tokens dropped by the cap), ``ratio`` (r_t), ``approx_kl`` (k3 estimate of KL(π_prox‖π_θ),
+        (r-1) - log r), ``behav_kl`` (log w_t = prox_t - behav_t before the cap, a measure of how
+        far the behaviour policy lags), ``num_tokens`` (Σ loss_mask of this call, not normalised).
+    """
+    shape = theta_logp.shape
+    assert theta_logp.dim() == 1, f"theta_logp must be [T], got {tuple(shape)}"
+    others = {"prox_logp": prox_logp, "behav_logp": behav_logp, "advantages": advantages, "loss_mask": loss_mask}
+    for name, t in others.items():
+        assert t.shape == shape, f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like theta_logp"
+    assert eps_clip > 0, f"eps_clip must be > 0, got {eps_clip}"
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    mask = loss_mask.bool()
+    count = mask.sum()
+    denom = count if num_tokens is None else torch.tensor(float(num_tokens))
+    denom = denom.to(theta_logp.dtype).clamp_min(1.0)
+
+    # torch.where, not multiplication, so garbage outside the mask (e.g. -inf) never makes NaN.
+    prox = prox_logp.detach()
+    log_ratio = torch.where(mask, theta_logp - prox, torch.zeros_like(theta_logp))
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        behav_log_w = torch.where(mask, prox - behav_logp.detach(), torch.zeros_like(prox))
+        weight = torch.exp(behav_log_w)
+        capped = torch.zeros_like(mask)
+        if behav_imp_weight_cap is not None:
+            capped = mask & (weight > behav_imp_weight_cap)
+            weight = weight.masked_fill(capped, 0.0)
+
+    adv = advantages.detach().to(theta_logp.dtype)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped) * weight  # = -w·min(rA, clip(r)A)
+    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / denom
+
+    with torch.no_grad():
+        m = mask.to(theta_logp.dtype)
+
+        def share(x: Tensor) -> Tensor:
+            return (x.to(theta_logp.dtype) * m).sum() / denom
+
+        stats = {
+            "loss": loss.detach(),
+            "clip_ratio": share(clipped > unclipped),
+            "importance_weight": share(weight),
+            "behav_capped_ratio": share(capped),
+            "ratio": share(ratio),
+            "approx_kl": share(ratio - 1.0 - log_ratio),
+            "behav_kl": share(behav_log_w),
+            "num_tokens": count.to(theta_logp.dtype),
+        }
+    return loss, stats
