@@ -187,6 +187,13 @@ def _check_keys(node_type: type, data: dict, where: str) -> None:
                     f"'{where}{key}.{next(iter(msgspec.structs.fields(sub))).name}=...'"
                 )
             _check_keys(sub, value, f"{where}{key}.")
+        elif isinstance(value, dict) and not _is_mapping_field(sub):
+            raise ValueError(f"config key '{where}{key}' is a value, not a section; "
+                             f"set it as '{where}{key}=...'")
+
+
+def _is_mapping_field(tp) -> bool:
+    return getattr(tp, "__origin__", tp) is dict
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

@@ -1,0 +1,177 @@
+"""Run a whole training job on one machine: servers, queue, workers and trainer as subprocesses.
+
+    python -m launcher.local configs/quickstart_cpu.yaml [section.key=value ...] [--overwrite]
+
+Order: resolve the model (fetch + convert once) → write ``RUN_DIR/config.yaml`` → start the
+inference servers and wait for ``/health`` → start the replay queue and wait for its port →
+start the trainer (``torch.distributed.run``) and the generation workers. The job ends when the
+trainer exits 0. If any process exits non-zero (or a long-lived one exits at all), every process
+is stopped and the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM stops
+everything and exits 130. Every child runs in its own process group and dies with the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import msgspec
+
+from areal_async.config import Config, InferenceConfig, ModelConfig, dump_config, load_config
+from launcher.supervisor import JobFailed, Supervisor
+
+PY = sys.executable
+
+
+def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
+                         threads: int) -> list[str]:
+    """Command line of one embedded inference server (flags mirror sglang.launch_server)."""
+    argv = [PY, "-m", "areal_async.inference.server", "--model-path", model.path,
+            "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
+            "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
+            "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads)]
+    if mode == "deterministic":
+        argv.append("--enable-deterministic-inference")
+    return argv
+
+
+def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
+                       threads: int) -> list[str]:
+    """Command line of one real SGLang server (``python -m sglang.launch_server``)."""
+    argv = [PY, "-m", "sglang.launch_server", "--model-path", model.path, "--host", cfg.host,
+            "--port", str(port), "--dtype", model.dtype,
+            "--max-running-requests", str(cfg.max_running_requests),
+            "--context-length", str(cfg.max_seq_len)]
+    if mode == "deterministic":
+        argv.append("--enable-deterministic-inference")
+    return argv + list(cfg.sglang_args)
+
+
+SERVER_ARGV = {"embedded": embedded_server_argv, "sglang": sglang_server_argv}
+
+def server_urls(cfg: InferenceConfig) -> list[str]:
+    """``http://host:port`` of each server; server i listens on ``base_port + i``."""
+    return [f"http://{cfg.host}:{cfg.base_port + i}" for i in range(cfg.num_servers)]
+
+
+def _wait_until(ready, what: str, sup: Supervisor, timeout_s: float) -> None:
+    """Poll ``ready()`` until true, failing fast if any child dies meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        sup.check()
+        if time.monotonic() > deadline:
+            raise JobFailed(f"{what} did not come up within {timeout_s:.0f} s; "
+                            f"see the logs in {sup.log_dir}")
+        time.sleep(0.5)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
+def prepare_run(cfg: Config, overwrite: bool) -> Config:
+    """Create the run directory, resolve the model path and write the resolved config."""
+    from areal_async.model.hub import resolve_model_path
+
+    run_dir = cfg.run_dir
+    if (run_dir / "metrics.jsonl").exists():
+        if not overwrite:
+            raise ValueError(f"{run_dir} already holds a run; choose another name (name=...), "
+                             f"delete it, or pass --overwrite")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_path = str(resolve_model_path(cfg.model))
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model_path))
+    dump_config(cfg, run_dir / "config.yaml")
+    return cfg
+
+
+def run_job(cfg: Config, sup: Supervisor) -> None:
+    """Start every process of the job and block until the trainer finishes."""
+    config_path = str(cfg.run_dir / "config.yaml")
+    cpus = os.cpu_count() or 1
+    inf = cfg.inference
+    server_threads = inf.threads or max(1, cpus // (inf.num_servers + cfg.trainer.nproc))
+    make_argv = SERVER_ARGV[inf.backend]
+    for i, url in enumerate(server_urls(inf)):
+        sup.start(f"server{i}", make_argv(inf, cfg.model, inf.base_port + i, cfg.mode,
+                                          server_threads))
+    for url in server_urls(inf):
+        _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
+                    inf.startup_timeout_s)
+    print(f"[launcher] {inf.num_servers} {inf.backend} server(s) healthy", flush=True)
+
+    sup.start("queue", [PY, "-m", "areal_async.queue.server", "--config", config_path])
+    _wait_until(lambda: _port_open(cfg.queue.host, cfg.queue.port), "replay queue", sup, 60)
+
+    trainer_threads = max(1, cpus // (inf.num_servers + cfg.trainer.nproc))
+    trainer = sup.start(
+        "trainer",
+        [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.trainer.nproc),
+         "--master-port", str(cfg.trainer.master_port), "-m", "areal_async.trainer.main",
+         "--config", config_path],
+        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(trainer_threads))},
+        echo=True, expect_exit=True,
+    )
+    for w in range(cfg.rollout.num_workers):
+        sup.start(f"worker{w}", [PY, "-m", "areal_async.rollout.worker", "--config", config_path,
+                                 "--worker-id", str(w)], expect_exit=True)
+    print(f"[launcher] trainer ({cfg.trainer.nproc} rank(s)) and {cfg.rollout.num_workers} "
+          f"worker(s) started; logs in {sup.log_dir}", flush=True)
+    sup.wait_for(trainer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.local", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. queue.max_staleness=2")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    args = parser.parse_args(argv)
+    try:
+        cfg = prepare_run(load_config(args.config, args.overrides), args.overwrite)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"[launcher] error: {exc}", file=sys.stderr)
+        return 2
+    print(f"[launcher] run '{cfg.name}' in {cfg.run_dir} (mode {cfg.mode}, "
+          f"η = {cfg.queue.max_staleness}, model {cfg.model.path})", flush=True)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    sup = Supervisor(cfg.run_dir / "logs")
+    try:
+        run_job(cfg, sup)
+    except JobFailed as exc:
+        print(f"[launcher] job failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("[launcher] interrupted; stopping every process", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        sup.stop_all()
+    print(f"[launcher] done: {cfg.run_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Child-process supervision: start, log, watch, and stop every process of a job.
+
+Each child runs in its own session (process group), so stopping it also stops whatever it
+started (torchrun's ranks, a server's helpers). Output goes line by line to
+``RUN_DIR/logs/<name>.log``, into a ring buffer of the last lines (printed when the child fails)
+and, for children started with ``echo=True``, to the console. On Linux each child also gets
+``PR_SET_PDEATHSIG = SIGKILL`` so that it dies with the launcher even if the launcher is killed
+with SIGKILL and cannot clean up.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Child:
+    """One supervised process. ``expect_exit``: its exit (status 0) is part of a normal run."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict,
+                 echo: bool = False, expect_exit: bool = False, tail_lines: int = 40):
+        self.name = name
+        self.argv = argv
+        self.expect_exit = expect_exit
+        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self._log = open(log_dir / f"{name}.log", "w", buffering=1)
+        self._log.write("$ " + " ".join(argv) + "\n")
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True, preexec_fn=_die_with_parent, text=True, bufsize=1,
+        )
+        self._reader = threading.Thread(target=self._pump, args=(echo,), daemon=True)
+        self._reader.start()
+
+    def _pump(self, echo: bool) -> None:
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self.tail.append(line.rstrip("\n"))
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        self._log.flush()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM the child's process group, then SIGKILL it after ``grace_s`` seconds."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group may outlive its leader (e.g. torchrun's ranks): always sweep it.
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._reader.join(timeout=5)
+        self._log.close()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class JobFailed(RuntimeError):
+    """A child exited unexpectedly; the message names it and holds its last lines."""
+
+
+class Supervisor:
+    """Owns every child of a job; ``stop_all`` leaves nothing running."""
+
+    def __init__(self, log_dir: pathlib.Path, env: dict | None = None):
+        self.log_dir = pathlib.Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.children: list[Child] = []
+
+    def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
+              expect_exit: bool = False) -> Child:
+        child = Child(name, argv, self.log_dir, {**self.env, **(env or {})}, echo, expect_exit)
+        self.children.append(child)
+        return child
+
+    def check(self) -> None:
+        """Raise ``JobFailed`` if any child exited non-zero, or exited when it should not have."""
+        for child in self.children:
+            rc = child.poll()
+            if rc is None or (rc == 0 and child.expect_exit):
+                continue
+            time.sleep(0.2)  # let the reader thread drain the child's last output
+            tail = "\n".join(f"  [{child.name}] {line}" for line in child.tail)
+            why = f"exited with status {rc}" if rc else "exited unexpectedly (status 0)"
+            raise JobFailed(f"{child.name} {why}; its last lines "
+                            f"(full log: {self.log_dir / (child.name + '.log')}):\n{tail}")
+
+    def wait_for(self, child: Child, poll_s: float = 0.5) -> int:
+        """Block until ``child`` exits, checking every other child meanwhile; return its status."""
+        while (rc := child.poll()) is None:
+            self.check()
+            time.sleep(poll_s)
+        self.check()
+        return rc
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """Stop children in reverse start order (consumers before producers before servers)."""
+        for child in reversed(self.children):
+            child.stop(grace_s)

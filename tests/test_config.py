@@ -1,0 +1,33 @@
+"""Config tree: YAML + dotted overrides, unknown keys named with the closest valid key."""
+
+import pytest
+
+from areal_async.config import Config, dump_config, load_config
+
+
+def test_defaults_and_override(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("name: abl\nqueue:\n  max_staleness: 4\n  batch_size: 2\n")
+    cfg = load_config(path, ["queue.max_staleness=2", "algo.eps_clip_high=0.28", "mode=deterministic"])
+    assert cfg.queue.max_staleness == 2 and cfg.queue.batch_size == 2
+    assert cfg.algo.eps_clip_high == 0.28 and cfg.mode == "deterministic"
+    assert cfg.rollout == Config().rollout
+    dump_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("queue.max_stalenes=2", "did you mean 'queue.max_staleness'"),
+        ("queu.batch_size=2", "did you mean 'queue'"),
+        ("trainer.lr.x=1", "'trainer.lr' is a value"),
+        ("queue=3", "is a section"),
+        ("noequals", "must look like"),
+        ("mode=fast", "invalid config"),
+        ("queue.batch_size=abc", "invalid config"),
+    ],
+)
+def test_bad_keys_and_values(override, expected):
+    with pytest.raises(ValueError, match=expected):
+        load_config(None, [override])

@@ -1,0 +1,78 @@
+"""Launcher supervision: a failing child stops the job with its last lines; nothing is orphaned."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from areal_async.config import load_config
+from launcher.local import SERVER_ARGV, server_urls
+from launcher.supervisor import JobFailed, Supervisor
+
+PY = sys.executable
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead, not yet reaped
+    except FileNotFoundError:
+        return False
+
+
+def _alive(pid: int, within_s: float = 5.0) -> bool:
+    """True if ``pid`` is still running ``within_s`` seconds from now (SIGKILL is asynchronous)."""
+    deadline = time.monotonic() + within_s
+    while _running(pid):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_failing_child_stops_job_with_its_last_lines(tmp_path):
+    sup = Supervisor(tmp_path / "logs")
+    # A long-lived child that starts a grandchild of its own (like torchrun's ranks).
+    server = sup.start("server0", [PY, "-c", (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print('grandchild', p.pid, flush=True)\n"
+        "time.sleep(600)\n")])
+    bad = sup.start("worker0", [PY, "-c", "print('loading'); raise SystemExit('reward pool broke')"],
+                    expect_exit=True)
+    while not any(line.startswith("grandchild") for line in server.tail):
+        sup.check() if bad.poll() is None else None
+        time.sleep(0.05)
+    grandchild = int(next(l for l in server.tail if l.startswith("grandchild")).split()[1])
+    with pytest.raises(JobFailed) as info:
+        sup.wait_for(server, poll_s=0.05)
+    msg = str(info.value)
+    assert "worker0 exited with status 1" in msg
+    assert "[worker0] reward pool broke" in msg and "[worker0] loading" in msg
+    sup.stop_all(grace_s=2)
+    assert not _alive(server.proc.pid) and not _alive(grandchild)
+    assert (tmp_path / "logs" / "worker0.log").read_text().endswith("\nloading\nreward pool broke\n")
+
+
+def test_unexpected_clean_exit_of_long_lived_child_is_a_failure(tmp_path):
+    sup = Supervisor(tmp_path / "logs")
+    trainer = sup.start("trainer", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    sup.start("queue", [PY, "-c", "print('bye')"])
+    with pytest.raises(JobFailed, match="queue exited unexpectedly"):
+        sup.wait_for(trainer, poll_s=0.05)
+    sup.stop_all(grace_s=2)
+    assert trainer.poll() is not None
+
+
+def test_server_command_lines():
+    cfg = load_config(None, ["inference.num_servers=2", "inference.base_port=31000",
+                             "inference.sglang_args=[--tp,'1']"])
+    assert server_urls(cfg.inference) == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    emb = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, "deterministic", 1)
+    assert emb[1:3] == ["-m", "areal_async.inference.server"]
+    assert "--enable-deterministic-inference" in emb and emb[emb.index("--port") + 1] == "31001"
+    sgl = SERVER_ARGV["sglang"](cfg.inference, cfg.model, 31000, "throughput", 1)
+    assert sgl[1:3] == ["-m", "sglang.launch_server"]
+    assert "--enable-deterministic-inference" not in sgl and sgl[-2:] == ["--tp", "1"]
+    assert sgl[sgl.index("--model-path") + 1] == cfg.model.path
