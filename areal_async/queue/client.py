@@ -1,0 +1,156 @@
+"""``QueueClient``: the async TCP client of the replay-queue service.
+
+Same calls as ``ReplayQueue`` (all ``async``, ``stats`` included), over one connection. Calls may
+overlap: each request carries an id and a background reader task routes every reply to its
+waiting call. Errors come back as the queue raised them: ``ValueError`` for misuse,
+``QueueClosed`` from ``get_batch``/``wait_drained`` on a closed queue; ``ConnectionError`` if the
+connection drops. Only ``connect`` retries (bounded backoff); a call is never resent, because
+``lease`` and ``submit`` are not idempotent. A cancelled call is not withdrawn on the queue side
+(a cancelled ``lease`` may still have leased ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import msgspec
+
+from areal_async.queue import protocol as p
+from areal_async.queue.core import QueueClosed, QueueStats
+from areal_async.types import Trajectory
+
+_ERRORS = {"ValueError": ValueError, "QueueClosed": QueueClosed}
+
+
+class QueueClient:
+    """A connection to the replay queue. Build with ``await QueueClient.connect(host, port)``;
+    use as ``async with`` or call ``disconnect()``."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str):
+        self.address = address
+        self._reader = reader
+        self._writer = writer
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(p.Reply)
+        self._rids = itertools.count()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._lock = asyncio.Lock()
+        self._lost: BaseException | None = None
+        self._reader_task = asyncio.create_task(self._read_replies(), name=f"queue-{address}")
+
+    @classmethod
+    async def connect(cls, host: str, port: int, timeout_s: float = 60.0) -> "QueueClient":
+        """Connect, retrying refused/unreachable attempts with backoff (50 ms doubling to 1 s)
+        for up to ``timeout_s`` seconds.
+
+        Raises:
+            ConnectionError: no connection within ``timeout_s``; names ``host:port``.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay_s = 0.05
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                return cls(reader, writer, f"{host}:{port}")
+            except OSError as exc:
+                if time.monotonic() + delay_s > deadline:
+                    raise ConnectionError(
+                        f"replay queue at {host}:{port} not reachable after {timeout_s:.0f} s "
+                        f"({exc}); is `python -m areal_async.queue.server` running there?"
+                    ) from exc
+            await asyncio.sleep(delay_s)  # retry at the network boundary only, bounded
+            delay_s = min(2 * delay_s, 1.0)
+
+    async def __aenter__(self) -> "QueueClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.disconnect()
+
+    # ---- the queue's calls -----------------------------------------------------------------
+
+    async def lease(self, worker_id: int, max_groups: int) -> list[int]:
+        """Up to ``max_groups`` new group ids; blocks until >= 1 is admitted; ``[]`` once
+        the queue is closed."""
+        reply = await self._call(p.Lease, worker_id=worker_id, max_groups=max_groups)
+        return reply.group_ids
+
+    async def submit(self, traj: Trajectory) -> None:
+        """Hand in a finished group (running → ready)."""
+        await self._call(p.Submit, traj=traj)
+
+    async def reject(self, group_id: int, reason: str) -> None:
+        """Give up on a leased group (running → rejected, with ``reason``)."""
+        await self._call(p.Reject, group_id=group_id, reason=reason)
+
+    async def get_batch(self, step: int) -> list[Trajectory]:
+        """Training batch ``step``, sorted by group id; blocks until complete."""
+        return (await self._call(p.GetBatch, step=step)).trajectories
+
+    async def set_version(self, version: int) -> None:
+        """Announce that ``version`` is live on every server."""
+        await self._call(p.SetVersion, version=version)
+
+    async def wait_drained(self, version: int) -> None:
+        """Block until every group with ``v(g) <= version`` has finished."""
+        await self._call(p.WaitDrained, version=version)
+
+    async def stats(self) -> QueueStats:
+        """A snapshot of the queue's counters."""
+        return (await self._call(p.GetStats)).stats
+
+    async def close(self) -> None:
+        """Close the queue itself (workers' leases then return ``[]``); the connection stays."""
+        await self._call(p.Close)
+
+    async def disconnect(self) -> None:
+        """Close this connection (the queue keeps running). Idempotent."""
+        self._reader_task.cancel()
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except ConnectionError:
+            pass
+        self._fail_pending(ConnectionError(f"disconnected from replay queue at {self.address}"))
+
+    # ---- internals -------------------------------------------------------------------------
+
+    async def _call(self, kind: type, **fields):
+        if self._lost is not None:
+            raise ConnectionError(f"replay queue at {self.address} is gone: {self._lost}")
+        rid = next(self._rids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            async with self._lock:
+                p.write_frame(self._writer, self._encoder.encode(kind(rid=rid, **fields)))
+                await self._writer.drain()
+            reply = await fut
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(reply, p.Error):
+            raise _ERRORS.get(reply.kind, RuntimeError)(
+                f"replay queue at {self.address}: {reply.message}")
+        return reply
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                reply = self._decoder.decode(await p.read_frame(self._reader))
+                fut = self._pending.get(reply.rid)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply)
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError,
+                msgspec.DecodeError) as exc:
+            self._fail_pending(ConnectionError(f"lost the replay queue at {self.address}: "
+                                               f"{exc!r}"))
+
+    def _fail_pending(self, exc: ConnectionError) -> None:
+        self._lost = exc
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)

@@ -1,0 +1,170 @@
+"""The replay queue as an asyncio TCP service (one ``ReplayQueue`` behind msgpack frames).
+
+    python -m areal_async.queue.server --config RUN_DIR/config.yaml [--start-version V]
+
+Listens on ``queue.host:queue.port`` (port 0 picks a free one) and prints one ready line,
+``replay queue ready on HOST:PORT``. Each request runs as its own task, so a blocked ``lease`` or
+``get_batch`` never holds up other calls on the same connection; when a client disconnects, its
+unanswered calls are cancelled (a lease granted to a vanished client stays ``running`` — the
+launcher stops the whole job when a worker dies). When the trainer closes the queue, and again
+at shutdown, the counters and every group's state are written to
+``RUN_DIR/queue_accounting.json``. The process runs until SIGTERM/SIGINT (exit 0); an internal
+error (a broken invariant) ends it with status 1 and the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import sys
+import traceback
+
+import msgspec
+
+from areal_async.config import load_config
+from areal_async.queue import protocol as p
+from areal_async.queue.core import QueueClosed, ReplayQueue
+
+
+class QueueServer:
+    """Serves one ``ReplayQueue`` to any number of TCP clients.
+
+    Args:
+        queue: the state machine.
+        accounting_path: where ``write_accounting`` puts the JSON snapshot (``None``: nowhere).
+    """
+
+    def __init__(self, queue: ReplayQueue, accounting_path: pathlib.Path | None = None):
+        self.queue = queue
+        self.accounting_path = accounting_path
+        self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self._decoder = msgspec.msgpack.Decoder(p.Request)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection: read frames, answer each request from its own task."""
+        lock = asyncio.Lock()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                calls: set[asyncio.Task] = set()
+                while True:
+                    try:
+                        req = self._decoder.decode(await p.read_frame(reader))
+                    except (asyncio.IncompleteReadError, ConnectionError):
+                        break
+                    except (ValueError, msgspec.DecodeError) as exc:
+                        print(f"[queue] dropping a connection that sent a bad frame: {exc}",
+                              file=sys.stderr, flush=True)
+                        break
+                    task = tg.create_task(self._answer(req, writer, lock))
+                    calls.add(task)
+                    task.add_done_callback(calls.discard)
+                for task in calls:  # the client is gone: nobody will read these answers
+                    task.cancel()
+        finally:
+            writer.close()
+
+    async def _answer(self, req: p.Request, writer: asyncio.StreamWriter, lock: asyncio.Lock):
+        try:
+            reply = await self._dispatch(req)
+        except ValueError as exc:
+            reply = p.Error(rid=req.rid, kind="ValueError", message=str(exc))
+        except QueueClosed as exc:
+            reply = p.Error(rid=req.rid, kind="QueueClosed", message=str(exc))
+        except Exception as exc:  # a broken invariant: tell the caller, then stop the service
+            reply = p.Error(rid=req.rid, kind="internal", message=repr(exc))
+            if not self.failed.done():
+                self.failed.set_result(exc)
+        async with lock:
+            try:
+                p.write_frame(writer, self._encoder.encode(reply))
+                await writer.drain()
+            except ConnectionError:
+                pass  # the client left; its reader loop ends this connection
+
+    async def _dispatch(self, req: p.Request) -> p.Reply:
+        q, rid = self.queue, req.rid
+        match req:
+            case p.Lease():
+                return p.Leased(rid=rid, group_ids=await q.lease(req.worker_id, req.max_groups))
+            case p.Submit():
+                await q.submit(req.traj)
+            case p.Reject():
+                await q.reject(req.group_id, req.reason)
+            case p.GetBatch():
+                return p.Batch(rid=rid, trajectories=await q.get_batch(req.step))
+            case p.SetVersion():
+                await q.set_version(req.version)
+            case p.WaitDrained():
+                await q.wait_drained(req.version)
+            case p.GetStats():
+                return p.Stats(rid=rid, stats=q.stats())
+            case p.Close():
+                await q.close()
+                self.write_accounting()
+            case _:
+                raise AssertionError(f"unhandled request {type(req).__name__}")
+        return p.Ack(rid=rid)
+
+    def write_accounting(self) -> None:
+        """Write ``stats()`` plus every group's state to ``accounting_path`` (atomically)."""
+        if self.accounting_path is None:
+            return
+        data = msgspec.to_builtins(self.queue.stats())
+        data["groups"] = {str(g): s for g, s in self.queue.accounting().items()}
+        tmp = self.accounting_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.accounting_path)
+
+
+async def serve(queue: ReplayQueue, host: str, port: int,
+                accounting_path: pathlib.Path | None = None) -> tuple[QueueServer, asyncio.Server]:
+    """Start serving ``queue`` on ``host:port``; returns the handler and the listening server
+    (``server.sockets[0].getsockname()[1]`` is the port when ``port`` was 0)."""
+    handler = QueueServer(queue, accounting_path)
+    server = await asyncio.start_server(handler.handle, host, port)
+    return handler, server
+
+
+async def main(config_path: str, start_version: int) -> int:
+    cfg = load_config(config_path)
+    run_dir = pathlib.Path(config_path).resolve().parent
+    queue = ReplayQueue(cfg.queue, cfg.mode, start_version=start_version)
+    handler, server = await serve(queue, cfg.queue.host, cfg.queue.port,
+                                  run_dir / "queue_accounting.json")
+    port = server.sockets[0].getsockname()[1]
+    print(f"replay queue ready on {cfg.queue.host}:{port} (mode {cfg.mode}, "
+          f"B = {cfg.queue.batch_size}, η = {cfg.queue.max_staleness})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopped, handler.failed], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    server.close()
+    handler.write_accounting()
+    if handler.failed.done():
+        exc = handler.failed.result()
+        traceback.print_exception(exc)
+        return 1
+    return 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    import uvloop
+
+    parser = argparse.ArgumentParser(prog="python -m areal_async.queue.server")
+    parser.add_argument("--config", required=True, help="the run's resolved config.yaml")
+    parser.add_argument("--start-version", type=int, default=0,
+                        help="version already trained (resume): batches restart at this step")
+    args = parser.parse_args(argv)
+    return uvloop.run(main(args.config, args.start_version))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

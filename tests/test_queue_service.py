@@ -1,0 +1,108 @@
+"""The replay queue over real TCP: two clients on one in-process server, and the CLI entry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from areal_async.config import QueueConfig
+from areal_async.queue.client import QueueClient
+from areal_async.queue.core import QueueClosed, ReplayQueue
+from areal_async.queue.server import serve
+from test_queue_core import _settle, traj
+
+
+def test_two_clients_end_to_end(tmp_path):
+    async def body():
+        queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=0, max_concurrent=8),
+                            "deterministic")
+        handler, server = await serve(queue, "127.0.0.1", 0, tmp_path / "acct.json")
+        port = server.sockets[0].getsockname()[1]
+        worker = await QueueClient.connect("127.0.0.1", port, timeout_s=5)
+        trainer = await QueueClient.connect("127.0.0.1", port, timeout_s=5)
+
+        assert await worker.lease(0, 8) == [0, 1]  # η = 0: version 0 admits batch 0 only
+        # A blocked lease and a blocked get_batch must not stop the submits on either connection.
+        leaser = asyncio.create_task(worker.lease(0, 8))
+        getter = asyncio.create_task(trainer.get_batch(0))
+        await worker.submit(traj(1))
+        await worker.submit(traj(0))
+        batch = await getter
+        assert [t.group_id for t in batch] == [0, 1]
+        assert batch[0] == traj(0), "trajectory changed on the wire"
+        assert not leaser.done()
+
+        with pytest.raises(ValueError, match="next batch is step 1"):
+            await trainer.get_batch(5)
+        await trainer.wait_drained(0)
+        await trainer.set_version(1)
+        assert await leaser == [2, 3]
+        await worker.reject(3, "empty prompt")
+        s = await trainer.stats()
+        assert (s.version, s.leased, s.running, s.consumed, s.rejected) == (1, 4, 1, 2, 1)
+
+        getter = asyncio.create_task(trainer.get_batch(1))
+        leaser = asyncio.create_task(worker.lease(0, 8))
+        await _settle()
+        await trainer.close()
+        assert await leaser == []
+        with pytest.raises(QueueClosed):
+            await getter
+        acct = json.loads((tmp_path / "acct.json").read_text())
+        assert acct["leased"] == 4 and acct["groups"]["3"] == "rejected: empty prompt"
+        await worker.disconnect()
+        await trainer.disconnect()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(body(), timeout=60))  # a serialised connection would hang
+
+
+def test_connect_names_the_address():
+    with socket.socket() as s:  # a port that is certainly closed: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+        async def body():
+            await QueueClient.connect("127.0.0.1", port, timeout_s=0.3)
+
+        with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+            asyncio.run(body())
+
+
+def test_cli_serves_and_writes_accounting(tmp_path):
+    cfg = {"name": "q", "mode": "throughput", "queue": {"port": 0, "batch_size": 1}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_async.queue.server", "--config",
+         str(tmp_path / "config.yaml")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("replay queue ready on 127.0.0.1:"), line + proc.stderr.read()
+        port = int(line.split()[4].rsplit(":", 1)[1])
+
+        async def body():
+            async with await QueueClient.connect("127.0.0.1", port, timeout_s=5) as c:
+                [g] = await c.lease(7, 1)
+                await c.submit(traj(g))
+                assert [t.group_id for t in await c.get_batch(0)] == [0]
+                await c.close()
+
+        asyncio.run(body())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    acct = json.loads((tmp_path / "queue_accounting.json").read_text())
+    assert (acct["consumed"], acct["groups"]) == (1, {"0": "consumed"})
