@@ -1,0 +1,200 @@
+"""A lean batched forward pass over an HF Llama-family / Qwen3 model's own modules and weights.
+
+The HF model is loaded as usual and kept as the owner of the parameters (so weights are updated by
+their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module only replaces the
+*forward* with one built for serving from a slot KV cache:
+
+- **fused projections**: per layer ``q|k|v`` and ``gate|up`` weights are concatenated once into
+  one tensor and the HF parameters are re-pointed to views of it, so one matmul per projection
+  group serves the whole batch and an in-place update of an HF parameter updates the fused copy;
+- **prefill**: new requests' prompts are packed into one token row (positions restart at 0), the
+  projections run once over all of them, attention runs per sequence (causal SDPA);
+- **decode**: one token per running slot; attention over the packed cache view up to the longest
+  running sequence, shorter rows masked;
+- RoPE cos/sin come from the model's own ``rotary_emb`` (so ``rope_theta`` / ``rope_parameters``
+  and scaling types are read as HF reads them), tabulated once for positions ``[0, max_seq_len)``;
+- norms are the model's own RMSNorm modules (Qwen3's per-head ``q_norm`` / ``k_norm`` included).
+
+Logits are computed only for the positions that sample (the last prompt token, each decode token)
+and returned in float32. Not supported: sliding-window attention, MoE, biases on ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate ``linears``' weights (and biases) and re-point each to a view of the result."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+    has_bias = [lin.bias is not None for lin in linears]
+    assert all(has_bias) or not any(has_bias), "cannot fuse projections where only some have a bias"
+    bias = torch.cat([lin.bias.detach() for lin in linears]).contiguous() if all(has_bias) else None
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    """One decoder layer's modules and fused weights."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.qkv_w, self.qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_w, self.gate_up_b = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
+        assert attn.o_proj.bias is None, "o_proj bias is not supported"
+
+
+class BatchedForward:
+    """Prefill and decode for ``max_slots`` concurrent sequences of up to ``max_seq_len`` tokens.
+
+    Args:
+        model: an HF ``*ForCausalLM`` (Llama family or Qwen3), in eval mode, on its device.
+        max_slots: KV-cache slots (the most requests running at once).
+        max_seq_len: prompt + output tokens per request.
+    """
+
+    def __init__(self, model: nn.Module, max_slots: int, max_seq_len: int):
+        cfg = model.config
+        if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "num_experts", 0):
+            raise ValueError(f"model type '{cfg.model_type}' uses sliding windows or experts; not supported")
+        self.model = model
+        core = model.model
+        self.embed, self.final_norm, self.lm_head = core.embed_tokens, core.norm, model.lm_head
+        self.layers = [_Layer(layer) for layer in core.layers]
+        attn = core.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scaling = float(getattr(attn, "scaling", self.head_dim**-0.5))
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        with torch.no_grad():
+            positions = torch.arange(max_seq_len, device=self.device)[None]
+            cos, sin = core.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
+        self.cos, self.sin = cos[0], sin[0]  # [L, D] in the model dtype, as HF applies them
+        self.cache = KVCache(
+            len(self.layers), max_slots, self.num_kv_heads, max_seq_len, self.head_dim, self.dtype, self.device
+        )
+
+    def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
+        """Projections, q/k norms and RoPE for ``h: [T, hidden]`` → q ``[T, H, D]``, k, v ``[T, Hkv, D]``."""
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :nq].view(-1, self.num_heads, self.head_dim)
+        k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, self.head_dim)
+        v = qkv[:, nq + nkv :].view(-1, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(layer.post_norm(x), layer.gate_up_w, layer.gate_up_b)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + layer.down_proj(layer.act(gate) * up)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_norm(h)).float()
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """Run whole prompts, fill their KV slots, return last-position logits ``[n, V] float32``.
+
+        Args:
+            seqs: n token lists (each non-empty, ≤ ``max_seq_len``).
+            slots: the KV slot of each sequence.
+        """
+        lengths = [len(s) for s in seqs]
+        tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        slot_of = torch.repeat_interleave(
+            torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device)
+        )
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.input_norm(x), positions)
+            self.cache.write_tokens(i, slot_of, positions, k, v)
+            outs, start = [], 0
+            for n in lengths:  # attention never crosses sequences
+                qi, ki, vi = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scaling, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1).reshape(n, -1))
+                start += n
+            x = x + layer.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+            x = self._mlp(layer, x)
+        last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return self._logits(x[last])
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step for slots ``0..B-1``: feed ``tokens[b]`` at ``positions[b]``.
+
+        Args:
+            tokens: ``[B] int64`` the last sampled token of each running slot.
+            positions: ``[B] int64`` its absolute position (= tokens already in the slot's cache).
+        Returns:
+            next-token logits ``[B, V] float32``.
+        """
+        batch = tokens.shape[0]
+        length = int(positions.max()) + 1
+        slots = torch.arange(batch, device=self.device)
+        # [B, 1, 1, length] keep-mask: row b sees its own positions 0..positions[b]
+        mask = (torch.arange(length, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.input_norm(x), positions)
+            self.cache.write_tokens(i, slots, positions, k, v)
+            keys, values = self.cache.view(i, batch, length)
+            o = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )
+            x = x + layer.o_proj(o.reshape(batch, -1))
+            x = self._mlp(layer, x)
+        return self._logits(x)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """HF name → parameter/buffer, tied aliases included (``lm_head.weight``)."""
+        named = dict(self.model.state_dict(keep_vars=True))
+        named.update(dict(self.model.named_parameters(remove_duplicate=False)))
+        return named
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (HF names) into the live parameters, cast to the model dtype.
+
+        Raises:
+            ValueError: an unknown name or a shape mismatch (nothing is copied then).
+        """
+        named = self.named_tensors()
+        check_weight_names(named, {n: tuple(t.shape) for n, t in tensors.items()})
+        for name, value in tensors.items():
+            named[name].copy_(value.to(named[name].dtype))
+
+
+def check_weight_names(named: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise ``ValueError`` if a name is unknown or its shape differs from the live parameter."""
+    for name, shape in shapes.items():
+        if name not in named:
+            raise ValueError(f"unknown weight name '{name}' (expected HF parameter names like 'model.norm.weight')")
+        if tuple(named[name].shape) != tuple(shape):
+            raise ValueError(f"weight '{name}' has shape {list(shape)}, the model's is {list(named[name].shape)}")
