@@ -1,0 +1,125 @@
+"""Sequence packing: 1-D token tensors with ``cu_seqlens``, and token-budgeted micro-batches.
+
+A micro-batch is one row of concatenated sequences (no padding). ``cu_seqlens`` marks the
+boundaries and position ids restart at 0 in every sequence, so rotary embeddings see each
+sequence as if it were alone; the packed attention (``trainer/attention.py``) keeps attention
+inside each sequence.
+
+Micro-batches are chosen by first-fit-decreasing bin packing on sequence lengths under a token
+budget. The allocation depends only on the lengths (ties broken by index), never on timing, so a
+replayed run makes the same micro-batches. A sequence longer than the budget is not an error: it
+gets a micro-batch of its own (its memory is bounded by ``inference.max_seq_len`` anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Sequences concatenated into one row.
+
+    Fields:
+        input_ids: ``[T] int64`` token ids of all sequences, back to back.
+        position_ids: ``[T] int64`` position within its own sequence (restarts at 0).
+        cu_seqlens: ``[B+1] int32`` cumulative lengths; sequence b is ``[cu[b], cu[b+1])``.
+        max_seqlen: length of the longest sequence (int).
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        return PackedBatch(
+            self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device), self.max_seqlen
+        )
+
+
+def pack_sequences(seqs: list[list[int]]) -> PackedBatch:
+    """Concatenate token-id lists into a ``PackedBatch``.
+
+    Args:
+        seqs: ``B`` non-empty lists of token ids.
+
+    Returns:
+        ``PackedBatch`` with ``T = Σ len(seqs[b])``.
+
+    Raises:
+        ValueError: ``seqs`` is empty or one sequence is empty (a sequence always holds its prompt).
+    """
+    if not seqs:
+        raise ValueError("pack_sequences needs at least one sequence")
+    lengths = [len(s) for s in seqs]
+    if min(lengths) == 0:
+        raise ValueError(f"sequence {lengths.index(0)} is empty; every sequence holds at least its prompt")
+    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
+    position_ids = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])
+    cu_seqlens = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), dim=0)
+    return PackedBatch(input_ids, position_ids, cu_seqlens, max(lengths))
+
+
+def allocate_micro_batches(lengths: list[int], max_tokens_per_mb: int) -> list[list[int]]:
+    """First-fit-decreasing assignment of sequences to micro-batches under a token budget.
+
+    Sequences are visited longest first (equal lengths: lower index first); each goes into the
+    first micro-batch (in creation order) whose total stays ``<= max_tokens_per_mb``, else opens a
+    new one. A sequence longer than the budget opens a micro-batch that nothing else joins.
+
+    Args:
+        lengths: ``[B]`` token count of each sequence (prompt + response), each ``>= 1``.
+        max_tokens_per_mb: token budget of one micro-batch, ``>= 1``.
+
+    Returns:
+        Micro-batches in creation order; each is a list of sequence indices in ascending order.
+        Every index appears exactly once.
+
+    Raises:
+        ValueError: ``max_tokens_per_mb < 1`` or a length ``< 1``.
+    """
+    if max_tokens_per_mb < 1:
+        raise ValueError(f"max_tokens_per_mb must be >= 1, got {max_tokens_per_mb}")
+    if lengths and min(lengths) < 1:
+        raise ValueError(f"sequence lengths must be >= 1, got {min(lengths)}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens_per_mb:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def assign_to_ranks(micro_batches: list[list[int]], world_size: int) -> list[list[list[int]]]:
+    """Deal micro-batches round-robin to data-parallel ranks, padding with empty micro-batches.
+
+    Every rank must run the same number of forward/backward passes (FSDP2 gathers parameters in
+    each), so ranks that run out get ``[]`` — the trainer runs a zero-loss pass for those.
+
+    Returns:
+        ``[world_size][M]`` with ``M = ceil(len(micro_batches) / world_size)`` (at least 1).
+    """
+    assert world_size >= 1, f"world_size must be >= 1, got {world_size}"
+    per_rank = max(1, -(-len(micro_batches) // world_size))
+    padded = micro_batches + [[]] * (per_rank * world_size - len(micro_batches))
+    return [padded[r::world_size] for r in range(world_size)]
