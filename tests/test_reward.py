@@ -1,0 +1,90 @@
+"""Boxed-answer extraction, math equivalence, and the reward process pool."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from areal_async.config import RewardConfig
+from areal_async.reward.math import extract_boxed, math_reward
+from areal_async.reward.pool import REWARD_FNS, RewardPool, RewardResult
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so the answer is \\boxed{72}.", "72"),
+    ("\\boxed{1} then \\boxed{2}", "2"),                               # the last one
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),                         # nested braces
+    ("\\boxed{{a}{b{c}}}", "{a}{b{c}}"),                               # deeper nesting
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),                             # escaped braces are literal
+    ("\\boxed{3} and a cut-off \\boxed{4", "3"),                       # truncated last box skipped
+    ("The answer is \\boxed 5.", "5."),                                # brace-less form
+    ("$\\boxed {18}$", "18"),                                          # space before the brace
+    ("\\fbox{7}", "7"),
+    ("\\boxed{}", ""),
+    ("The answer is 72.", None),                                       # no box
+    ("\\boxed", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize("response,gold,expected", [
+    ("\\boxed{72}", "72", 1.0),
+    ("\\boxed{72.0}", "72", 1.0),
+    ("\\boxed{\\$72}", "72", 1.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{1\\,000}", "1000", 1.0),
+    ("\\boxed{18 dollars}", "18", 1.0),
+    ("\\boxed{\\text{18 apples}}", "18", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{2}{4}", 1.0),
+    ("\\boxed{73}", "72", 0.0),
+    ("the answer is 72", "72", 0.0),                                   # no box, no credit
+    ("\\boxed{}", "72", 0.0),
+    ("\\boxed{72} wait, no: \\boxed{71}", "72", 0.0),                  # the last box counts
+    ("\\boxed{banana}", "72", 0.0),
+])
+def test_math_reward(response, gold, expected):
+    assert math_reward(response, gold) == expected
+
+
+# Top-level so the pool's processes can import them by reference.
+def hang(response: str, gold: str) -> float:
+    time.sleep(600)
+    return 1.0
+
+
+def boom(response: str, gold: str) -> float:
+    raise RuntimeError("verifier bug")
+
+
+def test_pool_scales_and_counts_failures():
+    cfg = RewardConfig(correct=5.0, wrong=-5.0, format_bonus=0.5, timeout_s=1.0, num_procs=1)
+
+    async def body(pool: RewardPool):
+        right = await pool.score("math", "\\boxed{72}", "72")
+        wrong = await pool.score("math", "\\boxed{7}", "72")
+        unboxed = await pool.score("math", "72", "72")
+        assert right == RewardResult(reward=5.5, correct=True, error=False, boxed=True)
+        assert wrong == RewardResult(reward=-4.5, correct=False, error=False, boxed=True)
+        assert unboxed == RewardResult(reward=-5.0, correct=False, error=False, boxed=False)
+        t0 = time.monotonic()
+        stuck = await pool.score(hang, "\\boxed{72}", "72")
+        assert time.monotonic() - t0 < 60, "the timeout did not cut the call"
+        assert (stuck.correct, stuck.error, stuck.reward) == (False, True, -4.5)
+        failed = await pool.score(boom, "\\boxed{72}", "72")
+        assert (failed.correct, failed.error) == (False, True)
+        # The stuck process was replaced: the pool still scores.
+        assert (await pool.score("math", "\\boxed{\\frac{1}{2}}", "0.5")).correct
+        assert pool.stats() == {"reward/calls": 6, "reward/errors": 1, "reward/timeouts": 1}
+        with pytest.raises(ValueError, match="registered"):
+            await pool.score("nope", "", "")
+
+    with RewardPool(cfg) as pool:
+        asyncio.run(body(pool))
+
+
+def test_registry_has_math():
+    assert REWARD_FNS["math"] is math_reward
