@@ -1,0 +1,107 @@
+"""Process group, device and the data-parallel wrapping of the policy (FSDP2 or DDP).
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) works with the gloo backend on CPU in torch 2.13:
+each decoder layer is its own unit and the ``PackedPolicy`` wrapper is the root (embeddings,
+final norm and the tied LM head). Parameters become ``DTensor``s sharded on dim 0; gradients are
+reduce-scattered (averaged). ``trainer.parallel: ddp`` wraps the policy in
+``DistributedDataParallel`` instead (full replicas, all-reduced gradients).
+
+``full_parameters`` and ``full_state_dict`` are collectives: every rank must call them, and only
+rank 0 receives the gathered tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from areal_async.config import TrainerConfig
+from areal_async.trainer.attention import use_packed_attention
+from areal_async.trainer.logprobs import PackedPolicy
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def init_distributed(device: str, timeout_s: float = 1800.0) -> torch.device:
+    """Join the torchrun default group (gloo on CPU, NCCL on CUDA) and return this rank's device.
+
+    ``device``: ``"auto"`` (CUDA if available), ``"cpu"`` or ``"cuda"``. Without torchrun's
+    environment (``RANK`` unset) a single-rank group is created on a free local port.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None)
+    return dev
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device) -> PackedPolicy | torch.nn.Module:
+    """Load the HF model in ``cfg.dtype``, switch it to packed attention and shard/replicate it.
+
+    Every rank loads the full checkpoint (small models; a meta-device init would avoid that).
+    """
+    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[cfg.dtype]).to(device)
+    lm.config.use_cache = False
+    use_packed_attention(lm)
+    policy = PackedPolicy(lm)
+    if cfg.parallel == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in lm.model.layers:
+            fully_shard(layer)
+        fully_shard(policy)
+        return policy
+    if dist.get_world_size() == 1:
+        return policy
+    return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def hf_model(policy: torch.nn.Module) -> torch.nn.Module:
+    """The HF causal LM inside a (possibly DDP-wrapped) ``PackedPolicy``."""
+    inner = policy.module if isinstance(policy, torch.nn.parallel.DistributedDataParallel) else policy
+    return inner.lm
+
+
+def full_parameters(policy: torch.nn.Module) -> Iterator[tuple[str, Tensor | None]]:
+    """Yield ``(hf_name, full tensor)`` for each parameter, in ``named_parameters`` order.
+
+    Collective under FSDP2 (one all-gather per parameter; every rank must iterate to the end).
+    Rank 0 gets the full tensor on the training device; other ranks get ``None``. Names are the
+    HF ones (``model.layers.0.self_attn.q_proj.weight``); tied weights appear once.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, p in hf_model(policy).named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        yield name, (full.detach() if rank == 0 else None)
+
+
+def full_state_dict(policy: torch.nn.Module) -> dict[str, Tensor] | None:
+    """The HF model's parameters, full, on CPU on rank 0 (``None`` elsewhere). Collective.
+
+    Llama/Qwen checkpoints have no persistent buffers (rotary tables are recomputed), so the
+    parameters are the whole checkpoint.
+    """
+    sd = {name: t.cpu() for name, t in full_parameters(policy) if t is not None}
+    return sd if (not dist.is_initialized() or dist.get_rank() == 0) else None

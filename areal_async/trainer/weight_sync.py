@@ -1,0 +1,166 @@
+"""Pushing the trainer's weights to the inference servers as a new policy version.
+
+``WeightSender`` is the seam; two implementations:
+
+- ``DistributedWeightSender`` (default): one torch.distributed group joins trainer rank 0
+  (rank 0 of that group) and every server (rank ``1 + i``, world size ``1 + num_servers``), set
+  up through each server's ``/init_weights_update_group`` while rank 0 hosts the rendezvous
+  (``weight_group.new_weight_group``). Each update: pause generation (in-flight requests return
+  partial outputs and are resubmitted by the client), then for each bucket of at most
+  ``trainer.weight_bucket_bytes`` the ``/update_weights_from_distributed`` calls are in flight
+  while rank 0 broadcasts the bucket's tensors in ``names`` order; the last bucket carries the
+  new ``weight_version``; then resume. gloo on CPU, NCCL on CUDA.
+- ``DiskWeightSender`` (fallback): rank 0 writes an HF directory under ``RUN_DIR/weights/`` and
+  calls ``/update_weights_from_disk`` on every server; the previous directory is then removed.
+
+Under FSDP2 every trainer rank takes part in gathering the full tensors (one all-gather per
+parameter, ``parallel.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
+``send_dtype`` (the servers' dtype, so no bytes are wasted on precision they drop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import shutil
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from areal_async.trainer.checkpoint import save_hf_checkpoint
+from areal_async.trainer.parallel import full_parameters, full_state_dict
+from areal_async.weight_group import broadcast_, dtype_name, new_weight_group
+
+GROUP_NAME = "weight_update_group"
+
+
+class WeightSender(Protocol):
+    """Makes the trainer's current weights live on every inference server.
+
+    Both methods are collective over the trainer's default group: every rank calls them, in
+    the same order; only rank 0 talks to the servers.
+    """
+
+    async def setup(self) -> None:
+        """Called once, before the first training step (and before the start-of-run eval)."""
+
+    async def send(self, version: int) -> None:
+        """Called after optimizer step k with ``version = k + 1``; returns once every server
+        serves ``version`` (its ``weight_version`` reports it)."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class DistributedWeightSender:
+    """Broadcast over a trainer-rank-0 + servers process group (SGLang's distributed update).
+
+    Args:
+        policy: the (FSDP2/DDP-wrapped) ``PackedPolicy``.
+        client: ``InferenceClient`` (rank 0; ``None`` on other ranks) with ``num_servers`` URLs.
+        num_servers: number of inference servers (each is one rank of the group).
+        master_address, master_port: where rank 0 hosts the group's rendezvous (``TCPStore``).
+        bucket_bytes: most bytes of tensors per ``/update_weights_from_distributed`` call.
+        send_dtype: dtype of the broadcast tensors.
+        device: the trainer's device (decides gloo vs NCCL).
+    """
+
+    def __init__(self, policy, client, num_servers: int, master_address: str, master_port: int,
+                 bucket_bytes: int, send_dtype: torch.dtype, device: torch.device):
+        assert bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}"
+        self.policy, self.client, self.num_servers = policy, client, num_servers
+        self.master_address, self.master_port = master_address, master_port
+        self.bucket_bytes, self.send_dtype, self.device = bucket_bytes, send_dtype, device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.group = None
+
+    async def setup(self) -> None:
+        if _rank() != 0:
+            return
+        world_size = 1 + self.num_servers
+        joins = asyncio.gather(*(
+            self.client.init_weights_update_group(
+                i, self.master_address, self.master_port, 1 + i, world_size, self.backend, GROUP_NAME)
+            for i in range(self.num_servers)
+        ))
+        try:
+            self.group = await asyncio.to_thread(
+                new_weight_group, self.backend, self.master_address, self.master_port, 0, world_size)
+        finally:
+            await joins  # surfaces a server's refusal even if our side failed first
+
+    async def send(self, version: int) -> None:
+        if _rank() == 0:
+            await self.client.pause()
+        try:
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, full in full_parameters(self.policy):
+                if full is None:  # not rank 0: took part in the gather, nothing to send
+                    continue
+                tensor = full.to(self.send_dtype).contiguous()
+                if bucket and size + tensor.numel() * tensor.element_size() > self.bucket_bytes:
+                    await self._send_bucket(bucket, None)
+                    bucket, size = [], 0
+                bucket.append((name, tensor))
+                size += tensor.numel() * tensor.element_size()
+            if bucket:
+                await self._send_bucket(bucket, version)
+        finally:
+            if _rank() == 0:
+                await self.client.resume()
+
+    async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+        names = [n for n, _ in bucket]
+        dtypes = [dtype_name(t.dtype) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        calls = asyncio.gather(*(
+            self.client.update_weights_from_distributed(i, names, dtypes, shapes, version, GROUP_NAME)
+            for i in range(self.num_servers)
+        ))
+        try:
+            # The servers join the broadcast when their HTTP call arrives; ours blocks until then.
+            await asyncio.to_thread(broadcast_, self.group, [t for _, t in bucket])
+        finally:
+            await calls
+
+
+class DiskWeightSender:
+    """Write an HF directory and have every server load it (``/update_weights_from_disk``).
+
+    Args:
+        policy: the (FSDP2/DDP-wrapped) ``PackedPolicy``.
+        client: ``InferenceClient`` on rank 0, ``None`` elsewhere.
+        num_servers: number of inference servers.
+        base_model_path: the starting HF directory (config + tokenizer to copy).
+        weights_dir: where ``v{version}/`` directories are written (``RUN_DIR/weights``); must
+            be readable by the servers.
+        save_dtype: dtype of the written weights (the servers').
+    """
+
+    def __init__(self, policy, client, num_servers: int, base_model_path: str, weights_dir: pathlib.Path,
+                 save_dtype: torch.dtype):
+        self.policy, self.client, self.num_servers = policy, client, num_servers
+        self.base_model_path, self.weights_dir, self.save_dtype = base_model_path, pathlib.Path(weights_dir), save_dtype
+        self._previous: pathlib.Path | None = None
+
+    async def setup(self) -> None:
+        return None
+
+    async def send(self, version: int) -> None:
+        state = full_state_dict(self.policy)
+        if _rank() != 0:
+            return
+        path = await asyncio.to_thread(
+            save_hf_checkpoint, state, self.base_model_path, self.weights_dir / f"v{version}", self.save_dtype)
+        await self.client.pause()
+        try:
+            await asyncio.gather(*(self.client.update_weights_from_disk(i, str(path.resolve()), version)
+                                   for i in range(self.num_servers)))
+        finally:
+            await self.client.resume()
+        if self._previous is not None:
+            shutil.rmtree(self._previous, ignore_errors=True)
+        self._previous = path

@@ -1,0 +1,158 @@
+"""Weight senders against fake servers: separate processes acting as the server ranks.
+
+The fake client implements the ``InferenceClient`` calls the senders use. Its server side is a
+spawned process per server that joins the weight-update group as rank ``rank_offset`` and
+receives each bucket by broadcast, exactly as an inference server does behind
+``/update_weights_from_distributed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import socket
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_async.trainer.attention import use_packed_attention
+from areal_async.trainer.logprobs import PackedPolicy
+from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
+
+torch.set_num_threads(1)
+
+
+def _server_main(commands, replies):
+    """Server side of the group: runs commands until ``stop``; replies ``(ok, payload)``."""
+    import torch
+
+    from areal_async.weight_group import broadcast_, dtype_from_name, new_weight_group
+
+    torch.set_num_threads(1)
+    group, weights, version = None, {}, None
+    while True:
+        cmd, args = commands.get()
+        if cmd == "stop":
+            replies.put((True, (weights, version)))
+            return
+        if cmd == "init":
+            addr, port, rank, world = args
+            group = new_weight_group("gloo", addr, port, rank, world, timeout_s=60)
+            replies.put((True, None))
+        elif cmd == "update":
+            names, dtypes, shapes, version_now = args
+            tensors = [torch.empty(s, dtype=dtype_from_name(d)) for d, s in zip(dtypes, shapes)]
+            broadcast_(group, tensors)
+            weights.update(zip(names, tensors))
+            version = version_now if version_now is not None else version
+            replies.put((True, len(names)))
+
+
+class FakeClient:
+    """The sender-facing subset of ``InferenceClient``, backed by server processes."""
+
+    def __init__(self, num_servers: int):
+        ctx = mp.get_context("spawn")
+        self.pipes = [(ctx.Queue(), ctx.Queue()) for _ in range(num_servers)]
+        self.procs = [ctx.Process(target=_server_main, args=p, daemon=True) for p in self.pipes]
+        for proc in self.procs:
+            proc.start()
+        self.calls: list[str] = []
+        self.bucket_sizes: list[int] = []
+        self.disk_updates: list[tuple[int, str, int]] = []
+
+    async def _ask(self, server: int, cmd: str, args=None):
+        commands, replies = self.pipes[server]
+        commands.put((cmd, args))
+        ok, payload = await asyncio.to_thread(replies.get, True, 60)
+        return payload
+
+    async def init_weights_update_group(self, server, master_address, master_port, rank_offset, world_size,
+                                        backend, group_name):
+        assert backend == "gloo" and rank_offset == 1 + server
+        await self._ask(server, "init", (master_address, master_port, rank_offset, world_size))
+
+    async def update_weights_from_distributed(self, server, names, dtypes, shapes, version, group_name):
+        n = await self._ask(server, "update", (names, dtypes, shapes, version))
+        if server == 0:
+            self.bucket_sizes.append(n)
+
+    async def update_weights_from_disk(self, server, path, version):
+        self.disk_updates.append((server, path, version))
+
+    async def pause(self, mode="abort"):
+        self.calls.append("pause")
+
+    async def resume(self):
+        self.calls.append("resume")
+
+    def stop(self):
+        out = []
+        for (commands, replies), proc in zip(self.pipes, self.procs):
+            commands.put(("stop", None))
+            out.append(replies.get(timeout=60))
+            proc.join(timeout=30)
+        return [payload for _, payload in out]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _policy(path):
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    use_packed_attention(lm)
+    return PackedPolicy(lm)
+
+
+def test_distributed_sender_two_servers_receive_trainer_weights(tiny_model_dir):
+    policy = _policy(tiny_model_dir)
+    client = FakeClient(num_servers=2)
+    try:
+        # Bucket of 64 KiB: the embedding (384×64 fp32 = 96 KiB) goes alone, so there are several.
+        sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", _free_port(), 64 * 1024,
+                                         torch.float32, torch.device("cpu"))
+
+        async def run():
+            await sender.setup()
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.5)  # the servers must get the trainer's current values
+            await sender.send(version=1)
+
+        asyncio.run(run())
+    finally:
+        results = client.stop()
+    expected = dict(policy.lm.named_parameters())
+    assert len(client.bucket_sizes) > 1 and sum(client.bucket_sizes) == len(expected)
+    assert client.calls == ["pause", "resume"]
+    for weights, version in results:
+        assert version == 1
+        assert weights.keys() == expected.keys()
+        for name, t in expected.items():
+            assert torch.equal(weights[name], t.detach()), name
+
+
+def test_disk_sender_writes_loadable_checkpoint(tiny_model_dir, tmp_path):
+    policy = _policy(tiny_model_dir)
+    with torch.no_grad():
+        policy.lm.model.norm.weight.fill_(3.0)
+
+    class DiskClient(FakeClient):
+        def __init__(self):
+            self.calls, self.disk_updates = [], []
+
+    client = DiskClient()
+    sender = DiskWeightSender(policy, client, 2, str(tiny_model_dir), tmp_path / "weights", torch.bfloat16)
+    asyncio.run(sender.send(1))
+    asyncio.run(sender.send(2))
+    assert [(s, v) for s, _, v in client.disk_updates] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    assert not (tmp_path / "weights" / "v1").exists(), "the previous version's directory is removed"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "weights" / "v2")
+    assert loaded.dtype == torch.bfloat16
+    assert torch.equal(loaded.model.norm.weight, torch.full_like(loaded.model.norm.weight, 3.0))
+    torch.testing.assert_close(loaded.model.embed_tokens.weight.float(), policy.lm.model.embed_tokens.weight,
+                               rtol=1e-2, atol=1e-2)  # bf16 rounding
+    assert (tmp_path / "weights" / "v2" / "tokenizer_config.json").exists()
