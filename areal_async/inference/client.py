@@ -1,0 +1,234 @@
+"""``InferenceClient``: the async HTTP client for SGLang-compatible servers (embedded or real SGLang).
+
+Only SGLang's request fields are sent (SGLANG_API.md), so the same code drives both backends.
+``generate`` implements AReaL's interruptible generation: when a response comes back with
+``finish_reason.type == "abort"`` because the servers were paused for a weight update, the client
+resubmits ``input_ids + output so far`` with the remaining ``max_new_tokens`` and the same
+``sampling_seed``, and labels each segment's tokens with that response's ``weight_version``. A
+request the caller aborted itself (``abort(rid)``) ends with ``"abort"``.
+
+Retries: only connection errors (server not up yet, connection reset) are retried, ``max_retries``
+times with exponential backoff; HTTP errors raise ``ServerError`` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import aiohttp
+import msgspec
+
+
+class GenResult(msgspec.Struct):
+    """One finished generation.
+
+    Fields:
+        output_ids: ``[L]`` generated token ids (stop token included when one matched).
+        logprobs: ``[L]`` log-probs of each token under the sampled (temperature-scaled) distribution.
+        versions: ``[L]`` the server's ``weight_version`` when each token's segment was returned.
+        finish_reason: ``stop`` | ``length`` | ``abort`` (only when the caller aborted it).
+    """
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+
+class ServerError(RuntimeError):
+    """An inference server answered with an HTTP error; carries the URL, status and message."""
+
+    def __init__(self, url: str, status: int, message: str):
+        super().__init__(f"{url} answered HTTP {status}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+
+class InferenceClient:
+    """Async client for one or more servers (``urls``: e.g. ``["http://127.0.0.1:30000"]``).
+
+    Args:
+        urls: server base URLs; methods taking ``server`` use its index in this list.
+        timeout_s: per-HTTP-call timeout in seconds (a generation can take minutes).
+        max_retries: retries of a call that failed to connect.
+        backoff_s: first retry delay, doubled each retry.
+    """
+
+    def __init__(self, urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5):
+        if not urls:
+            raise ValueError("InferenceClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+        self._session: aiohttp.ClientSession | None = None
+        self._next_server = itertools.cycle(range(len(self.urls)))
+        self._aborted: set[str] = set()
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created lazily: a session belongs to the running loop
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),  # concurrency is bounded by the caller
+            )
+        return self._session
+
+    async def _call(self, server: int, method: str, path: str, payload: dict | None = None):
+        url = self.urls[server] + path
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with self._http().request(method, url, json=payload) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        raise ServerError(url, resp.status, text)
+                    return msgspec.json.decode(text) if resp.content_type == "application/json" else text
+            except aiohttp.ClientConnectionError:
+                if attempt == self.max_retries:
+                    raise
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+
+    async def _all(self, method: str, path: str, payload: dict | None = None) -> list:
+        return list(await asyncio.gather(*(self._call(i, method, path, payload) for i in range(len(self.urls)))))
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Wait until every server answers ``/health``; raises ``ConnectionError`` naming the first
+        URL that did not come up within ``timeout_s`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for url in self.urls:
+            while True:
+                try:
+                    async with self._http().get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                        if resp.status == 200:
+                            break
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                if loop.time() >= deadline:
+                    raise ConnectionError(f"inference server {url} did not become healthy within {timeout_s:.0f} s")
+                await asyncio.sleep(0.2)
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: dict, rid: str, server: int | None = None) -> GenResult:
+        """Generate until stop/length, resubmitting across weight-update aborts (see module doc).
+
+        Args:
+            input_ids: prompt token ids.
+            sampling: SGLang ``sampling_params`` (``max_new_tokens``, ``temperature``, ``sampling_seed``…).
+            rid: request id (also what ``abort(rid)`` names).
+            server: index into ``urls``; round-robin when ``None``.
+        Raises:
+            ServerError: the server rejected the request (e.g. HTTP 400 for a too-long prompt).
+        """
+        server = next(self._next_server) if server is None else server
+        remaining = int(sampling.get("max_new_tokens", 128))
+        out = GenResult([], [], [], "length")
+        while True:
+            payload = {
+                "input_ids": list(input_ids) + out.output_ids,
+                "sampling_params": {**sampling, "max_new_tokens": remaining},
+                "return_logprob": True,
+                "rid": rid,
+            }
+            resp = await self._call(server, "POST", "/generate", payload)
+            meta = resp["meta_info"]
+            ids = list(resp["output_ids"])
+            if "weight_version" not in meta:
+                raise ServerError(self.urls[server], 200, "response has no meta_info.weight_version; SGLang too old")
+            out.output_ids += ids
+            out.logprobs += [float(entry[0]) for entry in meta["output_token_logprobs"]]
+            out.versions += [int(meta["weight_version"])] * len(ids)
+            remaining -= len(ids)
+            reason = meta["finish_reason"]["type"]
+            if reason != "abort":
+                out.finish_reason = reason
+                return out
+            if rid in self._aborted:
+                self._aborted.discard(rid)
+                out.finish_reason = "abort"
+                return out
+            if remaining <= 0:
+                return out
+
+    async def abort(self, rid: str) -> None:
+        """Abort request ``rid`` on every server; its ``generate`` returns with ``"abort"``."""
+        self._aborted.add(rid)
+        await self._all("POST", "/abort_request", {"rid": rid})
+
+    # ---- flow control (all servers, concurrently) -----------------------------------------------
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation on every server (in-flight requests return as ``abort`` and are resubmitted)."""
+        await self._all("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._all("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache")
+
+    # ---- info -----------------------------------------------------------------------------------
+
+    async def get_weight_version(self, server: int) -> int:
+        return int((await self._call(server, "GET", "/get_weight_version"))["weight_version"])
+
+    async def get_model_info(self, server: int) -> dict:
+        return await self._call(server, "GET", "/get_model_info")
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    async def init_weights_update_group(
+        self,
+        server: int,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        group_name: str = "weight_update_group",
+    ) -> dict:
+        """Ask ``server`` to join the trainer's weight group (returns once every rank joined)."""
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "backend": backend,
+            "group_name": group_name,
+        }
+        return await self._call(server, "POST", "/init_weights_update_group", payload)
+
+    async def update_weights_from_distributed(
+        self,
+        server: int,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        version: int,
+        group_name: str = "weight_update_group",
+    ) -> dict:
+        """Announce one bucket of tensors that rank 0 broadcasts in ``names`` order; ``version`` is
+        sent as SGLang's string ``weight_version``."""
+        payload = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": True,
+            "weight_version": str(version),
+        }
+        return await self._call(server, "POST", "/update_weights_from_distributed", payload)
+
+    async def update_weights_from_disk(self, server: int, path: str, version: int) -> dict:
+        """Load an HF safetensors directory on ``server`` and set ``weight_version``."""
+        payload = {"model_path": str(path), "weight_version": str(version)}
+        return await self._call(server, "POST", "/update_weights_from_disk", payload)

@@ -1,0 +1,352 @@
+"""The embedded inference server: SGLang's HTTP endpoints (same JSON shapes) over ``Engine``.
+
+Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--dtype bfloat16]
+[--device cpu] [--max-running-requests 32] [--max-seq-len 1024] [--threads N] [--weight-version 0]``.
+
+Implemented subset (see SGLANG_API.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
+no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
+``/get_weight_version``, ``/flush_cache`` (nothing to flush: there is no prefix cache; 400 while
+requests run, as SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
+``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
+NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
+directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import pathlib
+import signal
+import uuid
+
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+
+from .. import weight_group
+from .engine import Completion, Engine
+from .forward import BatchedForward, check_weight_names
+from .sampling import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_engine(
+    model_path: str,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    max_running_requests: int = 32,
+    max_seq_len: int = 1024,
+    max_prefill_tokens: int = 4096,
+    weight_version: int = 0,
+):
+    """Load an HF causal-LM directory into an ``Engine``; returns ``(engine, tokenizer)``.
+
+    Raises:
+        ValueError: unknown dtype, or an unsupported architecture.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    eos: set[int] = set()
+    sources = [model.config.eos_token_id, tokenizer.eos_token_id]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except OSError:  # no generation_config.json
+        pass
+    for ids in sources:
+        eos.update([ids] if isinstance(ids, int) else (ids or []))
+    forward = BatchedForward(model, max_running_requests, max_seq_len)
+    return Engine(forward, eos, max_prefill_tokens, weight_version), tokenizer
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _result(success: bool, message: str, **extra) -> web.Response:
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+
+async def _body(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        data = await request.json()
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise web.HTTPBadRequest(text="request body must be a JSON object")
+    return data
+
+
+class InferenceServer:
+    """HTTP handlers around one ``Engine``; ``app()`` builds the aiohttp application."""
+
+    def __init__(self, engine: Engine, tokenizer, model_path: str):
+        self.engine, self.tokenizer, self.model_path = engine, tokenizer, model_path
+        self.groups: dict = {}
+        self._task: asyncio.Task | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        routes = [
+            ("POST", "/generate", self.generate),
+            ("GET", "/health", self.health),
+            ("GET", "/health_generate", self.health_generate),
+            ("GET", "/get_model_info", self.get_model_info),
+            ("GET", "/get_weight_version", self.get_weight_version),
+            ("GET", "/flush_cache", self.flush_cache),
+            ("POST", "/flush_cache", self.flush_cache),
+            ("POST", "/pause_generation", self.pause_generation),
+            ("POST", "/continue_generation", self.continue_generation),
+            ("POST", "/abort_request", self.abort_request),
+            ("POST", "/init_weights_update_group", self.init_weights_update_group),
+            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self._task = asyncio.create_task(self.engine.run(), name="engine")
+
+    async def _stop(self, app: web.Application) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    @property
+    def engine_task(self) -> asyncio.Task | None:
+        return self._task
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if body.get("stream"):
+            return _error("stream=true is not supported by this server; send stream=false")
+        ids = body.get("input_ids")
+        if ids is None and isinstance(body.get("text"), (str, list)):
+            texts = body["text"]
+            tok = lambda t: self.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+            ids = tok(texts) if isinstance(texts, str) else [tok(t) for t in texts]
+        if not isinstance(ids, list):
+            return _error("send 'input_ids' (a list of token ids, or a list of such lists) or 'text'")
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
+        rids = rids if isinstance(rids, list) else [rids]
+        if len(rids) != len(prompts):
+            return _error(f"got {len(rids)} rids for {len(prompts)} prompts")
+        try:
+            params = SamplingParams.parse(body.get("sampling_params"))
+            for prompt in prompts:
+                self.engine.validate(prompt, params)
+        except ValueError as exc:
+            return _error(str(exc))
+        done = await asyncio.gather(*(self.engine.generate(p, params, r) for p, r in zip(prompts, rids)))
+        logprob = bool(body.get("return_logprob"))
+        out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
+        return web.json_response(out if batch else out[0])
+
+    def _response(self, c: Completion, rid: str, params: SamplingParams, logprob: bool) -> dict:
+        finish = {"type": c.finish_reason}
+        if c.finish_reason == "stop":
+            finish["matched"] = c.matched
+        elif c.finish_reason == "abort":
+            finish["message"] = "aborted"
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": len(c.output_ids),
+            "cached_tokens": 0,
+            "weight_version": str(c.weight_version),
+        }
+        if logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
+        text = self.tokenizer.decode(c.output_ids, skip_special_tokens=params.skip_special_tokens)
+        return {"text": text, "output_ids": c.output_ids, "meta_info": meta}
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        start = next(iter(self.engine.eos_token_ids), 0)
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        await self.engine.generate([start], params, f"health-{uuid.uuid4().hex}")
+        return web.Response(text="")
+
+    # ---- info and flow control ------------------------------------------------------------------
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "weight_version": str(self.engine.weight_version),
+            "max_running_requests": self.engine.max_running,
+            "max_seq_len": self.engine.max_seq_len,
+        })
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.engine.weight_version)})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.engine.num_running:
+            return web.Response(status=400, text="Cache not flushed: requests are running.")
+        return web.Response(text="Cache flushed.")
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            await self.engine.pause((await _body(request)).get("mode", "abort"))
+        except ValueError as exc:
+            return _error(str(exc))
+        return web.json_response({"success": True, "message": "Generation paused."})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.engine.resume()
+        return web.json_response({"success": True, "message": "Generation continued."})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if not body.get("abort_all") and not body.get("rid"):
+            return _error("send {'rid': ...} or {'abort_all': true}")
+        n = self.engine.abort(None if body.get("abort_all") else str(body["rid"]))
+        return web.json_response({"success": True, "message": f"aborted {n} request(s)"})
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        try:
+            name = body.get("group_name", "weight_update_group")
+            group = await self.engine.run_blocking(
+                weight_group.new_weight_group,
+                body.get("backend", "nccl"),
+                body["master_address"],
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+            )
+        except (KeyError, ValueError, RuntimeError) as exc:
+            return _result(False, f"init_weights_update_group failed: {type(exc).__name__}: {exc}")
+        self.groups[name] = group
+        return _result(True, f"joined weight group '{name}'")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        try:
+            names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+            if not len(names) == len(dtypes) == len(shapes):
+                raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+            group = self.groups.get(body.get("group_name", "weight_update_group"))
+            if group is None:
+                raise ValueError(f"no weight group '{body.get('group_name')}'; call /init_weights_update_group first")
+            check_weight_names(self.engine.forward.named_tensors(), dict(zip(names, map(tuple, shapes))))
+            device = self.engine.forward.device
+            buffers = [torch.empty(s, dtype=weight_group.dtype_from_name(d), device=device) for d, s in zip(dtypes, shapes)]
+        except (KeyError, ValueError) as exc:
+            return _result(False, f"update_weights_from_distributed rejected: {type(exc).__name__}: {exc}")
+
+        def receive() -> dict[str, torch.Tensor]:
+            weight_group.broadcast_(group, buffers, src=0)
+            return dict(zip(names, buffers))
+
+        return await self._update(receive, body)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        path = pathlib.Path(str(body.get("model_path", "")))
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        if not files:
+            return _result(False, f"model_path '{path}' has no *.safetensors files", num_paused_requests=0)
+
+        def receive() -> dict[str, torch.Tensor]:
+            tensors: dict[str, torch.Tensor] = {}
+            for f in files:
+                tensors.update(load_file(str(f)))
+            return tensors
+
+        return await self._update(receive, body, num_paused_requests=0)
+
+    async def _update(self, receive, body: dict, **extra) -> web.Response:
+        if body.get("abort_all_requests"):
+            self.engine.abort(None)
+        version = body.get("weight_version")
+        try:
+            await self.engine.update_weights(receive, int(version) if version is not None else self.engine.weight_version)
+        except (ValueError, RuntimeError) as exc:
+            return _result(False, f"weight update failed: {type(exc).__name__}: {exc}", **extra)
+        return _result(True, f"weights updated to version {self.engine.weight_version}", **extra)
+
+
+@contextlib.asynccontextmanager
+async def serve(server: InferenceServer, host: str = "127.0.0.1", port: int = 0):
+    """Serve ``server`` on ``host:port`` (0: a free port) inside the running loop; yields the base URL."""
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound = runner.addresses[0][1]
+        yield f"http://{host}:{bound}"
+    finally:
+        await runner.cleanup()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="HF causal-LM directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=1024)
+    p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--weight-version", type=int, default=0)
+    return p.parse_args(argv)
+
+
+async def main(argv: list[str] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; exits with the engine's error if the engine loop dies."""
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    engine, tokenizer = load_engine(args.model_path, args.dtype, args.device, args.max_running_requests,
+                                    args.max_seq_len, args.max_prefill_tokens, args.weight_version)
+    server = InferenceServer(engine, tokenizer, args.model_path)
+    async with serve(server, args.host, args.port) as url:
+        print(f"inference server on {url} ({args.model_path}, {args.dtype}, {args.device})", flush=True)
+        await _wait_for_stop(server)
+
+
+async def _wait_for_stop(server: InferenceServer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait([stop_task, server.engine_task], return_when=asyncio.FIRST_COMPLETED)
+    engine_error = server.engine_task.done() and not server.engine_task.cancelled() and server.engine_task.exception()
+    stop_task.cancel()
+    if engine_error:
+        raise engine_error
+
+
+if __name__ == "__main__":
+    import uvloop
+
+    uvloop.run(main())
