@@ -1,0 +1,113 @@
+"""``PromptSet``: a task's prompts tokenised, length-filtered, and mapped from group ids.
+
+Prompts are rendered with the tokenizer's chat template (generation prompt appended) and
+tokenised once, at construction. Prompts longer than ``max_prompt_len`` tokens are dropped
+before any generation and counted (``num_filtered``), so no request is ever sent with no room
+to generate. The kept prompts keep their dataset order; group id g maps to
+
+    kept[perm(seed, epoch)[g % N]],  epoch = g // N,  perm = default_rng([seed, epoch]).permutation(N)
+
+(DESIGN.md, "Determinism"), a pure function of (seed, g) — the same in every worker process.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from areal_async.data.task import Task
+
+
+class PromptItem(msgspec.Struct, frozen=True):
+    """One prompt, ready to send.
+
+    Fields:
+        data_index: index of the item in the task (before filtering).
+        prompt_ids: ``[P]`` token ids, chat template applied, ``P <= max_prompt_len``.
+        gold: the gold answer for the reward function.
+    """
+
+    data_index: int
+    prompt_ids: list[int]
+    gold: str
+
+
+class PromptSet:
+    """A task's prompts for one tokenizer.
+
+    Args:
+        task: the prompt source.
+        tokenizer: an HF tokenizer with a chat template.
+        max_prompt_len: longest prompt kept, in tokens (``>= 1``).
+        seed: run seed of the group → prompt permutation (``>= 0``).
+
+    Raises:
+        ValueError: ``max_prompt_len < 1``, a negative seed, or no prompt fits (names the
+            longest/shortest lengths and the setting to change).
+    """
+
+    def __init__(self, task: Task, tokenizer, max_prompt_len: int, seed: int):
+        if max_prompt_len < 1 or seed < 0:
+            raise ValueError(f"PromptSet needs max_prompt_len >= 1 and seed >= 0, got "
+                             f"{max_prompt_len}, {seed}")
+        self.task = task
+        self.tokenizer = tokenizer
+        self.max_prompt_len = max_prompt_len
+        self.seed = seed
+        texts = [tokenizer.apply_chat_template(task.messages(i), tokenize=False,
+                                               add_generation_prompt=True)
+                 for i in range(len(task))]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        lengths = [len(x) for x in ids]
+        self._kept = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
+        self._ids = [np.asarray(ids[i], dtype=np.int32) for i in self._kept]
+        self.num_total = len(lengths)
+        self.num_filtered = self.num_total - len(self._kept)
+        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+        if not self._kept:
+            raise ValueError(
+                f"no prompt of task '{task.name}' fits data.max_prompt_len={max_prompt_len} "
+                f"tokens (prompt lengths {min(lengths, default=0)}..{max(lengths, default=0)}); "
+                f"raise data.max_prompt_len or lower data.few_shot"
+            )
+
+    def __len__(self) -> int:
+        """N: number of prompts kept."""
+        return len(self._kept)
+
+    def at(self, j: int) -> PromptItem:
+        """The ``j``-th kept prompt in dataset order (``0 <= j < N``); used for evaluation."""
+        i = self._kept[j]
+        return PromptItem(data_index=i, prompt_ids=self._ids[j].tolist(), gold=self.task.gold(i))
+
+    def for_group(self, group_id: int) -> PromptItem:
+        """The prompt of group ``g``: ``kept[perm(seed, g // N)[g % N]]``.
+
+        Raises:
+            ValueError: ``group_id < 0``.
+        """
+        if group_id < 0:
+            raise ValueError(f"group ids are >= 0, got {group_id}")
+        epoch, r = divmod(group_id, len(self))
+        return self.at(int(self._permutation(epoch)[r]))
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm_epoch != epoch:  # groups arrive roughly in id order: one epoch cached
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def decode(self, output_ids: list[int]) -> str:
+        """Response text of generated ids (special tokens such as eos dropped)."""
+        return self.tokenizer.decode(output_ids, skip_special_tokens=True)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end a response: the tokenizer's eos."""
+        eos = self.tokenizer.eos_token_id
+        return [] if eos is None else [int(eos)]
+
+    def summary(self) -> str:
+        """One line for the logs: prompts kept and filtered."""
+        return (f"task {self.task.name}: {len(self)} of {self.num_total} prompts kept, "
+                f"{self.num_filtered} longer than max_prompt_len={self.max_prompt_len} filtered")
