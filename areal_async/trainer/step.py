@@ -1,0 +1,157 @@
+"""One decoupled-PPO training step over a batch of trajectories, on every data-parallel rank.
+
+Every rank receives the whole batch (the same list of ``Trajectory``s) and builds the same
+token tensors; the sequences are then split into micro-batches by first-fit-decreasing under
+``trainer.max_tokens_per_mb`` and dealt round-robin to ranks (``packing.assign_to_ranks``), so
+the allocation is a function of the lengths only.
+
+Per token, position ``t`` of a sequence ``prompt + response`` predicts token ``t+1``; the loss
+mask is true on the positions that predict response tokens, and the behaviour log-prob and the
+advantage of response token ``j`` sit at position ``P-1+j``.
+
+Aggregation is the global token mean over the whole (mini)batch: the denominator is the number
+of loss tokens over all micro-batches of all ranks (known on every rank, since every rank holds
+the whole batch), and the loss is multiplied by the world size because FSDP2/DDP average
+gradients over ranks. A rank with fewer micro-batches runs zero-loss passes so that every rank
+runs the same collectives.
+
+``algo.ppo_minibatches`` = n splits the batch into n consecutive slices of groups with one
+optimizer step each. With n = 1, π_prox (the policy before the update) equals π_θ during the only
+forward, so the proximal log-probs are that forward's values, detached; with n > 1 they are
+recomputed in a no-grad pass over the whole batch before the first update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from areal_async.algo.advantages import batch_normalize, group_advantages
+from areal_async.algo.loss import decoupled_ppo_loss
+from areal_async.config import AlgoConfig, TrainerConfig
+from areal_async.trainer.logprobs import packed_logprobs
+from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences
+from areal_async.types import Trajectory
+
+STAT_KEYS = ("loss", "clip_ratio", "importance_weight", "behav_capped_ratio", "ratio", "approx_kl", "behav_kl")
+
+
+@dataclasses.dataclass
+class SeqTensors:
+    """One sequence ``prompt + response`` aligned to next-token positions (all ``[L]``)."""
+
+    ids: list[int]
+    behav_logp: Tensor  # float32, log π_behav of token t+1 at position t (0 off the mask)
+    loss_mask: Tensor  # bool
+    advantages: Tensor  # float32
+
+
+def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensors]:
+    """Token tensors of every sample of every group, groups in id order, samples in index order.
+
+    Raises:
+        ValueError: groups of different sizes (advantages are normalised per group).
+    """
+    trajs = sorted(trajs, key=lambda t: t.group_id)
+    sizes = {len(t.samples) for t in trajs}
+    if len(sizes) != 1:
+        raise ValueError(f"all groups of a batch must have the same number of samples, got sizes {sorted(sizes)}")
+    samples = [(t, s) for t in trajs for s in sorted(t.samples, key=lambda s: s.index)]
+    rewards = torch.tensor([s.reward for _, s in samples], dtype=torch.float32)
+    adv = group_advantages(rewards, sizes.pop(), std_norm=algo.std_norm)
+    if algo.batch_norm:
+        adv = batch_normalize(adv)
+    out = []
+    for (traj, s), a in zip(samples, adv.tolist()):
+        prompt, resp = traj.prompt_ids.tolist(), s.output_ids.tolist()
+        n_p, n_r = len(prompt), len(resp)
+        assert n_p >= 1, f"group {traj.group_id} has an empty prompt"
+        length = n_p + n_r
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[n_p - 1 : length - 1] = True
+        behav = torch.zeros(length, dtype=torch.float32)
+        behav[n_p - 1 : length - 1] = torch.from_numpy(s.behav_logprobs.numpy().astype("float32"))
+        out.append(SeqTensors(prompt + resp, behav, mask, torch.where(mask, a, 0.0)))
+    return out
+
+
+def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device) -> tuple[PackedBatch, dict[str, Tensor]]:
+    """Pack sequences ``idx`` (a dummy 1-token, all-masked row when ``idx`` is empty)."""
+    if not idx:
+        one = torch.zeros(1, device=device)
+        return pack_sequences([[0]]).to(device), {"behav_logp": one, "loss_mask": one.bool(), "advantages": one}
+    batch = pack_sequences([seqs[i].ids for i in idx]).to(device)
+    fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]).to(device) for k in ("behav_logp", "loss_mask", "advantages")}
+    return batch, fields
+
+
+def train_step(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trajs: list[Trajectory],
+    algo: AlgoConfig,
+    trainer: TrainerConfig,
+    temperature: float,
+    device: torch.device,
+) -> dict[str, float]:
+    """Run one step (``algo.ppo_minibatches`` optimizer updates) on this rank's share.
+
+    Collective: every rank of the default group must call it with the same ``trajs``.
+
+    Returns:
+        ``train/*`` metrics (global token means over all ranks), identical on every rank:
+        loss, clip_ratio, importance_weight, behav_capped_ratio, ratio, approx_kl, behav_kl,
+        entropy, grad_norm (before clipping, last update), lr, tokens (sequence tokens processed).
+    """
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    seqs = build_sequences(trajs, algo)
+    n_groups, n_mini = len(trajs), algo.ppo_minibatches
+    if not 1 <= n_mini <= n_groups:
+        raise ValueError(f"algo.ppo_minibatches={n_mini} must be in [1, groups per batch = {n_groups}]")
+    per_group = len(seqs) // n_groups
+    bounds = [round(i * n_groups / n_mini) * per_group for i in range(n_mini + 1)]
+    minibatches = [list(range(bounds[i], bounds[i + 1])) for i in range(n_mini)]
+    plans = [_plan(seqs, mb, trainer.max_tokens_per_mb, world)[rank] for mb in minibatches]
+
+    prox: dict[int, Tensor] = {}  # micro-batch key → π_prox log-probs, when recomputed
+    if n_mini > 1:
+        with torch.no_grad():
+            for m, plan in enumerate(plans):
+                for j, idx in enumerate(plan):
+                    batch, _ = _pack(seqs, idx, device)
+                    prox[(m, j)] = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)[0]
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    sums = torch.zeros(len(STAT_KEYS) + 1, dtype=torch.float64)
+    for m, plan in enumerate(plans):
+        num_tokens = sum(int(seqs[i].loss_mask.sum()) for i in minibatches[m])
+        for j, idx in enumerate(plan):
+            batch, f = _pack(seqs, idx, device)
+            theta, entropy = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)
+            prox_logp = prox[(m, j)] if n_mini > 1 else theta.detach()
+            loss, st = decoupled_ppo_loss(
+                theta, prox_logp, f["behav_logp"], f["advantages"], f["loss_mask"],
+                algo.eps_clip, algo.eps_clip_high, algo.behav_imp_weight_cap, num_tokens=num_tokens,
+            )
+            (loss * world).backward()  # ranks' gradients are averaged; the loss is a global share
+            ent = (entropy * f["loss_mask"]).sum() / max(num_tokens, 1)
+            sums += torch.tensor([float(st[k]) for k in STAT_KEYS] + [float(ent)], dtype=torch.float64) / n_mini
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if world > 1:
+        sums = sums.to(device)
+        dist.all_reduce(sums)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    stats = dict(zip(STAT_KEYS + ("entropy",), sums.cpu().tolist()))
+    stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=float(sum(len(s.ids) for s in seqs)))
+    return {f"train/{k}": v for k, v in stats.items()}
+
+
+def _plan(seqs: list[SeqTensors], idx: list[int], max_tokens_per_mb: int, world: int) -> list[list[list[int]]]:
+    """Micro-batches of the sequences ``idx`` (global indices), dealt to ``world`` ranks."""
+    mbs = allocate_micro_batches([len(seqs[i].ids) for i in idx], max_tokens_per_mb)
+    return assign_to_ranks([[idx[k] for k in mb] for mb in mbs], world)

@@ -1,0 +1,108 @@
+"""One training step: 2 gloo ranks (FSDP2) give the same update as 1 rank; parameters change.
+
+Both runs use SGD without clipping so the parameter update is proportional to the gradient: a
+wrong global-token-mean (e.g. a missing world-size factor, or a micro-batch counted twice) shows
+up as a 2× difference, far above the tolerance. Tolerance: 1e-6 absolute on parameters after an
+update of lr·grad with lr = 0.1 (updates here are ~1e-4–1e-2); fp32, only the reduction order
+differs between the runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from areal_async.config import AlgoConfig, TrainerConfig
+from areal_async.types import Array, Sample, Trajectory
+
+
+def make_trajectories(vocab: int, seed: int = 0) -> list[Trajectory]:
+    """4 groups × 2 samples, varied lengths (one empty response), mixed rewards except group 3.
+
+    Behaviour log-probs are near the tiny model's (≈ -log 384 ≈ -6); sample (2, 1) has -20 on
+    every token, so its importance weights exp(-6 + 20) exceed the cap and are dropped.
+    """
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for g in range(4):
+        prompt = rng.integers(3, vocab, size=int(rng.integers(3, 9)))
+        samples = []
+        for i in range(2):
+            n = 0 if (g, i) == (1, 0) else int(rng.integers(2, 12))
+            samples.append(Sample(
+                index=i, seed=g * 2 + i,
+                output_ids=Array.of(rng.integers(3, vocab, size=n), "int32"),
+                behav_logprobs=Array.of(-rng.uniform(5.5, 6.5, size=n) if (g, i) != (2, 1) else
+                                        np.full(n, -20.0), "float32"),
+                versions=Array.of(np.zeros(n), "int32"), finish_reason="stop",
+                reward=5.0 if (i == g % 2 or g == 3) else -5.0,
+            ))
+        trajs.append(Trajectory(group_id=g, prompt_ids=Array.of(prompt, "int32"), samples=samples, data_index=g))
+    return trajs
+
+
+def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, parallel: str) -> None:
+    import torch.distributed as dist
+
+    from areal_async.trainer.parallel import build_policy, full_state_dict, hf_model
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6, parallel=parallel)
+        policy = build_policy(model_dir, cfg, torch.device("cpu"))
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        vocab = int(hf_model(policy).config.vocab_size)
+        metrics = train_step(policy, optimizer, make_trajectories(vocab), AlgoConfig(), cfg, 1.0, torch.device("cpu"))
+        state = full_state_dict(policy)
+        if rank == 0:
+            torch.save({"state": state, "metrics": metrics}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2") -> dict:
+    out = tmp_path / f"out-{world}-{parallel}.pt"
+    mp.start_processes(_run_rank, args=(world, _free_port(), str(model_dir), str(out), parallel),
+                       nprocs=world, join=True, start_method="spawn")
+    return torch.load(out)
+
+
+def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    one = _train(1, tiny_model_dir, tmp_path)
+    two = _train(2, tiny_model_dir, tmp_path)
+    changed = [k for k in before if not torch.equal(before[k], one["state"][k])]
+    assert len(changed) == len(before), f"unchanged: {set(before) - set(changed)}"
+    for k, v in one["state"].items():
+        torch.testing.assert_close(two["state"][k], v, rtol=0, atol=1e-6, msg=k)
+    for k in ("train/loss", "train/grad_norm", "train/entropy", "train/importance_weight", "train/tokens"):
+        assert two["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-5), k
+    m = one["metrics"]
+    # π_prox = π_θ in the only update: ratio 1, nothing clipped; behaviour log-probs are made up, so
+    # the importance weights are large and many are capped at 5 (AlgoConfig default).
+    assert m["train/ratio"] == pytest.approx(1.0) and m["train/clip_ratio"] == 0.0
+    assert 0 < m["train/behav_capped_ratio"] <= 1 and m["train/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_ddp_matches_fsdp2(tiny_model_dir, tmp_path):
+    fsdp = _train(2, tiny_model_dir, tmp_path, "fsdp2")
+    ddp = _train(2, tiny_model_dir, tmp_path, "ddp")
+    for k, v in fsdp["state"].items():
+        torch.testing.assert_close(ddp["state"][k], v, rtol=0, atol=1e-6, msg=k)
