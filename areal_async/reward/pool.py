@@ -118,6 +118,7 @@ class RewardPool:
         self._ctx = mp.get_context("spawn")
         self._procs = [_Proc(self._ctx) for _ in range(cfg.num_procs)]
         self._idle: asyncio.Queue[_Proc] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = ThreadPoolExecutor(cfg.num_procs, thread_name_prefix="reward")
         self.calls = 0
         self.errors = 0
@@ -136,13 +137,13 @@ class RewardPool:
             if fn not in REWARD_FNS:
                 raise ValueError(f"unknown reward function '{fn}'; registered: {sorted(REWARD_FNS)}")
             fn = REWARD_FNS[fn]
-        if self._idle is None:
-            self._idle = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first call, or a new event loop (the old one is done)
+            self._loop, self._idle = loop, asyncio.Queue()
             for proc in self._procs:
                 self._idle.put_nowait(proc)
         # Backpressure: at most num_procs verifications run at once; the rest wait for a process.
         proc = await self._idle.get()
-        loop = asyncio.get_running_loop()
         try:
             status, value = await loop.run_in_executor(
                 self._threads, proc.call, fn, response, gold, self._cfg.timeout_s)

@@ -1,0 +1,57 @@
+"""Greedy pass@1 on the first prompts of the test split (run by the trainer at start and end).
+
+Each of the first ``num_prompts`` test prompts (dataset order, after length filtering) gets one
+greedy response (temperature 0, ``sampling_seed`` 0); prompt j goes to server
+``j % num_servers``. All requests are in flight at once; the servers batch them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from areal_async.data.prompts import PromptSet
+from areal_async.reward.pool import RewardPool
+
+
+async def evaluate(client, prompts: PromptSet, rewards: RewardPool, num_prompts: int,
+                   max_new_tokens: int) -> dict[str, float]:
+    """Greedy pass@1 of the served policy.
+
+    Args:
+        client: an ``InferenceClient`` (``generate``, ``urls``).
+        prompts: the test prompts (``PromptSet`` of the task's ``"test"`` split).
+        rewards: the reward pool; scores with ``prompts.task.reward_fn``.
+        num_prompts: how many of the first test prompts to use (capped at ``len(prompts)``).
+        max_new_tokens: response budget per prompt (``>= 1``).
+
+    Returns:
+        ``eval/pass@1`` (fraction correct), ``eval/response_len`` (mean output tokens),
+        ``eval/boxed_ratio`` (fraction with a non-empty ``\\boxed{}``), ``eval/num_prompts``.
+
+    Raises:
+        ValueError: ``num_prompts < 1`` or ``max_new_tokens < 1``.
+    """
+    if num_prompts < 1 or max_new_tokens < 1:
+        raise ValueError(f"evaluate needs num_prompts >= 1 and max_new_tokens >= 1, got "
+                         f"{num_prompts}, {max_new_tokens}")
+    n = min(num_prompts, len(prompts))
+    sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "sampling_seed": 0,
+                "stop_token_ids": prompts.stop_token_ids}
+
+    async def one(j: int) -> tuple[bool, int, bool]:
+        item = prompts.at(j)
+        out = await client.generate(item.prompt_ids, sampling, rid=f"eval-{j}",
+                                    server=j % len(client.urls))
+        score = await rewards.score(prompts.task.reward_fn, prompts.decode(out.output_ids),
+                                    item.gold)
+        return score.correct, len(out.output_ids), score.boxed
+
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(one(j)) for j in range(n)]
+    results = [t.result() for t in tasks]
+    return {
+        "eval/pass@1": sum(c for c, _, _ in results) / n,
+        "eval/response_len": sum(length for _, length, _ in results) / n,
+        "eval/boxed_ratio": sum(b for _, _, b in results) / n,
+        "eval/num_prompts": float(n),
+    }

@@ -1,0 +1,188 @@
+"""The generation worker: leases group ids, generates and scores each group, streams it back.
+
+    python -m areal_async.rollout.worker --config RUN_DIR/config.yaml --worker-id I
+
+For each leased group g: prompt = ``PromptSet.for_group(g)``; ``n_samples`` requests go out at
+once, sample i with ``sampling_seed = sample_seed(seed, g, i)``, ``rid = "g{g}-s{i}"``, to
+server ``(g * n_samples + i) % num_servers`` — all functions of (g, i), never of timing or of
+which worker runs it. Each response is decoded and scored in the reward pool as soon as it
+returns; the group's ``Trajectory`` (per-token versions included, as the inference client
+recorded them) is submitted the moment its last sample is scored. At most
+``rollout.max_groups_in_flight`` groups are in flight. When the queue closes (``lease`` returns
+``[]``) the groups still in flight can no longer be trained; they are cancelled and the worker
+exits 0. Any error (server, reward pool, queue) cancels everything and exits non-zero with the
+traceback, which stops the job. ``debug.jitter_ms`` adds a uniform random delay before each
+request (seeded by ``debug.jitter_seed`` and the worker id) to shake up timing in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import numpy as np
+
+from areal_async.config import Config, DebugConfig, RolloutConfig, load_config
+from areal_async.data.prompts import PromptItem, PromptSet
+from areal_async.reward.pool import RewardPool
+from areal_async.types import Array, Sample, Trajectory, sample_seed
+
+
+class GenerationWorker:
+    """Runs groups for one worker id until the queue closes.
+
+    Args:
+        worker_id: this worker's id (``--worker-id``).
+        queue: a ``QueueClient`` (or an in-process ``ReplayQueue``): ``lease``/``submit``.
+        client: an ``InferenceClient`` (``generate``, ``urls``).
+        prompts: the training prompts.
+        rewards: the reward pool; responses are scored with ``prompts.task.reward_fn``.
+        rollout: ``n_samples``, ``max_new_tokens``, sampling parameters, ``max_groups_in_flight``.
+        seed: the run seed (sampling seeds derive from it).
+        debug: ``jitter_ms``, ``jitter_seed``.
+    """
+
+    def __init__(self, worker_id: int, queue, client, prompts: PromptSet, rewards: RewardPool,
+                 rollout: RolloutConfig, seed: int, debug: DebugConfig = DebugConfig()):
+        if rollout.n_samples < 1 or rollout.max_groups_in_flight < 1 or rollout.max_new_tokens < 1:
+            raise ValueError(
+                f"rollout.n_samples ({rollout.n_samples}), max_groups_in_flight "
+                f"({rollout.max_groups_in_flight}) and max_new_tokens ({rollout.max_new_tokens}) "
+                f"must all be >= 1")
+        self.worker_id = worker_id
+        self._queue, self._client = queue, client
+        self._prompts, self._rewards = prompts, rewards
+        self._rollout, self._seed = rollout, seed
+        self._jitter_s = debug.jitter_ms / 1000.0
+        self._jitter = np.random.default_rng([debug.jitter_seed, worker_id])
+        self._in_flight = 0
+        self._slot_freed = asyncio.Event()
+        self.groups_done = 0
+        self.samples_done = 0
+        self.tokens_done = 0
+
+    async def run(self) -> None:
+        """Lease and run groups until the queue closes. Raises whatever a group raised."""
+        limit = self._rollout.max_groups_in_flight
+        async with asyncio.TaskGroup() as tg:
+            tasks: set[asyncio.Task] = set()
+            while True:
+                # Backpressure: lease only for free slots, so this worker never holds more than
+                # max_groups_in_flight groups (leased groups count against the staleness bound).
+                while self._in_flight >= limit:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                group_ids = await self._queue.lease(self.worker_id, limit - self._in_flight)
+                if not group_ids:
+                    break
+                for g in group_ids:
+                    self._in_flight += 1
+                    task = tg.create_task(self._run_group(g), name=f"group-{g}")
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            for task in tasks:  # the queue is closed: these groups would never be trained
+                task.cancel()
+
+    async def _run_group(self, g: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            item = self._prompts.for_group(g)
+            async with asyncio.TaskGroup() as tg:
+                pending = [tg.create_task(self._run_sample(g, i, item))
+                           for i in range(self._rollout.n_samples)]
+            samples = [t.result() for t in pending]
+            await self._queue.submit(Trajectory(
+                group_id=g, prompt_ids=Array.of(item.prompt_ids, "int32"), samples=samples,
+                data_index=item.data_index, worker=self.worker_id,
+                gen_s=time.perf_counter() - t0,
+            ))
+            self.groups_done += 1
+        finally:
+            self._in_flight -= 1
+            self._slot_freed.set()
+
+    async def _run_sample(self, g: int, i: int, item: PromptItem) -> Sample:
+        if self._jitter_s > 0:  # injected timing noise (debug.jitter_ms), never on by default
+            await asyncio.sleep(float(self._jitter.uniform(0.0, self._jitter_s)))
+        r = self._rollout
+        seed = sample_seed(self._seed, g, i)
+        sampling = {
+            "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+            "max_new_tokens": r.max_new_tokens, "sampling_seed": seed,
+            "stop_token_ids": self._prompts.stop_token_ids,
+        }
+        server = (g * r.n_samples + i) % len(self._client.urls)
+        out = await self._client.generate(item.prompt_ids, sampling, rid=f"g{g}-s{i}",
+                                          server=server)
+        text = self._prompts.decode(out.output_ids)
+        score = await self._rewards.score(self._prompts.task.reward_fn, text, item.gold)
+        self.samples_done += 1
+        self.tokens_done += len(out.output_ids)
+        return Sample(
+            index=i, seed=seed,
+            output_ids=Array.of(out.output_ids, "int32"),
+            behav_logprobs=Array.of(out.logprobs, "float32"),
+            versions=Array.of(out.versions, "int32"),
+            finish_reason=out.finish_reason,
+            reward=score.reward, correct=score.correct, reward_error=score.error,
+        )
+
+
+def server_urls(host: str, base_port: int, num_servers: int) -> list[str]:
+    """``http://host:port`` of each inference server; server i listens on ``base_port + i``."""
+    return [f"http://{host}:{base_port + i}" for i in range(num_servers)]
+
+
+def check_lengths(cfg: Config) -> None:
+    """Raise ``ValueError`` unless a longest prompt plus a full response fits a server's
+    ``inference.max_seq_len`` (embedded backend), so no request is ever refused for length."""
+    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if cfg.inference.backend == "embedded" and need > cfg.inference.max_seq_len:
+        raise ValueError(
+            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + rollout.max_new_tokens "
+            f"({cfg.rollout.max_new_tokens}) = {need} exceeds inference.max_seq_len "
+            f"({cfg.inference.max_seq_len}); lower one of the first two or raise the last")
+
+
+async def main(cfg: Config, worker_id: int) -> None:
+    from areal_async.data import load_task
+    from areal_async.inference.client import InferenceClient
+    from areal_async.model.hub import load_tokenizer, resolve_model_path
+    from areal_async.queue.client import QueueClient
+
+    tag = f"[worker{worker_id}]"
+    check_lengths(cfg)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model))
+    prompts = PromptSet(load_task(cfg.data, "train"), tokenizer, cfg.data.max_prompt_len,
+                        cfg.seed)
+    print(f"{tag} {prompts.summary()}", flush=True)
+    inf = cfg.inference
+    urls = server_urls(inf.host, inf.base_port, inf.num_servers)
+    t0 = time.perf_counter()
+    with RewardPool(cfg.reward) as rewards:
+        async with InferenceClient(urls, timeout_s=inf.request_timeout_s) as client:
+            await client.wait_healthy(inf.startup_timeout_s)
+            queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0)
+            async with queue:
+                worker = GenerationWorker(worker_id, queue, client, prompts, rewards,
+                                          cfg.rollout, cfg.seed, cfg.debug)
+                await worker.run()
+        elapsed = time.perf_counter() - t0
+        print(f"{tag} queue closed: {worker.groups_done} groups, {worker.samples_done} samples, "
+              f"{worker.tokens_done / max(elapsed, 1e-9):.1f} tok/s; {rewards.stats()}",
+              flush=True)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    import uvloop
+
+    parser = argparse.ArgumentParser(prog="python -m areal_async.rollout.worker")
+    parser.add_argument("--config", required=True, help="the run's resolved config.yaml")
+    parser.add_argument("--worker-id", type=int, required=True)
+    args = parser.parse_args(argv)
+    uvloop.run(main(load_config(args.config), args.worker_id))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,243 @@
+"""The generation worker and the evaluator against fake SGLang-shaped servers over real HTTP.
+
+Two aiohttp apps on two ports answer ``/generate`` with SGLang's JSON shape (recorded below);
+the replay queue runs as its TCP service; the inference client is the real one. The fake answers
+a correct ``\\boxed{4}`` for even sampling seeds and a wrong answer for odd ones (greedy
+requests: by prompt-length parity), and reports its ``weight_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from areal_async.config import DebugConfig, QueueConfig, RewardConfig, RolloutConfig
+from areal_async.data.prompts import PromptSet
+from areal_async.inference.client import InferenceClient, ServerError
+from areal_async.queue.client import QueueClient
+from areal_async.queue.core import ReplayQueue
+from areal_async.queue.server import serve
+from areal_async.reward.pool import RewardPool
+from areal_async.rollout.eval import evaluate
+from areal_async.rollout.worker import GenerationWorker
+from areal_async.types import sample_seed
+from test_queue_core import _settle
+
+SEED = 11
+N_SAMPLES = 3
+
+# A /generate response as SGLang returns it (with return_logprob), shortened.
+RECORDED_RESPONSE = {
+    "text": " 4",
+    "output_ids": [17, 2],
+    "meta_info": {
+        "id": "g0-s0", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 30,
+        "completion_tokens": 2, "cached_tokens": 0, "weight_version": "0",
+        "output_token_logprobs": [[-0.25, 17, None], [-0.5, 2, None]],
+    },
+}
+
+
+class FourTask:
+    """Questions of varied length whose answer is always 4."""
+
+    name = "four"
+    reward_fn = "math"
+
+    def __len__(self):
+        return 9
+
+    def messages(self, i):
+        return [{"role": "user", "content": "What is 2+2?" + " 1" * i}]
+
+    def gold(self, i):
+        return "4"
+
+
+class FakeSGLang:
+    """The /generate and /health endpoints of N SGLang servers sharing one recorder."""
+
+    def __init__(self, tok, gate_at: int | None = None):
+        eos = tok.eos_token_id
+        self.right = tok("so the answer is \\boxed{4}", add_special_tokens=False)["input_ids"] + [eos]
+        self.wrong = tok("no idea", add_special_tokens=False)["input_ids"] + [eos]
+        self.version = 0
+        self.requests: list[tuple[int, dict]] = []
+        self.in_flight = 0
+        self.fail_rid: str | None = None
+        # With gate_at = k, requests are held until k are in flight at once (then all pass).
+        self.gate = asyncio.Event()
+        self.gate_reached = asyncio.Event()
+        self.gate_at = gate_at
+        if gate_at is None:
+            self.gate.set()
+
+    def app(self, index: int) -> web.Application:
+        async def generate(request: web.Request) -> web.Response:
+            body = await request.json()
+            self.requests.append((index, body))
+            if body["rid"] == self.fail_rid:
+                return web.json_response({"error": "injected"}, status=500)
+            self.in_flight += 1
+            if self.gate_at is not None and self.in_flight >= self.gate_at:
+                self.gate_reached.set()
+            await self.gate.wait()
+            self.in_flight -= 1
+            sp = body["sampling_params"]
+            if sp["temperature"] == 0:
+                ok = len(body["input_ids"]) % 2 == 0
+            else:
+                ok = sp["sampling_seed"] % 2 == 0
+            ids = (self.right if ok else self.wrong)[: sp["max_new_tokens"]]
+            meta = {**RECORDED_RESPONSE["meta_info"], "id": body["rid"],
+                    "completion_tokens": len(ids), "prompt_tokens": len(body["input_ids"]),
+                    "weight_version": str(self.version),
+                    "output_token_logprobs": [[-0.125 * (k + 1), t, None]
+                                              for k, t in enumerate(ids)]}
+            return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/health", health)
+        return app
+
+
+async def start_fakes(fake: FakeSGLang, n: int):
+    runners, urls = [], []
+    for i in range(n):
+        runner = web.AppRunner(fake.app(i))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        runners.append(runner)
+    return runners, urls
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def rewards():
+    with RewardPool(RewardConfig(num_procs=1, timeout_s=30.0)) as pool:
+        yield pool
+
+
+def test_worker_streams_scored_versioned_groups(tokenizer, rewards):
+    prompts = PromptSet(FourTask(), tokenizer, max_prompt_len=256, seed=SEED)
+    rollout = RolloutConfig(n_samples=N_SAMPLES, max_new_tokens=32, max_groups_in_flight=2,
+                            temperature=1.0)
+
+    async def body():
+        fake = FakeSGLang(tokenizer, gate_at=2 * N_SAMPLES)
+        runners, urls = await start_fakes(fake, 2)
+        queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=1, max_concurrent=8),
+                            "deterministic")
+        _, qserver = await serve(queue, "127.0.0.1", 0)
+        port = qserver.sockets[0].getsockname()[1]
+        async with InferenceClient(urls, timeout_s=30) as client, \
+                await QueueClient.connect("127.0.0.1", port, 5) as wq, \
+                await QueueClient.connect("127.0.0.1", port, 5) as trainer:
+            worker = GenerationWorker(0, wq, client, prompts, rewards, rollout, SEED,
+                                      DebugConfig(jitter_ms=2.0, jitter_seed=1))
+            run = asyncio.create_task(worker.run())
+            # Two groups of three samples are in flight at once, and no third group starts.
+            await fake.gate_reached.wait()
+            await _settle()
+            assert fake.in_flight == 2 * N_SAMPLES and queue.stats().running == 2
+            fake.gate.set()
+
+            batch0 = await trainer.get_batch(0)
+            await trainer.wait_drained(0)
+            fake.version = 1
+            await trainer.set_version(1)
+            batch1 = await trainer.get_batch(1)
+            batch2 = await trainer.get_batch(2)
+            await trainer.close()
+            await run  # ends cleanly once the queue is closed
+        qserver.close()
+        for r in runners:
+            await r.cleanup()
+        return fake, batch0, batch1, batch2
+
+    fake, *batches = asyncio.run(asyncio.wait_for(body(), timeout=120))
+    assert [[t.group_id for t in b] for b in batches] == [[0, 1], [2, 3], [4, 5]]
+    for b, version in zip(batches, (0, 0, 1)):  # v(g) = max(0, g // 2 - 1)
+        for traj in b:
+            g = traj.group_id
+            item = prompts.for_group(g)
+            assert traj.prompt_ids.tolist() == item.prompt_ids
+            assert traj.data_index == item.data_index
+            assert [s.index for s in traj.samples] == list(range(N_SAMPLES))
+            for s in traj.samples:
+                assert s.seed == sample_seed(SEED, g, s.index)
+                ok = s.seed % 2 == 0
+                ids = fake.right if ok else fake.wrong
+                assert s.output_ids.tolist() == ids
+                assert s.behav_logprobs.tolist() == [-0.125 * (k + 1) for k in range(len(ids))]
+                assert s.versions.tolist() == [version] * len(ids)
+                assert (s.correct, s.reward, s.reward_error) == (ok, 5.0 if ok else -5.0, False)
+                assert s.finish_reason == "stop"
+    for server, req in fake.requests:
+        g, i = (int(x) for x in req["rid"][1:].split("-s"))
+        assert server == (g * N_SAMPLES + i) % 2
+        sp = req["sampling_params"]
+        assert sp["sampling_seed"] == sample_seed(SEED, g, i)
+        assert sp["max_new_tokens"] == 32 and sp["stop_token_ids"] == [tokenizer.eos_token_id]
+        assert req["input_ids"] == prompts.for_group(g).prompt_ids and req["return_logprob"]
+
+
+def test_worker_fails_loudly(tokenizer, rewards):
+    prompts = PromptSet(FourTask(), tokenizer, max_prompt_len=256, seed=SEED)
+    rollout = RolloutConfig(n_samples=2, max_new_tokens=8, max_groups_in_flight=4)
+
+    async def body():
+        fake = FakeSGLang(tokenizer)
+        fake.fail_rid = "g1-s1"
+        runners, urls = await start_fakes(fake, 1)
+        queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=0, max_concurrent=8),
+                            "deterministic")
+        try:
+            async with InferenceClient(urls, timeout_s=30) as client:
+                worker = GenerationWorker(0, queue, client, prompts, rewards, rollout, SEED)
+                await worker.run()
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    with pytest.raises(ExceptionGroup) as info:
+        asyncio.run(asyncio.wait_for(body(), timeout=120))
+    assert info.group_contains(ServerError, match="HTTP 500", depth=None)
+
+
+def test_evaluate_greedy_pass_at_1(tokenizer, rewards):
+    prompts = PromptSet(FourTask(), tokenizer, max_prompt_len=256, seed=SEED)
+
+    async def body():
+        fake = FakeSGLang(tokenizer)
+        runners, urls = await start_fakes(fake, 2)
+        async with InferenceClient(urls, timeout_s=30) as client:
+            metrics = await evaluate(client, prompts, rewards, num_prompts=5, max_new_tokens=64)
+        for r in runners:
+            await r.cleanup()
+        return fake, metrics
+
+    fake, metrics = asyncio.run(asyncio.wait_for(body(), timeout=120))
+    # The fake answers right exactly for even prompt lengths.
+    even = [len(prompts.at(j).prompt_ids) % 2 == 0 for j in range(5)]
+    assert 0 < sum(even) < 5, "pick prompts so that the expected pass@1 is not 0 or 1"
+    lengths = [len(fake.right if e else fake.wrong) for e in even]
+    assert metrics == {"eval/pass@1": sum(even) / 5, "eval/response_len": sum(lengths) / 5,
+                       "eval/boxed_ratio": sum(even) / 5, "eval/num_prompts": 5.0}
+    assert sorted(req["rid"] for _, req in fake.requests) == [f"eval-{j}" for j in range(5)]
+    assert all(req["sampling_params"]["temperature"] == 0.0 for _, req in fake.requests)
+    assert all(server == int(req["rid"][5:]) % 2 for server, req in fake.requests)
