@@ -8,8 +8,9 @@
   (``weight_group.new_weight_group``). Each update: pause generation (in-flight requests return
   partial outputs and are resubmitted by the client), then for each bucket of at most
   ``trainer.weight_bucket_bytes`` the ``/update_weights_from_distributed`` calls are in flight
-  while rank 0 broadcasts the bucket's tensors in ``names`` order; the last bucket carries the
-  new ``weight_version``; then resume. gloo on CPU, NCCL on CUDA.
+  while rank 0 broadcasts the bucket's tensors in ``names`` order; every call carries the new
+  ``weight_version`` (generation is paused until the last bucket is in); then resume. gloo on
+  CPU, NCCL on CUDA.
 - ``DiskWeightSender`` (fallback): rank 0 writes an HF directory under ``RUN_DIR/weights/`` and
   calls ``/update_weights_from_disk`` on every server; the previous directory is then removed.
 
@@ -102,7 +103,7 @@ class DistributedWeightSender:
                     continue
                 tensor = full.to(self.send_dtype).contiguous()
                 if bucket and size + tensor.numel() * tensor.element_size() > self.bucket_bytes:
-                    await self._send_bucket(bucket, None)
+                    await self._send_bucket(bucket, version)
                     bucket, size = [], 0
                 bucket.append((name, tensor))
                 size += tensor.numel() * tensor.element_size()
@@ -112,7 +113,7 @@ class DistributedWeightSender:
             if _rank() == 0:
                 await self.client.resume()
 
-    async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+    async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]

@@ -1,0 +1,162 @@
+"""The trainer process: ``torchrun --nproc-per-node N -m areal_async.trainer.main --config RUN_DIR/config.yaml``.
+
+Every rank holds a shard (FSDP2) or replica (DDP) of the policy; rank 0 alone talks to the
+replay queue, the inference servers, the metrics logger and the evaluator, and hands each batch
+to the other ranks over the default group. Per step k: take batch k → one decoupled-PPO step →
+[deterministic: wait until every group of version ≤ k has finished] → make version k+1 live on
+the servers → announce it to the queue → log → checkpoint. The run directory is the directory of
+the config file. Any exception ends the process with its traceback and a non-zero status
+(torchrun then stops the other ranks, the launcher the job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pathlib
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from areal_async.config import Config, load_config, to_dict
+from areal_async.trainer.checkpoint import save_hf_checkpoint
+from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
+from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
+from areal_async.trainer.step import train_step
+from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
+from areal_async.types import Trajectory
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Services:
+    """Rank 0's connections: queue, inference client, metrics, evaluation (``None`` elsewhere)."""
+
+    def __init__(self, cfg: Config, run_dir: pathlib.Path, stack: contextlib.AsyncExitStack):
+        self.cfg, self.run_dir, self.stack = cfg, run_dir, stack
+
+    async def start(self) -> "Services":
+        from areal_async.data import load_task
+        from areal_async.data.prompts import PromptSet
+        from areal_async.inference.client import InferenceClient
+        from areal_async.metrics import MetricsLogger
+        from areal_async.model.hub import load_tokenizer
+        from areal_async.queue.client import QueueClient
+        from areal_async.reward.pool import RewardPool
+
+        cfg, inf = self.cfg, self.cfg.inference
+        urls = [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+        self.client = await self.stack.enter_async_context(InferenceClient(urls, timeout_s=inf.request_timeout_s))
+        await self.client.wait_healthy(inf.startup_timeout_s)
+        self.queue = await self.stack.enter_async_context(
+            await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0))
+        self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.name, to_dict(cfg), cfg.trainer.total_steps)
+        self.stack.callback(self.logger.close)
+        self.rewards = self.stack.enter_context(RewardPool(cfg.reward))
+        self.eval_prompts = PromptSet(load_task(cfg.data, "test"), load_tokenizer(cfg.model.path),
+                                      cfg.data.max_prompt_len, cfg.seed)
+        return self
+
+    async def evaluate(self, step: int) -> None:
+        from areal_async.rollout.eval import evaluate
+
+        e = self.cfg.eval
+        self.logger.log(step, await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts, e.max_new_tokens))
+
+    async def server_version(self) -> int:
+        return min([await self.client.get_weight_version(i) for i in range(self.cfg.inference.num_servers)])
+
+
+def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torch.device) -> WeightSender:
+    """The ``trainer.weight_sync`` implementation, sending in the servers' dtype (``model.dtype``)."""
+    n, dtype = cfg.inference.num_servers, _DTYPES[cfg.model.dtype]
+    if cfg.trainer.weight_sync == "disk":
+        return DiskWeightSender(policy, client, n, cfg.model.path, run_dir / "weights", dtype)
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return DistributedWeightSender(policy, client, n, address, cfg.trainer.weight_sync_port,
+                                   cfg.trainer.weight_bucket_bytes, dtype, device)
+
+
+async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
+    """Batch ``step`` from the queue (rank 0), given to every rank over the default group."""
+    payload = [msgspec.msgpack.encode(await services.queue.get_batch(step)) if services else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return msgspec.msgpack.decode(payload[0], type=list[Trajectory])
+
+
+def save_checkpoint(cfg: Config, policy, run_dir: pathlib.Path) -> None:
+    """Collective: gather the weights; rank 0 writes ``RUN_DIR/checkpoint`` (trainer dtype)."""
+    state = full_state_dict(policy)
+    if state is not None:
+        save_hf_checkpoint(state, cfg.model.path, run_dir / "checkpoint", _DTYPES[cfg.trainer.dtype])
+
+
+def check_config(cfg: Config) -> None:
+    """Reject settings this trainer does not implement (``ValueError`` naming the fix)."""
+    if cfg.algo.kl_coef != 0.0:
+        raise ValueError(f"algo.kl_coef={cfg.algo.kl_coef}: a KL penalty needs a reference model, "
+                         "which this trainer does not keep; set algo.kl_coef=0")
+    if cfg.trainer.total_steps < 1:
+        raise ValueError(f"trainer.total_steps must be >= 1, got {cfg.trainer.total_steps}")
+
+
+async def train(cfg: Config, run_dir: pathlib.Path) -> None:
+    check_config(cfg)
+    device = init_distributed(cfg.trainer.device)
+    rank, t = dist.get_rank(), cfg.trainer
+    torch.manual_seed(cfg.seed)
+    if cfg.mode == "deterministic":
+        torch.use_deterministic_algorithms(True)
+    policy = build_policy(cfg.model.path, t, device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    async with contextlib.AsyncExitStack() as stack:
+        services = await Services(cfg, run_dir, stack).start() if rank == 0 else None
+        sender = make_sender(cfg, policy, services.client if services else None, run_dir, device)
+        await sender.setup()
+        if services and cfg.eval.at_start:
+            await services.evaluate(0)
+        for k in range(t.total_steps):
+            timer = Timer()
+            with timer("step_s"):
+                with timer("gen_s"):
+                    trajs = await next_batch(services, k)
+                with timer("train_s"):
+                    metrics = train_step(policy, optimizer, trajs, cfg.algo, t, cfg.rollout.temperature, device)
+                if services and cfg.mode == "deterministic":
+                    with timer("gen_s"):
+                        await services.queue.wait_drained(k)
+                with timer("weight_sync_s"):
+                    await sender.send(k + 1)
+                if services:
+                    await services.queue.set_version(k + 1)
+            if services:
+                metrics |= batch_metrics(trajs, k, timer.seconds["step_s"]) | queue_metrics(await services.queue.stats())
+                metrics |= perf_metrics(timer.seconds, metrics["train/tokens"])
+                metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version()}
+                services.logger.log(k, metrics)
+            if t.checkpoint_every and (k + 1) % t.checkpoint_every == 0 and k + 1 < t.total_steps:
+                save_checkpoint(cfg, policy, run_dir)
+        save_checkpoint(cfg, policy, run_dir)
+        if services and cfg.eval.at_end:
+            await services.evaluate(t.total_steps)
+        if services:
+            await services.queue.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvloop
+
+    parser = argparse.ArgumentParser(prog="python -m areal_async.trainer.main", description=__doc__)
+    parser.add_argument("--config", required=True, help="the run's resolved RUN_DIR/config.yaml")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    uvloop.run(train(load_config(args.config), pathlib.Path(args.config).resolve().parent))
+
+
+if __name__ == "__main__":
+    main()

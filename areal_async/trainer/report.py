@@ -1,0 +1,76 @@
+"""Per-step measurements of the trainer: phase timing and the metrics of a consumed batch.
+
+Names follow DESIGN.md: ``rollout/*`` and ``staleness/*`` describe the batch the trainer took,
+``queue/*`` a snapshot of the queue, ``perf/*`` the step's phases (``Timer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from areal_async.types import Trajectory
+
+
+class Timer:
+    """Wall-clock seconds per phase: ``with timer("train_s"): ...`` (adds up over re-entries)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def sample_version(traj: Trajectory, versions: list[int]) -> int:
+    """Version of a sample = the version that produced its first token (DESIGN.md, Staleness);
+    an empty response counts with its group's oldest version."""
+    return versions[0] if versions else traj.min_version()
+
+
+def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
+    """``rollout/*`` and ``staleness/*`` of the batch consumed by training step ``step``.
+
+    ``rollout/reward`` is the mean scaled reward; ``correct`` the verifier's accept rate;
+    ``response_len`` mean output tokens; ``no_eos_ratio`` the fraction of responses that did not
+    end with a stop token; ``tokens_per_s`` the batch's output tokens over the step's wall time
+    (in steady state, the generation rate that kept up with training). Staleness of a sample is
+    ``step - version(sample)``; ``staleness/hist`` lists them (one per sample).
+    """
+    samples = [(t, s) for t in trajs for s in t.samples]
+    n = max(len(samples), 1)
+    lengths = [s.output_ids.shape[0] for _, s in samples]
+    staleness = [step - sample_version(t, s.versions.tolist()) for t, s in samples]
+    return {
+        "rollout/reward": sum(s.reward for _, s in samples) / n,
+        "rollout/correct": sum(s.correct for _, s in samples) / n,
+        "rollout/response_len": sum(lengths) / n,
+        "rollout/no_eos_ratio": sum(s.finish_reason != "stop" for _, s in samples) / n,
+        "rollout/reward_errors": float(sum(s.reward_error for _, s in samples)),
+        "rollout/tokens_per_s": sum(lengths) / max(step_s, 1e-9),
+        "staleness/mean": sum(staleness) / n,
+        "staleness/max": float(max(staleness, default=0)),
+        "staleness/hist": [float(x) for x in staleness],
+    }
+
+
+def queue_metrics(stats) -> dict:
+    """``queue/*`` from a ``QueueStats`` snapshot."""
+    return {f"queue/{k}": float(getattr(stats, k)) for k in ("ready", "running", "rejected", "capacity")}
+
+
+def perf_metrics(seconds: dict[str, float], tokens: float) -> dict:
+    """``perf/*`` from a step's ``Timer``; ``gpu_idle_frac`` = share of the step the trainer's
+    devices did not train (waiting for data, syncing weights)."""
+    step_s = seconds.get("step_s", 0.0)
+    train_s = seconds.get("train_s", 0.0)
+    out = {f"perf/{k}": v for k, v in seconds.items()}
+    out["perf/trained_tokens_per_s"] = tokens / max(train_s, 1e-9)
+    out["perf/gpu_idle_frac"] = 1.0 - train_s / step_s if step_s > 0 else 0.0
+    return out
