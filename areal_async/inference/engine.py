@@ -48,7 +48,7 @@ class _Request:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    seed: int  # int64 bit pattern of the sampling seed
+    seed: int
     stop_ids: frozenset[int]
     done: asyncio.Future
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -66,11 +66,6 @@ class _Plan:
     moves: list[tuple[int, int, int]]
     prefill: list[_Request]
     decode: list[_Request]  # ordered by slot, slots 0..len-1
-
-
-def _int64(seed: int) -> int:
-    seed &= (1 << 64) - 1
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 class Engine:
@@ -129,7 +124,7 @@ class Engine:
             raise self._error
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        req = _Request(rid, list(input_ids), params, _int64(seed), frozenset(stop),
+        req = _Request(rid, list(input_ids), params, seed, frozenset(stop),
                        asyncio.get_running_loop().create_future())
         self._waiting.append(req)
         self._wake.set()
@@ -265,8 +260,8 @@ class Engine:
                 temperature=torch.tensor([r.params.temperature for r in reqs], device=device),
                 top_p=torch.tensor([r.params.top_p for r in reqs], device=device),
                 top_k=torch.tensor([r.params.top_k for r in reqs], device=device),
-                seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device),
-                positions=torch.tensor([len(r.input_ids) + len(r.output_ids) for r in reqs], device=device),
+                seeds=[r.seed for r in reqs],
+                positions=[len(r.input_ids) + len(r.output_ids) for r in reqs],
             )
         return tokens.tolist(), logprobs.tolist()
 

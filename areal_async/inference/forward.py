@@ -130,10 +130,11 @@ class BatchedForward:
         slot_of = torch.repeat_interleave(
             torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device)
         )
+        index = self.cache.token_index(slot_of, positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_norm(x), positions)
-            self.cache.write_tokens(i, slot_of, positions, k, v)
+            self.cache.write(i, index, k, v)
             outs, start = [], 0
             for n in lengths:  # attention never crosses sequences
                 qi, ki, vi = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
@@ -157,17 +158,21 @@ class BatchedForward:
         """
         batch = tokens.shape[0]
         length = int(positions.max()) + 1
-        slots = torch.arange(batch, device=self.device)
-        # [B, 1, 1, length] keep-mask: row b sees its own positions 0..positions[b]
-        mask = (torch.arange(length, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        groups = self.num_heads // self.num_kv_heads
+        index = self.cache.token_index(torch.arange(batch, device=self.device), positions)
+        # [B, 1, 1, length] additive mask: row b sees its own positions 0..positions[b]
+        hidden = torch.arange(length, device=self.device)[None, :] > positions[:, None]
+        bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(hidden, float("-inf"))
+        bias = bias[:, None, None, :]
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_norm(x), positions)
-            self.cache.write_tokens(i, slots, positions, k, v)
-            keys, values = self.cache.view(i, batch, length)
-            o = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
-            )
+            self.cache.write(i, index, k, v)
+            keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
+            # grouped-query attention without repeating K/V: [B, Hkv, G, D] @ [B, Hkv, D, length]
+            scores = torch.matmul(q.view(batch, self.num_kv_heads, groups, self.head_dim), keys_t)
+            probs = torch.softmax(scores.float() * self.scaling + bias, dim=-1).to(values.dtype)
+            o = torch.matmul(probs, values)  # [B, Hkv, G, D]
             x = x + layer.o_proj(o.reshape(batch, -1))
             x = self._mlp(layer, x)
         return self._logits(x)

@@ -1,8 +1,9 @@
 """Seeded, batch-invariant token sampling and the sampling parameters of one request.
 
 A request's randomness is a pure function of ``(sampling_seed, absolute position, vocab index)``:
-the Gumbel noise added to the scaled logits comes from a counter-based integer hash (splitmix64's
-finaliser, computed with wrapping ``int64`` torch ops), not from a stateful generator. So a
+the Gumbel noise added to the scaled logits at position p is drawn from a fresh Mersenne-Twister
+stream keyed by ``splitmix64(seed, p)``, entry i of the stream for vocab index i, never from a
+generator shared across requests. So a
 request's tokens do not depend on which other requests share its batch, and a request resubmitted
 as prompt + partial output with the same seed continues exactly as it would have uninterrupted.
 
@@ -18,9 +19,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # int64 views of splitmix64's constants
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_MASK64 = (1 << 64) - 1
 
 # SGLang sampling fields this engine accepts only at their neutral value.
 _NEUTRAL = {
@@ -90,35 +89,38 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return params
 
 
-def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+def _splitmix64(x: int) -> int:
+    """splitmix64 (Steele et al. 2014) of a Python int, as an unsigned 64-bit int."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on ``int64`` tensors (wrapping multiply = arithmetic mod 2**64)."""
-    x = x ^ _shr(x, 30)
-    x = x * _MIX1
-    x = x ^ _shr(x, 27)
-    x = x * _MIX2
-    return x ^ _shr(x, 31)
+def noise_key(seed: int, position: int) -> int:
+    """The 64-bit key of the noise row drawn for ``position`` of a request seeded ``seed``."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
 
 
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+def gumbel_noise(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Gumbel(0, 1) noise that is a pure function of (seed, position, vocab index).
 
+    Row b is the first ``vocab`` draws of a Mersenne-Twister stream seeded with
+    ``noise_key(seeds[b], positions[b])`` (uniforms clamped to ``[2**-25, 1)``), then
+    ``-log(-log(u))``; it does not depend on the other rows.
+
     Args:
-        seeds: ``[B] int64`` sampling seeds (any int64 bit pattern).
-        positions: ``[B] int64`` absolute position (0-based, prompt included) of the token drawn.
-        vocab: vocabulary size V.
+        seeds: B sampling seeds (ints); positions: B absolute positions (0-based, prompt included)
+            of the tokens being drawn; vocab: vocabulary size V.
     Returns:
-        ``[B, V] float32``; row b depends only on ``(seeds[b], positions[b])``.
+        ``[B, V] float32``.
     """
-    key = mix64(mix64(seeds * _GOLDEN + positions) + seeds)  # [B]
-    counters = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * _GOLDEN
-    bits = mix64(key[:, None] + counters[None, :])  # [B, V]
-    u = (_shr(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
-    return -torch.log(-torch.log(u))
+    u = torch.empty(len(seeds), vocab, dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device)
+    for row, (seed, position) in enumerate(zip(seeds, positions)):  # B small C calls, no per-token work
+        gen.manual_seed(noise_key(seed, position))
+        u[row].uniform_(generator=gen)
+    return u.clamp_(min=2.0**-25).log_().neg_().log_().neg_()
 
 
 def _filter_top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -138,8 +140,8 @@ def sample(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
+    seeds: list[int],
+    positions: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and its log-prob under ``log_softmax(logits / T)``.
 
@@ -147,23 +149,23 @@ def sample(
         logits: ``[B, V] float32`` next-token logits.
         temperature: ``[B] float32``; 0 ⇒ greedy.
         top_p: ``[B] float32`` in (0, 1]; top_k: ``[B] int64``, -1 ⇒ whole vocabulary.
-        seeds, positions: ``[B] int64`` — see ``gumbel_noise``.
+        seeds, positions: B ints each — see ``gumbel_noise``.
     Returns:
         tokens ``[B] int64`` and logprobs ``[B] float32``.
     """
     assert logits.dim() == 2 and logits.dtype == torch.float32, f"logits must be [B, V] float32, got {logits.shape} {logits.dtype}"
     greedy = temperature <= 0
-    scale = torch.where(greedy, 1.0, temperature)[:, None]
-    z = logits / scale
+    z = logits / torch.where(greedy, 1.0, temperature)[:, None]
     logprobs = torch.log_softmax(z, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
-    sampled_rows = (~greedy).nonzero().flatten()
-    if sampled_rows.numel():
-        zs = z[sampled_rows]
-        needs_filter = (top_k[sampled_rows] > 0) | (top_p[sampled_rows] < 1.0)
+    rows = [b for b, g in enumerate(greedy.tolist()) if not g]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        zs = logprobs[index]  # log_softmax(z) = z - const: same argmax, finite where z is
+        needs_filter = (top_k[index] > 0) | (top_p[index] < 1.0)
         if bool(needs_filter.any()):
-            rows = needs_filter.nonzero().flatten()
-            zs[rows] = _filter_top_k_top_p(zs[rows], top_k[sampled_rows][rows], top_p[sampled_rows][rows])
-        noise = gumbel_noise(seeds[sampled_rows], positions[sampled_rows], logits.shape[-1])
-        tokens[sampled_rows] = torch.argmax(zs + noise, dim=-1)
+            sub = needs_filter.nonzero().flatten()
+            zs[sub] = _filter_top_k_top_p(zs[sub], top_k[index][sub], top_p[index][sub])
+        zs += gumbel_noise([seeds[b] for b in rows], [positions[b] for b in rows], logits.shape[-1], logits.device)
+        tokens[index] = torch.argmax(zs, dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
