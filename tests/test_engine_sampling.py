@@ -1,0 +1,85 @@
+"""Seeded sampling: purity of the noise, greedy/top-k semantics, log-probs, parameter validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from areal_async.inference.sampling import SamplingParams, gumbel_noise, sample
+
+
+def _params(b: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1):
+    return torch.full((b,), temperature), torch.full((b,), top_p), torch.full((b,), top_k, dtype=torch.int64)
+
+
+def test_noise_row_depends_only_on_its_seed_and_position():
+    alone = gumbel_noise([7], [12], 50)
+    batched = gumbel_noise([3, 7, 7], [12, 12, 13], 50)
+    assert torch.equal(batched[1], alone[0])
+    assert not torch.equal(batched[0], alone[0])  # other seed
+    assert not torch.equal(batched[2], alone[0])  # other position
+
+
+def test_greedy_picks_argmax_and_reports_untempered_logprob():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, -1.0]])
+    t, p, k = _params(2, temperature=0.0)
+    tokens, logprobs = sample(logits, t, p, k, [1, 2], [5, 5])
+    assert tokens.tolist() == [1, 0]
+    expected = torch.log_softmax(logits, -1)[[0, 1], [1, 0]]
+    assert torch.allclose(logprobs, expected)
+
+
+def test_logprob_is_of_the_tempered_full_vocabulary_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 30)
+    t, p, k = _params(4, temperature=0.7, top_k=5)
+    tokens, logprobs = sample(logits, t, p, k, [1, 2, 3, 4], [0, 0, 0, 0])
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(logprobs, expected, atol=1e-6)
+    top5 = logits.topk(5, dim=-1).indices
+    assert all(tok in row for tok, row in zip(tokens.tolist(), top5.tolist()))
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    # probs [0.5, 0.3, 0.2]: top_p 0.6 keeps {0, 1} (mass before token 1 is 0.5 < 0.6, before 2 is 0.8)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(200, 1)
+    t, p, k = _params(200, top_p=0.6)
+    tokens, _ = sample(logits, t, p, k, list(range(200)), [0] * 200)
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_sampling_frequencies_follow_softmax():
+    # 4000 independent draws (distinct seeds) from softmax([0, 1, 2]) = [0.090, 0.245, 0.665]
+    n = 4000
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(n, 1)
+    t, p, k = _params(n)
+    tokens, _ = sample(logits, t, p, k, list(range(n)), [3] * n)
+    freq = torch.bincount(tokens, minlength=3).double() / n
+    target = torch.softmax(torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64), -1)
+    sigma = torch.sqrt(target * (1 - target) / n)
+    assert torch.all((freq - target).abs() < 4 * sigma), (freq, target)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"bogus": 1}, "unknown sampling_params field 'bogus'"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"stop": ["\n"]}, "stop"),
+    ],
+)
+def test_bad_sampling_params_are_rejected(raw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams.parse(raw)
+
+
+def test_sglang_defaults_and_neutral_fields_are_accepted():
+    params = SamplingParams.parse({"top_k": None, "min_p": 0.0, "skip_special_tokens": False, "stop": []})
+    assert params.max_new_tokens == 128 and params.top_k == -1 and not params.skip_special_tokens
+    assert math.isclose(params.temperature, 1.0)

@@ -1,0 +1,305 @@
+"""The embedded inference server over real HTTP: generation, log-probs, seeds, batching, flow
+control and weight updates (gloo broadcast and disk), with the tiny fp32 Llama / Qwen3 models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import aiohttp
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal_async import weight_group
+from areal_async.inference.server import InferenceServer, load_engine, serve
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@contextlib.asynccontextmanager
+async def running(model_dir, slots: int = 8, max_seq_len: int = 256):
+    engine, tokenizer = load_engine(str(model_dir), "float32", "cpu", slots, max_seq_len)
+    async with serve(InferenceServer(engine, tokenizer, str(model_dir))) as url, aiohttp.ClientSession() as http:
+        yield Api(url, http), engine
+
+
+class Api:
+    def __init__(self, url: str, http: aiohttp.ClientSession):
+        self.url, self.http = url, http
+
+    async def post(self, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+        async with self.http.post(self.url + path, json=body) as resp:
+            return resp.status, (await resp.json() if resp.content_type == "application/json" else await resp.text())
+
+    async def get(self, path: str) -> tuple[int, dict | str]:
+        async with self.http.get(self.url + path) as resp:
+            return resp.status, (await resp.json() if resp.content_type == "application/json" else await resp.text())
+
+    async def generate(self, ids: list[int], rid: str | None = None, **sampling) -> dict:
+        body = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True}
+        if rid is not None:
+            body["rid"] = rid
+        status, out = await self.post("/generate", body)
+        assert status == 200, out
+        return out
+
+
+def prompt_ids(model_dir, question: str = "How many apples are left?") -> list[int]:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def recompute_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """Trainer-side recompute: log_softmax(logits / T) of each output token, one HF forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def server_logprobs(resp: dict) -> torch.Tensor:
+    return torch.tensor([entry[0] for entry in resp["meta_info"]["output_token_logprobs"]])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def perturbed(model_dir, seed: int):
+    """The tiny model with every parameter moved by N(0, 0.3²) (its logits are near-flat, so a
+    small move would not change which tokens the fixed noise picks)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_generate_shapes_and_logprobs_match_trainer_recompute(arch, tiny_model_dir, tiny_qwen3_dir):
+    model_dir = tiny_model_dir if arch == "llama" else tiny_qwen3_dir
+    prompt = prompt_ids(model_dir)
+
+    async def main():
+        async with running(model_dir) as (api, _):
+            full = await api.generate(prompt, "r1", max_new_tokens=24, temperature=0.8, sampling_seed=3, ignore_eos=True)
+            # stop at the first occurrence of the 4th token: same seed ⇒ same prefix, then "stop"
+            stop_at = full["output_ids"].index(full["output_ids"][3])
+            stopped = await api.generate(prompt, max_new_tokens=24, temperature=0.8, sampling_seed=3,
+                                         ignore_eos=True, stop_token_ids=[full["output_ids"][3]])
+            return full, stop_at, stopped
+
+    full, stop_at, stopped = asyncio.run(main())
+    meta = full["meta_info"]
+    assert set(full) == {"text", "output_ids", "meta_info"} and isinstance(full["text"], str)
+    assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "length"}
+    assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 24 == len(full["output_ids"])
+    assert meta["weight_version"] == "0" and meta["cached_tokens"] == 0
+    assert [e[1] for e in meta["output_token_logprobs"]] == full["output_ids"]
+    assert all(e[2] is None for e in meta["output_token_logprobs"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = recompute_logprobs(model, prompt, full["output_ids"], 0.8)
+    assert torch.allclose(server_logprobs(full), expected, atol=1e-5, rtol=0), (server_logprobs(full) - expected).abs().max()
+    assert stopped["output_ids"] == full["output_ids"][: stop_at + 1]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": full["output_ids"][3]}
+
+
+def test_seeds_reproduce_and_differ(tiny_model_dir):
+    prompt = prompt_ids(tiny_model_dir)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, _):
+            kw = dict(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+            a = await api.generate(prompt, sampling_seed=11, **kw)
+            b = await api.generate(prompt, sampling_seed=11, **kw)
+            c = await api.generate(prompt, sampling_seed=12, **kw)
+            return a["output_ids"], b["output_ids"], c["output_ids"]
+
+    a, b, c = asyncio.run(main())
+    assert a == b
+    assert a != c
+
+
+def test_request_alone_equals_request_batched_with_others(tiny_model_dir):
+    prompt = prompt_ids(tiny_model_dir)
+    others = [prompt_ids(tiny_model_dir, f"Question number {i} about {'eggs ' * i}?") for i in range(1, 6)]
+    kw = dict(temperature=1.0, ignore_eos=True)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            alone = await api.generate(prompt, max_new_tokens=20, sampling_seed=5, **kw)
+            together = await asyncio.gather(
+                api.generate(prompt, max_new_tokens=20, sampling_seed=5, **kw),
+                *(api.generate(p, max_new_tokens=4 + 3 * i, sampling_seed=i, **kw) for i, p in enumerate(others)),
+            )
+            # join mid-flight: others are decoding (and finishing, so slots get compacted) when it arrives
+            early = [asyncio.create_task(api.generate(p, max_new_tokens=2 + 2 * i, sampling_seed=i, **kw))
+                     for i, p in enumerate(others)]
+            await engine.next_step()
+            late = await api.generate(prompt, max_new_tokens=20, sampling_seed=5, **kw)
+            await asyncio.gather(*early)
+            return alone, together[0], late
+
+    alone, together, late = asyncio.run(main())
+    assert together["output_ids"] == alone["output_ids"]
+    assert late["output_ids"] == alone["output_ids"]
+    assert torch.allclose(server_logprobs(together), server_logprobs(alone), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"input_ids": [], "sampling_params": {"max_new_tokens": 4}}, "input_ids is empty"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be >= 1"),
+        ({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 5}}, "exceeds the server's max_seq_len 64"),
+        ({"input_ids": [1, 10**6], "sampling_params": {}}, "outside the vocabulary"),
+        ({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}, "unknown sampling_params field 'temprature'"),
+        ({"sampling_params": {}}, "send 'input_ids'"),
+    ],
+)
+def test_bad_input_is_400_with_a_message(tiny_model_dir, body, message):
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, _):
+            return await api.post("/generate", body)
+
+    status, out = asyncio.run(main())
+    assert status == 400
+    assert message in out["error"]["message"]
+
+
+def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(tiny_model_dir):
+    prompt = prompt_ids(tiny_model_dir)
+    kw = dict(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            tasks = [asyncio.create_task(api.generate(prompt, sampling_seed=i, **kw)) for i in range(2)]
+            for _ in range(3):
+                await engine.next_step()
+            status, _ = await api.post("/pause_generation", {"mode": "abort"})
+            assert status == 200
+            aborted = await asyncio.gather(*tasks)
+            held = asyncio.create_task(api.generate(prompt, sampling_seed=9, max_new_tokens=5))
+            while not engine._waiting:  # the held request reached the engine's queue
+                await asyncio.sleep(0.005)
+            assert not held.done() and engine.num_running == 0
+            status, _ = await api.post("/continue_generation", {})
+            assert status == 200
+            return aborted, await held
+
+    aborted, held = asyncio.run(main())
+    for resp in aborted:
+        assert resp["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 3 <= len(resp["output_ids"]) < 200
+        assert len(resp["meta_info"]["output_token_logprobs"]) == len(resp["output_ids"])
+    assert held["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+
+
+def test_abort_request_by_rid_and_all(tiny_model_dir):
+    prompt = prompt_ids(tiny_model_dir)
+    kw = dict(temperature=1.0, ignore_eos=True)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            a = asyncio.create_task(api.generate(prompt, "a", max_new_tokens=200, sampling_seed=1, **kw))
+            b = asyncio.create_task(api.generate(prompt, "b", max_new_tokens=30, sampling_seed=2, **kw))
+            await engine.next_step()
+            status, out = await api.post("/abort_request", {"rid": "a"})
+            assert status == 200
+            first = await asyncio.gather(a, b)
+            c = asyncio.create_task(api.generate(prompt, "c", max_new_tokens=200, sampling_seed=3, **kw))
+            await engine.next_step()
+            await api.post("/abort_request", {"abort_all": True})
+            bad = await api.post("/abort_request", {})
+            return first, await c, bad
+
+    (a, b), c, bad = asyncio.run(main())
+    assert a["meta_info"]["finish_reason"]["type"] == "abort" and 1 <= len(a["output_ids"]) < 200
+    assert b["meta_info"]["finish_reason"]["type"] == "length" and len(b["output_ids"]) == 30
+    assert c["meta_info"]["finish_reason"]["type"] == "abort"
+    assert bad[0] == 400
+
+
+def test_weight_update_over_gloo_changes_outputs_and_version(tiny_model_dir):
+    prompt = prompt_ids(tiny_model_dir)
+    new = perturbed(tiny_model_dir, seed=1)
+    names = [n for n, _ in new.named_parameters()]
+    tensors = [p.detach().clone() for _, p in new.named_parameters()]
+    port = free_port()
+    kw = dict(max_new_tokens=12, temperature=1.0, sampling_seed=4, ignore_eos=True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with running(tiny_model_dir) as (api, _):
+            before = await api.generate(prompt, **kw)
+            # this test process is rank 0 (the trainer); the server joins as rank 1
+            host = loop.run_in_executor(None, weight_group.new_weight_group, "gloo", "127.0.0.1", port, 0, 2)
+            status, out = await api.post("/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "backend": "gloo", "group_name": "weight_update_group"})
+            assert status == 200 and out["success"], out
+            group = await host
+            send = loop.run_in_executor(None, weight_group.broadcast_, group, tensors)
+            status, out = await api.post("/update_weights_from_distributed", {
+                "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(t.shape) for t in tensors],
+                "group_name": "weight_update_group", "flush_cache": True, "weight_version": "1"})
+            await send
+            assert status == 200 and out["success"], out
+            version = await api.get("/get_weight_version")
+            after = await api.generate(prompt, **kw)
+            unknown = await api.post("/update_weights_from_distributed", {
+                "names": ["model.nope"], "dtypes": ["float32"], "shapes": [[1]], "weight_version": "2"})
+            return before, after, version, unknown
+
+    before, after, version, unknown = asyncio.run(main())
+    assert version == (200, {"weight_version": "1"})
+    assert after["meta_info"]["weight_version"] == "1"
+    assert after["output_ids"] != before["output_ids"]
+    expected = recompute_logprobs(new, prompt, after["output_ids"], 1.0)
+    assert torch.allclose(server_logprobs(after), expected, atol=1e-5, rtol=0)
+    assert unknown[0] == 400 and "unknown weight name 'model.nope'" in unknown[1]["message"]
+
+
+def test_weight_update_from_disk(tiny_model_dir, tmp_path):
+    prompt = prompt_ids(tiny_model_dir)
+    new = perturbed(tiny_model_dir, seed=2)
+    new.save_pretrained(tmp_path / "step2")
+    kw = dict(max_new_tokens=12, temperature=1.0, sampling_seed=4, ignore_eos=True)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, _):
+            before = await api.generate(prompt, **kw)
+            ok = await api.post("/update_weights_from_disk", {"model_path": str(tmp_path / "step2"), "weight_version": "2"})
+            missing = await api.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nothing")})
+            info = await api.get("/get_model_info")
+            return before, await api.generate(prompt, **kw), ok, missing, info
+
+    before, after, ok, missing, info = asyncio.run(main())
+    assert ok[0] == 200 and ok[1]["success"] and ok[1]["num_paused_requests"] == 0
+    assert missing[0] == 400 and not missing[1]["success"] and "no *.safetensors" in missing[1]["message"]
+    assert info[1]["weight_version"] == "2" and info[1]["is_generation"] is True
+    assert after["output_ids"] != before["output_ids"]
+    expected = recompute_logprobs(new, prompt, after["output_ids"], 1.0)
+    assert torch.allclose(server_logprobs(after), expected, atol=1e-5, rtol=0)
+
+
+def test_health_and_flush(tiny_model_dir):
+    async def main():
+        async with running(tiny_model_dir) as (api, _):
+            return [await api.get("/health"), await api.get("/health_generate"),
+                    await api.post("/flush_cache"), await api.get("/get_model_info")]
+
+    health, health_gen, flush, info = asyncio.run(main())
+    assert health[0] == health_gen[0] == flush[0] == 200
+    assert info[1]["model_path"] == str(tiny_model_dir)
