@@ -103,7 +103,7 @@ def test_generate_shapes_and_logprobs_match_trainer_recompute(arch, tiny_model_d
     full, stop_at, stopped = asyncio.run(main())
     meta = full["meta_info"]
     assert set(full) == {"text", "output_ids", "meta_info"} and isinstance(full["text"], str)
-    assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "length"}
+    assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "length", "length": 24}
     assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 24 == len(full["output_ids"])
     assert meta["weight_version"] == "0" and meta["cached_tokens"] == 0
     assert [e[1] for e in meta["output_token_logprobs"]] == full["output_ids"]

@@ -44,6 +44,15 @@ class ServerError(RuntimeError):
         self.url, self.status, self.message = url, status, message
 
 
+def _version(url: str, raw) -> int:
+    """Parse SGLang's string ``weight_version``; a non-integer (SGLang's default is "default") is an error."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ServerError(url, 200, f"weight_version {raw!r} is not an integer; start SGLang with "
+                                    "--weight-version 0 (a version that reports it in meta_info)") from None
+
+
 class InferenceClient:
     """Async client for one or more servers (``urls``: e.g. ``["http://127.0.0.1:30000"]``).
 
@@ -142,11 +151,10 @@ class InferenceClient:
             resp = await self._call(server, "POST", "/generate", payload)
             meta = resp["meta_info"]
             ids = list(resp["output_ids"])
-            if "weight_version" not in meta:
-                raise ServerError(self.urls[server], 200, "response has no meta_info.weight_version; SGLang too old")
+            version = _version(self.urls[server], meta.get("weight_version"))
             out.output_ids += ids
             out.logprobs += [float(entry[0]) for entry in meta["output_token_logprobs"]]
-            out.versions += [int(meta["weight_version"])] * len(ids)
+            out.versions += [version] * len(ids)
             remaining -= len(ids)
             reason = meta["finish_reason"]["type"]
             if reason != "abort":
@@ -179,7 +187,7 @@ class InferenceClient:
     # ---- info -----------------------------------------------------------------------------------
 
     async def get_weight_version(self, server: int) -> int:
-        return int((await self._call(server, "GET", "/get_weight_version"))["weight_version"])
+        return _version(self.urls[server], (await self._call(server, "GET", "/get_weight_version"))["weight_version"])
 
     async def get_model_info(self, server: int) -> dict:
         return await self._call(server, "GET", "/get_model_info")

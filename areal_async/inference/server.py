@@ -164,6 +164,8 @@ class InferenceServer:
         finish = {"type": c.finish_reason}
         if c.finish_reason == "stop":
             finish["matched"] = c.matched
+        elif c.finish_reason == "length":
+            finish["length"] = len(c.output_ids)
         elif c.finish_reason == "abort":
             finish["message"] = "aborted"
         meta = {

@@ -1,0 +1,190 @@
+"""InferenceClient: SGLang request shapes (against a recording server that answers with SGLang's
+response shapes), interruptible generation across a pause + weight update on the real embedded
+server, caller aborts, health waiting, and the server's command-line entry point."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from areal_async.inference.client import GenResult, InferenceClient, ServerError
+
+from test_server import free_port, prompt_ids, running
+
+# Recorded SGLang /generate response shapes (input_ids request, return_logprob=True).
+SGLANG_ABORTED = {
+    "text": " Two",
+    "output_ids": [7, 8],
+    "meta_info": {
+        "id": "q-0", "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+        "prompt_tokens": 3, "weight_version": "4", "completion_tokens": 2, "cached_tokens": 0,
+        "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]],
+    },
+}
+SGLANG_FINISHED = {
+    "text": " apples",
+    "output_ids": [9, 2],
+    "meta_info": {
+        "id": "q-0", "finish_reason": {"type": "stop", "matched": 2},
+        "prompt_tokens": 5, "weight_version": "5", "completion_tokens": 2, "cached_tokens": 5,
+        "output_token_logprobs": [[-1.0, 9, None], [-0.125, 2, None]],
+    },
+}
+GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid"}
+INIT_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "backend", "group_name"}
+UPDATE_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
+    seen: list[tuple[str, dict]] = []
+    replies = {"/generate": [SGLANG_ABORTED, SGLANG_FINISHED]}
+
+    async def record(request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        seen.append((request.path, body))
+        if request.path == "/generate":
+            return web.json_response(replies["/generate"].pop(0))
+        if request.path == "/get_weight_version":
+            return web.json_response({"weight_version": "5"})
+        return web.json_response({"success": True, "message": ""})
+
+    async def main():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with InferenceClient([f"http://127.0.0.1:{port}"]) as client:
+                sampling = {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 77}
+                result = await client.generate([1, 2, 3], sampling, "q-0")
+                await client.init_weights_update_group(0, "10.0.0.1", 29700, 1, 2, "gloo", "weight_update_group")
+                await client.update_weights_from_distributed(0, ["model.norm.weight"], ["bfloat16"], [(64,)], 5)
+                await client.update_weights_from_disk(0, "/ckpt/step5", 5)
+                await client.pause()
+                await client.resume()
+                return result, await client.get_weight_version(0)
+        finally:
+            await runner.cleanup()
+
+    result, version = asyncio.run(main())
+    assert result == GenResult([7, 8, 9, 2], [-0.5, -0.25, -1.0, -0.125], [4, 4, 5, 5], "stop")
+    assert version == 5
+    (p1, first), (p2, second), (p3, init), (p4, update), (p5, disk), (p6, pause), (p7, _), (p8, _) = seen
+    assert p1 == p2 == "/generate" and set(first) == set(second) == GENERATE_FIELDS
+    assert first["input_ids"] == [1, 2, 3] and first["sampling_params"]["max_new_tokens"] == 10
+    # the resubmission: prompt + partial output, remaining budget, same seed and rid
+    assert second["input_ids"] == [1, 2, 3, 7, 8] and second["rid"] == "q-0"
+    assert second["sampling_params"] == {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 77}
+    assert p3 == "/init_weights_update_group" and set(init) == INIT_GROUP_FIELDS and init["rank_offset"] == 1
+    assert p4 == "/update_weights_from_distributed" and set(update) == UPDATE_FIELDS
+    assert update["weight_version"] == "5" and update["shapes"] == [[64]] and update["dtypes"] == ["bfloat16"]
+    assert p5 == "/update_weights_from_disk" and disk == {"model_path": "/ckpt/step5", "weight_version": "5"}
+    assert (p6, pause) == ("/pause_generation", {"mode": "abort"}) and p7 == "/continue_generation"
+    assert p8 == "/get_weight_version"
+
+
+def test_interrupted_generation_resumes_and_reproduces_the_uninterrupted_output(tiny_model_dir, tmp_path):
+    prompt = prompt_ids(tiny_model_dir)
+    sampling = {"max_new_tokens": 60, "temperature": 1.0, "sampling_seed": 21, "ignore_eos": True}
+    # "new" weights = the same weights, so the continuation must reproduce the uninterrupted run
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).save_pretrained(tmp_path / "same")
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            async with InferenceClient([api.url]) as client:
+                plain = await client.generate(prompt, sampling, "plain")
+                task = asyncio.create_task(client.generate(prompt, sampling, "interrupted"))
+                for _ in range(5):
+                    await engine.next_step()
+                await client.pause()
+                await client.update_weights_from_disk(0, str(tmp_path / "same"), 1)
+                await client.resume()
+                return plain, await task
+
+    plain, interrupted = asyncio.run(main())
+    assert plain.finish_reason == interrupted.finish_reason == "length"
+    assert interrupted.output_ids == plain.output_ids
+    assert torch.allclose(torch.tensor(interrupted.logprobs), torch.tensor(plain.logprobs), atol=1e-5)
+    split = interrupted.versions.index(1)
+    assert 5 <= split < 60 and interrupted.versions == [0] * split + [1] * (60 - split)
+
+
+def test_caller_abort_ends_with_abort(tiny_model_dir):
+    prompt = prompt_ids(tiny_model_dir)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            async with InferenceClient([api.url]) as client:
+                task = asyncio.create_task(client.generate(prompt, {"max_new_tokens": 200, "ignore_eos": True}, "mine"))
+                await engine.next_step()
+                await client.abort("mine")
+                return await task
+
+    result = asyncio.run(main())
+    assert result.finish_reason == "abort" and 1 <= len(result.output_ids) < 200
+
+
+def test_unreachable_server_is_named():
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def main():
+        async with InferenceClient([url], max_retries=1, backoff_s=0.01) as client:
+            with pytest.raises(ConnectionError, match=url):
+                await client.wait_healthy(timeout_s=0.3)
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await client.get_model_info(0)
+
+    asyncio.run(main())
+
+
+def test_http_errors_raise_server_error_with_the_message(tiny_model_dir):
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=32) as (api, _):
+            async with InferenceClient([api.url]) as client:
+                with pytest.raises(ServerError, match="exceeds the server's max_seq_len 32"):
+                    await client.generate([1] * 30, {"max_new_tokens": 8}, "long")
+
+    asyncio.run(main())
+
+
+def test_server_entry_point_serves_and_stops_on_sigterm(tiny_model_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(tiny_model_dir),
+           "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "128",
+           "--threads", "1", "--weight-version", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        async def main():
+            async with InferenceClient([f"http://127.0.0.1:{port}"]) as client:
+                await client.wait_healthy(timeout_s=60)
+                out = await client.generate([5, 6, 7], {"max_new_tokens": 3, "temperature": 0}, "cli")
+                return out, await client.get_weight_version(0)
+
+        out, version = asyncio.run(main())
+        assert len(out.output_ids) <= 3 and out.versions == [3] * len(out.output_ids) and version == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
