@@ -157,8 +157,11 @@ def sample(
     greedy = temperature <= 0
     z = logits / torch.where(greedy, 1.0, temperature)[:, None]
     logprobs = torch.log_softmax(z, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
     rows = [b for b, g in enumerate(greedy.tolist()) if not g]
+    if len(rows) < len(logits):  # some rows are greedy
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        tokens = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
     if rows:
         index = torch.tensor(rows, device=logits.device)
         zs = logprobs[index]  # log_softmax(z) = z - const: same argmax, finite where z is
