@@ -68,7 +68,7 @@ class InferenceClient:
             raise ValueError("InferenceClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
-        self._session: aiohttp.ClientSession | None = None
+        self._http_pool: aiohttp.ClientSession | None = None
         self._next_server = itertools.cycle(range(len(self.urls)))
         self._aborted: set[str] = set()
 
@@ -79,17 +79,17 @@ class InferenceClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http_pool is not None:
+            await self._http_pool.close()
+            self._http_pool = None
 
     def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:  # created lazily: a session belongs to the running loop
-            self._session = aiohttp.ClientSession(
+        if self._http_pool is None:  # created lazily: an aiohttp ClientSession is bound to the running loop
+            self._http_pool = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                 connector=aiohttp.TCPConnector(limit=0),  # concurrency is bounded by the caller
             )
-        return self._session
+        return self._http_pool
 
     async def _call(self, server: int, method: str, path: str, payload: dict | None = None):
         url = self.urls[server] + path
