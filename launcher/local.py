@@ -38,8 +38,6 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
             "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
             "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
             "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads)]
-    if mode == "deterministic":
-        argv.append("--enable-deterministic-inference")
     return argv
 
 
@@ -49,7 +47,9 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
     argv = [PY, "-m", "sglang.launch_server", "--model-path", model.path, "--host", cfg.host,
             "--port", str(port), "--dtype", model.dtype,
             "--max-running-requests", str(cfg.max_running_requests),
-            "--context-length", str(cfg.max_seq_len)]
+            "--context-length", str(cfg.max_seq_len),
+            # The client needs integer versions; SGLang's default weight version is "default".
+            "--weight-version", "0"]
     if mode == "deterministic":
         argv.append("--enable-deterministic-inference")
     return argv + list(cfg.sglang_args)

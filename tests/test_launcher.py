@@ -71,8 +71,11 @@ def test_server_command_lines():
     assert server_urls(cfg.inference) == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     emb = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, "deterministic", 1)
     assert emb[1:3] == ["-m", "areal_async.inference.server"]
-    assert "--enable-deterministic-inference" in emb and emb[emb.index("--port") + 1] == "31001"
+    assert emb[emb.index("--port") + 1] == "31001"
     sgl = SERVER_ARGV["sglang"](cfg.inference, cfg.model, 31000, "throughput", 1)
     assert sgl[1:3] == ["-m", "sglang.launch_server"]
     assert "--enable-deterministic-inference" not in sgl and sgl[-2:] == ["--tp", "1"]
+    assert sgl[sgl.index("--weight-version") + 1] == "0"
+    det = SERVER_ARGV["sglang"](cfg.inference, cfg.model, 31000, "deterministic", 1)
+    assert "--enable-deterministic-inference" in det
     assert sgl[sgl.index("--model-path") + 1] == cfg.model.path
