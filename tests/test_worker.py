@@ -241,3 +241,49 @@ def test_evaluate_greedy_pass_at_1(tokenizer, rewards):
     assert sorted(req["rid"] for _, req in fake.requests) == [f"eval-{j}" for j in range(5)]
     assert all(req["sampling_params"]["temperature"] == 0.0 for _, req in fake.requests)
     assert all(server == int(req["rid"][5:]) % 2 for server, req in fake.requests)
+
+
+def test_worker_cli_exit_codes(tiny_model_dir, tokenizer, tmp_path):
+    """``python -m areal_async.rollout.worker``: exit 0 once the queue closes; non-zero with the
+    traceback when a server fails."""
+    import sys
+
+    import yaml
+
+    async def run_cli(fail_rid: str | None) -> tuple[int, str, list]:
+        fake = FakeSGLang(tokenizer)
+        fake.fail_rid = fail_rid
+        runners, urls = await start_fakes(fake, 1)
+        queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=0, max_concurrent=4),
+                            "deterministic")
+        _, qserver = await serve(queue, "127.0.0.1", 0)
+        cfg = {
+            "seed": SEED, "mode": "deterministic", "model": {"path": str(tiny_model_dir)},
+            "data": {"max_prompt_len": 400},
+            "inference": {"base_port": int(urls[0].rsplit(":", 1)[1]), "num_servers": 1,
+                          "max_seq_len": 512, "startup_timeout_s": 30},
+            "rollout": {"n_samples": 2, "max_new_tokens": 16},
+            "queue": {"port": qserver.sockets[0].getsockname()[1], "batch_size": 2,
+                      "max_staleness": 0},
+        }
+        path = tmp_path / f"config-{fail_rid}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "areal_async.rollout.worker", "--config", str(path),
+            "--worker-id", "0", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        batch = []
+        if fail_rid is None:
+            batch = await queue.get_batch(0)
+            await queue.close()
+        out, err = await proc.communicate()
+        qserver.close()
+        for r in runners:
+            await r.cleanup()
+        return proc.returncode, out.decode() + err.decode(), batch
+
+    rc, log, batch = asyncio.run(asyncio.wait_for(run_cli(None), timeout=200))
+    assert rc == 0, log
+    assert [t.group_id for t in batch] == [0, 1] and "queue closed: " in log
+    assert "prompts kept" in log
+    rc, log, _ = asyncio.run(asyncio.wait_for(run_cli("g1-s0"), timeout=200))
+    assert rc != 0 and "ServerError" in log and "HTTP 500" in log, log

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import multiprocessing.connection
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,26 +78,39 @@ class _Proc:
         self.proc.start()
         child.close()
         self.ready = False
+        self.killed = False
 
     def call(self, fn: RewardFn, response: str, gold: str, timeout_s: float) -> tuple[str, object]:
-        """Blocking: ``("ok", float)`` | ``("error", str)`` | ``("timeout", None)``."""
+        """Blocking (runs in a thread): ``("ok", float)`` | ``("error", str)`` |
+        ``("timeout", None)``."""
         try:
             if not self.ready:
-                if not self.conn.poll(STARTUP_TIMEOUT_S):
-                    return "error", f"reward process did not start in {STARTUP_TIMEOUT_S} s"
+                if not self._wait(STARTUP_TIMEOUT_S):
+                    return "error", f"reward process not ready within {STARTUP_TIMEOUT_S} s"
                 self.conn.recv()
                 self.ready = True
             self.conn.send((fn, response, gold))
-            if not self.conn.poll(timeout_s):
+            if not self._wait(timeout_s):
                 return "timeout", None
             return self.conn.recv()
-        except (EOFError, OSError) as exc:  # the process died (crash, OOM kill)
+        except (EOFError, OSError) as exc:  # the process died (crash, OOM kill, kill())
             return "error", f"reward process died: {exc!r}"
 
+    def _wait(self, timeout_s: float) -> bool:
+        """Wait for a message in 50 ms slices, so that ``kill()`` from the event loop ends the
+        wait promptly whatever happens to the pipe. False on timeout or kill."""
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.05):
+            if self.killed or time.monotonic() > deadline:
+                return False
+        return not self.killed
+
     def kill(self) -> None:
+        """Kill the process. The pipe is left to the garbage collector: closing it here could
+        hand its descriptor number to a new pipe while a thread still polls it."""
+        self.killed = True
         self.proc.kill()
         self.proc.join()
-        self.conn.close()
 
 
 class RewardPool:
