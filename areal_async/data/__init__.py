@@ -3,12 +3,14 @@
 Adding a task is one line here: ``TASKS["name"] = module.load`` (see ``data.task.Task``).
 """
 
+from areal_async.data.arith import load_arith
 from areal_async.data.gsm8k import load_gsm8k
 from areal_async.data.prompts import PromptItem, PromptSet
 from areal_async.data.task import Task, TaskLoader, build_messages
 
 TASKS: dict[str, TaskLoader] = {
     "gsm8k": load_gsm8k,
+    "arith": load_arith,
 }
 
 

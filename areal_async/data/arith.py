@@ -1,0 +1,136 @@
+"""Generated small-number arithmetic: the CPU quickstart task.
+
+Plain GSM8K gives SmolLM2-135M-Instruct an all-zero reward (no ``\\boxed{}`` answers, no right
+ones), so GRPO has no gradient. This task is easy enough for that model to get a mixed reward
+within a group of samples at temperature 1.0, with headroom to improve (measured with
+``tools/measure_task.py``; numbers in the README). Three kinds of question, all with an integer
+answer:
+
+    add   "What is a + b?"       0 <= a, b < 30          (900 problems)
+    sub   "What is a - b?"       0 <= b <= a < 40        (820 problems)
+    sum3  "What is a + b + c?"   0 <= a, b, c < 10       (1000 problems)
+
+Every distinct problem is enumerated once and shuffled with ``seed`` (``random.Random``, so the
+dataset is a pure function of the seed). From each kind, the first ``TEST_PER_KIND`` shuffled
+problems form the test split and the next ``DEMOS_PER_KIND`` are the few-shot pool; the rest are
+the training split, so train, test and demonstrations are disjoint. Items are interleaved kind by
+kind (add, sub, sum3, add, ...) while every kind lasts, so a prefix of the test split (what
+evaluation reads) covers all kinds evenly.
+
+Prompt: a system turn, ``data.few_shot`` demonstrations as earlier chat turns (one kind after
+another) whose answers end in ``\\boxed{N}``, then the question; the gold is the integer as a
+string, scored by the ``"math"`` reward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import msgspec
+
+from areal_async.config import DataConfig
+from areal_async.data.task import build_messages
+
+SYSTEM = "You are a helpful assistant. Put the final answer in \\boxed{}."
+INSTRUCTION = "Put the final answer in \\boxed{}."
+DATASET_SEED = 0  # the dataset is fixed; the run seed only orders it (data.prompts)
+TEST_PER_KIND = 100
+DEMOS_PER_KIND = 4
+KINDS = ("add", "sub", "sum3")
+
+
+class ArithItem(msgspec.Struct, frozen=True):
+    """One problem: the operands (left to right) and the operator; ``-`` has two operands."""
+
+    kind: str
+    operands: tuple[int, ...]
+
+    @property
+    def op(self) -> str:
+        return "-" if self.kind == "sub" else "+"
+
+    @property
+    def answer(self) -> int:
+        first, *rest = self.operands
+        return first - sum(rest) if self.kind == "sub" else first + sum(rest)
+
+    @property
+    def expression(self) -> str:
+        return f" {self.op} ".join(map(str, self.operands))
+
+    def question(self) -> str:
+        return f"What is {self.expression}?"
+
+    def demo_answer(self) -> str:
+        return f"{self.expression} = {self.answer}. The answer is \\boxed{{{self.answer}}}."
+
+
+def _enumerate(kind: str) -> list[ArithItem]:
+    if kind == "add":
+        pairs = itertools.product(range(30), repeat=2)
+    elif kind == "sub":
+        pairs = ((a, b) for a in range(40) for b in range(a + 1))
+    elif kind == "sum3":
+        pairs = itertools.product(range(10), repeat=3)
+    else:
+        raise ValueError(f"unknown arithmetic kind '{kind}'; choose one of {KINDS}")
+    return [ArithItem(kind, tuple(p)) for p in pairs]
+
+
+def _interleave(lists: list[list[ArithItem]]) -> list[ArithItem]:
+    out = []
+    for row in itertools.zip_longest(*lists):
+        out.extend(x for x in row if x is not None)
+    return out
+
+
+def generate_splits(seed: int = DATASET_SEED) -> dict[str, list[ArithItem]]:
+    """The ``train``, ``test`` and ``demos`` lists: disjoint, a pure function of ``seed``."""
+    splits: dict[str, list[list[ArithItem]]] = {"train": [], "test": [], "demos": []}
+    for k, kind in enumerate(KINDS):
+        items = _enumerate(kind)
+        random.Random(seed * len(KINDS) + k).shuffle(items)
+        cut = TEST_PER_KIND + DEMOS_PER_KIND
+        splits["test"].append(items[:TEST_PER_KIND])
+        splits["demos"].append(items[TEST_PER_KIND:cut])
+        splits["train"].append(items[cut:])
+    return {name: _interleave(lists) for name, lists in splits.items()}
+
+
+class ArithTask:
+    """Arithmetic items with ``few_shot`` demonstrations; scored by ``"math"``."""
+
+    name = "arith"
+    reward_fn = "math"
+
+    def __init__(self, items: list[ArithItem], demos: list[ArithItem] = ()):
+        self.items = items
+        self._demos = [(d.question(), d.demo_answer()) for d in demos]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def messages(self, i: int) -> list[dict[str, str]]:
+        return build_messages(self.items[i].question(), self._demos, system=SYSTEM,
+                              instruction=INSTRUCTION)
+
+    def gold(self, i: int) -> str:
+        return str(self.items[i].answer)
+
+
+def load_arith(cfg: DataConfig, split: str) -> ArithTask:
+    """The ``split`` ("train" | "test") of the arithmetic task with ``cfg.few_shot`` demos.
+
+    ``cfg.train_path`` / ``cfg.test_path`` are not read: the data is generated.
+
+    Raises:
+        ValueError: unknown split, or ``few_shot`` outside ``0..len(KINDS) * DEMOS_PER_KIND``.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split '{split}' is not 'train' or 'test'")
+    splits = generate_splits(DATASET_SEED)
+    if not 0 <= cfg.few_shot <= len(splits["demos"]):
+        raise ValueError(f"data.few_shot must be in 0..{len(splits['demos'])} for task 'arith', "
+                         f"got {cfg.few_shot}")
+    return ArithTask(splits[split], splits["demos"][: cfg.few_shot])
