@@ -104,7 +104,7 @@ class TrainerConfig(_Cfg):
     adam_betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     max_tokens_per_mb: int = 4096
-    logit_chunk_tokens: int = 1024
+    logit_chunk_tokens: int = 256
     parallel: Literal["fsdp2", "ddp"] = "fsdp2"
     device: str = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
