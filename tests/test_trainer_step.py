@@ -46,7 +46,8 @@ def make_trajectories(vocab: int, seed: int = 0) -> list[Trajectory]:
     return trajs
 
 
-def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, parallel: str) -> None:
+def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, parallel: str,
+              device_type: str = "cpu", dtype: str = "float32") -> None:
     import torch.distributed as dist
 
     from areal_async.trainer.parallel import build_policy, full_state_dict, hf_model
@@ -54,13 +55,17 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, p
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
     try:
-        cfg = TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6, parallel=parallel)
-        policy = build_policy(model_dir, cfg, torch.device("cpu"))
+        cfg = TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6, parallel=parallel, dtype=dtype)
+        policy = build_policy(model_dir, cfg, device)
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
         vocab = int(hf_model(policy).config.vocab_size)
-        metrics = train_step(policy, optimizer, make_trajectories(vocab), AlgoConfig(), cfg, 1.0, torch.device("cpu"))
+        metrics = train_step(policy, optimizer, make_trajectories(vocab), AlgoConfig(), cfg, 1.0, device)
         state = full_state_dict(policy)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, out_path)
@@ -74,9 +79,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2") -> dict:
-    out = tmp_path / f"out-{world}-{parallel}.pt"
-    mp.start_processes(_run_rank, args=(world, _free_port(), str(model_dir), str(out), parallel),
+def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2", device_type: str = "cpu",
+           dtype: str = "float32") -> dict:
+    out = tmp_path / f"out-{world}-{parallel}-{device_type}-{dtype}.pt"
+    mp.start_processes(_run_rank, args=(world, _free_port(), str(model_dir), str(out), parallel, device_type, dtype),
                        nprocs=world, join=True, start_method="spawn")
     return torch.load(out)
 
@@ -106,3 +112,21 @@ def test_ddp_matches_fsdp2(tiny_model_dir, tmp_path):
     ddp = _train(2, tiny_model_dir, tmp_path, "ddp")
     for k, v in fsdp["state"].items():
         torch.testing.assert_close(ddp["state"][k], v, rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.gpu
+def test_two_gpus_nccl_match_one_gpu(tiny_model_dir, tmp_path):
+    # fp32 on CUDA (packed attention falls back to per-sequence sdpa); then a bf16 run (varlen).
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    one = _train(1, tiny_model_dir, tmp_path, device_type="cuda")
+    two = _train(2, tiny_model_dir, tmp_path, device_type="cuda")
+    for k, v in one["state"].items():
+        torch.testing.assert_close(two["state"][k], v, rtol=0, atol=1e-5, msg=k)
+    bf16 = _train(2, tiny_model_dir, tmp_path, device_type="cuda", dtype="bfloat16")
+    from safetensors.torch import load_file
+
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert bf16["metrics"]["train/grad_norm"] > 0
+    assert not torch.equal(bf16["state"]["model.layers.0.self_attn.q_proj.weight"].float(),
+                           before["model.layers.0.self_attn.q_proj.weight"])
