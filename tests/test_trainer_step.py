@@ -130,3 +130,31 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_dir, tmp_path):
     assert bf16["metrics"]["train/grad_norm"] > 0
     assert not torch.equal(bf16["state"]["model.layers.0.self_attn.q_proj.weight"].float(),
                            before["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_ppo_minibatches_recompute_prox(tiny_model_dir):
+    # Two minibatches (groups 0–1, then 2–3), one AdamW update each. The second minibatch's
+    # π_prox is recomputed before the first update, so there π_θ ≠ π_prox: the mean ratio over
+    # the whole step moves away from 1, while with one minibatch it is exactly 1.
+    from transformers import AutoModelForCausalLM
+
+    from areal_async.trainer.attention import use_packed_attention
+    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    results = {}
+    for n in (1, 2):
+        lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        use_packed_attention(lm)
+        policy = PackedPolicy(lm)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+        results[n] = train_step(policy, optimizer, make_trajectories(lm.config.vocab_size),
+                                AlgoConfig(ppo_minibatches=n), TrainerConfig(max_tokens_per_mb=24), 1.0,
+                                torch.device("cpu"))
+    assert results[1]["train/ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(results[2]["train/ratio"] - 1.0) > 1e-4
+    assert results[2]["train/approx_kl"] > 0
+    with pytest.raises(ValueError, match="ppo_minibatches"):
+        train_step(policy, optimizer, make_trajectories(300), AlgoConfig(ppo_minibatches=5), TrainerConfig(), 1.0,
+                   torch.device("cpu"))
