@@ -107,7 +107,7 @@ class TrainerConfig(_Cfg):
     logit_chunk_tokens: int = 256
     parallel: Literal["fsdp2", "ddp"] = "fsdp2"
     device: str = "auto"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; master weights stay fp32
     weight_sync: Literal["distributed", "disk"] = "distributed"
     weight_sync_port: int = 29700
     weight_bucket_bytes: int = 256 * 1024 * 1024

@@ -48,14 +48,23 @@ class PackedPolicy(torch.nn.Module):
     the root parameters (embeddings, final norm, LM head) around the whole computation, including
     the chunked head that bypasses the HF model's own ``forward``. ``self.lm`` is the HF model:
     its decoder is ``lm.model`` and its head ``lm.lm_head`` (Llama/Qwen families).
+    ``autocast_dtype`` (e.g. bf16) runs the forward under ``torch.autocast`` (mixed precision
+    without FSDP2; FSDP2 casts parameters itself).
     """
 
-    def __init__(self, lm: torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.lm = lm
+        self.autocast_dtype = autocast_dtype
 
     def forward(self, batch: PackedBatch, temperature: float = 1.0, chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
         """See ``packed_logprobs``."""
+        if self.autocast_dtype is not None:
+            with torch.autocast(batch.input_ids.device.type, dtype=self.autocast_dtype):
+                return self._forward(batch, temperature, chunk_tokens)
+        return self._forward(batch, temperature, chunk_tokens)
+
+    def _forward(self, batch: PackedBatch, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
         assert temperature >= 0, f"temperature must be >= 0, got {temperature}"
         assert chunk_tokens >= 1, f"chunk_tokens must be >= 1, got {chunk_tokens}"
         temperature = temperature if temperature > 0 else 1.0

@@ -88,10 +88,10 @@ async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
 
 
 def save_checkpoint(cfg: Config, policy, run_dir: pathlib.Path) -> None:
-    """Collective: gather the weights; rank 0 writes ``RUN_DIR/checkpoint`` (trainer dtype)."""
+    """Collective: gather the weights; rank 0 writes ``RUN_DIR/checkpoint`` (fp32 master weights)."""
     state = full_state_dict(policy)
     if state is not None:
-        save_hf_checkpoint(state, cfg.model.path, run_dir / "checkpoint", _DTYPES[cfg.trainer.dtype])
+        save_hf_checkpoint(state, cfg.model.path, run_dir / "checkpoint", torch.float32)
 
 
 def check_config(cfg: Config) -> None:
