@@ -105,6 +105,8 @@ def check_config(cfg: Config) -> None:
 
 async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     check_config(cfg)
+    if cfg.mode == "deterministic":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA init)
     device = init_distributed(cfg.trainer.device)
     rank, t = dist.get_rank(), cfg.trainer
     torch.manual_seed(cfg.seed)
