@@ -63,7 +63,8 @@ class Services:
         from areal_async.rollout.eval import evaluate
 
         e = self.cfg.eval
-        self.logger.log(step, await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts, e.max_new_tokens))
+        result = await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts, e.max_new_tokens)
+        self.logger.log(step, result)
 
     async def server_version(self) -> int:
         return min([await self.client.get_weight_version(i) for i in range(self.cfg.inference.num_servers)])
@@ -135,7 +136,8 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                 if services:
                     await services.queue.set_version(k + 1)
             if services:
-                metrics |= batch_metrics(trajs, k, timer.seconds["step_s"]) | queue_metrics(await services.queue.stats())
+                metrics |= batch_metrics(trajs, k, timer.seconds["step_s"])
+                metrics |= queue_metrics(await services.queue.stats())
                 metrics |= perf_metrics(timer.seconds, metrics["train/tokens"])
                 metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version()}
                 services.logger.log(k, metrics)

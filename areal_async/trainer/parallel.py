@@ -51,7 +51,8 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> torch.device:
     else:
         dev = torch.device("cpu")
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None)
     return dev
 
 
@@ -85,7 +86,8 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device) -> P
     policy = PackedPolicy(lm, autocast_dtype=None if compute_dtype == torch.float32 else compute_dtype)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return policy
-    return torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    device_ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(policy, device_ids=device_ids)
 
 
 def hf_model(policy: torch.nn.Module) -> torch.nn.Module:

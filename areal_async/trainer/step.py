@@ -84,7 +84,8 @@ def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device) -> tuple
         one = torch.zeros(1, device=device)
         return pack_sequences([[0]]).to(device), {"behav_logp": one, "loss_mask": one.bool(), "advantages": one}
     batch = pack_sequences([seqs[i].ids for i in idx]).to(device)
-    fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]).to(device) for k in ("behav_logp", "loss_mask", "advantages")}
+    keys = ("behav_logp", "loss_mask", "advantages")
+    fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]).to(device) for k in keys}
     return batch, fields
 
 
@@ -147,7 +148,8 @@ def train_step(
         dist.all_reduce(sums)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     stats = dict(zip(STAT_KEYS + ("entropy",), sums.cpu().tolist()))
-    stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=float(sum(len(s.ids) for s in seqs)))
+    tokens = float(sum(len(s.ids) for s in seqs))
+    stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=tokens)
     return {f"train/{k}": v for k, v in stats.items()}
 
 
