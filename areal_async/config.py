@@ -116,8 +116,14 @@ class TrainerConfig(_Cfg):
 
 
 class RewardConfig(_Cfg):
-    """Verifiable reward: +``correct`` / ``wrong`` (sequence level), computed in a process pool."""
+    """Verifiable reward: +``correct`` / ``wrong`` (sequence level), computed in a process pool.
 
+    ``fn`` replaces the task's own reward function: a registered name (``math``) or an import
+    path ``package.module:function`` of a top-level ``fn(response, gold) -> float``; empty keeps
+    the task's.
+    """
+
+    fn: str = ""
     correct: float = 5.0
     wrong: float = -5.0
     format_bonus: float = 0.0

@@ -88,3 +88,15 @@ def test_pool_scales_and_counts_failures():
 
 def test_registry_has_math():
     assert REWARD_FNS["math"] is math_reward
+
+
+def test_reward_fn_by_import_path_and_errors():
+    from areal_async.reward.pool import resolve_reward_fn
+
+    fn = resolve_reward_fn("tests.parity_reward:even_length")
+    assert fn("ab", "") == 1.0 and fn("abc", "") == 0.0
+    assert resolve_reward_fn("math") is math_reward
+    with pytest.raises(ValueError, match="registered: \\['math'\\]"):
+        resolve_reward_fn("maths")
+    with pytest.raises(ValueError, match="does not import"):
+        resolve_reward_fn("tests.parity_reward:missing")

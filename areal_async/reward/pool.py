@@ -15,6 +15,7 @@ the response has a non-empty ``\\boxed{}``.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import time
@@ -31,6 +32,27 @@ RewardFn = Callable[[str, str], float]
 REWARD_FNS: dict[str, RewardFn] = {"math": math_reward}
 
 STARTUP_TIMEOUT_S = 120.0  # a spawned process imports torch-free modules only; generous on 2 cores
+
+
+def resolve_reward_fn(fn: str | RewardFn) -> RewardFn:
+    """A reward function from a ``REWARD_FNS`` name, a ``module:function`` path, or itself.
+
+    Raises:
+        ValueError: unknown name, or an import path that does not import (names the fix).
+    """
+    if callable(fn):
+        return fn
+    if fn in REWARD_FNS:
+        return REWARD_FNS[fn]
+    module, sep, attr = fn.partition(":")
+    if not sep:
+        raise ValueError(f"unknown reward function '{fn}'; registered: {sorted(REWARD_FNS)}, "
+                         f"or give an import path 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward function '{fn}' does not import ({exc}); the module must be "
+                         f"importable from the working directory or PYTHONPATH") from None
 
 
 class RewardResult(msgspec.Struct, frozen=True):
@@ -121,7 +143,7 @@ class RewardPool:
             the moment a process takes the call), ``num_procs``.
 
     Raises:
-        ValueError: ``num_procs < 1`` or ``timeout_s <= 0``.
+        ValueError: ``num_procs < 1``, ``timeout_s <= 0``, or ``cfg.fn`` does not resolve.
     """
 
     def __init__(self, cfg: RewardConfig):
@@ -129,6 +151,7 @@ class RewardPool:
             raise ValueError(f"reward.num_procs ({cfg.num_procs}) must be >= 1 and "
                              f"reward.timeout_s ({cfg.timeout_s}) > 0")
         self._cfg = cfg
+        self._fn = resolve_reward_fn(cfg.fn) if cfg.fn else None
         self._ctx = mp.get_context("spawn")
         self._procs = [_Proc(self._ctx) for _ in range(cfg.num_procs)]
         self._idle: asyncio.Queue[_Proc] | None = None
@@ -147,10 +170,7 @@ class RewardPool:
         Raises:
             ValueError: ``fn`` is an unknown name (lists the registered ones).
         """
-        if isinstance(fn, str):
-            if fn not in REWARD_FNS:
-                raise ValueError(f"unknown reward function '{fn}'; registered: {sorted(REWARD_FNS)}")
-            fn = REWARD_FNS[fn]
+        fn = self._fn or resolve_reward_fn(fn)
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first call, or a new event loop (the old one is done)
             self._loop, self._idle = loop, asyncio.Queue()
