@@ -17,7 +17,7 @@ from aiohttp import web
 
 from areal_async.inference.client import GenResult, InferenceClient, ServerError
 
-from test_server import free_port, prompt_ids, running
+from tests.test_server import free_port, prompt_ids, running
 
 # Recorded SGLang /generate response shapes (input_ids request, return_logprob=True).
 SGLANG_ABORTED = {

@@ -16,7 +16,7 @@ from areal_async.config import QueueConfig
 from areal_async.queue.client import QueueClient
 from areal_async.queue.core import QueueClosed, ReplayQueue
 from areal_async.queue.server import serve
-from test_queue_core import _settle, traj
+from tests.test_queue_core import _settle, traj
 
 
 def test_two_clients_end_to_end(tmp_path):

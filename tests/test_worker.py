@@ -23,7 +23,7 @@ from areal_async.reward.pool import RewardPool
 from areal_async.rollout.eval import evaluate
 from areal_async.rollout.worker import GenerationWorker
 from areal_async.types import sample_seed
-from test_queue_core import _settle
+from tests.test_queue_core import _settle
 
 SEED = 11
 N_SAMPLES = 3
