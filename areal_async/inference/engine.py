@@ -13,7 +13,10 @@ executor thread (torch releases the GIL), so the HTTP server stays responsive. E
 Requests join and leave between steps. Weight swaps, pause and abort also happen between steps:
 the step holds ``_step_lock``; a weight update takes it before copying tensors in. The decode batch
 is whatever is running, so a request's logits can differ from its solo run in the last bits (the
-matmul blocking depends on B); its sampling noise never does (see ``sampling.py``).
+matmul blocking depends on B) unless the forward is batch-invariant (``BatchedForward(...,
+batch_invariant=True)``, deterministic mode); its sampling noise never does (see ``sampling.py``).
+``jitter`` (tests only) sleeps a random delay before each step, so which requests share a step
+changes from run to run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from ..jitter import Jitter
 from .forward import BatchedForward
 from .sampling import SamplingParams, sample
 
@@ -76,6 +80,7 @@ class Engine:
         eos_token_ids: the model's end-of-sequence ids (stop unless ``ignore_eos``).
         max_prefill_tokens: prompt tokens admitted per step (at least one request is always admitted).
         weight_version: initial policy version.
+        jitter: random delay before each step (``debug.jitter_ms``); ``None``: none.
     """
 
     def __init__(
@@ -84,8 +89,10 @@ class Engine:
         eos_token_ids: set[int],
         max_prefill_tokens: int = 4096,
         weight_version: int = 0,
+        jitter: Jitter | None = None,
     ):
         self.forward = forward
+        self._jitter = jitter
         self.max_running = forward.cache.num_slots
         self.max_seq_len = forward.cache.max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -193,6 +200,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                if self._jitter is not None and (self._waiting or self._running):
+                    await self._jitter()  # injected timing noise: changes who shares the next step
                 plan = self._plan()
                 if plan is None:
                     self._wake.clear()

@@ -17,6 +17,13 @@ their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module on
 
 Logits are computed only for the positions that sample (the last prompt token, each decode token)
 and returned in float32. Not supported: sliding-window attention, MoE, biases on ``o_proj``.
+
+**Batch-invariant mode** (``batch_invariant=True``, the server's ``--enable-deterministic-inference``):
+every projection and the LM head run through ``batch_invariant.tiled_linear`` (fixed row blocks),
+and decode attention runs request by request over that request's own cache length (instead of
+one masked batched matmul over the longest row, whose reduction length depends on the others).
+Prefill attention is per sequence in both modes. A request's logits are then bitwise the same
+whatever else shares the step.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..batch_invariant import tiled_linear
 from .kv_cache import KVCache
 
 
@@ -71,13 +79,15 @@ class BatchedForward:
         model: an HF ``*ForCausalLM`` (Llama family or Qwen3), in eval mode, on its device.
         max_slots: KV-cache slots (the most requests running at once).
         max_seq_len: prompt + output tokens per request.
+        batch_invariant: compute so that each request's logits do not depend on the batch (slower).
     """
 
-    def __init__(self, model: nn.Module, max_slots: int, max_seq_len: int):
+    def __init__(self, model: nn.Module, max_slots: int, max_seq_len: int, batch_invariant: bool = False):
         cfg = model.config
         if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "num_experts", 0):
             raise ValueError(f"model type '{cfg.model_type}' uses sliding windows or experts; not supported")
         self.model = model
+        self.batch_invariant = batch_invariant
         core = model.model
         self.embed, self.final_norm, self.lm_head = core.embed_tokens, core.norm, model.lm_head
         self.layers = [_Layer(layer) for layer in core.layers]
@@ -98,7 +108,7 @@ class BatchedForward:
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
         """Projections, q/k norms and RoPE for ``h: [T, hidden]`` → q ``[T, H, D]``, k, v ``[T, Hkv, D]``."""
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+        qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :nq].view(-1, self.num_heads, self.head_dim)
         k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, self.head_dim)
@@ -108,13 +118,17 @@ class BatchedForward:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return tiled_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(layer.post_norm(x), layer.gate_up_w, layer.gate_up_b)
+        gate_up = self._linear(layer.post_norm(x), layer.gate_up_w, layer.gate_up_b)
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + layer.down_proj(layer.act(gate) * up)
+        down = layer.down_proj
+        return x + self._linear(layer.act(gate) * up, down.weight, down.bias)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.final_norm(h)).float()
+        return self._linear(self.final_norm(h), self.lm_head.weight, self.lm_head.bias).float()
 
     @torch.inference_mode()
     def prefill(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
@@ -141,7 +155,7 @@ class BatchedForward:
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scaling, enable_gqa=True)
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
                 start += n
-            x = x + layer.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+            x = x + self._linear(torch.cat(outs) if len(outs) > 1 else outs[0], layer.o_proj.weight)
             x = self._mlp(layer, x)
         last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         return self._logits(x[last])
@@ -164,18 +178,35 @@ class BatchedForward:
         hidden = torch.arange(length, device=self.device)[None, :] > positions[:, None]
         bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(hidden, float("-inf"))
         bias = bias[:, None, None, :]
+        lengths = (positions + 1).tolist() if self.batch_invariant else []
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_norm(x), positions)
             self.cache.write(i, index, k, v)
-            keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
-            # grouped-query attention without repeating K/V: [B, Hkv, G, D] @ [B, Hkv, D, length]
-            scores = torch.matmul(q.view(batch, self.num_kv_heads, groups, self.head_dim), keys_t)
-            probs = torch.softmax(scores.float() * self.scaling + bias, dim=-1).to(values.dtype)
-            o = torch.matmul(probs, values)  # [B, Hkv, G, D]
-            x = x + layer.o_proj(o.reshape(batch, -1))
+            q = q.view(batch, self.num_kv_heads, groups, self.head_dim)
+            if self.batch_invariant:
+                o = self._decode_attention_per_request(i, q, lengths)
+            else:
+                keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
+                # grouped-query attention without repeating K/V: [B, Hkv, G, D] @ [B, Hkv, D, length]
+                scores = torch.matmul(q, keys_t)
+                probs = torch.softmax(scores.float() * self.scaling + bias, dim=-1).to(values.dtype)
+                o = torch.matmul(probs, values)  # [B, Hkv, G, D]
+            x = x + self._linear(o.reshape(batch, -1), layer.o_proj.weight)
             x = self._mlp(layer, x)
         return self._logits(x)
+
+    def _decode_attention_per_request(self, layer: int, q: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Batch-invariant decode attention: ``q [B, Hkv, G, D]`` → ``[B, Hkv, G, D]``, row b over
+        exactly its own ``lengths[b]`` cached positions (no masked padding, so the reductions of
+        row b have a length that depends on row b only)."""
+        outs = []
+        for b, n in enumerate(lengths):
+            keys_t, values = self.cache.view(layer, b + 1, n)
+            scores = torch.matmul(q[b : b + 1], keys_t[b : b + 1])  # [1, Hkv, G, n]
+            probs = torch.softmax(scores.float() * self.scaling, dim=-1).to(values.dtype)
+            outs.append(torch.matmul(probs, values[b : b + 1]))
+        return torch.cat(outs)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF name → parameter/buffer, tied aliases included (``lm_head.weight``)."""

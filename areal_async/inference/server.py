@@ -1,7 +1,12 @@
 """The embedded inference server: SGLang's HTTP endpoints (same JSON shapes) over ``Engine``.
 
 Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--dtype bfloat16]
-[--device cpu] [--max-running-requests 32] [--max-seq-len 1024] [--threads N] [--weight-version 0]``.
+[--device cpu] [--max-running-requests 32] [--max-seq-len 1024] [--threads N] [--weight-version 0]
+[--enable-deterministic-inference] [--debug-jitter-ms MS --debug-jitter-seed S]``.
+
+``--enable-deterministic-inference`` (as SGLang's flag) makes the forward batch-invariant: a
+request's tokens and log-probs do not depend on which other requests share its decode steps.
+``--debug-jitter-ms`` sleeps a seeded random delay before each engine step (determinism tests).
 
 Implemented subset (see SGLANG_API.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
 no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
@@ -26,6 +31,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from .. import weight_group
+from ..jitter import Jitter
 from .engine import Completion, Engine
 from .forward import BatchedForward, check_weight_names
 from .sampling import SamplingParams
@@ -41,8 +47,12 @@ def load_engine(
     max_seq_len: int = 1024,
     max_prefill_tokens: int = 4096,
     weight_version: int = 0,
+    deterministic: bool = False,
+    jitter: Jitter | None = None,
 ):
     """Load an HF causal-LM directory into an ``Engine``; returns ``(engine, tokenizer)``.
+
+    ``deterministic``: batch-invariant forward (see ``forward.py``); ``jitter``: per-step delays.
 
     Raises:
         ValueError: unknown dtype, or an unsupported architecture.
@@ -64,8 +74,8 @@ def load_engine(
         pass
     for ids in sources:
         eos.update([ids] if isinstance(ids, int) else (ids or []))
-    forward = BatchedForward(model, max_running_requests, max_seq_len)
-    return Engine(forward, eos, max_prefill_tokens, weight_version), tokenizer
+    forward = BatchedForward(model, max_running_requests, max_seq_len, batch_invariant=deterministic)
+    return Engine(forward, eos, max_prefill_tokens, weight_version, jitter), tokenizer
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -319,6 +329,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant forward: results independent of the other requests")
+    p.add_argument("--debug-jitter-ms", type=float, default=0.0, help="random delay before each step")
+    p.add_argument("--debug-jitter-seed", type=int, default=0)
+    p.add_argument("--debug-jitter-stream", type=int, default=0, help="e.g. the server index")
     return p.parse_args(argv)
 
 
@@ -327,11 +342,14 @@ async def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    jitter = Jitter(args.debug_jitter_ms, args.debug_jitter_seed, "server", args.debug_jitter_stream)
     engine, tokenizer = load_engine(args.model_path, args.dtype, args.device, args.max_running_requests,
-                                    args.max_seq_len, args.max_prefill_tokens, args.weight_version)
+                                    args.max_seq_len, args.max_prefill_tokens, args.weight_version,
+                                    args.enable_deterministic_inference, jitter if jitter.enabled else None)
     server = InferenceServer(engine, tokenizer, args.model_path)
     async with serve(server, args.host, args.port) as url:
-        print(f"inference server on {url} ({args.model_path}, {args.dtype}, {args.device})", flush=True)
+        mode = "deterministic" if args.enable_deterministic_inference else "throughput"
+        print(f"inference server on {url} ({args.model_path}, {args.dtype}, {args.device}, {mode})", flush=True)
         await _wait_for_stop(server)
 
 
