@@ -25,25 +25,33 @@ import urllib.request
 
 import msgspec
 
-from areal_async.config import Config, InferenceConfig, ModelConfig, dump_config, load_config
+from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
+                                load_config)
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
 
 
 def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
-                         threads: int) -> list[str]:
-    """Command line of one embedded inference server (flags mirror sglang.launch_server)."""
+                         threads: int, debug: DebugConfig = DebugConfig()) -> list[str]:
+    """Command line of one embedded inference server (flags mirror sglang.launch_server);
+    ``debug.jitter_ms`` becomes a per-step delay, seeded by ``jitter_seed`` and the port."""
     argv = [PY, "-m", "areal_async.inference.server", "--model-path", model.path,
             "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
             "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
             "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads)]
+    if mode == "deterministic":
+        argv.append("--enable-deterministic-inference")
+    if debug.jitter_ms > 0:
+        argv += ["--debug-jitter-ms", str(debug.jitter_ms), "--debug-jitter-seed",
+                 str(debug.jitter_seed), "--debug-jitter-stream", str(port)]
     return argv
 
 
 def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
-                       threads: int) -> list[str]:
-    """Command line of one real SGLang server (``python -m sglang.launch_server``)."""
+                       threads: int, debug: DebugConfig = DebugConfig()) -> list[str]:
+    """Command line of one real SGLang server (``python -m sglang.launch_server``); SGLang has
+    no step jitter, so ``debug`` is ignored."""
     argv = [PY, "-m", "sglang.launch_server", "--model-path", model.path, "--host", cfg.host,
             "--port", str(port), "--dtype", model.dtype,
             "--max-running-requests", str(cfg.max_running_requests),
@@ -56,6 +64,16 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
 
 
 SERVER_ARGV = {"embedded": embedded_server_argv, "sglang": sglang_server_argv}
+
+def _nccl_env(cfg: Config) -> dict[str, str]:
+    """Deterministic mode: one NCCL algorithm and protocol, so collectives (the trainer's
+    all-reduce, the weight broadcast) reduce in a fixed order. Values already set win."""
+    if cfg.mode != "deterministic":
+        return {}
+    return {"NCCL_ALGO": os.environ.get("NCCL_ALGO", "Ring"),
+            "NCCL_PROTO": os.environ.get("NCCL_PROTO", "Simple"),
+            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
+
 
 def server_urls(cfg: InferenceConfig) -> list[str]:
     """``http://host:port`` of each server; server i listens on ``base_port + i``."""
@@ -113,7 +131,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     make_argv = SERVER_ARGV[inf.backend]
     for i, url in enumerate(server_urls(inf)):
         sup.start(f"server{i}", make_argv(inf, cfg.model, inf.base_port + i, cfg.mode,
-                                          server_threads))
+                                          server_threads, cfg.debug), env=_nccl_env(cfg))
     for url in server_urls(inf):
         _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
                     inf.startup_timeout_s)
@@ -128,7 +146,8 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.trainer.nproc),
          "--master-port", str(cfg.trainer.master_port), "-m", "areal_async.trainer.main",
          "--config", config_path],
-        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(trainer_threads))},
+        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(trainer_threads)),
+             **_nccl_env(cfg)},
         echo=True, expect_exit=True,
     )
     for w in range(cfg.rollout.num_workers):

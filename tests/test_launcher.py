@@ -7,7 +7,7 @@ import time
 import pytest
 
 from areal_async.config import load_config
-from launcher.local import SERVER_ARGV, server_urls
+from launcher.local import SERVER_ARGV, _nccl_env, server_urls
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -72,6 +72,9 @@ def test_server_command_lines():
     emb = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, "deterministic", 1)
     assert emb[1:3] == ["-m", "areal_async.inference.server"]
     assert emb[emb.index("--port") + 1] == "31001"
+    assert "--enable-deterministic-inference" in emb and "--debug-jitter-ms" not in emb
+    emb_tp = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, "throughput", 1)
+    assert "--enable-deterministic-inference" not in emb_tp
     sgl = SERVER_ARGV["sglang"](cfg.inference, cfg.model, 31000, "throughput", 1)
     assert sgl[1:3] == ["-m", "sglang.launch_server"]
     assert "--enable-deterministic-inference" not in sgl and sgl[-2:] == ["--tp", "1"]
@@ -79,3 +82,14 @@ def test_server_command_lines():
     det = SERVER_ARGV["sglang"](cfg.inference, cfg.model, 31000, "deterministic", 1)
     assert "--enable-deterministic-inference" in det
     assert sgl[sgl.index("--model-path") + 1] == cfg.model.path
+
+
+def test_jitter_flags_and_deterministic_env():
+    cfg = load_config(None, ["mode=deterministic", "debug.jitter_ms=5", "debug.jitter_seed=7"])
+    emb = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, cfg.mode, 1, cfg.debug)
+    flags = dict(zip(emb[emb.index("--debug-jitter-ms")::2], emb[emb.index("--debug-jitter-ms") + 1::2]))
+    assert flags == {"--debug-jitter-ms": "5.0", "--debug-jitter-seed": "7", "--debug-jitter-stream": "31001"}
+    env = _nccl_env(cfg)
+    if "NCCL_ALGO" not in os.environ:
+        assert env["NCCL_ALGO"] == "Ring" and env["NCCL_PROTO"] == "Simple"
+    assert _nccl_env(load_config(None, ["mode=throughput"])) == {}

@@ -8,7 +8,8 @@ Listens on ``queue.host:queue.port`` (port 0 picks a free one) and prints one re
 unanswered calls are cancelled (a lease granted to a vanished client stays ``running`` — the
 launcher stops the whole job when a worker dies). When the trainer closes the queue, and again
 at shutdown, the counters and every group's state are written to
-``RUN_DIR/queue_accounting.json``. The process runs until SIGTERM/SIGINT (exit 0); an internal
+``RUN_DIR/queue_accounting.json``. With ``debug.jitter_ms`` every request waits a seeded random
+delay before it reaches the queue (determinism tests). The process runs until SIGTERM/SIGINT (exit 0); an internal
 error (a broken invariant) ends it with status 1 and the traceback.
 """
 
@@ -26,6 +27,7 @@ import traceback
 import msgspec
 
 from areal_async.config import load_config
+from areal_async.jitter import Jitter
 from areal_async.queue import protocol as p
 from areal_async.queue.core import QueueClosed, ReplayQueue
 
@@ -36,10 +38,13 @@ class QueueServer:
     Args:
         queue: the state machine.
         accounting_path: where ``write_accounting`` puts the JSON snapshot (``None``: nowhere).
+        jitter: random delay before each request is dispatched (``None``: none).
     """
 
-    def __init__(self, queue: ReplayQueue, accounting_path: pathlib.Path | None = None):
+    def __init__(self, queue: ReplayQueue, accounting_path: pathlib.Path | None = None,
+                 jitter: Jitter | None = None):
         self.queue = queue
+        self.jitter = jitter
         self.accounting_path = accounting_path
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         self._decoder = msgspec.msgpack.Decoder(p.Request)
@@ -70,6 +75,8 @@ class QueueServer:
 
     async def _answer(self, req: p.Request, writer: asyncio.StreamWriter, lock: asyncio.Lock):
         try:
+            if self.jitter is not None:
+                await self.jitter()  # injected timing noise: reorders concurrent queue calls
             reply = await self._dispatch(req)
         except ValueError as exc:
             reply = p.Error(rid=req.rid, kind="ValueError", message=str(exc))
@@ -122,10 +129,11 @@ class QueueServer:
 
 
 async def serve(queue: ReplayQueue, host: str, port: int,
-                accounting_path: pathlib.Path | None = None) -> tuple[QueueServer, asyncio.Server]:
+                accounting_path: pathlib.Path | None = None,
+                jitter: Jitter | None = None) -> tuple[QueueServer, asyncio.Server]:
     """Start serving ``queue`` on ``host:port``; returns the handler and the listening server
     (``server.sockets[0].getsockname()[1]`` is the port when ``port`` was 0)."""
-    handler = QueueServer(queue, accounting_path)
+    handler = QueueServer(queue, accounting_path, jitter)
     server = await asyncio.start_server(handler.handle, host, port)
     return handler, server
 
@@ -134,8 +142,9 @@ async def main(config_path: str, start_version: int) -> int:
     cfg = load_config(config_path)
     run_dir = pathlib.Path(config_path).resolve().parent
     queue = ReplayQueue(cfg.queue, cfg.mode, start_version=start_version)
+    jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "queue")
     handler, server = await serve(queue, cfg.queue.host, cfg.queue.port,
-                                  run_dir / "queue_accounting.json")
+                                  run_dir / "queue_accounting.json", jitter if jitter.enabled else None)
     port = server.sockets[0].getsockname()[1]
     print(f"replay queue ready on {cfg.queue.host}:{port} (mode {cfg.mode}, "
           f"B = {cfg.queue.batch_size}, η = {cfg.queue.max_staleness})", flush=True)
