@@ -141,15 +141,21 @@ class EvalConfig(_Cfg):
 
 
 class LoggingConfig(_Cfg):
-    """wandb (offline by default), ``metrics.jsonl`` and console progress."""
+    """wandb (offline by default), ``metrics.jsonl`` and console progress.
+
+    ``dump_trajectories``: the trainer appends every batch it takes to ``RUN_DIR/trajectories.jsonl``.
+    """
 
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "areal-async"
     log_every: int = 1
+    dump_trajectories: bool = False
 
 
 class DebugConfig(_Cfg):
-    """Fault and timing injection used by the determinism tests."""
+    """Timing injection used by the determinism tests: a uniform random delay of up to
+    ``jitter_ms`` before worker requests, engine steps, queue operations and the trainer's
+    batch/version calls, seeded by ``jitter_seed`` (see ``areal_async/jitter.py``)."""
 
     jitter_ms: float = 0.0
     jitter_seed: int = 0

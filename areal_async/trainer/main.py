@@ -5,8 +5,16 @@ replay queue, the inference servers, the metrics logger and the evaluator, and h
 to the other ranks over the default group. Per step k: take batch k → one decoupled-PPO step →
 [deterministic: wait until every group of version ≤ k has finished] → make version k+1 live on
 the servers → announce it to the queue → log → checkpoint. The run directory is the directory of
-the config file. Any exception ends the process with its traceback and a non-zero status
-(torchrun then stops the other ranks, the launcher the job).
+the config file.
+
+Deterministic mode additionally: every rank checks each batch against the id/seed/version
+contract (``contract.check_batch``, a violation raises), the model's linears compute in fixed row
+tiles (``batch_invariant``), ``torch.use_deterministic_algorithms(True)``, and on CUDA
+``CUBLAS_WORKSPACE_CONFIG`` plus ``NCCL_ALGO=Ring`` / ``NCCL_PROTO=Simple`` (fixed all-reduce
+order) unless already set. ``logging.dump_trajectories`` makes rank 0 append every batch to
+``RUN_DIR/trajectories.jsonl``; ``debug.jitter_ms`` sleeps a seeded random delay before taking a
+batch and before announcing a version. Any exception ends the process with its traceback and a
+non-zero status (torchrun then stops the other ranks, the launcher the job).
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from areal_async.config import Config, load_config, to_dict
+from areal_async.jitter import Jitter
+from areal_async.trainer.contract import check_batch, dump_batch
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
@@ -106,14 +116,18 @@ def check_config(cfg: Config) -> None:
 
 async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     check_config(cfg)
-    if cfg.mode == "deterministic":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA init)
+    deterministic = cfg.mode == "deterministic"
+    if deterministic:  # before CUDA / NCCL initialise
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        os.environ.setdefault("NCCL_PROTO", "Simple")
     device = init_distributed(cfg.trainer.device)
     rank, t = dist.get_rank(), cfg.trainer
     torch.manual_seed(cfg.seed)
-    if cfg.mode == "deterministic":
+    if deterministic:
         torch.use_deterministic_algorithms(True)
-    policy = build_policy(cfg.model.path, t, device)
+    policy = build_policy(cfg.model.path, t, device, batch_invariant=deterministic)
+    jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "trainer", rank)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
     async with contextlib.AsyncExitStack() as stack:
         services = await Services(cfg, run_dir, stack).start() if rank == 0 else None
@@ -121,19 +135,29 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
         await sender.setup()
         if services and cfg.eval.at_start:
             await services.evaluate(0)
+        dump = (run_dir / "trajectories.jsonl").open("w") if services and cfg.logging.dump_trajectories else None
+        if dump:
+            stack.callback(dump.close)
         for k in range(t.total_steps):
             timer = Timer()
             with timer("step_s"):
                 with timer("gen_s"):
+                    await jitter()
                     trajs = await next_batch(services, k)
+                if deterministic:
+                    q = cfg.queue
+                    check_batch(trajs, k, q.batch_size, q.max_staleness, cfg.seed, cfg.rollout.n_samples)
+                if dump:
+                    dump_batch(dump, k, trajs)
                 with timer("train_s"):
                     metrics = train_step(policy, optimizer, trajs, cfg.algo, t, cfg.rollout.temperature, device)
-                if services and cfg.mode == "deterministic":
+                if services and deterministic:
                     with timer("gen_s"):
                         await services.queue.wait_drained(k)
                 with timer("weight_sync_s"):
                     await sender.send(k + 1)
                 if services:
+                    await jitter()
                     await services.queue.set_version(k + 1)
             if services:
                 metrics |= batch_metrics(trajs, k, timer.seconds["step_s"])

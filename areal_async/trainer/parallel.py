@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from areal_async.batch_invariant import make_linears_batch_invariant
 from areal_async.config import TrainerConfig
 from areal_async.trainer.attention import use_packed_attention
 from areal_async.trainer.logprobs import PackedPolicy
@@ -64,15 +65,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device) -> PackedPolicy | torch.nn.Module:
+def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
+                 batch_invariant: bool = False) -> PackedPolicy | torch.nn.Module:
     """Load the HF model in fp32, switch it to packed attention and shard/replicate it, computing
-    in ``cfg.dtype``.
+    in ``cfg.dtype``. ``batch_invariant`` (deterministic mode): every linear computes in fixed row
+    tiles, so a sequence's log-probs do not depend on what else is packed with it.
 
     Every rank loads the full checkpoint (small models; a meta-device init would avoid that).
     """
     lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     lm.config.use_cache = False
     use_packed_attention(lm)
+    if batch_invariant:
+        make_linears_batch_invariant(lm)
     compute_dtype = _DTYPES[cfg.dtype]
     if cfg.parallel == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -1,0 +1,67 @@
+"""The deterministic-mode contract on every batch the trainer takes (DESIGN.md, "Determinism").
+
+``check_batch`` raises ``ContractViolation`` when batch k of a deterministic run breaks one of:
+
+- its groups are exactly ``[k*B, (k+1)*B)``, in id order;
+- every sample of group g has index i (``0..n-1``, in order) and seed ``sample_seed(seed, g, i)``;
+- every output token of group g was produced by version ``v(g) = max(0, floor(g/B) - η)``
+  (``max(v(g), start_version)`` after a resume from ``start_version``).
+
+A violation is a bug in the queue, a worker or a server, never a condition to log and skip.
+``dump_batch`` writes the deterministic content of a batch as one JSON line (token ids,
+behaviour log-probs as exact float repr, rewards, versions, seeds) for run-to-run comparison.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO
+
+from areal_async.queue.staleness import group_version
+from areal_async.types import Trajectory, sample_seed
+
+
+class ContractViolation(AssertionError):
+    """A deterministic-mode batch broke the id/seed/version contract."""
+
+
+def check_batch(trajs: list[Trajectory], step: int, batch_size: int, max_staleness: int,
+                run_seed: int, n_samples: int, start_version: int = 0) -> None:
+    """Raise ``ContractViolation`` naming the first broken rule of batch ``step``.
+
+    Args:
+        trajs: the batch as the queue returned it.
+        step: k; batch_size: B; max_staleness: η; run_seed: the run's ``seed``;
+        n_samples: samples per group; start_version: version a resumed run started from.
+    """
+    ids = [t.group_id for t in trajs]
+    expected = list(range(step * batch_size, (step + 1) * batch_size))
+    if ids != expected:
+        raise ContractViolation(f"batch {step} holds groups {ids}, the contract says {expected}")
+    for traj in trajs:
+        g = traj.group_id
+        want_v = max(group_version(g, batch_size, max_staleness), start_version)
+        if [s.index for s in traj.samples] != list(range(n_samples)):
+            raise ContractViolation(f"group {g} has sample indices {[s.index for s in traj.samples]}")
+        for s in traj.samples:
+            if s.seed != sample_seed(run_seed, g, s.index):
+                raise ContractViolation(f"sample ({g}, {s.index}) has seed {s.seed}, "
+                                        f"expected {sample_seed(run_seed, g, s.index)}")
+            versions = set(s.versions.tolist())
+            if versions - {want_v}:
+                raise ContractViolation(f"sample ({g}, {s.index}) has tokens of versions "
+                                        f"{sorted(versions)}; v(g) = {want_v}")
+
+
+def dump_batch(out: IO[str], step: int, trajs: list[Trajectory]) -> None:
+    """Append batch ``step`` to ``out`` as one JSON line (no timing or worker fields)."""
+    groups = [{
+        "group_id": t.group_id, "data_index": t.data_index, "prompt_ids": t.prompt_ids.tolist(),
+        "samples": [{
+            "index": s.index, "seed": s.seed, "output_ids": s.output_ids.tolist(),
+            "behav_logprobs": s.behav_logprobs.tolist(), "versions": s.versions.tolist(),
+            "finish_reason": s.finish_reason, "reward": s.reward, "correct": s.correct,
+        } for s in t.samples],
+    } for t in trajs]
+    out.write(json.dumps({"step": step, "groups": groups}) + "\n")
+    out.flush()
