@@ -229,3 +229,31 @@ def test_resume_restarts_accepted_at_v_times_b():
         assert [t.group_id for t in await q.get_batch(3)] == [6, 7]
 
     asyncio.run(body())
+
+
+def test_resume_with_restored_buffer_continues_like_an_unbroken_run():
+    async def body():
+        # Unbroken run, B = 2, η = 1, checkpoint after step 2: wait_drained(2) leaves groups 6, 7
+        # (v = 2) ready; peek_ready((2 + 1 + 1) * 2) is what the trainer saves.
+        q = make("deterministic", b=2, eta=1, conc=16)
+        for step in range(3):
+            ids = await q.lease(0, 16)
+            for g in ids:
+                await q.submit(traj(g))
+            await q.get_batch(step)
+            await q.wait_drained(step)
+            saved = await q.peek_ready((step + 2) * 2)
+            await q.set_version(step + 1)
+        assert [t.group_id for t in saved] == [6, 7]
+        assert q.stats().ready == 2  # peeking consumed nothing
+        r = ReplayQueue(QueueConfig(batch_size=2, max_staleness=1, max_concurrent=16),
+                        "deterministic", start_version=3, restored=saved)
+        s = r.stats()
+        # accepted = 6 + 2 restored: capacity min(16, (1 + 3 + 1) * 2 - 8) = 2, the groups of v = 3.
+        assert (s.accepted, s.capacity, s.ready, s.leased) == (8, 2, 2, 2)
+        assert await r.lease(0, 16) == [8, 9]
+        assert [t.group_id for t in await r.get_batch(3)] == [6, 7]
+        with pytest.raises(ValueError, match="must be exactly"):
+            ReplayQueue(QueueConfig(batch_size=2, max_staleness=1), "deterministic", 3, saved[1:])
+
+    asyncio.run(body())

@@ -97,6 +97,10 @@ class QueueClient:
         """Block until every group with ``v(g) <= version`` has finished."""
         await self._call(p.WaitDrained, version=version)
 
+    async def peek_ready(self, below: int) -> list[Trajectory]:
+        """Ready groups with id ``< below`` (not consumed), sorted by id."""
+        return (await self._call(p.PeekReady, below=below)).trajectories
+
     async def stats(self) -> QueueStats:
         """A snapshot of the queue's counters."""
         return (await self._call(p.GetStats)).stats

@@ -59,7 +59,11 @@ class Close(_Msg):
     pass
 
 
-Request = Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close
+class PeekReady(_Msg):
+    below: int
+
+
+Request = Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close | PeekReady
 
 
 # ---- replies (queue → client) --------------------------------------------------------------

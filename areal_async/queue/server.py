@@ -1,6 +1,7 @@
 """The replay queue as an asyncio TCP service (one ``ReplayQueue`` behind msgpack frames).
 
     python -m areal_async.queue.server --config RUN_DIR/config.yaml [--start-version V]
+        [--restore RUN_DIR/checkpoint/buffer.msgpack]
 
 Listens on ``queue.host:queue.port`` (port 0 picks a free one) and prints one ready line,
 ``replay queue ready on HOST:PORT``. Each request runs as its own task, so a blocked ``lease`` or
@@ -30,6 +31,7 @@ from areal_async.config import load_config
 from areal_async.jitter import Jitter
 from areal_async.queue import protocol as p
 from areal_async.queue.core import QueueClosed, ReplayQueue
+from areal_async.types import Trajectory
 
 
 class QueueServer:
@@ -108,6 +110,8 @@ class QueueServer:
                 await q.set_version(req.version)
             case p.WaitDrained():
                 await q.wait_drained(req.version)
+            case p.PeekReady():
+                return p.Batch(rid=rid, trajectories=await q.peek_ready(req.below))
             case p.GetStats():
                 return p.Stats(rid=rid, stats=q.stats())
             case p.Close():
@@ -138,10 +142,12 @@ async def serve(queue: ReplayQueue, host: str, port: int,
     return handler, server
 
 
-async def main(config_path: str, start_version: int) -> int:
+async def main(config_path: str, start_version: int, restore: str | None = None) -> int:
     cfg = load_config(config_path)
     run_dir = pathlib.Path(config_path).resolve().parent
-    queue = ReplayQueue(cfg.queue, cfg.mode, start_version=start_version)
+    restored = (msgspec.msgpack.decode(pathlib.Path(restore).read_bytes(), type=list[Trajectory])
+                if restore else [])
+    queue = ReplayQueue(cfg.queue, cfg.mode, start_version=start_version, restored=restored)
     jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "queue")
     handler, server = await serve(queue, cfg.queue.host, cfg.queue.port,
                                   run_dir / "queue_accounting.json", jitter if jitter.enabled else None)
@@ -171,8 +177,10 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's resolved config.yaml")
     parser.add_argument("--start-version", type=int, default=0,
                         help="version already trained (resume): batches restart at this step")
+    parser.add_argument("--restore", default=None,
+                        help="msgpack list of ready trajectories saved with the checkpoint")
     args = parser.parse_args(argv)
-    return uvloop.run(main(args.config, args.start_version))
+    return uvloop.run(main(args.config, args.start_version, args.restore))
 
 
 if __name__ == "__main__":
