@@ -112,6 +112,7 @@ class TrainerConfig(_Cfg):
     weight_sync_port: int = 29700
     weight_bucket_bytes: int = 256 * 1024 * 1024
     checkpoint_every: int = 0
+    resume: bool = False  # start from RUN_DIR/checkpoint (set by ``launcher.local --resume``)
     master_port: int = 29500
 
 

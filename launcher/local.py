@@ -1,6 +1,6 @@
 """Run a whole training job on one machine: servers, queue, workers and trainer as subprocesses.
 
-    python -m launcher.local configs/quickstart_cpu.yaml [section.key=value ...] [--overwrite]
+    python -m launcher.local configs/quickstart_cpu.yaml [section.key=value ...] [--overwrite | --resume]
 
 Order: resolve the model (fetch + convert once) → write ``RUN_DIR/config.yaml`` → start the
 inference servers and wait for ``/health`` → start the replay queue and wait for its port →
@@ -8,6 +8,12 @@ start the trainer (``torch.distributed.run``) and the generation workers. The jo
 trainer exits 0. If any process exits non-zero (or a long-lived one exits at all), every process
 is stopped and the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM stops
 everything and exits 130. Every child runs in its own process group and dies with the launcher.
+
+``--resume`` continues the run in ``RUN_DIR`` from ``RUN_DIR/checkpoint`` (needs a checkpoint with
+training state, ``trainer.checkpoint_every`` or a finished shorter run): the servers load the
+checkpoint's weights as version s (steps done), the queue starts at version s with the saved
+buffer, and the trainer restores the optimizer and continues at step s up to
+``trainer.total_steps``, appending to ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -33,13 +39,15 @@ PY = sys.executable
 
 
 def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
-                         threads: int, debug: DebugConfig = DebugConfig()) -> list[str]:
+                         threads: int, debug: DebugConfig = DebugConfig(),
+                         weight_version: int = 0) -> list[str]:
     """Command line of one embedded inference server (flags mirror sglang.launch_server);
     ``debug.jitter_ms`` becomes a per-step delay, seeded by ``jitter_seed`` and the port."""
     argv = [PY, "-m", "areal_async.inference.server", "--model-path", model.path,
             "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
             "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
-            "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads)]
+            "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads),
+            "--weight-version", str(weight_version)]
     if mode == "deterministic":
         argv.append("--enable-deterministic-inference")
     if debug.jitter_ms > 0:
@@ -49,7 +57,8 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
 
 
 def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
-                       threads: int, debug: DebugConfig = DebugConfig()) -> list[str]:
+                       threads: int, debug: DebugConfig = DebugConfig(),
+                       weight_version: int = 0) -> list[str]:
     """Command line of one real SGLang server (``python -m sglang.launch_server``); SGLang has
     no step jitter, so ``debug`` is ignored."""
     argv = [PY, "-m", "sglang.launch_server", "--model-path", model.path, "--host", cfg.host,
@@ -57,7 +66,7 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
             "--max-running-requests", str(cfg.max_running_requests),
             "--context-length", str(cfg.max_seq_len),
             # The client needs integer versions; SGLang's default weight version is "default".
-            "--weight-version", "0"]
+            "--weight-version", str(weight_version)]
     if mode == "deterministic":
         argv.append("--enable-deterministic-inference")
     return argv + list(cfg.sglang_args)
@@ -105,12 +114,18 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def prepare_run(cfg: Config, overwrite: bool) -> Config:
-    """Create the run directory, resolve the model path and write the resolved config."""
+def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
+    """Create the run directory, resolve the model path and write the resolved config
+    (``resume``: keep the directory and set ``trainer.resume``)."""
     from areal_async.model.hub import resolve_model_path
 
     run_dir = cfg.run_dir
-    if (run_dir / "metrics.jsonl").exists():
+    if resume:
+        from areal_async.trainer.resume import read_step
+
+        read_step(run_dir / "checkpoint")  # FileNotFoundError naming the fix when there is none
+        cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, resume=True))
+    elif (run_dir / "metrics.jsonl").exists():
         if not overwrite:
             raise ValueError(f"{run_dir} already holds a run; choose another name (name=...), "
                              f"delete it, or pass --overwrite")
@@ -129,15 +144,24 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     inf = cfg.inference
     server_threads = inf.threads or max(1, cpus // (inf.num_servers + cfg.trainer.nproc))
     make_argv = SERVER_ARGV[inf.backend]
+    model, version, queue_args = cfg.model, 0, []
+    if cfg.trainer.resume:
+        from areal_async.trainer.resume import read_step
+
+        ckpt = cfg.run_dir / "checkpoint"
+        version = read_step(ckpt)
+        model = msgspec.structs.replace(cfg.model, path=str(ckpt.resolve()))
+        queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
+        print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
     for i, url in enumerate(server_urls(inf)):
-        sup.start(f"server{i}", make_argv(inf, cfg.model, inf.base_port + i, cfg.mode,
-                                          server_threads, cfg.debug), env=_nccl_env(cfg))
+        sup.start(f"server{i}", make_argv(inf, model, inf.base_port + i, cfg.mode,
+                                          server_threads, cfg.debug, version), env=_nccl_env(cfg))
     for url in server_urls(inf):
         _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
                     inf.startup_timeout_s)
     print(f"[launcher] {inf.num_servers} {inf.backend} server(s) healthy", flush=True)
 
-    sup.start("queue", [PY, "-m", "areal_async.queue.server", "--config", config_path])
+    sup.start("queue", [PY, "-m", "areal_async.queue.server", "--config", config_path, *queue_args])
     _wait_until(lambda: _port_open(cfg.queue.host, cfg.queue.port), "replay queue", sup, 60)
 
     trainer_threads = max(1, cpus // (inf.num_servers + cfg.trainer.nproc))
@@ -164,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. queue.max_staleness=2")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    parser.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
     args = parser.parse_args(argv)
     try:
-        cfg = prepare_run(load_config(args.config, args.overrides), args.overwrite)
+        cfg = prepare_run(load_config(args.config, args.overrides), args.overwrite, args.resume)
     except (ValueError, FileNotFoundError) as exc:
         print(f"[launcher] error: {exc}", file=sys.stderr)
         return 2

@@ -4,8 +4,9 @@ Every rank holds a shard (FSDP2) or replica (DDP) of the policy; rank 0 alone ta
 replay queue, the inference servers, the metrics logger and the evaluator, and hands each batch
 to the other ranks over the default group. Per step k: take batch k → one decoupled-PPO step →
 [deterministic: wait until every group of version ≤ k has finished] → make version k+1 live on
-the servers → announce it to the queue → log → checkpoint. The run directory is the directory of
-the config file.
+the servers → announce it to the queue → log → checkpoint (every ``trainer.checkpoint_every``
+steps and at the end; ``trainer.resume`` restarts from it, see ``resume.py``). The run directory
+is the directory of the config file.
 
 Deterministic mode additionally: every rank checks each batch against the id/seed/version
 contract (``contract.check_batch``, a violation raises), the model's linears compute in fixed row
@@ -31,9 +32,11 @@ import torch.distributed as dist
 from areal_async.config import Config, load_config, to_dict
 from areal_async.jitter import Jitter
 from areal_async.trainer.contract import check_batch, dump_batch
+from areal_async.queue.staleness import group_id_limit
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
+from areal_async.trainer.resume import load_training_state, save_training_state
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 from areal_async.types import Trajectory
@@ -98,11 +101,14 @@ async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
     return msgspec.msgpack.decode(payload[0], type=list[Trajectory])
 
 
-def save_checkpoint(cfg: Config, policy, run_dir: pathlib.Path) -> None:
-    """Collective: gather the weights; rank 0 writes ``RUN_DIR/checkpoint`` (fp32 master weights)."""
+def save_checkpoint(cfg: Config, policy, optimizer, run_dir: pathlib.Path, step: int,
+                    buffer: list[Trajectory]) -> None:
+    """Collective: rank 0 writes ``RUN_DIR/checkpoint``: the fp32 master weights (HF directory),
+    then the training state of ``step`` and the queue's saved ``buffer`` (``resume.py``)."""
     state = full_state_dict(policy)
     if state is not None:
         save_hf_checkpoint(state, cfg.model.path, run_dir / "checkpoint", torch.float32)
+    save_training_state(policy, optimizer, run_dir / "checkpoint", step, buffer)
 
 
 def check_config(cfg: Config) -> None:
@@ -122,30 +128,32 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
         os.environ.setdefault("NCCL_ALGO", "Ring")
         os.environ.setdefault("NCCL_PROTO", "Simple")
     device = init_distributed(cfg.trainer.device)
-    rank, t = dist.get_rank(), cfg.trainer
+    rank, t, q = dist.get_rank(), cfg.trainer, cfg.queue
     torch.manual_seed(cfg.seed)
     if deterministic:
         torch.use_deterministic_algorithms(True)
-    policy = build_policy(cfg.model.path, t, device, batch_invariant=deterministic)
-    jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "trainer", rank)
+    ckpt_dir = run_dir / "checkpoint"
+    policy = build_policy(str(ckpt_dir) if t.resume else cfg.model.path, t, device, batch_invariant=deterministic)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    start = load_training_state(policy, optimizer, ckpt_dir) if t.resume else 0
+    jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "trainer", rank, start)
     async with contextlib.AsyncExitStack() as stack:
         services = await Services(cfg, run_dir, stack).start() if rank == 0 else None
         sender = make_sender(cfg, policy, services.client if services else None, run_dir, device)
         await sender.setup()
-        if services and cfg.eval.at_start:
+        if services and cfg.eval.at_start and start == 0:
             await services.evaluate(0)
-        dump = (run_dir / "trajectories.jsonl").open("w") if services and cfg.logging.dump_trajectories else None
-        if dump:
-            stack.callback(dump.close)
-        for k in range(t.total_steps):
-            timer = Timer()
+        dump = None
+        if services and cfg.logging.dump_trajectories:
+            dump = stack.enter_context((run_dir / "trajectories.jsonl").open("a" if t.resume else "w"))
+        for k in range(start, t.total_steps):
+            timer, buffer = Timer(), []
+            save = k + 1 == t.total_steps or (t.checkpoint_every and (k + 1) % t.checkpoint_every == 0)
             with timer("step_s"):
                 with timer("gen_s"):
                     await jitter()
                     trajs = await next_batch(services, k)
                 if deterministic:
-                    q = cfg.queue
                     check_batch(trajs, k, q.batch_size, q.max_staleness, cfg.seed, cfg.rollout.n_samples)
                 if dump:
                     dump_batch(dump, k, trajs)
@@ -154,6 +162,8 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                 if services and deterministic:
                     with timer("gen_s"):
                         await services.queue.wait_drained(k)
+                    if save:  # every group of v(g) <= k is finished: the unconsumed ones resume as is
+                        buffer = await services.queue.peek_ready(group_id_limit(k, q.batch_size, q.max_staleness))
                 with timer("weight_sync_s"):
                     await sender.send(k + 1)
                 if services:
@@ -165,9 +175,8 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                 metrics |= perf_metrics(timer.seconds, metrics["train/tokens"])
                 metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version()}
                 services.logger.log(k, metrics)
-            if t.checkpoint_every and (k + 1) % t.checkpoint_every == 0 and k + 1 < t.total_steps:
-                save_checkpoint(cfg, policy, run_dir)
-        save_checkpoint(cfg, policy, run_dir)
+            if save:
+                save_checkpoint(cfg, policy, optimizer, run_dir, k + 1, buffer)
         if services and cfg.eval.at_end:
             await services.evaluate(t.total_steps)
         if services:

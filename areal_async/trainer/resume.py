@@ -1,0 +1,80 @@
+"""Training state for a resume: step, optimizer, RNG, and the replay queue's saved buffer.
+
+``RUN_DIR/checkpoint/`` holds the HF weights (``checkpoint.save_hf_checkpoint``, fp32 master
+weights) and, written after them by ``save_training_state``:
+
+- ``trainer_state.pt``: ``{"step": s, "optimizer": <full optimizer state dict>, "rng": <torch CPU
+  RNG state>}`` where ``s`` = steps done = the policy version of the weights;
+- ``buffer.msgpack``: the finished, unconsumed groups the queue held (``list[Trajectory]``), which
+  the resumed queue restores (``ReplayQueue(restored=...)``);
+- ``trainer_state.json``: ``{"step": s}``, written last, so its presence marks a complete state
+  (the launcher reads it to start the queue and servers at version ``s``).
+
+The optimizer state is gathered to full tensors (``torch.distributed.checkpoint.state_dict``,
+``full_state_dict``) so that it does not depend on the sharding; on load every rank reads the
+same file and keeps its own shard. The data order needs no state (prompt of group g is a pure
+function of the run seed and g), nor does sampling (seeds are functions of (seed, g, i)).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+
+from areal_async.types import Trajectory
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: pathlib.Path,
+                        step: int, buffer: list[Trajectory]) -> None:
+    """Collective: gather the optimizer state; rank 0 writes the files listed in the module doc.
+
+    Args:
+        policy: the (FSDP2/DDP-wrapped) policy the optimizer steps.
+        ckpt_dir: the checkpoint directory (already holding the weights).
+        step: steps done (``s``).
+        buffer: ready groups to restore (``[]`` when nothing is saved, e.g. throughput mode).
+    """
+    optim = get_optimizer_state_dict(policy, optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() != 0:
+        return
+    ckpt_dir = pathlib.Path(ckpt_dir)
+    torch.save({"step": step, "optimizer": optim, "rng": torch.get_rng_state()}, ckpt_dir / "trainer_state.pt")
+    (ckpt_dir / "buffer.msgpack").write_bytes(msgspec.msgpack.encode(buffer))
+    (ckpt_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
+
+
+def read_step(ckpt_dir: pathlib.Path) -> int:
+    """Steps done by the checkpoint in ``ckpt_dir``.
+
+    Raises:
+        FileNotFoundError: no complete training state there (nothing to resume from).
+    """
+    path = pathlib.Path(ckpt_dir) / "trainer_state.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: no checkpoint with training state to resume "
+                                f"from (set trainer.checkpoint_every, or run without --resume)")
+    return int(json.loads(path.read_text())["step"])
+
+
+def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        ckpt_dir: pathlib.Path) -> int:
+    """Collective: restore the optimizer state (each rank its shard) and the RNG; returns the step.
+
+    The weights are loaded separately (``build_policy`` from ``ckpt_dir``).
+    """
+    state = torch.load(pathlib.Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
+    set_optimizer_state_dict(policy, optimizer, optim_state_dict=state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
