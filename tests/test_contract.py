@@ -65,3 +65,28 @@ def test_jitter_is_seeded_per_stream_and_off_by_default():
     assert not Jitter(0, 1).enabled and Jitter(0, 1).draw_s() == 0.0
     with pytest.raises(ValueError, match="jitter_ms must be >= 0"):
         Jitter(-1, 0)
+
+
+def test_training_state_roundtrip(tmp_path):
+    import torch
+
+    from areal_async.trainer.resume import load_training_state, read_step, save_training_state
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, opt = make()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    save_training_state(model, opt, tmp_path, 3, _batch(1))
+    model2, opt2 = make()
+    model2.load_state_dict(model.state_dict())
+    assert read_step(tmp_path) == 3 and load_training_state(model2, opt2, tmp_path) == 3
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    restored = msgspec.msgpack.decode((tmp_path / "buffer.msgpack").read_bytes(), type=list[Trajectory])
+    assert restored == _batch(1)
+    with pytest.raises(FileNotFoundError, match="no checkpoint with training state"):
+        read_step(tmp_path / "nothing")

@@ -4,11 +4,13 @@ The directory is what ``AutoModelForCausalLM.from_pretrained`` and both inferenc
 (``/update_weights_from_disk``, a fresh server's ``--model-path``). The config and tokenizer are
 copied from the starting checkpoint; the weights are the gathered full state dict, cast to the
 requested dtype. Saving builds the model skeleton on the ``meta`` device and assigns the tensors,
-so no second copy of the weights is allocated.
+so no second copy of the weights is allocated. ``state_dict_sha256`` fingerprints a state dict
+(bitwise run-to-run comparisons).
 """
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
 import shutil
 
@@ -55,3 +57,16 @@ def save_hf_checkpoint(
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def state_dict_sha256(state_dict: dict[str, Tensor]) -> str:
+    """SHA-256 (hex) over a state dict: names in sorted order, each with dtype, shape and raw bytes.
+
+    Two checkpoints hash equal iff every tensor is bitwise equal (used to compare runs).
+    """
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
