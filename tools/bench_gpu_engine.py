@@ -1,0 +1,222 @@
+"""Embedded-engine decode on a Qwen3 shape (random weights, bf16) against HF ``generate``, on one GPU.
+
+    python tools/bench_gpu_engine.py [--shape 0.6b] [--batches 1 16 64 256] [--prompt-len 128]
+        [--new-tokens 256] [--hf-batch 256] [--json out.json]
+
+Three parts, one model (the engine's fused projections are views of the HF parameters, so HF
+``generate`` runs on exactly the engine's weights):
+
+1. **Correctness.** A few prompts decoded greedily by the engine (batched together) and by HF
+   ``generate`` (eager PyTorch, ``sdpa`` attention, no cache tricks); then HF's forward on
+   prompt + engine output (teacher forcing) gives, at every generated position, HF's argmax, its
+   margin over the engine's token, and HF's log-prob of the engine's token. Random weights give
+   nearly flat distributions over 152k tokens, so near-ties are common: a greedy mismatch counts as
+   an error only where HF's margin exceeds ``--tie-tol``. Sampled (T = 1) log-probs are compared
+   the same way.
+2. **Decode step.** ``BatchedForward.decode`` alone at each batch size, every row at the average
+   context (prompt + new/2), timed with device synchronisation, beside the roofline floor:
+   (weight bytes + B · context · KV bytes per token) / ``--bandwidth``. Sampling (Gumbel noise per
+   row) is timed separately.
+3. **End to end.** ``Engine`` with B requests of ``--prompt-len`` random tokens, ``ignore_eos``,
+   ``--new-tokens`` each, sampled at T = 1 with per-request seeds (prefill, scheduling and sampling
+   included), and HF ``generate`` (sampling, same shapes) at ``--hf-batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import torch
+
+from areal_async.inference.engine import Engine
+from areal_async.inference.forward import BatchedForward
+from areal_async.inference.sampling import SamplingParams, sample
+from qwen3_shapes import EOS_ID, build_model, kv_bytes_per_token, weight_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+async def _engine_generate(forward: BatchedForward, prompts: list[list[int]], params: dict,
+                           max_prefill_tokens: int) -> tuple[list, float]:
+    engine = Engine(forward, {EOS_ID}, max_prefill_tokens)
+    task = asyncio.create_task(engine.run())
+    try:
+        start = time.perf_counter()
+        out = await asyncio.gather(*(
+            engine.generate(p, SamplingParams(**params, sampling_seed=i), f"r{i}") for i, p in enumerate(prompts)))
+        seconds = time.perf_counter() - start
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return out, seconds
+
+
+def _teacher_forced(model, prompt: list[int], output: list[int], temperature: float, device) -> dict:
+    """HF forward over prompt + output; per generated position: argmax, margin, log-prob of ``output``."""
+    ids = torch.tensor([prompt + output], device=device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    chosen = torch.tensor(output, device=device)
+    top = logits.max(-1).values
+    return {
+        "argmax": logits.argmax(-1).tolist(),
+        "margin": (top - logits.gather(-1, chosen[:, None])[:, 0]).tolist(),
+        "logp": logp.gather(-1, chosen[:, None])[:, 0].tolist(),
+    }
+
+
+def check(model, forward, args, device) -> dict:
+    vocab = model.config.vocab_size
+    prompts = _prompts(args.check_prompts, args.prompt_len, vocab, seed=1)
+    greedy, _ = asyncio.run(_engine_generate(
+        forward, prompts, dict(max_new_tokens=args.check_tokens, temperature=0.0, ignore_eos=True), 1 << 20))
+    with torch.inference_mode():
+        hf = model.generate(torch.tensor(prompts, device=device), attention_mask=torch.ones(
+            len(prompts), args.prompt_len, dtype=torch.long, device=device), do_sample=False,
+            max_new_tokens=args.check_tokens, min_new_tokens=args.check_tokens, pad_token_id=0)
+    hf_tokens = hf[:, args.prompt_len:].tolist()
+    same_prefix, errors, ties, lp_diff = [], 0, 0, []
+    for p, c, ref in zip(prompts, greedy, hf_tokens):
+        n = next((i for i, (a, b) in enumerate(zip(c.output_ids, ref)) if a != b), len(ref))
+        same_prefix.append(n)
+        tf = _teacher_forced(model, p, c.output_ids, 0.0, device)
+        for tok, top, margin in zip(c.output_ids, tf["argmax"], tf["margin"]):
+            if tok != top:
+                ties += margin <= args.tie_tol
+                errors += margin > args.tie_tol
+        lp_diff += [abs(a - b) for a, b in zip(c.logprobs, tf["logp"])]
+    sampled, _ = asyncio.run(_engine_generate(
+        forward, prompts, dict(max_new_tokens=args.check_tokens, temperature=1.0, ignore_eos=True), 1 << 20))
+    sp_diff = []
+    for p, c in zip(prompts, sampled):
+        tf = _teacher_forced(model, p, c.output_ids, 1.0, device)
+        sp_diff += [abs(a - b) for a, b in zip(c.logprobs, tf["logp"])]
+    return {
+        "prompts": len(prompts), "tokens_each": args.check_tokens,
+        "greedy_same_prefix_vs_hf_generate": same_prefix,
+        "greedy_mismatch_near_tie": ties, "greedy_mismatch_error": errors,
+        "greedy_logp_max_abs_diff": max(lp_diff), "greedy_logp_mean_abs_diff": statistics.mean(lp_diff),
+        "sampled_logp_max_abs_diff": max(sp_diff), "sampled_logp_mean_abs_diff": statistics.mean(sp_diff),
+    }
+
+
+def time_decode(model, forward, batch: int, context: int, reps: int, bandwidth: float, device) -> dict:
+    vocab = model.config.vocab_size
+    tokens = torch.randint(3, vocab, (batch,), device=device)
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    for _ in range(3):
+        forward.decode(tokens, positions)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        logits = forward.decode(tokens, positions)
+    _sync(device)
+    step_s = (time.perf_counter() - start) / reps
+    temperature = torch.ones(batch, device=device)
+    top_p, top_k = torch.ones(batch, device=device), torch.full((batch,), -1, device=device)
+    seeds, pos = list(range(batch)), [context] * batch
+    sample(logits, temperature, top_p, top_k, seeds, pos)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        sample(logits, temperature, top_p, top_k, seeds, pos)
+    _sync(device)
+    sample_s = (time.perf_counter() - start) / reps
+    floor_s = (weight_bytes(model) + batch * context * kv_bytes_per_token(model)) / bandwidth
+    return {"batch": batch, "context": context, "decode_ms": step_s * 1e3, "sample_ms": sample_s * 1e3,
+            "floor_ms": floor_s * 1e3, "decode_tok_s": batch / step_s}
+
+
+def hf_generate(model, batch: int, args, device) -> dict:
+    ids = torch.tensor(_prompts(batch, args.prompt_len, model.config.vocab_size, seed=2), device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
+        _sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **kwargs)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * batch
+    return {"batch": batch, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "ms_per_step": seconds / args.new_tokens * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="0.6b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-prefill-tokens", type=int, default=16384)
+    ap.add_argument("--hf-batch", type=int, nargs="*", default=[256], help="empty: skip HF generate")
+    ap.add_argument("--check-prompts", type=int, default=4)
+    ap.add_argument("--check-tokens", type=int, default=64)
+    ap.add_argument("--tie-tol", type=float, default=0.05, help="logit margin under which a greedy mismatch is a tie")
+    ap.add_argument("--decode-reps", type=int, default=20)
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of device memory (measured copy)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args.shape, dtype, device)
+    max_seq_len = args.prompt_len + args.new_tokens
+    forward = BatchedForward(model, max(args.batches), max_seq_len)
+    report = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "weight_bytes": weight_bytes(model),
+              "kv_bytes_per_token": kv_bytes_per_token(model)}
+    report["check"] = check(model, forward, args, device)
+    print("correctness:", json.dumps(report["check"]), flush=True)
+    context = args.prompt_len + args.new_tokens // 2
+    report["decode"] = [time_decode(model, forward, b, context, args.decode_reps, args.bandwidth, device)
+                        for b in args.batches]
+    report["engine"] = []
+    for b in args.batches:
+        prompts = _prompts(b, args.prompt_len, model.config.vocab_size, seed=3)
+        params = dict(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
+        out, seconds = asyncio.run(_engine_generate(forward, prompts, params, args.max_prefill_tokens))
+        tokens = sum(len(c.output_ids) for c in out)
+        report["engine"].append({"batch": b, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                                 "ms_per_step": seconds / args.new_tokens * 1e3})
+        print("engine:", json.dumps(report["engine"][-1]), flush=True)
+    report["hf_generate"] = [hf_generate(model, b, args, device) for b in args.hf_batch]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+    print(f"\n{args.shape} (random weights, {dtype}), {report['device']}, torch {torch.__version__}")
+    print(f"\ndecode step alone, context {context}, floor = (weights {report['weight_bytes'] / 1e9:.2f} GB + "
+          f"B·ctx·{report['kv_bytes_per_token']} B) / {args.bandwidth / 1e12:.1f} TB/s")
+    print(f"{'batch':>6} {'decode ms':>10} {'floor ms':>9} {'x floor':>8} {'sample ms':>10} {'tok/s (fwd)':>12}")
+    for r in report["decode"]:
+        print(f"{r['batch']:>6} {r['decode_ms']:>10.2f} {r['floor_ms']:>9.3f} {r['decode_ms'] / r['floor_ms']:>8.1f} "
+              f"{r['sample_ms']:>10.2f} {r['decode_tok_s']:>12.0f}")
+    print(f"\nend to end: {args.prompt_len}-token prompts, {args.new_tokens} new tokens each, T = 1")
+    print(f"{'engine':<12} {'batch':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'ms/step':>8}")
+    for name, rows in (("embedded", report["engine"]), ("hf generate", report["hf_generate"])):
+        for r in rows:
+            print(f"{name:<12} {r['batch']:>6} {r['tokens']:>8} {r['seconds']:>8.2f} {r['tok_s']:>9.0f} "
+                  f"{r['ms_per_step']:>8.1f}")
+    best = {r["batch"]: r["tok_s"] for r in report["engine"]}
+    for r in report["hf_generate"]:
+        if r["batch"] in best:
+            print(f"embedded / hf generate at batch {r['batch']}: {best[r['batch']] / r['tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

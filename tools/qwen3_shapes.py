@@ -1,0 +1,77 @@
+"""Qwen3-shaped causal LMs with random weights, for GPU benchmarks on machines without checkpoints.
+
+The shapes follow the public Qwen3 configs (``0.6b``, ``1.7b``); ``tiny`` (2 layers, hidden 64) is
+for checking a benchmark script on a CPU. Weights are the transformers default initialisation from
+a fixed seed, so two processes that build the same shape with the same seed hold identical weights.
+``write_model_dir`` also writes a small byte-level BPE tokenizer (its vocabulary is far smaller than
+the model's; benchmarks send token ids, never text).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1024),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+}
+EOS_ID = 2  # "<|im_end|>" in the tokenizer below
+
+
+def config(shape: str):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, rope_theta=1_000_000.0,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID,
+                       pad_token_id=0)
+
+
+def build_model(shape: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0):
+    """A ``Qwen3ForCausalLM`` of ``shape`` with random weights (seeded), in eval mode."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config(shape))
+    return model.to(dtype).eval()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["How many clips did Natalia sell in April and May altogether?"] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+
+
+def write_model_dir(shape: str, out_dir: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16,
+                    seed: int = 0) -> pathlib.Path:
+    """Save a random ``shape`` model (safetensors, ``dtype``) and a tokenizer to ``out_dir``."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_model(shape, dtype, "cpu", seed).save_pretrained(out)
+    _tokenizer().save_pretrained(out)
+    return out
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters (a tied embedding / LM head counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """K and V bytes that one cached token position holds over all layers."""
+    cfg = model.config
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * next(model.parameters()).element_size()
