@@ -3,8 +3,11 @@
 The shapes follow the public Qwen3 configs (``0.6b``, ``1.7b``); ``tiny`` (2 layers, hidden 64) is
 for checking a benchmark script on a CPU. Weights are the transformers default initialisation from
 a fixed seed, so two processes that build the same shape with the same seed hold identical weights.
-``write_model_dir`` also writes a small byte-level BPE tokenizer (its vocabulary is far smaller than
-the model's; benchmarks send token ids, never text).
+``write_model_dir`` also writes a small byte-level BPE tokenizer with a chat template (its
+vocabulary is far smaller than the model's: ids it does not know decode to nothing), so the
+directory works as ``model.path`` of a whole training job.
+
+    python tools/qwen3_shapes.py 0.6b OUT_DIR     # write a random checkpoint directory
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ SHAPES = {
                  num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }
 EOS_ID = 2  # "<|im_end|>" in the tokenizer below
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def config(shape: str):
@@ -52,8 +59,10 @@ def _tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(["How many clips did Natalia sell in April and May altogether?"] * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def write_model_dir(shape: str, out_dir: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16,
@@ -75,3 +84,11 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """K and V bytes that one cached token position holds over all layers."""
     cfg = model.config
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * next(model.parameters()).element_size()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] not in SHAPES:
+        sys.exit(f"usage: python tools/qwen3_shapes.py {{{'|'.join(SHAPES)}}} OUT_DIR")
+    print(write_model_dir(sys.argv[1], sys.argv[2]))
