@@ -114,11 +114,35 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def check_ports(cfg: Config) -> None:
+    """Raise ``ValueError`` naming the config key if a port the job needs is taken or reused."""
+    wanted = {f"inference.base_port+{i}" if i else "inference.base_port": (cfg.inference.host, p)
+              for i, p in enumerate(range(cfg.inference.base_port,
+                                          cfg.inference.base_port + cfg.inference.num_servers))}
+    wanted |= {"queue.port": (cfg.queue.host, cfg.queue.port),
+               "trainer.master_port": ("127.0.0.1", cfg.trainer.master_port),
+               "trainer.weight_sync_port": ("127.0.0.1", cfg.trainer.weight_sync_port)}
+    seen: dict[int, str] = {}
+    for key, (host, port) in wanted.items():
+        if port in seen:
+            raise ValueError(f"{key} and {seen[port]} are both port {port}; give them distinct ports")
+        seen[port] = key
+        with socket.socket() as s:
+            # As the servers do: a port held only by connections in TIME_WAIT is free to listen on.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                raise ValueError(f"port {port} ({key}) is already in use on {host}, perhaps by "
+                                 f"another job; set {key.split('+')[0]}=<a free port>") from None
+
+
 def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     """Create the run directory, resolve the model path and write the resolved config
     (``resume``: keep the directory and set ``trainer.resume``)."""
     from areal_async.model.hub import resolve_model_path
 
+    check_ports(cfg)
     run_dir = cfg.run_dir
     if resume:
         from areal_async.trainer.resume import read_step

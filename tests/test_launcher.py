@@ -93,3 +93,21 @@ def test_jitter_flags_and_deterministic_env():
     if "NCCL_ALGO" not in os.environ:
         assert env["NCCL_ALGO"] == "Ring" and env["NCCL_PROTO"] == "Simple"
     assert _nccl_env(load_config(None, ["mode=throughput"])) == {}
+
+
+def test_ports_in_use_or_shared_are_named():
+    import socket
+
+    from launcher.local import check_ports
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(None, [f"queue.port={port}"])
+        with pytest.raises(ValueError, match=f"port {port} \\(queue.port\\) is already in use"):
+            check_ports(cfg)
+    cfg = load_config(None, ["inference.num_servers=2", "inference.base_port=31000",
+                             "queue.port=31001"])
+    with pytest.raises(ValueError, match="queue.port and inference.base_port\\+1 are both port 31001"):
+        check_ports(cfg)
