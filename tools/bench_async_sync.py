@@ -3,8 +3,8 @@
     CUDA_VISIBLE_DEVICES=1,0 python tools/bench_async_sync.py configs/async_vs_sync_gpu.yaml \
         [--staleness 0 2] [--skip-steps 1] [--shape 0.6b] [--gpus 0 1] [override ...]
 
-Runs ``python -m launcher.local CONFIG name=<config name>_eta<η> queue.max_staleness=<η>
---overwrite [overrides]`` once per η, one after the other, and reads each run's
+Runs ``python -m launcher.local CONFIG [overrides] name=<config name>_eta<η>
+queue.max_staleness=<η> --overwrite`` once per η, one after the other, and reads each run's
 ``metrics.jsonl``. If ``model.path`` does not exist, a random ``--shape`` checkpoint is written
 there first (``tools/qwen3_shapes.py``).
 
@@ -109,8 +109,9 @@ def main() -> None:
     results = {}
     for eta in args.staleness:
         name = f"{cfg.name}_eta{eta}"
-        cmd = [sys.executable, "-m", "launcher.local", args.config, f"name={name}",
-               f"queue.max_staleness={eta}", *args.overrides, "--overwrite"]
+        # the run's own name and η come last, so they win over the same keys in ``overrides``
+        cmd = [sys.executable, "-m", "launcher.local", args.config, *args.overrides, f"name={name}",
+               f"queue.max_staleness={eta}", "--overwrite"]
         print("+", " ".join(cmd), flush=True)
         with UtilSampler(args.gpus) as sampler:
             subprocess.run(cmd, cwd=REPO, check=True, timeout=args.timeout_s)
