@@ -93,3 +93,12 @@ def tiny_model_dir(tmp_path_factory) -> pathlib.Path:
 def tiny_qwen3_dir(tmp_path_factory) -> pathlib.Path:
     """A tiny random Qwen3 checkpoint directory (fp32, q/k norms), built once per test session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run the test with one intra-op thread (the servers' setting on a shared CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

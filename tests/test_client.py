@@ -43,12 +43,7 @@ INIT_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size
 UPDATE_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():

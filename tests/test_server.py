@@ -16,12 +16,7 @@ from areal_async import weight_group
 from areal_async.inference.server import InferenceServer, load_engine, serve
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @contextlib.asynccontextmanager
