@@ -38,11 +38,11 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _run_engine(model_dir, deterministic: bool, n_others: int) -> tuple[list[int], list[float]]:
+def _run_engine(model_dir, deterministic: bool, n_others: int, dtype: str = "float32") -> tuple[list[int], list[float]]:
     """Tokens and log-probs of the target request sharing the engine with ``n_others`` requests."""
 
     async def main():
-        engine, _ = load_engine(str(model_dir), "float32", "cpu", 40, 128, deterministic=deterministic)
+        engine, _ = load_engine(str(model_dir), dtype, "cpu", 40, 128, deterministic=deterministic)
         task = asyncio.create_task(engine.run())
         target = [5, 17, 42, 99, 7, 3, 250, 11]
         params = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, sampling_seed=1234)
@@ -57,13 +57,14 @@ def _run_engine(model_dir, deterministic: bool, n_others: int) -> tuple[list[int
     return asyncio.run(main())
 
 
-def test_engine_request_is_bitwise_batch_invariant_in_deterministic_mode(tiny_model_dir):
-    alone, with3, with33 = (_run_engine(tiny_model_dir, True, n) for n in (0, 3, 33))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_request_is_bitwise_batch_invariant_in_deterministic_mode(tiny_model_dir, dtype):
+    alone, with3, with33 = (_run_engine(tiny_model_dir, True, n, dtype) for n in (0, 3, 33))
     assert with3 == alone and with33 == alone  # tokens and float log-probs, exact equality
-    loose = [_run_engine(tiny_model_dir, False, n) for n in (0, 3, 33)]
+    loose = [_run_engine(tiny_model_dir, False, n, dtype) for n in (0, 3, 33)]
     diff = max(abs(a - b) for run in loose[1:] for a, b in zip(run[1], loose[0][1]))
     same_tokens = all(run[0] == loose[0][0] for run in loose)
-    print(f"\nthroughput forward: max |Δ logprob| = {diff:.3e} (alone vs 3/33 others), "
+    print(f"\n{dtype} throughput forward: max |Δ logprob| = {diff:.3e} (alone vs 3/33 others), "
           f"tokens equal: {same_tokens}")
 
 

@@ -23,9 +23,9 @@ and returned in float32. Not supported: sliding-window attention, MoE, biases on
 
 **Batch-invariant mode** (``batch_invariant=True``, the server's ``--enable-deterministic-inference``):
 every projection and the LM head run through ``batch_invariant.tiled_linear`` (fixed row blocks),
-and decode attention runs request by request over that request's own cache length (instead of
-one masked batched matmul over the longest row, whose reduction length depends on the others).
-Prefill attention is per sequence in both modes. A request's logits are then bitwise the same
+and decode attention reduces over the whole cache row (``max_seq_len`` positions, the unused ones
+masked to exact zeros) instead of over the longest running row, whose length depends on the
+others. Prefill attention is per sequence in both modes. A request's logits are then bitwise the same
 whatever else shares the step.
 """
 
@@ -187,42 +187,27 @@ class BatchedForward:
             next-token logits ``[B, V] float32``.
         """
         batch = tokens.shape[0]
-        length = int(positions.max()) + 1
+        # Batch-invariant mode: every row attends over the whole cache row (max_seq_len positions,
+        # its unused ones masked to exact zeros), so no reduction length depends on the other rows.
+        length = self.cache.max_seq_len if self.batch_invariant else int(positions.max()) + 1
         groups = self.num_heads // self.num_kv_heads
         index = self.cache.token_index(torch.arange(batch, device=self.device), positions)
         # [B, 1, 1, length] additive mask: row b sees its own positions 0..positions[b]
         hidden = torch.arange(length, device=self.device)[None, :] > positions[:, None]
         bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(hidden, float("-inf"))
         bias = bias[:, None, None, :]
-        lengths = (positions + 1).tolist() if self.batch_invariant else []
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_norm(x), positions)
             self.cache.write(i, index, k, v)
-            q = q.view(batch, self.num_kv_heads, groups, self.head_dim)
-            if self.batch_invariant:
-                o = self._decode_attention_per_request(i, q, lengths)
-            else:
-                keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
-                # grouped-query attention without repeating K/V: [B, Hkv, G, D] @ [B, Hkv, D, length]
-                scores = torch.matmul(q, keys_t)
-                probs = torch.softmax(scores.float() * self.scaling + bias, dim=-1).to(values.dtype)
-                o = torch.matmul(probs, values)  # [B, Hkv, G, D]
+            keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
+            # grouped-query attention without repeating K/V: [B, Hkv, G, D] @ [B, Hkv, D, length]
+            scores = torch.matmul(q.view(batch, self.num_kv_heads, groups, self.head_dim), keys_t)
+            probs = torch.softmax(scores.float() * self.scaling + bias, dim=-1).to(values.dtype)
+            o = torch.matmul(probs, values)  # [B, Hkv, G, D]
             x = x + self._linear(o.reshape(batch, -1), layer.o_proj.weight)
             x = self._mlp(layer, x)
         return self._logits(x)
-
-    def _decode_attention_per_request(self, layer: int, q: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Batch-invariant decode attention: ``q [B, Hkv, G, D]`` → ``[B, Hkv, G, D]``, row b over
-        exactly its own ``lengths[b]`` cached positions (no masked padding, so the reductions of
-        row b have a length that depends on row b only)."""
-        outs = []
-        for b, n in enumerate(lengths):
-            keys_t, values = self.cache.view(layer, b + 1, n)
-            scores = torch.matmul(q[b : b + 1], keys_t[b : b + 1])  # [1, Hkv, G, n]
-            probs = torch.softmax(scores.float() * self.scaling, dim=-1).to(values.dtype)
-            outs.append(torch.matmul(probs, values[b : b + 1]))
-        return torch.cat(outs)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF name → parameter/buffer, tied aliases included (``lm_head.weight``)."""
