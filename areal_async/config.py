@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import difflib
 import pathlib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
+
+
+# Range-checked field types: a value outside the range fails at load time, naming the key.
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class _Cfg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -40,46 +48,46 @@ class DataConfig(_Cfg):
     task: str = "gsm8k"
     train_path: str = "data/gsm8k/train.jsonl"
     test_path: str = "data/gsm8k/test.jsonl"
-    max_prompt_len: int = 512
-    few_shot: int = 0
+    max_prompt_len: PosInt = 512
+    few_shot: NonNegInt = 0
 
 
 class InferenceConfig(_Cfg):
     """Inference servers: ``embedded`` (this project's engine) or ``sglang``."""
 
     backend: Literal["embedded", "sglang"] = "embedded"
-    num_servers: int = 1
+    num_servers: PosInt = 1
     host: str = "127.0.0.1"
-    base_port: int = 30000
-    max_running_requests: int = 32
-    max_seq_len: int = 1024
+    base_port: Port = 30000
+    max_running_requests: PosInt = 32
+    max_seq_len: PosInt = 1024
     device: str = "auto"
-    threads: int = 0
-    request_timeout_s: float = 600.0
-    startup_timeout_s: float = 300.0
+    threads: NonNegInt = 0
+    request_timeout_s: PosFloat = 600.0
+    startup_timeout_s: PosFloat = 300.0
     sglang_args: list[str] = []
 
 
 class RolloutConfig(_Cfg):
     """Generation workers and sampling parameters (shared with the trainer's log-prob recompute)."""
 
-    num_workers: int = 1
-    n_samples: int = 4
-    max_new_tokens: int = 256
-    temperature: float = 1.0
+    num_workers: PosInt = 1
+    n_samples: PosInt = 4
+    max_new_tokens: PosInt = 256
+    temperature: NonNegFloat = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_groups_in_flight: int = 8
+    max_groups_in_flight: PosInt = 8
 
 
 class QueueConfig(_Cfg):
     """Replay queue: admission by the staleness bound, ``max_staleness`` = η (DESIGN.md)."""
 
     host: str = "127.0.0.1"
-    port: int = 29600
-    batch_size: int = 8
-    max_staleness: int = 1
-    max_concurrent: int = 16
+    port: Port = 29600
+    batch_size: PosInt = 8
+    max_staleness: NonNegInt = 1
+    max_concurrent: PosInt = 16
 
 
 class AlgoConfig(_Cfg):
@@ -91,29 +99,29 @@ class AlgoConfig(_Cfg):
     std_norm: bool = True
     batch_norm: bool = False
     kl_coef: float = 0.0
-    ppo_minibatches: int = 1
+    ppo_minibatches: PosInt = 1
 
 
 class TrainerConfig(_Cfg):
     """The torchrun trainer: optimisation, packing, weight broadcast and checkpoints."""
 
-    nproc: int = 1
-    total_steps: int = 20
-    lr: float = 1e-6
-    weight_decay: float = 0.01
+    nproc: PosInt = 1
+    total_steps: PosInt = 20
+    lr: PosFloat = 1e-6
+    weight_decay: NonNegFloat = 0.01
     adam_betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    max_tokens_per_mb: int = 4096
-    logit_chunk_tokens: int = 256
+    grad_clip: PosFloat = 1.0
+    max_tokens_per_mb: PosInt = 4096
+    logit_chunk_tokens: PosInt = 256
     parallel: Literal["fsdp2", "ddp"] = "fsdp2"
     device: str = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; master weights stay fp32
     weight_sync: Literal["distributed", "disk"] = "distributed"
-    weight_sync_port: int = 29700
-    weight_bucket_bytes: int = 256 * 1024 * 1024
-    checkpoint_every: int = 0
+    weight_sync_port: Port = 29700
+    weight_bucket_bytes: PosInt = 256 * 1024 * 1024
+    checkpoint_every: NonNegInt = 0
     resume: bool = False  # start from RUN_DIR/checkpoint (set by ``launcher.local --resume``)
-    master_port: int = 29500
+    master_port: Port = 29500
 
 
 class RewardConfig(_Cfg):
@@ -128,15 +136,15 @@ class RewardConfig(_Cfg):
     correct: float = 5.0
     wrong: float = -5.0
     format_bonus: float = 0.0
-    timeout_s: float = 5.0
-    num_procs: int = 1
+    timeout_s: PosFloat = 5.0
+    num_procs: PosInt = 1
 
 
 class EvalConfig(_Cfg):
     """Greedy pass@1 on a test subset, at the start and the end of training."""
 
-    num_prompts: int = 64
-    max_new_tokens: int = 256
+    num_prompts: PosInt = 64
+    max_new_tokens: PosInt = 256
     at_start: bool = True
     at_end: bool = True
 
@@ -149,7 +157,7 @@ class LoggingConfig(_Cfg):
 
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "areal-async"
-    log_every: int = 1
+    log_every: NonNegInt = 1
     dump_trajectories: bool = False
 
 
@@ -158,7 +166,7 @@ class DebugConfig(_Cfg):
     ``jitter_ms`` before worker requests, engine steps, queue operations and the trainer's
     batch/version calls, seeded by ``jitter_seed`` (see ``areal_async/jitter.py``)."""
 
-    jitter_ms: float = 0.0
+    jitter_ms: NonNegFloat = 0.0
     jitter_seed: int = 0
 
 
@@ -225,9 +233,28 @@ def from_dict(data: dict) -> Config:
     """Validate a plain dict into a ``Config``; raises ``ValueError`` naming the bad key or value."""
     _check_keys(Config, data, "")
     try:
-        return msgspec.convert(data, Config, strict=False)
+        cfg = msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid config: {exc}") from None
+        msg, _, where = str(exc).rpartition(" - at `$.")
+        if not msg:
+            raise ValueError(f"invalid config: {exc}") from None
+        raise ValueError(f"invalid config value for '{where.rstrip('`')}': {msg}") from None
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: Config) -> None:
+    """Rules that span several fields; raises ``ValueError`` naming the keys and the fix."""
+    if not cfg.name or pathlib.PurePath(cfg.name).name != cfg.name or cfg.name in (".", ".."):
+        raise ValueError(f"name '{cfg.name}' must be a plain directory name (no '/' or '..'); "
+                         f"use run_root to put runs elsewhere")
+    need = cfg.data.max_prompt_len + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if cfg.inference.backend == "embedded" and need > cfg.inference.max_seq_len:
+        raise ValueError(
+            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max(rollout.max_new_tokens, "
+            f"eval.max_new_tokens) ({need - cfg.data.max_prompt_len}) = {need} exceeds "
+            f"inference.max_seq_len ({cfg.inference.max_seq_len}); raise inference.max_seq_len "
+            f"or lower the others")
 
 
 def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:

@@ -19,6 +19,7 @@ buffer, and the trainer restores the optimizer and continues at step s up to
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import pathlib
 import shutil
@@ -114,6 +115,21 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def lock_run(cfg: Config):
+    """Hold ``RUN_ROOT/.<name>.lock`` for the launcher's lifetime, so two jobs can never share
+    (or overwrite) one run directory. Returns the open lock file; raises ``ValueError`` if held."""
+    root = pathlib.Path(cfg.run_root)
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / f".{cfg.name}.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ValueError(f"run '{cfg.name}' in {root} is in use by another launcher; "
+                         f"choose another name (name=...)") from None
+    return lock
+
+
 def check_ports(cfg: Config) -> None:
     """Raise ``ValueError`` naming the config key if a port the job needs is taken or reused."""
     wanted = {f"inference.base_port+{i}" if i else "inference.base_port": (cfg.inference.host, p)
@@ -154,8 +170,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
             raise ValueError(f"{run_dir} already holds a run; choose another name (name=...), "
                              f"delete it, or pass --overwrite")
         shutil.rmtree(run_dir)
+    model_path = str(resolve_model_path(cfg.model))  # before mkdir: a bad path leaves no run dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_path = str(resolve_model_path(cfg.model))
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model_path))
     dump_config(cfg, run_dir / "config.yaml")
     return cfg
@@ -215,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
     args = parser.parse_args(argv)
     try:
-        cfg = prepare_run(load_config(args.config, args.overrides), args.overwrite, args.resume)
+        cfg = load_config(args.config, args.overrides)
+        lock = lock_run(cfg)  # noqa: F841  (held until the launcher exits)
+        cfg = prepare_run(cfg, args.overwrite, args.resume)
     except (ValueError, FileNotFoundError) as exc:
         print(f"[launcher] error: {exc}", file=sys.stderr)
         return 2

@@ -43,14 +43,15 @@ class Child:
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, start_new_session=True, preexec_fn=_die_with_parent, text=True, bufsize=1,
         )
-        self._reader = threading.Thread(target=self._pump, args=(echo,), daemon=True)
+        self.echo = echo
+        self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
 
-    def _pump(self, echo: bool) -> None:
+    def _pump(self) -> None:
         for line in self.proc.stdout:
             self._log.write(line)
             self.tail.append(line.rstrip("\n"))
-            if echo:
+            if self.echo:
                 sys.stdout.write(line)
                 sys.stdout.flush()
         self._log.flush()
@@ -107,7 +108,10 @@ class Supervisor:
                 continue
             time.sleep(0.2)  # let the reader thread drain the child's last output
             tail = "\n".join(f"  [{child.name}] {line}" for line in child.tail)
-            why = f"exited with status {rc}" if rc else "exited unexpectedly (status 0)"
+            if rc < 0:
+                why = f"was killed by {signal.Signals(-rc).name}"
+            else:
+                why = f"exited with status {rc}" if rc else "exited unexpectedly (status 0)"
             raise JobFailed(f"{child.name} {why}; its last lines "
                             f"(full log: {self.log_dir / (child.name + '.log')}):\n{tail}")
 
@@ -121,5 +125,7 @@ class Supervisor:
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """Stop children in reverse start order (consumers before producers before servers)."""
+        for child in self.children:
+            child.echo = False  # what a child prints while being stopped would bury the cause
         for child in reversed(self.children):
             child.stop(grace_s)

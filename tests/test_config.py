@@ -26,6 +26,12 @@ def test_defaults_and_override(tmp_path):
         ("noequals", "must look like"),
         ("mode=fast", "invalid config"),
         ("queue.batch_size=abc", "invalid config"),
+        ("queue.batch_size=0", "'queue.batch_size': Expected `int` >= 1"),
+        ("queue.max_staleness=-1", "'queue.max_staleness': Expected `int` >= 0"),
+        ("rollout.num_workers=0", "'rollout.num_workers'"),
+        ("trainer.lr=0", "'trainer.lr': Expected `float` > 0"),
+        ("name=../elsewhere", "plain directory name"),
+        ("rollout.max_new_tokens=900", "exceeds inference.max_seq_len \\(1024\\)"),
     ],
 )
 def test_bad_keys_and_values(override, expected):

@@ -111,3 +111,26 @@ def test_ports_in_use_or_shared_are_named():
                              "queue.port=31001"])
     with pytest.raises(ValueError, match="queue.port and inference.base_port\\+1 are both port 31001"):
         check_ports(cfg)
+
+
+def test_one_launcher_per_run_name(tmp_path):
+    from launcher.local import lock_run
+
+    cfg = load_config(None, ["name=exp", f"run_root={tmp_path}"])
+    held = lock_run(cfg)
+    with pytest.raises(ValueError, match="run 'exp' .* is in use by another launcher"):
+        lock_run(cfg)
+    held.close()
+    lock_run(cfg).close()
+
+
+def test_child_killed_by_a_signal_is_named(tmp_path):
+    import signal
+
+    sup = Supervisor(tmp_path / "logs")
+    trainer = sup.start("trainer", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    worker = sup.start("worker0", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    with pytest.raises(JobFailed, match="worker0 was killed by SIGKILL"):
+        sup.wait_for(trainer, poll_s=0.05)
+    sup.stop_all(grace_s=2)
