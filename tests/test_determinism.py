@@ -27,7 +27,7 @@ TIMING_KEYS = {"time", "rollout/tokens_per_s", "queue/ready", "queue/running", "
 
 
 def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
-            steps: int = STEPS, resume: bool = False) -> pathlib.Path:
+            steps: int = STEPS, resume: bool = False, jitter_ms: float = 20) -> pathlib.Path:
     """Run one job of ``steps`` steps through ``launcher.local`` (``resume``: continue the run
     ``name`` from its checkpoint); returns its run directory (asserts exit 0)."""
     server_port, _, queue_port, master_port, sync_port = _free_ports(5)
@@ -42,10 +42,10 @@ def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: st
         f"queue.port={queue_port}",
         "trainer.nproc=2", f"trainer.total_steps={steps}", "trainer.lr=1e-3", "trainer.weight_decay=0",
         f"trainer.master_port={master_port}", f"trainer.weight_sync_port={sync_port}",
-        "eval.at_start=false", "eval.at_end=false",
+        "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
         "reward.fn=tests.parity_reward:even_length",
         "logging.wandb_mode=disabled", "logging.dump_trajectories=true",
-        "debug.jitter_ms=20", f"debug.jitter_seed={jitter_seed}",
+        f"debug.jitter_ms={jitter_ms}", f"debug.jitter_seed={jitter_seed}",
     ]
     flags = ["--resume"] if resume else []
     proc = subprocess.run([sys.executable, "-m", "launcher.local", "configs/gsm8k_smollm2.yaml", *overrides, *flags],
