@@ -10,6 +10,7 @@ runs in ``mode: throughput`` must differ, which shows the comparison can fail.
 
 import json
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -26,11 +27,28 @@ STEPS = 4
 TIMING_KEYS = {"time", "rollout/tokens_per_s", "queue/ready", "queue/running", "queue/capacity"}
 
 
+def _free_base_port(n: int) -> int:
+    """A port p with p, p+1, …, p+n-1 all free now (server i listens on base_port + i)."""
+    while True:
+        base = _free_ports(1)[0]
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
             steps: int = STEPS, resume: bool = False, jitter_ms: float = 20) -> pathlib.Path:
     """Run one job of ``steps`` steps through ``launcher.local`` (``resume``: continue the run
     ``name`` from its checkpoint); returns its run directory (asserts exit 0)."""
-    server_port, _, queue_port, master_port, sync_port = _free_ports(5)
+    server_port = _free_base_port(2)
+    queue_port, master_port, sync_port = _free_ports(3)
     overrides = [
         f"name={name}", f"run_root={run_root}", "seed=3", f"mode={mode}",
         f"model.path={model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
