@@ -81,7 +81,7 @@ class RolloutConfig(_Cfg):
 
 
 class QueueConfig(_Cfg):
-    """Replay queue: admission by the staleness bound, ``max_staleness`` = η (DESIGN.md)."""
+    """Replay queue: admission by the staleness bound, ``max_staleness`` = η (docs/design.md)."""
 
     host: str = "127.0.0.1"
     port: Port = 29600

@@ -1,6 +1,6 @@
 """Per-step metrics: ``metrics.jsonl``, a wandb run (offline by default) and one console line.
 
-Metric names follow DESIGN.md (``rollout/*``, ``staleness/*``, ``queue/*``, ``train/*``,
+Metric names follow docs/design.md (``rollout/*``, ``staleness/*``, ``queue/*``, ``train/*``,
 ``perf/*``, ``version/*``, ``eval/*``). Values are floats, except ``*/hist`` entries, which are
 lists of raw values: they go to ``metrics.jsonl`` as lists and to wandb as histograms. wandb's
 directories (``WANDB_DIR``, cache, data, config) live under the run directory; runs are grouped by

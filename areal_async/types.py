@@ -86,7 +86,7 @@ def sample_seed(run_seed: int, group_id: int, index: int) -> int:
     """Sampling seed of sample (g, i): a hash of (run seed, g, i), in ``[0, 2**63)``.
 
     Distinct within a group and independent of which worker or server runs the request
-    (DESIGN.md, "Determinism"). Uses splitmix64 finalisation over the three integers.
+    (docs/design.md, "Determinism"). Uses splitmix64 finalisation over the three integers.
     """
     x = (run_seed * 0x9E3779B97F4A7C15 + group_id * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB)
     x &= 0xFFFFFFFFFFFFFFFF

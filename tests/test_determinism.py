@@ -1,4 +1,4 @@
-"""The determinism proof, end to end through the launcher (DESIGN.md, "Determinism").
+"""The determinism proof, end to end through the launcher (docs/design.md, "Determinism").
 
 Two runs of ``mode: deterministic`` (η = 1, 2 embedded servers, 2 workers, a 2-rank trainer, the
 tiny fixture model) with random timing jitter in workers, servers, queue and trainer, seeded

@@ -7,7 +7,7 @@ to generate. The kept prompts keep their dataset order; group id g maps to
 
     kept[perm(seed, epoch)[g % N]],  epoch = g // N,  perm = default_rng([seed, epoch]).permutation(N)
 
-(DESIGN.md, "Determinism"), a pure function of (seed, g) — the same in every worker process.
+(docs/design.md, "Determinism"), a pure function of (seed, g) — the same in every worker process.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``InferenceClient``: the async HTTP client for SGLang-compatible servers (embedded or real SGLang).
 
-Only SGLang's request fields are sent (SGLANG_API.md), so the same code drives both backends.
+Only SGLang's request fields are sent (docs/sglang_api.md), so the same code drives both backends.
 ``generate`` implements AReaL's interruptible generation: when a response comes back with
 ``finish_reason.type == "abort"`` because the servers were paused for a weight update, the client
 resubmits ``input_ids + output so far`` with the remaining ``max_new_tokens`` and the same

@@ -8,7 +8,7 @@ Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--d
 request's tokens and log-probs do not depend on which other requests share its decode steps.
 ``--debug-jitter-ms`` sleeps a seeded random delay before each engine step (determinism tests).
 
-Implemented subset (see SGLANG_API.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
+Implemented subset (see docs/sglang_api.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
 no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_weight_version``, ``/flush_cache`` (nothing to flush: there is no prefix cache; 400 while
 requests run, as SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,

@@ -1,6 +1,6 @@
 """The staleness bound: how many more groups the queue may admit, and which version a group needs.
 
-Both functions are pure integer arithmetic over the quantities of DESIGN.md ("Staleness"):
+Both functions are pure integer arithmetic over the quantities of docs/design.md ("Staleness"):
 
 - ``v``: latest trained policy version made live on the servers (the trainer announces it);
 - ``B``: groups per training batch; ``η`` (``max_staleness``): how many versions a group may lag;
@@ -58,7 +58,7 @@ def admission_capacity(
 def group_version(group_id: int, batch_size: int, max_staleness: int) -> int:
     """``v(g) = max(0, floor(g / B) - η)``: the policy version that generates group ``g``.
 
-    Used by deterministic mode (DESIGN.md, "Determinism"): group ``g`` is admitted only once
+    Used by deterministic mode (docs/design.md, "Determinism"): group ``g`` is admitted only once
     version ``v(g)`` is live, and version ``j + 1`` goes live only after every group with
     ``v(g) <= j`` has finished. Group ``g`` lands in training batch ``floor(g / B)``, so its
     staleness at training time is ``min(floor(g / B), η)``.

@@ -1,4 +1,4 @@
-"""The deterministic-mode contract on every batch the trainer takes (DESIGN.md, "Determinism").
+"""The deterministic-mode contract on every batch the trainer takes (docs/design.md, "Determinism").
 
 ``check_batch`` raises ``ContractViolation`` when batch k of a deterministic run breaks one of:
 

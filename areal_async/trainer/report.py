@@ -1,6 +1,6 @@
 """Per-step measurements of the trainer: phase timing and the metrics of a consumed batch.
 
-Names follow DESIGN.md: ``rollout/*`` and ``staleness/*`` describe the batch the trainer took,
+Names follow docs/design.md: ``rollout/*`` and ``staleness/*`` describe the batch the trainer took,
 ``queue/*`` a snapshot of the queue, ``perf/*`` the step's phases (``Timer``).
 """
 
@@ -29,7 +29,7 @@ class Timer:
 
 
 def sample_version(traj: Trajectory, versions: list[int]) -> int:
-    """Version of a sample = the version that produced its first token (DESIGN.md, Staleness);
+    """Version of a sample = the version that produced its first token (docs/design.md, Staleness);
     an empty response counts with its group's oldest version."""
     return versions[0] if versions else traj.min_version()
 
