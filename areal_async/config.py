@@ -22,7 +22,7 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
-Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: any free port (in-process use)
 
 
 class _Cfg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

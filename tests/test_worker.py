@@ -262,7 +262,7 @@ def test_worker_cli_exit_codes(tiny_model_dir, tokenizer, tmp_path):
             "data": {"max_prompt_len": 400},
             "inference": {"base_port": int(urls[0].rsplit(":", 1)[1]), "num_servers": 1,
                           "max_seq_len": 512, "startup_timeout_s": 30},
-            "rollout": {"n_samples": 2, "max_new_tokens": 16},
+            "rollout": {"n_samples": 2, "max_new_tokens": 16}, "eval": {"max_new_tokens": 16},
             "queue": {"port": qserver.sockets[0].getsockname()[1], "batch_size": 2,
                       "max_staleness": 0},
         }
