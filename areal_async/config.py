@@ -67,6 +67,10 @@ class InferenceConfig(_Cfg):
     startup_timeout_s: PosFloat = 300.0
     sglang_args: list[str] = []
 
+    def urls(self) -> list[str]:
+        """``http://host:port`` of each server; server i listens on ``base_port + i``."""
+        return [f"http://{self.host}:{self.base_port + i}" for i in range(self.num_servers)]
+
 
 class RolloutConfig(_Cfg):
     """Generation workers and sampling parameters (shared with the trainer's log-prob recompute)."""

@@ -85,11 +85,6 @@ def _nccl_env(cfg: Config) -> dict[str, str]:
             "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
 
 
-def server_urls(cfg: InferenceConfig) -> list[str]:
-    """``http://host:port`` of each server; server i listens on ``base_port + i``."""
-    return [f"http://{cfg.host}:{cfg.base_port + i}" for i in range(cfg.num_servers)]
-
-
 def _wait_until(ready, what: str, sup: Supervisor, timeout_s: float) -> None:
     """Poll ``ready()`` until true, failing fast if any child dies meanwhile."""
     deadline = time.monotonic() + timeout_s
@@ -193,10 +188,10 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         model = msgspec.structs.replace(cfg.model, path=str(ckpt.resolve()))
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
-    for i, url in enumerate(server_urls(inf)):
+    for i, url in enumerate(inf.urls()):
         sup.start(f"server{i}", make_argv(inf, model, inf.base_port + i, cfg.mode,
                                           server_threads, cfg.debug, version), env=_nccl_env(cfg))
-    for url in server_urls(inf):
+    for url in inf.urls():
         _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
                     inf.startup_timeout_s)
     print(f"[launcher] {inf.num_servers} {inf.backend} server(s) healthy", flush=True)

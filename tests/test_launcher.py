@@ -7,7 +7,7 @@ import time
 import pytest
 
 from areal_async.config import load_config
-from launcher.local import SERVER_ARGV, _nccl_env, server_urls
+from launcher.local import SERVER_ARGV, _nccl_env
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -68,7 +68,7 @@ def test_unexpected_clean_exit_of_long_lived_child_is_a_failure(tmp_path):
 def test_server_command_lines():
     cfg = load_config(None, ["inference.num_servers=2", "inference.base_port=31000",
                              "inference.sglang_args=[--tp,'1']"])
-    assert server_urls(cfg.inference) == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    assert cfg.inference.urls() == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     emb = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, "deterministic", 1)
     assert emb[1:3] == ["-m", "areal_async.inference.server"]
     assert emb[emb.index("--port") + 1] == "31001"

@@ -129,11 +129,6 @@ class GenerationWorker:
         )
 
 
-def server_urls(host: str, base_port: int, num_servers: int) -> list[str]:
-    """``http://host:port`` of each inference server; server i listens on ``base_port + i``."""
-    return [f"http://{host}:{base_port + i}" for i in range(num_servers)]
-
-
 def check_lengths(cfg: Config) -> None:
     """Raise ``ValueError`` unless a longest prompt plus a full response fits a server's
     ``inference.max_seq_len`` (embedded backend), so no request is ever refused for length."""
@@ -158,7 +153,7 @@ async def main(cfg: Config, worker_id: int) -> None:
                         cfg.seed)
     print(f"{tag} {prompts.summary()}", flush=True)
     inf = cfg.inference
-    urls = server_urls(inf.host, inf.base_port, inf.num_servers)
+    urls = inf.urls()
     t0 = time.perf_counter()
     with RewardPool(cfg.reward) as rewards:
         async with InferenceClient(urls, timeout_s=inf.request_timeout_s) as client:

@@ -60,7 +60,7 @@ class Services:
         from areal_async.reward.pool import RewardPool
 
         cfg, inf = self.cfg, self.cfg.inference
-        urls = [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+        urls = inf.urls()
         self.client = await self.stack.enter_async_context(InferenceClient(urls, timeout_s=inf.request_timeout_s))
         await self.client.wait_healthy(inf.startup_timeout_s)
         self.queue = await self.stack.enter_async_context(
