@@ -129,17 +129,6 @@ class GenerationWorker:
         )
 
 
-def check_lengths(cfg: Config) -> None:
-    """Raise ``ValueError`` unless a longest prompt plus a full response fits a server's
-    ``inference.max_seq_len`` (embedded backend), so no request is ever refused for length."""
-    need = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    if cfg.inference.backend == "embedded" and need > cfg.inference.max_seq_len:
-        raise ValueError(
-            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + rollout.max_new_tokens "
-            f"({cfg.rollout.max_new_tokens}) = {need} exceeds inference.max_seq_len "
-            f"({cfg.inference.max_seq_len}); lower one of the first two or raise the last")
-
-
 async def main(cfg: Config, worker_id: int) -> None:
     from areal_async.data import load_task
     from areal_async.inference.client import InferenceClient
@@ -147,7 +136,6 @@ async def main(cfg: Config, worker_id: int) -> None:
     from areal_async.queue.client import QueueClient
 
     tag = f"[worker{worker_id}]"
-    check_lengths(cfg)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model))
     prompts = PromptSet(load_task(cfg.data, "train"), tokenizer, cfg.data.max_prompt_len,
                         cfg.seed)

@@ -116,8 +116,6 @@ def check_config(cfg: Config) -> None:
     if cfg.algo.kl_coef != 0.0:
         raise ValueError(f"algo.kl_coef={cfg.algo.kl_coef}: a KL penalty needs a reference model, "
                          "which this trainer does not keep; set algo.kl_coef=0")
-    if cfg.trainer.total_steps < 1:
-        raise ValueError(f"trainer.total_steps must be >= 1, got {cfg.trainer.total_steps}")
 
 
 async def train(cfg: Config, run_dir: pathlib.Path) -> None:
