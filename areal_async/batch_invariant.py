@@ -13,7 +13,12 @@ the block, so every row's arithmetic is a function of that row alone (``tests/
 test_batch_invariance.py`` checks it). Row-wise reductions (RMSNorm, softmax, log-softmax over the
 last dimension) are already per-row in torch and need nothing.
 
-Cost: up to ``ROW_TILE - 1`` padded rows per call and one call per block; see docs/determinism.md.
+On CUDA the block is ``CUDA_ROW_TILE`` rows: one GEMM per 16 rows would mean thousands of kernel
+launches per training micro-batch, and a fixed-shape cuBLAS call picks the same kernel every time,
+without a split of the K-reduction across blocks of rows (``tests/test_batch_invariance.py`` has
+the same check, marked ``gpu``).
+
+Cost: up to ``tile - 1`` padded rows per call and one call per block; see docs/determinism.md.
 """
 
 from __future__ import annotations
@@ -25,20 +30,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ROW_TILE = 16
+CUDA_ROW_TILE = 256
 
 
-def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, tile: int = ROW_TILE) -> Tensor:
+def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, tile: int | None = None) -> Tensor:
     """``F.linear`` computed in fixed blocks of ``tile`` rows, so each row's result is independent
     of how many rows ``x`` has and of their values.
 
     Args:
         x: ``[..., K]`` any float dtype; all leading dimensions are flattened into rows.
         weight: ``[N, K]``; bias: ``[N]`` or ``None``.
-        tile: rows per GEMM call (``>= 1``).
+        tile: rows per GEMM call (``>= 1``); ``None``: ``ROW_TILE`` on CPU, ``CUDA_ROW_TILE`` on CUDA.
 
     Returns:
         ``[..., N]`` in ``x``'s dtype; differentiable (a ``cat`` of per-block results).
     """
+    if tile is None:
+        tile = CUDA_ROW_TILE if x.is_cuda else ROW_TILE
     assert tile >= 1, f"tile must be >= 1, got {tile}"
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)

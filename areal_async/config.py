@@ -63,6 +63,7 @@ class InferenceConfig(_Cfg):
     max_seq_len: PosInt = 1024
     device: str = "auto"
     threads: NonNegInt = 0
+    cuda_graph: bool = True  # CUDA: replay captured decode steps (False: SGLang's --disable-cuda-graph)
     request_timeout_s: PosFloat = 600.0
     startup_timeout_s: PosFloat = 300.0
     sglang_args: list[str] = []

@@ -51,6 +51,8 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
             "--weight-version", str(weight_version)]
     if mode == "deterministic":
         argv.append("--enable-deterministic-inference")
+    if not cfg.cuda_graph:
+        argv.append("--disable-cuda-graph")
     if debug.jitter_ms > 0:
         argv += ["--debug-jitter-ms", str(debug.jitter_ms), "--debug-jitter-seed",
                  str(debug.jitter_seed), "--debug-jitter-stream", str(port)]
@@ -70,6 +72,8 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
             "--weight-version", str(weight_version)]
     if mode == "deterministic":
         argv.append("--enable-deterministic-inference")
+    if not cfg.cuda_graph:
+        argv.append("--disable-cuda-graph")
     return argv + list(cfg.sglang_args)
 
 

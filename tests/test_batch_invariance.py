@@ -14,19 +14,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_async.batch_invariant import ROW_TILE, make_linears_batch_invariant, tiled_linear
+from areal_async.batch_invariant import CUDA_ROW_TILE, ROW_TILE, make_linears_batch_invariant, tiled_linear
 from areal_async.inference.sampling import SamplingParams
 from areal_async.inference.server import load_engine
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiled_linear_row_result_ignores_other_rows(dtype):
+def test_tiled_linear_row_result_ignores_other_rows(dtype, device):
     torch.manual_seed(0)
-    w, b = torch.randn(384, 64).to(dtype), torch.randn(384).to(dtype)
-    row = torch.randn(1, 64).to(dtype)
+    tile = ROW_TILE if device == "cpu" else CUDA_ROW_TILE
+    k = 64 if device == "cpu" else 1024
+    w, b = torch.randn(384, k).to(dtype).to(device), torch.randn(384).to(dtype).to(device)
+    row = torch.randn(1, k).to(dtype).to(device)
     ref = tiled_linear(row, w, b)
-    for m, pos in [(4, 2), (ROW_TILE, ROW_TILE - 1), (34, 17), (100, 99)]:
-        x = torch.randn(m, 64).to(dtype)
+    for m, pos in [(4, 2), (tile, tile - 1), (34, 17), (100, 99), (3 * tile + 5, 2 * tile + 3)]:
+        x = torch.randn(m, k).to(dtype).to(device)
         x[pos] = row[0]
         assert torch.equal(tiled_linear(x, w, b)[pos], ref[0]), (m, pos)
     assert torch.allclose(tiled_linear(x, w, b), F.linear(x, w, b), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -38,11 +41,16 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _run_engine(model_dir, deterministic: bool, n_others: int, dtype: str = "float32") -> tuple[list[int], list[float]]:
-    """Tokens and log-probs of the target request sharing the engine with ``n_others`` requests."""
+def _run_engine(model_dir, deterministic: bool, n_others: int, dtype: str = "float32", device: str = "cpu",
+                fixed_shape: bool = False) -> tuple[list[int], list[float]]:
+    """Tokens and log-probs of the target request sharing the engine with ``n_others`` requests
+    (``fixed_shape``: force the CUDA deterministic path — all-slot decode, per-prompt prefill,
+    untiled linears — on any device)."""
 
     async def main():
-        engine, _ = load_engine(str(model_dir), dtype, "cpu", 40, 128, deterministic=deterministic)
+        engine, _ = load_engine(str(model_dir), dtype, device, 40, 128, deterministic=deterministic)
+        if fixed_shape:
+            engine.forward.fixed_shape, engine.forward.tiled = True, False
         task = asyncio.create_task(engine.run())
         target = [5, 17, 42, 99, 7, 3, 250, 11]
         params = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, sampling_seed=1234)
@@ -66,6 +74,27 @@ def test_engine_request_is_bitwise_batch_invariant_in_deterministic_mode(tiny_mo
     same_tokens = all(run[0] == loose[0][0] for run in loose)
     print(f"\n{dtype} throughput forward: max |Δ logprob| = {diff:.3e} (alone vs 3/33 others), "
           f"tokens equal: {same_tokens}")
+
+
+def test_fixed_shape_decode_is_bitwise_batch_invariant_on_cpu(tiny_model_dir):
+    # The CUDA deterministic path (every step decodes all 40 slots, idle ones padding into the
+    # scratch slot; one prompt per prefill; plain linears) run on the CPU: padding rows must not
+    # disturb running requests, and the target's output must not depend on the others.
+    alone, with3, with33 = (_run_engine(tiny_model_dir, True, n, fixed_shape=True) for n in (0, 3, 33))
+    assert with3 == alone and with33 == alone
+    tiled = _run_engine(tiny_model_dir, True, 3)
+    assert tiled[0] == alone[0]  # same tokens as the tiled CPU path (log-probs may differ in bits)
+    assert max(abs(a - b) for a, b in zip(tiled[1], alone[1])) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_request_is_bitwise_batch_invariant_on_cuda(tiny_model_dir, dtype):
+    alone, with3, with33 = (_run_engine(tiny_model_dir, True, n, dtype, "cuda") for n in (0, 3, 33))
+    assert with3 == alone and with33 == alone
+    loose = [_run_engine(tiny_model_dir, False, n, dtype, "cuda") for n in (0, 3, 33)]
+    diff = max(abs(a - b) for run in loose[1:] for a, b in zip(run[1], loose[0][1]))
+    print(f"\ncuda {dtype} throughput forward: max |Δ logprob| = {diff:.3e} (alone vs 3/33 others)")
 
 
 def _sequence_logprobs(lm, seqs: list[list[int]], target: int) -> torch.Tensor:

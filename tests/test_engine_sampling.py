@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from areal_async.inference.sampling import SamplingParams, gumbel_noise, sample
+from areal_async.inference.sampling import SamplingParams, gumbel_noise, noise_key, noise_uniform, sample
 
 
 def _params(b: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1):
@@ -20,6 +20,20 @@ def test_noise_row_depends_only_on_its_seed_and_position():
     assert torch.equal(batched[1], alone[0])
     assert not torch.equal(batched[0], alone[0])  # other seed
     assert not torch.equal(batched[2], alone[0])  # other position
+
+
+def test_noise_equals_the_integer_reference():
+    # the tensor hash (int64 with wrapping multiplies) against exact Python integers, including
+    # seeds above 2**63 and keys whose products overflow
+    seeds, positions = [0, 7, 2**64 - 1, 12345678901234567890], [0, 12, 3, 100000]
+    noise = gumbel_noise(seeds, positions, 300)
+    for b, (seed, position) in enumerate(zip(seeds, positions)):
+        key = noise_key(seed, position)
+        for i in (0, 1, 2, 150, 299):
+            u = noise_uniform(key, i)
+            assert 0.0 < u < 1.0
+            expected = -math.log(-math.log(u))
+            assert abs(noise[b, i].item() - expected) < 1e-5 * max(1.0, abs(expected)), (b, i)
 
 
 def test_greedy_picks_argmax_and_reports_untempered_logprob():

@@ -13,13 +13,19 @@ Three parts, one model (the engine's fused projections are views of the HF param
    nearly flat distributions over 152k tokens, so near-ties are common: a greedy mismatch counts as
    an error only where HF's margin exceeds ``--tie-tol``. Sampled (T = 1) log-probs are compared
    the same way.
-2. **Decode step.** ``BatchedForward.decode`` alone at each batch size, every row at the average
-   context (prompt + new/2), timed with device synchronisation, beside the roofline floor:
-   (weight bytes + B · context · KV bytes per token) / ``--bandwidth``. Sampling (Gumbel noise per
-   row) is timed separately.
+   The same greedy prompts through an engine with eager decode steps (``cuda_graph=False``) give
+   the eager reference that the graph-replaying engine must equal token for token.
+2. **Decode step.** One decode step alone at each batch size, every row at the average context
+   (prompt + new/2), timed with device synchronisation: eager (``BatchedForward.decode``) and
+   replayed CUDA graph (``decode_batch``), beside the roofline floor: (weight bytes + B · context ·
+   KV bytes per token) / ``--bandwidth``. Sampling (fused Gumbel-max) is timed separately.
 3. **End to end.** ``Engine`` with B requests of ``--prompt-len`` random tokens, ``ignore_eos``,
    ``--new-tokens`` each, sampled at T = 1 with per-request seeds (prefill, scheduling and sampling
-   included), and HF ``generate`` (sampling, same shapes) at ``--hf-batch``.
+   included), and HF ``generate`` (sampling, same shapes) at ``--hf-batch``. With
+   ``--deterministic`` the same runs again through a batch-invariant forward (the server's
+   ``--enable-deterministic-inference``): its tok/s beside throughput mode's gives the cost of
+   deterministic mode, and request 0 (the same prompt and seed at every batch size) must produce
+   the same tokens at every batch size.
 """
 
 from __future__ import annotations
@@ -98,6 +104,12 @@ def check(model, forward, args, device) -> dict:
                 ties += margin <= args.tie_tol
                 errors += margin > args.tie_tol
         lp_diff += [abs(a - b) for a, b in zip(c.logprobs, tf["logp"])]
+    eager_forward = BatchedForward(model, len(prompts), forward.cache.max_seq_len, cuda_graph=False)
+    eager, _ = asyncio.run(_engine_generate(
+        eager_forward, prompts, dict(max_new_tokens=args.check_tokens, temperature=0.0, ignore_eos=True), 1 << 20))
+    del eager_forward
+    graph_vs_eager = sum(a != b for c, e in zip(greedy, eager) for a, b in zip(c.output_ids, e.output_ids))
+    graph_vs_eager_lp = max(abs(a - b) for c, e in zip(greedy, eager) for a, b in zip(c.logprobs, e.logprobs))
     sampled, _ = asyncio.run(_engine_generate(
         forward, prompts, dict(max_new_tokens=args.check_tokens, temperature=1.0, ignore_eos=True), 1 << 20))
     sp_diff = []
@@ -106,6 +118,7 @@ def check(model, forward, args, device) -> dict:
         sp_diff += [abs(a - b) for a, b in zip(c.logprobs, tf["logp"])]
     return {
         "prompts": len(prompts), "tokens_each": args.check_tokens,
+        "greedy_tokens_graph_vs_eager_differ": graph_vs_eager, "greedy_logp_graph_vs_eager_max_abs_diff": graph_vs_eager_lp,
         "greedy_same_prefix_vs_hf_generate": same_prefix,
         "greedy_mismatch_near_tie": ties, "greedy_mismatch_error": errors,
         "greedy_logp_max_abs_diff": max(lp_diff), "greedy_logp_mean_abs_diff": statistics.mean(lp_diff),
@@ -113,31 +126,46 @@ def check(model, forward, args, device) -> dict:
     }
 
 
+def _time(fn, reps: int, device) -> float:
+    for _ in range(3):
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / reps
+
+
 def time_decode(model, forward, batch: int, context: int, reps: int, bandwidth: float, device) -> dict:
     vocab = model.config.vocab_size
     tokens = torch.randint(3, vocab, (batch,), device=device)
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
-    for _ in range(3):
-        forward.decode(tokens, positions)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        logits = forward.decode(tokens, positions)
-    _sync(device)
-    step_s = (time.perf_counter() - start) / reps
+    eager_s = _time(lambda: forward.decode(tokens, positions), reps, device)
+    token_list, position_list = tokens.tolist(), positions.tolist()
+    graph_s = _time(lambda: forward.decode_batch(token_list, position_list), reps, device)
+    logits = forward.decode_batch(token_list, position_list).clone()
     temperature = torch.ones(batch, device=device)
     top_p, top_k = torch.ones(batch, device=device), torch.full((batch,), -1, device=device)
     seeds, pos = list(range(batch)), [context] * batch
-    sample(logits, temperature, top_p, top_k, seeds, pos)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        sample(logits, temperature, top_p, top_k, seeds, pos)
-    _sync(device)
-    sample_s = (time.perf_counter() - start) / reps
+    sample_s = _time(lambda: sample(logits, temperature, top_p, top_k, seeds, pos), reps, device)
     floor_s = (weight_bytes(model) + batch * context * kv_bytes_per_token(model)) / bandwidth
-    return {"batch": batch, "context": context, "decode_ms": step_s * 1e3, "sample_ms": sample_s * 1e3,
-            "floor_ms": floor_s * 1e3, "decode_tok_s": batch / step_s}
+    return {"batch": batch, "context": context, "eager_ms": eager_s * 1e3, "decode_ms": graph_s * 1e3,
+            "sample_ms": sample_s * 1e3, "floor_ms": floor_s * 1e3, "decode_tok_s": batch / graph_s,
+            "graphed": forward.graphs is not None}
+
+
+def run_engine(forward, args, vocab: int) -> list[dict]:
+    rows = []
+    for b in args.batches:
+        prompts = _prompts(b, args.prompt_len, vocab, seed=3)  # row 0 is the same prompt at every b
+        params = dict(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
+        out, seconds = asyncio.run(_engine_generate(forward, prompts, params, args.max_prefill_tokens))
+        tokens = sum(len(c.output_ids) for c in out)
+        rows.append({"batch": b, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+                     "ms_per_step": seconds / args.new_tokens * 1e3, "request0": out[0].output_ids})
+        print("engine:", json.dumps({k: v for k, v in rows[-1].items() if k != "request0"}), flush=True)
+    return rows
 
 
 def hf_generate(model, batch: int, args, device) -> dict:
@@ -169,6 +197,7 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=64)
     ap.add_argument("--tie-tol", type=float, default=0.05, help="logit margin under which a greedy mismatch is a tie")
     ap.add_argument("--decode-reps", type=int, default=20)
+    ap.add_argument("--deterministic", action="store_true", help="also run the batch-invariant forward")
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of device memory (measured copy)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -185,15 +214,17 @@ def main() -> None:
     context = args.prompt_len + args.new_tokens // 2
     report["decode"] = [time_decode(model, forward, b, context, args.decode_reps, args.bandwidth, device)
                         for b in args.batches]
-    report["engine"] = []
-    for b in args.batches:
-        prompts = _prompts(b, args.prompt_len, model.config.vocab_size, seed=3)
-        params = dict(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
-        out, seconds = asyncio.run(_engine_generate(forward, prompts, params, args.max_prefill_tokens))
-        tokens = sum(len(c.output_ids) for c in out)
-        report["engine"].append({"batch": b, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-                                 "ms_per_step": seconds / args.new_tokens * 1e3})
-        print("engine:", json.dumps(report["engine"][-1]), flush=True)
+    report["engine"] = run_engine(forward, args, model.config.vocab_size)
+    if args.deterministic:
+        forward = BatchedForward(model, max(args.batches), max_seq_len, batch_invariant=True)
+        report["engine_deterministic"] = run_engine(forward, args, model.config.vocab_size)
+        del forward
+    for key in ("engine", "engine_deterministic"):
+        if key in report:
+            first = report[key][0]["request0"]
+            report[key + "_request0_same_at_every_batch"] = all(r["request0"] == first for r in report[key])
+            for r in report[key]:
+                r.pop("request0")
     report["hf_generate"] = [hf_generate(model, b, args, device) for b in args.hf_batch]
     if args.json:
         with open(args.json, "w") as f:
@@ -202,13 +233,15 @@ def main() -> None:
     print(f"\n{args.shape} (random weights, {dtype}), {report['device']}, torch {torch.__version__}")
     print(f"\ndecode step alone, context {context}, floor = (weights {report['weight_bytes'] / 1e9:.2f} GB + "
           f"B·ctx·{report['kv_bytes_per_token']} B) / {args.bandwidth / 1e12:.1f} TB/s")
-    print(f"{'batch':>6} {'decode ms':>10} {'floor ms':>9} {'x floor':>8} {'sample ms':>10} {'tok/s (fwd)':>12}")
+    print(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'x floor':>8} {'sample ms':>10} "
+          f"{'tok/s (fwd)':>12}")
     for r in report["decode"]:
-        print(f"{r['batch']:>6} {r['decode_ms']:>10.2f} {r['floor_ms']:>9.3f} {r['decode_ms'] / r['floor_ms']:>8.1f} "
-              f"{r['sample_ms']:>10.2f} {r['decode_tok_s']:>12.0f}")
+        print(f"{r['batch']:>6} {r['eager_ms']:>9.2f} {r['decode_ms']:>9.2f} {r['floor_ms']:>9.3f} "
+              f"{r['decode_ms'] / r['floor_ms']:>8.1f} {r['sample_ms']:>10.2f} {r['decode_tok_s']:>12.0f}")
     print(f"\nend to end: {args.prompt_len}-token prompts, {args.new_tokens} new tokens each, T = 1")
     print(f"{'engine':<12} {'batch':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'ms/step':>8}")
-    for name, rows in (("embedded", report["engine"]), ("hf generate", report["hf_generate"])):
+    for name, rows in (("embedded", report["engine"]), ("deterministic", report.get("engine_deterministic", [])),
+                       ("hf generate", report["hf_generate"])):
         for r in rows:
             print(f"{name:<12} {r['batch']:>6} {r['tokens']:>8} {r['seconds']:>8.2f} {r['tok_s']:>9.0f} "
                   f"{r['ms_per_step']:>8.1f}")
@@ -216,6 +249,11 @@ def main() -> None:
     for r in report["hf_generate"]:
         if r["batch"] in best:
             print(f"embedded / hf generate at batch {r['batch']}: {best[r['batch']] / r['tok_s']:.2f}x")
+    for det in report.get("engine_deterministic", []):
+        print(f"deterministic-mode slowdown at batch {det['batch']}: {best[det['batch']] / det['tok_s']:.2f}x")
+    for key in ("engine", "engine_deterministic"):
+        if key in report:
+            print(f"{key}: request 0 identical at every batch size: {report[key + '_request0_same_at_every_batch']}")
 
 
 if __name__ == "__main__":

@@ -255,13 +255,12 @@ class Engine:
         for src, dst, length in plan.moves:
             self.forward.cache.move(src, dst, length)
         logits = []
+        if plan.decode:
+            logits.append(self.forward.decode_batch([r.output_ids[-1] for r in plan.decode],
+                                                    [r.cached for r in plan.decode]))
         if plan.prefill:
             logits.append(self.forward.prefill([r.input_ids for r in plan.prefill], [r.slot for r in plan.prefill]))
-        if plan.decode:
-            tokens = torch.tensor([r.output_ids[-1] for r in plan.decode])
-            positions = torch.tensor([r.cached for r in plan.decode])
-            logits.append(self.forward.decode(tokens.to(self.forward.device), positions.to(self.forward.device)))
-        reqs = plan.prefill + plan.decode
+        reqs = plan.decode + plan.prefill
         device = self.forward.device
         with torch.inference_mode():
             tokens, logprobs = sample(
@@ -279,7 +278,7 @@ class Engine:
             req.cached = len(req.input_ids)
         for req in plan.decode:
             req.cached += 1
-        for req, token, logprob in zip(plan.prefill + plan.decode, tokens, logprobs):
+        for req, token, logprob in zip(plan.decode + plan.prefill, tokens, logprobs):
             if req.finished:  # aborted while the step ran: its partial output was already returned
                 continue
             req.output_ids.append(token)

@@ -10,7 +10,10 @@ their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module on
 - **prefill**: new requests' prompts are packed into one token row (positions restart at 0), the
   projections run once over all of them, attention runs per sequence (causal SDPA);
 - **decode**: one token per running slot; attention over the packed cache view up to the longest
-  running sequence, shorter rows masked;
+  running sequence, shorter rows masked; on CUDA each step replays a captured CUDA graph
+  (``cuda_graph.py``) of a padded batch size and a rounded-up attention span, so a step costs a
+  few launches instead of ~1,000;
+- **prefill on CUDA** (bf16/fp16): one ``varlen_attn`` call over the packed prompts per layer;
 - RoPE cos/sin come from the model's own ``rotary_emb`` (so ``rope_theta`` / ``rope_parameters``
   and scaling types are read as HF reads them), tabulated once for positions ``[0, max_seq_len)``;
 - norms are the model's own RMSNorm modules (Qwen3's per-head ``q_norm`` / ``k_norm`` included);
@@ -21,12 +24,17 @@ their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module on
 Logits are computed only for the positions that sample (the last prompt token, each decode token)
 and returned in float32. Not supported: sliding-window attention, MoE, biases on ``o_proj``.
 
-**Batch-invariant mode** (``batch_invariant=True``, the server's ``--enable-deterministic-inference``):
-every projection and the LM head run through ``batch_invariant.tiled_linear`` (fixed row blocks),
-and decode attention reduces over the whole cache row (``max_seq_len`` positions, the unused ones
-masked to exact zeros) instead of over the longest running row, whose length depends on the
-others. Prefill attention is per sequence in both modes. A request's logits are then bitwise the same
-whatever else shares the step.
+**Batch-invariant mode** (``batch_invariant=True``, the server's ``--enable-deterministic-inference``)
+makes a request's logits bitwise the same whatever else shares the step. Decode attention always
+reduces over the whole cache row (``max_seq_len`` positions, the unused ones masked to exact
+zeros) instead of over the longest running row, whose length depends on the others. Then:
+
+- CPU: every projection and the LM head run through ``batch_invariant.tiled_linear`` (fixed row
+  blocks); prefill attention is per sequence;
+- CUDA: **fixed shapes** instead — every decode step runs all ``max_slots`` rows (idle rows are
+  padding that writes to the scratch slot), so every kernel sees the same shapes at every step
+  and a row's arithmetic cannot depend on how many requests run; prefill runs one prompt per
+  forward, so its shapes are the prompt's own.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch_invariant import tiled_linear
+from .cuda_graph import DecodeGraphs
 from .kv_cache import KVCache
 
 
@@ -96,9 +105,12 @@ class BatchedForward:
         max_slots: KV-cache slots (the most requests running at once).
         max_seq_len: prompt + output tokens per request.
         batch_invariant: compute so that each request's logits do not depend on the batch (slower).
+        cuda_graph: on CUDA, replay captured decode graphs (``False``: eager decode, SGLang's
+            ``--disable-cuda-graph``); ignored on CPU.
     """
 
-    def __init__(self, model: nn.Module, max_slots: int, max_seq_len: int, batch_invariant: bool = False):
+    def __init__(self, model: nn.Module, max_slots: int, max_seq_len: int, batch_invariant: bool = False,
+                 cuda_graph: bool = True):
         cfg = model.config
         if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "num_experts", 0):
             raise ValueError(f"model type '{cfg.model_type}' uses sliding windows or experts; not supported")
@@ -121,6 +133,11 @@ class BatchedForward:
         self.cache = KVCache(
             len(self.layers), max_slots, self.num_kv_heads, max_seq_len, self.head_dim, self.dtype, self.device
         )
+        on_cuda = self.device.type == "cuda"
+        self.tiled = batch_invariant and not on_cuda
+        self.fixed_shape = batch_invariant and on_cuda
+        self.varlen_prefill = on_cuda and self.dtype in (torch.bfloat16, torch.float16)
+        self.graphs = DecodeGraphs(self) if on_cuda and cuda_graph else None
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
         """Projections, q/k norms and RoPE for ``h: [T, hidden]`` → q ``[T, H, D]``, k, v ``[T, Hkv, D]``."""
@@ -135,7 +152,7 @@ class BatchedForward:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return tiled_linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
+        return tiled_linear(x, weight, bias) if self.tiled else F.linear(x, weight, bias)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._linear(layer.post_norm(x), layer.gate_up_w, layer.gate_up_b)
@@ -143,8 +160,29 @@ class BatchedForward:
         down = layer.down_proj
         return x + self._linear(layer.act(gate) * up, down.weight, down.bias)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._linear(self.final_norm(h), self.lm_head.weight, self.lm_head.bias).float()
+    def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self._linear(self.final_norm(h), self.lm_head.weight, self.lm_head.bias)
+        return logits.float() if out is None else out.copy_(logits)
+
+    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                           cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention within each packed prompt: ``q [T, H, D]``, ``k, v [T, Hkv, D]`` → ``[T, H*D]``."""
+        if cu_seqlens is not None:  # CUDA half precision: one flash varlen call
+            from torch.nn.attention.varlen import varlen_attn
+
+            groups = self.num_heads // self.num_kv_heads
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            n = max(lengths)
+            o = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, n, n, scale=self.scaling, window_size=(-1, 0))
+            return o.reshape(q.shape[0], -1)
+        outs, start = [], 0
+        for n in lengths:  # attention never crosses sequences
+            qi, ki, vi = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scaling, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(n, -1))
+            start += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     @torch.inference_mode()
     def prefill(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
@@ -154,7 +192,12 @@ class BatchedForward:
             seqs: n token lists (each non-empty, ≤ ``max_seq_len``).
             slots: the KV slot of each sequence.
         """
+        if self.fixed_shape and len(seqs) > 1:  # one prompt per forward: shapes are the prompt's own
+            return torch.cat([self.prefill([seq], [slot]) for seq, slot in zip(seqs, slots)])
         lengths = [len(s) for s in seqs]
+        cu_seqlens = None
+        if self.varlen_prefill:
+            cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
         tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
         slot_of = torch.repeat_interleave(
@@ -165,20 +208,44 @@ class BatchedForward:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_norm(x), positions)
             self.cache.write(i, index, k, v)
-            outs, start = [], 0
-            for n in lengths:  # attention never crosses sequences
-                qi, ki, vi = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scaling, enable_gqa=True)
-                outs.append(o[0].transpose(0, 1).reshape(n, -1))
-                start += n
-            x = x + self._linear(torch.cat(outs) if len(outs) > 1 else outs[0], layer.o_proj.weight)
+            x = x + self._linear(self._prefill_attention(q, k, v, lengths, cu_seqlens), layer.o_proj.weight)
             x = self._mlp(layer, x)
         last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         return self._logits(x[last])
 
+    def decode_shape(self, batch: int, span: int) -> tuple[int, int]:
+        """(rows, attention length) a decode step of ``batch`` running slots, the longest holding
+        ``span`` positions after the step, runs with."""
+        if self.fixed_shape:
+            return self.cache.num_slots, self.cache.max_seq_len
+        if self.graphs is not None:
+            return self.graphs.shape(batch, span)
+        return batch, self.cache.max_seq_len if self.batch_invariant else span
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for the running slots ``0..n-1`` (the engine's entry point).
+
+        Args:
+            tokens: n ints, the last sampled token of each running slot.
+            positions: n ints, its absolute position (= tokens already in the slot's cache).
+        Returns:
+            next-token logits ``[n, V] float32``; on CUDA a view of a buffer that the next step
+            overwrites.
+        """
+        n = len(tokens)
+        rows, length = self.decode_shape(n, max(positions) + 1)
+        if self.graphs is not None:
+            return self.graphs.run(tokens, positions, rows, length)
+        pad = rows - n
+        scratch = self.cache.scratch_slot
+        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, list(range(n)) + [scratch] * pad])
+        inputs = host.to(self.device)
+        return self._decode(inputs[0], inputs[1], inputs[2], length)[:n]
+
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step for slots ``0..B-1``: feed ``tokens[b]`` at ``positions[b]``.
+        """One eager decode step for slots ``0..B-1``: feed ``tokens[b]`` at ``positions[b]``.
 
         Args:
             tokens: ``[B] int64`` the last sampled token of each running slot.
@@ -187,11 +254,17 @@ class BatchedForward:
             next-token logits ``[B, V] float32``.
         """
         batch = tokens.shape[0]
-        # Batch-invariant mode: every row attends over the whole cache row (max_seq_len positions,
-        # its unused ones masked to exact zeros), so no reduction length depends on the other rows.
         length = self.cache.max_seq_len if self.batch_invariant else int(positions.max()) + 1
+        return self._decode(tokens, positions, torch.arange(batch, device=self.device), length)
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode rows ``b`` reading slot ``b``'s cache and writing ``slots[b]`` (``b`` itself, or the
+        scratch slot for a padding row); attention over positions ``[0, length)``. No host syncs:
+        this is what a CUDA graph captures (``out``: the logits buffer to fill)."""
+        batch = tokens.shape[0]
         groups = self.num_heads // self.num_kv_heads
-        index = self.cache.token_index(torch.arange(batch, device=self.device), positions)
+        index = self.cache.token_index(slots, positions)
         # [B, 1, 1, length] additive mask: row b sees its own positions 0..positions[b]
         hidden = torch.arange(length, device=self.device)[None, :] > positions[:, None]
         bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(hidden, float("-inf"))
@@ -207,7 +280,7 @@ class BatchedForward:
             o = torch.matmul(probs, values)  # [B, Hkv, G, D]
             x = x + self._linear(o.reshape(batch, -1), layer.o_proj.weight)
             x = self._mlp(layer, x)
-        return self._logits(x)
+        return self._logits(x, out)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF name → parameter/buffer, tied aliases included (``lm_head.weight``)."""

@@ -6,7 +6,9 @@ in slots ``0..B-1`` (a finished request's hole is filled by moving the last one 
 attends over the plain views ``k[:B, ..., :len]`` / ``v[:B, :, :len]`` without gathering; keys are
 stored transposed so both attention matmuls read row-major operands (a sliced ``[len, D]`` key
 block would be copied by CPU bf16 ``bmm``). There is no paging and no prefix sharing: memory is
-``2 * layers * S * Hkv * L * D * bytes`` up front (SmolLM2-135M, 32 × 1024, bf16: 755 MB).
+``2 * layers * (S + 1) * Hkv * L * D * bytes`` up front (SmolLM2-135M, 32 × 1024, bf16: 778 MB).
+Slot ``S`` (``scratch_slot``) belongs to no request: the padding rows of a fixed-shape decode step
+(CUDA graphs, deterministic mode) write their keys and values there.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.k = torch.zeros((num_layers, num_slots, num_kv_heads, head_dim, max_seq_len), dtype=dtype, device=device)
-        self.v = torch.zeros((num_layers, num_slots, num_kv_heads, max_seq_len, head_dim), dtype=dtype, device=device)
+        rows = num_slots + 1  # + the scratch slot
+        self.k = torch.zeros((num_layers, rows, num_kv_heads, head_dim, max_seq_len), dtype=dtype, device=device)
+        self.v = torch.zeros((num_layers, rows, num_kv_heads, max_seq_len, head_dim), dtype=dtype, device=device)
         self.num_slots = num_slots
+        self.scratch_slot = num_slots
         self.max_seq_len = max_seq_len
 
     def token_index(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

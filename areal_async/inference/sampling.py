@@ -1,9 +1,9 @@
 """Seeded, batch-invariant token sampling and the sampling parameters of one request.
 
 A request's randomness is a pure function of ``(sampling_seed, absolute position, vocab index)``:
-the Gumbel noise added to the scaled logits at position p is drawn from a fresh Mersenne-Twister
-stream keyed by ``splitmix64(seed, p)``, entry i of the stream for vocab index i, never from a
-generator shared across requests. So a
+the Gumbel noise added to the scaled logits at position p, vocab index i, comes from output i of a
+hash keyed by ``splitmix64(seed, p)`` (counter-based: computed directly, never drawn
+from a generator shared across requests). So a
 request's tokens do not depend on which other requests share its batch, and a request resubmitted
 as prompt + partial output with the same seed continues exactly as it would have uninterrupted.
 
@@ -89,11 +89,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return params
 
 
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
 def _splitmix64(x: int) -> int:
-    """splitmix64 (Steele et al. 2014) of a Python int, as an unsigned 64-bit int."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    """splitmix64 (Steele et al. 2014) of a Python int, as an unsigned 64-bit int: the first
+    output of the stream seeded with ``x``."""
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
     return x ^ (x >> 31)
 
 
@@ -102,12 +107,76 @@ def noise_key(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
 
 
+_WEYL32 = 0x9E3779B9
+_FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35
+_MASK32 = (1 << 32) - 1
+
+
+def _fmix32(x: int) -> int:
+    """MurmurHash3's 32-bit finalizer (Appleby 2011) of an unsigned 32-bit int."""
+    x = ((x ^ (x >> 16)) * _FMIX1) & _MASK32
+    x = ((x ^ (x >> 13)) * _FMIX2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def noise_uniform(key: int, index: int) -> float:
+    """Reference (pure Python) of the uniform at vocab ``index`` of the row keyed ``key``.
+
+    The 64-bit key is folded to 32 bits ``k = (key >> 32) ^ (key & 0xFFFFFFFF)``; entry ``index``
+    is ``fmix32(k + index * 0x9E3779B9 mod 2**32)``, whose top 23 bits give
+    ``u = (bits + 0.5) / 2**23`` in ``(0, 1)``, exact in float32. (32-bit lanes: on CPUs torch's
+    int32 arithmetic is vectorised, its int64 multiply is not.)
+    """
+    k = (key >> 32) ^ (key & _MASK32)
+    return ((_fmix32((k + index * _WEYL32) & _MASK32) >> 9) + 0.5) / 2.0**23
+
+
+def _signed(x: int, bits: int = 64) -> int:
+    """An unsigned int of ``bits`` bits as the signed int with the same bits."""
+    return x - (1 << bits) if x >= 1 << (bits - 1) else x
+
+
+def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of an int64 / int32 tensor (torch's ``>>`` is arithmetic)."""
+    bits = 64 if x.dtype == torch.int64 else 32
+    return (x >> shift) & ((1 << (bits - shift)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on int64 tensors (multiplication wraps modulo 2**64)."""
+    x = (x ^ _lsr(x, 30)) * _signed(_MIX1)
+    x = (x ^ _lsr(x, 27)) * _signed(_MIX2)
+    return x ^ _lsr(x, 31)
+
+
+def noise_keys(seeds: list[int], positions: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``noise_key`` of each (seed, position) pair as ``[B] int64`` (the bits of the unsigned key)."""
+    seed_keys = torch.tensor([_signed(_splitmix64(s & _MASK64)) for s in seeds], dtype=torch.int64)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    return _mix64((seed_keys ^ pos) + _signed(_GOLDEN)).to(device)
+
+
+def gumbel_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[B, V] float32`` for ``keys: [B] int64`` (``noise_keys``): entry (b, i)
+    is ``-log(-log(u))`` with ``u = noise_uniform(keys[b], i)``; a pure function of (key, i)."""
+    folded = (_lsr(keys, 32) ^ (keys & _MASK32)).to(torch.int32)  # wraps to the same 32 bits
+    counter = torch.arange(vocab, dtype=torch.int32, device=keys.device) * _signed(_WEYL32, 32)
+    x = folded[:, None] + counter[None, :]
+    x ^= _lsr(x, 16)
+    x *= _signed(_FMIX1, 32)
+    x ^= _lsr(x, 13)
+    x *= _signed(_FMIX2, 32)
+    x ^= _lsr(x, 16)
+    return _lsr(x, 9).to(torch.float32).add_(0.5).mul_(2.0**-23).log_().neg_().log_().neg_()
+
+
 def gumbel_noise(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Gumbel(0, 1) noise that is a pure function of (seed, position, vocab index).
 
-    Row b is the first ``vocab`` draws of a Mersenne-Twister stream seeded with
-    ``noise_key(seeds[b], positions[b])`` (uniforms clamped to ``[2**-25, 1)``), then
-    ``-log(-log(u))``; it does not depend on the other rows.
+    Row b is keyed by ``noise_key(seeds[b], positions[b])``; entry i is ``-log(-log(u))`` with
+    ``u = noise_uniform(key, i)``, a hash of (key, i) (a counter-based generator: any entry is
+    computed directly, so all rows come from a few vectorised kernels and none depends on the
+    other rows).
 
     Args:
         seeds: B sampling seeds (ints); positions: B absolute positions (0-based, prompt included)
@@ -115,12 +184,24 @@ def gumbel_noise(seeds: list[int], positions: list[int], vocab: int, device: tor
     Returns:
         ``[B, V] float32``.
     """
-    u = torch.empty(len(seeds), vocab, dtype=torch.float32, device=device)
-    gen = torch.Generator(device=device)
-    for row, (seed, position) in enumerate(zip(seeds, positions)):  # B small C calls, no per-token work
-        gen.manual_seed(noise_key(seed, position))
-        u[row].uniform_(generator=gen)
-    return u.clamp_(min=2.0**-25).log_().neg_().log_().neg_()
+    return gumbel_from_keys(noise_keys(seeds, positions, device), vocab)
+
+
+def gumbel_argmax(z: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``argmax(z + gumbel_from_keys(keys, V), dim=-1)`` (first index on ties) as ``[R] int64``.
+
+    On CUDA with Triton this is one fused kernel (``triton_sampling.py``) that never materialises
+    the ``[R, V]`` noise; elsewhere the noise is built with torch ops. Both draw the same uniforms;
+    the two ``log`` implementations may differ in the last bit, so a token can differ between the
+    paths only at an exact near-tie.
+    """
+    if z.is_cuda:
+        from .triton_sampling import fused_gumbel_argmax
+
+        tokens = fused_gumbel_argmax(z, keys)
+        if tokens is not None:
+            return tokens
+    return torch.argmax(z + gumbel_from_keys(keys, z.shape[-1]), dim=-1)
 
 
 def _filter_top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -169,6 +250,6 @@ def sample(
         if bool(needs_filter.any()):
             sub = needs_filter.nonzero().flatten()
             zs[sub] = _filter_top_k_top_p(zs[sub], top_k[index][sub], top_p[index][sub])
-        zs += gumbel_noise([seeds[b] for b in rows], [positions[b] for b in rows], logits.shape[-1], logits.device)
-        tokens[index] = torch.argmax(zs, dim=-1)
+        keys = noise_keys([seeds[b] for b in rows], [positions[b] for b in rows], logits.device)
+        tokens[index] = gumbel_argmax(zs, keys)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -49,10 +49,12 @@ def load_engine(
     weight_version: int = 0,
     deterministic: bool = False,
     jitter: Jitter | None = None,
+    cuda_graph: bool = True,
 ):
     """Load an HF causal-LM directory into an ``Engine``; returns ``(engine, tokenizer)``.
 
-    ``deterministic``: batch-invariant forward (see ``forward.py``); ``jitter``: per-step delays.
+    ``deterministic``: batch-invariant forward (see ``forward.py``); ``jitter``: per-step delays;
+    ``cuda_graph``: replay captured decode steps on CUDA (``cuda_graph.py``).
 
     Raises:
         ValueError: unknown dtype, or an unsupported architecture.
@@ -74,7 +76,8 @@ def load_engine(
         pass
     for ids in sources:
         eos.update([ids] if isinstance(ids, int) else (ids or []))
-    forward = BatchedForward(model, max_running_requests, max_seq_len, batch_invariant=deterministic)
+    forward = BatchedForward(model, max_running_requests, max_seq_len, batch_invariant=deterministic,
+                             cuda_graph=cuda_graph)
     return Engine(forward, eos, max_prefill_tokens, weight_version, jitter), tokenizer
 
 
@@ -331,6 +334,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant forward: results independent of the other requests")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: eager decode steps")
     p.add_argument("--debug-jitter-ms", type=float, default=0.0, help="random delay before each step")
     p.add_argument("--debug-jitter-seed", type=int, default=0)
     p.add_argument("--debug-jitter-stream", type=int, default=0, help="e.g. the server index")
@@ -345,7 +349,8 @@ async def main(argv: list[str] | None = None) -> None:
     jitter = Jitter(args.debug_jitter_ms, args.debug_jitter_seed, "server", args.debug_jitter_stream)
     engine, tokenizer = load_engine(args.model_path, args.dtype, args.device, args.max_running_requests,
                                     args.max_seq_len, args.max_prefill_tokens, args.weight_version,
-                                    args.enable_deterministic_inference, jitter if jitter.enabled else None)
+                                    args.enable_deterministic_inference, jitter if jitter.enabled else None,
+                                    cuda_graph=not args.disable_cuda_graph)
     server = InferenceServer(engine, tokenizer, args.model_path)
     async with serve(server, args.host, args.port) as url:
         mode = "deterministic" if args.enable_deterministic_inference else "throughput"

@@ -1,0 +1,94 @@
+"""CUDA-graph-captured decode steps for the embedded engine.
+
+An eager decode step of a 28-layer model issues ~1,000 kernels; at small per-kernel work the host
+cannot issue them as fast as the GPU runs them (docs/performance.md measured 13.7 ms per step
+against a 2.0 ms memory floor at batch 256). A captured graph replays the whole step with one
+launch.
+
+A graph has fixed shapes and fixed addresses, so:
+
+- the step's inputs (token, position and cache slot of every row) live in one static
+  ``[3, max_rows]`` int64 buffer, filled by one host-to-device copy per step, and the logits land
+  in one static ``[max_rows, V]`` float32 buffer shared by every graph;
+- a step of n running requests replays the graph of the smallest captured row count
+  ``rows ≥ n`` (``batch_sizes``: 1, 2, 4, 8, then multiples of 16); rows ``n..rows-1`` are
+  padding (token 0, position 0) that write their keys and values to the cache's scratch slot;
+- decode attention spans a multiple of ``length_step`` positions (rounded up from the longest
+  running sequence, at most ``max_seq_len``), the positions past each row's own masked out.
+
+Graphs are captured on first use of a ``(rows, length)`` pair, into one shared memory pool (steps
+never overlap, and each step's logits are consumed before the next replay). Weight updates copy
+into the same parameter tensors, so captured graphs see new weights without recapture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def batch_sizes(max_rows: int) -> list[int]:
+    """Captured row counts: 1, 2, 4, 8, then every multiple of 16 up to ``max_rows`` (and
+    ``max_rows`` itself)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_rows] + list(range(16, max_rows, 16))
+    return sorted(set(sizes) | {max_rows})
+
+
+class DecodeGraphs:
+    """Capture and replay decode steps of a ``BatchedForward`` (CUDA only).
+
+    Args:
+        forward: the ``BatchedForward`` whose ``_decode`` is captured.
+        length_step: attention spans are rounded up to a multiple of this (positions).
+    """
+
+    def __init__(self, forward, length_step: int = 128):
+        self.forward = forward
+        self.max_rows = forward.cache.num_slots
+        self.max_seq_len = forward.cache.max_seq_len
+        self.length_step = length_step
+        self.batch_sizes = batch_sizes(self.max_rows)
+        device = forward.device
+        self.inputs = torch.zeros(3, self.max_rows, dtype=torch.int64, device=device)
+        self.logits = torch.empty(self.max_rows, forward.embed.weight.shape[0], dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def shape(self, batch: int, span: int) -> tuple[int, int]:
+        """(rows, attention length) of the graph that serves ``batch`` rows spanning ``span``."""
+        rows = next(b for b in self.batch_sizes if b >= batch)
+        length = min(self.max_seq_len, -(-span // self.length_step) * self.length_step)
+        return rows, length
+
+    def _capture(self, rows: int, length: int) -> torch.cuda.CUDAGraph:
+        forward, scratch = self.forward, self.forward.cache.scratch_slot
+        self.inputs[0, :rows] = 0
+        self.inputs[1, :rows] = 0
+        self.inputs[2, :rows] = scratch  # capture-time rows write only the scratch slot
+        args = (self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows], length, self.logits[:rows])
+        stream = torch.cuda.Stream(device=forward.device)
+        stream.wait_stream(torch.cuda.current_stream(forward.device))
+        with torch.cuda.stream(stream):  # warm-up outside the capture: lazy library initialisation
+            forward._decode(*args)
+        torch.cuda.current_stream(forward.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            forward._decode(*args)
+        self.pool = graph.pool()
+        return graph
+
+    @torch.inference_mode()
+    def run(self, tokens: list[int], positions: list[int], rows: int, length: int) -> torch.Tensor:
+        """Replay the ``(rows, length)`` graph (capturing it first if new) for the n running slots.
+
+        Returns:
+            logits ``[n, V] float32``, a view of the shared buffer (valid until the next replay).
+        """
+        graph = self.graphs.get((rows, length))
+        if graph is None:
+            graph = self.graphs[(rows, length)] = self._capture(rows, length)
+        n, pad = len(tokens), rows - len(tokens)
+        scratch = self.forward.cache.scratch_slot
+        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, list(range(n)) + [scratch] * pad])
+        self.inputs[:, :rows].copy_(host)
+        graph.replay()
+        return self.logits[:n]
