@@ -32,7 +32,8 @@ def test_tiled_linear_row_result_ignores_other_rows(dtype, device):
         x = torch.randn(m, k).to(dtype).to(device)
         x[pos] = row[0]
         assert torch.equal(tiled_linear(x, w, b)[pos], ref[0]), (m, pos)
-    assert torch.allclose(tiled_linear(x, w, b), F.linear(x, w, b), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5 if device == "cpu" else 1e-3  # K = 1024 sums on CUDA
+    assert torch.allclose(tiled_linear(x, w, b), F.linear(x, w, b), rtol=tol, atol=tol)
 
 
 def _prompts(n: int, vocab: int) -> list[list[int]]:

@@ -33,31 +33,30 @@ def batch_sizes(max_rows: int) -> list[int]:
     return sorted(set(sizes) | {max_rows})
 
 
+def decode_bucket(max_rows: int, max_seq_len: int, batch: int, span: int, length_step: int = 128) -> tuple[int, int]:
+    """(rows, attention length) for ``batch`` running rows whose longest spans ``span`` positions:
+    the smallest of ``batch_sizes(max_rows)`` ≥ ``batch``, and ``span`` rounded up to a multiple
+    of ``length_step`` (at most ``max_seq_len``)."""
+    rows = next(b for b in batch_sizes(max_rows) if b >= batch)
+    return rows, min(max_seq_len, -(-span // length_step) * length_step)
+
+
 class DecodeGraphs:
     """Capture and replay decode steps of a ``BatchedForward`` (CUDA only).
 
     Args:
-        forward: the ``BatchedForward`` whose ``_decode`` is captured.
-        length_step: attention spans are rounded up to a multiple of this (positions).
+        forward: the ``BatchedForward`` whose ``_decode`` is captured; it picks each step's
+            (rows, length) with ``decode_bucket``.
     """
 
-    def __init__(self, forward, length_step: int = 128):
+    def __init__(self, forward):
         self.forward = forward
         self.max_rows = forward.cache.num_slots
-        self.max_seq_len = forward.cache.max_seq_len
-        self.length_step = length_step
-        self.batch_sizes = batch_sizes(self.max_rows)
         device = forward.device
         self.inputs = torch.zeros(3, self.max_rows, dtype=torch.int64, device=device)
         self.logits = torch.empty(self.max_rows, forward.embed.weight.shape[0], dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
-
-    def shape(self, batch: int, span: int) -> tuple[int, int]:
-        """(rows, attention length) of the graph that serves ``batch`` rows spanning ``span``."""
-        rows = next(b for b in self.batch_sizes if b >= batch)
-        length = min(self.max_seq_len, -(-span // self.length_step) * self.length_step)
-        return rows, length
 
     def _capture(self, rows: int, length: int) -> torch.cuda.CUDAGraph:
         forward, scratch = self.forward, self.forward.cache.scratch_slot

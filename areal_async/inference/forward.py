@@ -31,10 +31,10 @@ zeros) instead of over the longest running row, whose length depends on the othe
 
 - CPU: every projection and the LM head run through ``batch_invariant.tiled_linear`` (fixed row
   blocks); prefill attention is per sequence;
-- CUDA: **fixed shapes** instead — every decode step runs all ``max_slots`` rows (idle rows are
-  padding that writes to the scratch slot), so every kernel sees the same shapes at every step
-  and a row's arithmetic cannot depend on how many requests run; prefill runs one prompt per
-  forward, so its shapes are the prompt's own.
+- CUDA: decode steps have **fixed shapes** instead of tiles — every step runs all ``max_slots``
+  rows (idle rows are padding that writes to the scratch slot), so every kernel sees the same
+  shapes at every step and a row's arithmetic cannot depend on how many requests run; prefill
+  projections run in ``CUDA_ROW_TILE``-row blocks and prefill attention per prompt.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch_invariant import tiled_linear
-from .cuda_graph import DecodeGraphs
+from .cuda_graph import DecodeGraphs, decode_bucket
 from .kv_cache import KVCache
 
 
@@ -136,7 +136,8 @@ class BatchedForward:
         on_cuda = self.device.type == "cuda"
         self.tiled = batch_invariant and not on_cuda
         self.fixed_shape = batch_invariant and on_cuda
-        self.varlen_prefill = on_cuda and self.dtype in (torch.bfloat16, torch.float16)
+        self._tiled_now = self.tiled
+        self.varlen_prefill = on_cuda and self.dtype in (torch.bfloat16, torch.float16) and not batch_invariant
         self.graphs = DecodeGraphs(self) if on_cuda and cuda_graph else None
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
@@ -152,7 +153,7 @@ class BatchedForward:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return tiled_linear(x, weight, bias) if self.tiled else F.linear(x, weight, bias)
+        return tiled_linear(x, weight, bias) if self._tiled_now else F.linear(x, weight, bias)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._linear(layer.post_norm(x), layer.gate_up_w, layer.gate_up_b)
@@ -192,8 +193,7 @@ class BatchedForward:
             seqs: n token lists (each non-empty, ≤ ``max_seq_len``).
             slots: the KV slot of each sequence.
         """
-        if self.fixed_shape and len(seqs) > 1:  # one prompt per forward: shapes are the prompt's own
-            return torch.cat([self.prefill([seq], [slot]) for seq, slot in zip(seqs, slots)])
+        self._tiled_now = self.tiled or self.fixed_shape  # deterministic: fixed-row GEMM blocks
         lengths = [len(s) for s in seqs]
         cu_seqlens = None
         if self.varlen_prefill:
@@ -215,11 +215,12 @@ class BatchedForward:
 
     def decode_shape(self, batch: int, span: int) -> tuple[int, int]:
         """(rows, attention length) a decode step of ``batch`` running slots, the longest holding
-        ``span`` positions after the step, runs with."""
+        ``span`` positions after the step, runs with. On CUDA the same with or without graphs, so
+        eager steps (``cuda_graph=False``) compute exactly what the replayed graphs compute."""
         if self.fixed_shape:
             return self.cache.num_slots, self.cache.max_seq_len
-        if self.graphs is not None:
-            return self.graphs.shape(batch, span)
+        if self.device.type == "cuda":
+            return decode_bucket(self.cache.num_slots, self.cache.max_seq_len, batch, span)
         return batch, self.cache.max_seq_len if self.batch_invariant else span
 
     @torch.inference_mode()
@@ -263,6 +264,7 @@ class BatchedForward:
         scratch slot for a padding row); attention over positions ``[0, length)``. No host syncs:
         this is what a CUDA graph captures (``out``: the logits buffer to fill)."""
         batch = tokens.shape[0]
+        self._tiled_now = self.tiled
         groups = self.num_heads // self.num_kv_heads
         index = self.cache.token_index(slots, positions)
         # [B, 1, 1, length] additive mask: row b sees its own positions 0..positions[b]
