@@ -12,7 +12,8 @@ their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module on
 - **decode**: one token per running slot; attention over the packed cache view up to the longest
   running sequence, shorter rows masked; on CUDA each step replays a captured CUDA graph
   (``cuda_graph.py``) of a padded batch size and a rounded-up attention span, so a step costs a
-  few launches instead of ~1,000;
+  few launches instead of ~1,000; attention is one Triton kernel per layer
+  (``triton_attention.py``) that reads only each row's own cached positions;
 - **prefill on CUDA** (bf16/fp16): one ``varlen_attn`` call over the packed prompts per layer;
 - RoPE cos/sin come from the model's own ``rotary_emb`` (so ``rope_theta`` / ``rope_parameters``
   and scaling types are read as HF reads them), tabulated once for positions ``[0, max_seq_len)``;
@@ -46,6 +47,7 @@ from torch import nn
 from ..batch_invariant import tiled_linear
 from .cuda_graph import DecodeGraphs, decode_bucket
 from .kv_cache import KVCache
+from .triton_attention import decode_attention, triton
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,6 +140,7 @@ class BatchedForward:
         self.fixed_shape = batch_invariant and on_cuda
         self._tiled_now = self.tiled
         self.varlen_prefill = on_cuda and self.dtype in (torch.bfloat16, torch.float16) and not batch_invariant
+        self.fused_attention = on_cuda and triton is not None
         self.graphs = DecodeGraphs(self) if on_cuda and cuda_graph else None
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
@@ -267,19 +270,23 @@ class BatchedForward:
         self._tiled_now = self.tiled
         groups = self.num_heads // self.num_kv_heads
         index = self.cache.token_index(slots, positions)
-        # [B, 1, 1, length] additive mask: row b sees its own positions 0..positions[b]
-        hidden = torch.arange(length, device=self.device)[None, :] > positions[:, None]
-        bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(hidden, float("-inf"))
-        bias = bias[:, None, None, :]
+        if not self.fused_attention:
+            # [B, 1, 1, length] additive mask: row b sees its own positions 0..positions[b]
+            hidden = torch.arange(length, device=self.device)[None, :] > positions[:, None]
+            bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(hidden, float("-inf"))
+            bias = bias[:, None, None, :]
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_norm(x), positions)
             self.cache.write(i, index, k, v)
-            keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
-            # grouped-query attention without repeating K/V: [B, Hkv, G, D] @ [B, Hkv, D, length]
-            scores = torch.matmul(q.view(batch, self.num_kv_heads, groups, self.head_dim), keys_t)
-            probs = torch.softmax(scores.float() * self.scaling + bias, dim=-1).to(values.dtype)
-            o = torch.matmul(probs, values)  # [B, Hkv, G, D]
+            if self.fused_attention:  # CUDA: one Triton kernel, reads only each row's positions
+                o = decode_attention(q, self.cache.k[i], self.cache.v[i], positions, self.scaling, length)
+            else:
+                keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
+                # grouped-query attention without repeating K/V: [B, Hkv, G, D] @ [B, Hkv, D, length]
+                scores = torch.matmul(q.view(batch, self.num_kv_heads, groups, self.head_dim), keys_t)
+                probs = torch.softmax(scores.float() * self.scaling + bias, dim=-1).to(values.dtype)
+                o = torch.matmul(probs, values)  # [B, Hkv, G, D]
             x = x + self._linear(o.reshape(batch, -1), layer.o_proj.weight)
             x = self._mlp(layer, x)
         return self._logits(x, out)

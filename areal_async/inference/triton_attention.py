@@ -1,0 +1,90 @@
+"""Grouped-query decode attention over the slot KV cache, one Triton program per (row, KV head).
+
+Each program loads the ``G = H / Hkv`` query heads that share its KV head once, then streams that
+head's keys and values for positions ``0..positions[b]`` in blocks of ``BLOCK_N`` with an online
+softmax (Milakov & Gimelshein 2018; as in FlashAttention, Dao et al. 2022), fp32 inside. It reads
+each key/value byte of the row's own positions once, where the matmul formulation in
+``forward.py`` reads the whole span of the longest row, materialises fp32 scores and probabilities
+and runs a batched GEMM with ``M = G`` rows (2 for Qwen3-0.6B) that cannot reach memory bandwidth.
+
+A row's result depends only on its own query, cache and position (never on the batch, the other
+rows or the span), so the kernel is batch-invariant as it stands.
+
+``decode_attention`` returns ``None`` without Triton; the caller then uses the matmul path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
+                                 sq_b, sq_h, sk_b, sk_h, sk_d, sv_b, sv_h, sv_n, so_b, so_h,
+                                 G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, LENGTH: tl.constexpr):
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        pos = tl.load(pos_ptr + b)
+        offs_g = tl.arange(0, G)
+        offs_d = tl.arange(0, D)
+        heads = kv_head * G + offs_g
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + offs_d[None, :]).to(tl.float32) * scale  # [G, D]
+        m = tl.full([G], -float("inf"), tl.float32)
+        denom = tl.zeros([G], tl.float32)
+        acc = tl.zeros([G, D], tl.float32)
+        k_base = k_ptr + b * sk_b + kv_head * sk_h
+        v_base = v_ptr + b * sv_b + kv_head * sv_h
+        # Blocks past the row's position load nothing (masked) and leave m, denom and acc exactly
+        # as they were (p = 0, alpha = 1), so the result does not depend on LENGTH.
+        for start in range(0, LENGTH, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            valid = offs_n <= pos
+            k = tl.load(k_base + offs_d[:, None] * sk_d + offs_n[None, :], mask=valid[None, :], other=0.0)  # [D, N]
+            s = tl.sum(q[:, :, None] * k.to(tl.float32)[None, :, :], axis=1)  # [G, N]
+            s = tl.where(valid[None, :], s, -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :], mask=valid[:, None], other=0.0)  # [N, D]
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     scale: float, length: int, block_n: int = 32) -> torch.Tensor | None:
+    """Attention of one new token per row over its cached positions ``0..positions[b]``.
+
+    Args:
+        q: ``[B, H, D]`` queries (after RoPE), CUDA, last dim contiguous.
+        keys_t: ``[≥B, Hkv, D, L]`` transposed keys of slots ``0..B-1`` (``KVCache.k[layer]``).
+        values: ``[≥B, Hkv, L, D]`` values (``KVCache.v[layer]``).
+        positions: ``[B] int64``; row b attends to positions ``0..positions[b]`` of slot b.
+        scale: softmax scale.
+        length: an upper bound of ``positions + 1`` (the step's attention span; one compiled
+            kernel per value).
+    Returns:
+        ``[B, H, D]`` in ``q``'s dtype, or ``None`` without Triton.
+    """
+    if triton is None:
+        return None
+    batch, heads, dim = q.shape
+    kv_heads = keys_t.shape[1]
+    groups = heads // kv_heads
+    assert q.stride(2) == 1 and keys_t.stride(3) == 1 and values.stride(3) == 1, "last dims must be contiguous"
+    out = torch.empty_like(q)
+    _decode_attention_kernel[(batch, kv_heads)](
+        q, keys_t, values, positions, out, scale,
+        q.stride(0), q.stride(1), keys_t.stride(0), keys_t.stride(1), keys_t.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1),
+        G=groups, D=dim, BLOCK_N=block_n, LENGTH=length)
+    return out
