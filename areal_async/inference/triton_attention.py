@@ -1,8 +1,10 @@
 """Grouped-query decode attention over the slot KV cache, one Triton program per (row, KV head).
 
-Each program loads the ``G = H / Hkv`` query heads that share its KV head once, then streams that
-head's keys and values for positions ``0..positions[b]`` in blocks of ``BLOCK_N`` with an online
-softmax (Milakov & Gimelshein 2018; as in FlashAttention, Dao et al. 2022), fp32 inside. It reads
+Each program loads the ``G = H / Hkv`` query heads that share its KV head once (zero-padded to 16
+rows so both products run on tensor cores), then streams that head's keys and values for
+positions ``0..positions[b]`` in blocks of ``BLOCK_N`` with an online softmax (Milakov &
+Gimelshein 2018; as in FlashAttention, Dao et al. 2022): scores and accumulators in fp32, the
+probabilities rounded to the cache dtype for the ``P·V`` product (as the matmul path does). It reads
 each key/value byte of the row's own positions once, where the matmul formulation in
 ``forward.py`` reads the whole span of the longest row, materialises fp32 scores and probabilities
 and runs a batched GEMM with ``M = G`` rows (2 for Qwen3-0.6B) that cannot reach memory bandwidth.
@@ -28,17 +30,19 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
                                  sq_b, sq_h, sk_b, sk_h, sk_d, sv_b, sv_h, sv_n, so_b, so_h,
-                                 G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, LENGTH: tl.constexpr):
+                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 LENGTH: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         pos = tl.load(pos_ptr + b)
-        offs_g = tl.arange(0, G)
+        offs_g = tl.arange(0, GP)  # the G query heads of this KV head, zero-padded to GP ≥ 16 rows for tl.dot
         offs_d = tl.arange(0, D)
+        real = offs_g < G
         heads = kv_head * G + offs_g
-        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + offs_d[None, :]).to(tl.float32) * scale  # [G, D]
-        m = tl.full([G], -float("inf"), tl.float32)
-        denom = tl.zeros([G], tl.float32)
-        acc = tl.zeros([G, D], tl.float32)
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], mask=real[:, None], other=0.0)
+        m = tl.full([GP], -float("inf"), tl.float32)
+        denom = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
         k_base = k_ptr + b * sk_b + kv_head * sk_h
         v_base = v_ptr + b * sv_b + kv_head * sv_h
         # Blocks past the row's position load nothing (masked) and leave m, denom and acc exactly
@@ -47,21 +51,28 @@ if triton is not None:
             offs_n = start + tl.arange(0, BLOCK_N)
             valid = offs_n <= pos
             k = tl.load(k_base + offs_d[:, None] * sk_d + offs_n[None, :], mask=valid[None, :], other=0.0)  # [D, N]
-            s = tl.sum(q[:, :, None] * k.to(tl.float32)[None, :, :], axis=1)  # [G, N]
+            if IEEE:  # fp32 caches: full-precision products, not TF32
+                s = tl.dot(q, k, input_precision="ieee") * scale  # [GP, N] fp32
+            else:
+                s = tl.dot(q, k) * scale
             s = tl.where(valid[None, :], s, -float("inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             denom = denom * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + offs_n[:, None] * sv_n + offs_d[None, :], mask=valid[:, None], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         out = acc / denom[:, None]
-        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty))
+        tl.store(o_ptr + b * so_b + heads[:, None] * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=real[:, None])
 
 
 def decode_attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     scale: float, length: int, block_n: int = 32) -> torch.Tensor | None:
+                     scale: float, length: int, block_n: int = 64) -> torch.Tensor | None:
     """Attention of one new token per row over its cached positions ``0..positions[b]``.
 
     Args:
@@ -86,5 +97,6 @@ def decode_attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor
         q, keys_t, values, positions, out, scale,
         q.stride(0), q.stride(1), keys_t.stride(0), keys_t.stride(1), keys_t.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1),
-        G=groups, D=dim, BLOCK_N=block_n, LENGTH=length)
+        G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n, LENGTH=length,
+        IEEE=q.dtype == torch.float32)
     return out
