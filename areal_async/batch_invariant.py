@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ROW_TILE = 16
-CUDA_ROW_TILE = 256
+CUDA_ROW_TILE = 1024
 
 
 def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, tile: int | None = None) -> Tensor:

@@ -155,6 +155,29 @@ def time_decode(model, forward, batch: int, context: int, reps: int, bandwidth: 
             "graphed": forward.graphs is not None}
 
 
+def profile_decode(model, forward, batch: int, context: int, device, top: int = 12) -> None:
+    """Kernel time of one eager decode step (the GPU work a replayed graph does, without the
+    host's launch gaps), by kernel, under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens = torch.randint(3, model.config.vocab_size, (batch,), device=device)
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    rows, length = forward.decode_shape(batch, context)
+    slots = torch.arange(rows, device=device)
+    forward._decode(tokens, positions, slots, length)
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.inference_mode():
+            forward._decode(tokens, positions, slots, length)
+        _sync(device)
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3
+    print(f"\ndecode step, batch {batch}, context {context}: kernels {busy:.2f} ms in {sum(e.count for e in kernels)} launches")
+    for e in kernels[:top]:
+        print(f"{e.self_device_time_total / 1e3:>8.3f} ms {e.self_device_time_total / 1e3 / busy:>6.1%} {e.count:>5}x  {e.key[:90]}")
+
+
 def run_engine(forward, args, vocab: int) -> list[dict]:
     rows = []
     for b in args.batches:
@@ -198,6 +221,8 @@ def main() -> None:
     ap.add_argument("--tie-tol", type=float, default=0.05, help="logit margin under which a greedy mismatch is a tie")
     ap.add_argument("--decode-reps", type=int, default=20)
     ap.add_argument("--deterministic", action="store_true", help="also run the batch-invariant forward")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel times of one eager decode step at the largest batch (what a graph replays)")
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of device memory (measured copy)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -214,6 +239,8 @@ def main() -> None:
     context = args.prompt_len + args.new_tokens // 2
     report["decode"] = [time_decode(model, forward, b, context, args.decode_reps, args.bandwidth, device)
                         for b in args.batches]
+    if args.profile:
+        profile_decode(model, forward, max(args.batches), context, device)
     report["engine"] = run_engine(forward, args, model.config.vocab_size)
     if args.deterministic:
         forward = BatchedForward(model, max(args.batches), max_seq_len, batch_invariant=True)

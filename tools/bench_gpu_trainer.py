@@ -96,6 +96,29 @@ def measure(fn, reps: int, device) -> tuple[float, float]:
     return float(np.median(times)), peak
 
 
+def profile(fn, device, top: int = 18) -> None:
+    """One iteration under ``torch.profiler``: the CUDA kernels with the most total time, and the
+    share of the wall time any kernel ran."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    _sync(device)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    launches = sum(e.count for e in kernels)
+    print(f"\nprofile: wall {wall:.2f} s (profiled), kernels busy {busy:.2f} s ({busy / wall:.0%}), {launches} launches")
+    for e in kernels[:top]:
+        share = e.self_device_time_total / 1e6 / wall
+        print(f"{e.self_device_time_total / 1e3:>9.1f} ms {share:>6.1%} {e.count:>6}x  {e.key[:100]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="0.6b")
@@ -108,6 +131,9 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[256, 1024, 0], help="0: unchunked")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fsdp2", action="store_true", help="also time the packed path under one-rank FSDP2")
+    ap.add_argument("--fused-norm", action="store_true",
+                    help="with --fsdp2: time it again with every RMSNorm as F.rms_norm (the trainer's CUDA default)")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the last variant's iteration")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -152,6 +178,13 @@ def main() -> None:
         fully_shard(policy, mp_policy=mp)
         chunk = args.chunks[0]
         record("packed fsdp2", chunk, lambda: packed_step(policy, seqs, mbs, chunk, device, tokens))
+        if args.fused_norm:
+            from areal_async.trainer.parallel import use_fused_rms_norm
+
+            use_fused_rms_norm(lm)
+            record("fsdp2 fusednorm", chunk, lambda: packed_step(policy, seqs, mbs, chunk, device, tokens))
+        if args.profile:
+            profile(lambda: packed_step(policy, seqs, mbs, chunk, device, tokens), device)
         torch.distributed.destroy_process_group()
     if args.json:
         with open(args.json, "w") as f:

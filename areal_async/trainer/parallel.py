@@ -11,6 +11,8 @@ Precision: weights, gradients and the optimizer state are always float32 ("maste
 (``MixedPrecisionPolicy``, gradients reduced in fp32); DDP and the single-rank wrapper use
 ``torch.autocast``. The LM head's logits are upcast to fp32 before the log-softmax either way.
 On a CPU with AVX512-BF16, bf16 compute made a SmolLM2-135M forward+backward 1.6× faster.
+On CUDA every RMSNorm module runs as ``F.rms_norm`` (``use_fused_rms_norm``), as the embedded
+engine's norms do.
 
 ``full_parameters`` and ``full_state_dict`` are collectives: every rank must call them, and only
 rank 0 receives the gathered tensors.
@@ -19,11 +21,13 @@ rank 0 receives the gathered tensors.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
@@ -65,6 +69,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fused_rms_norm(module: torch.nn.Module, x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+
+
+def use_fused_rms_norm(model: torch.nn.Module) -> int:
+    """Make every HF RMSNorm module (``variance_epsilon`` + ``weight``) compute with
+    ``F.rms_norm``: one fused kernel each way on CUDA instead of ~8 element-wise ones, fp32
+    inside and one rounding (HF rounds the normalised value, then multiplies by the weight).
+    Row-wise, so batch invariance is kept. Returns how many modules were changed."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = functools.partial(_fused_rms_norm, module)
+            count += 1
+    return count
+
+
 def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
                  batch_invariant: bool = False) -> PackedPolicy | torch.nn.Module:
     """Load the HF model in fp32, switch it to packed attention and shard/replicate it, computing
@@ -76,6 +97,8 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
     lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     lm.config.use_cache = False
     use_packed_attention(lm)
+    if device.type == "cuda":
+        use_fused_rms_norm(lm)
     if batch_invariant:
         make_linears_batch_invariant(lm)
     compute_dtype = _DTYPES[cfg.dtype]
