@@ -262,6 +262,38 @@ def check_config(cfg: Config) -> None:
             f"or lower the others")
 
 
+def _cuda_index(device: str, cuda_available: bool) -> int | None:
+    """The CUDA device index a ``device`` string resolves to (``None``: CPU)."""
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    if not device.startswith("cuda"):
+        return None
+    return int(device.partition(":")[2] or 0)
+
+
+def check_devices(cfg: Config, cuda_available: bool) -> None:
+    """NCCL weight sync needs every process of its group on its own GPU: trainer rank r runs on
+    ``cuda:r``, and each server on ``inference.device``. Raises ``ValueError`` naming the keys
+    and the fix when two would share one (NCCL refuses: "Duplicate GPU detected")."""
+    if cfg.trainer.weight_sync != "distributed" or cfg.inference.backend != "embedded":
+        return
+    server = _cuda_index(cfg.inference.device, cuda_available)
+    trainer = _cuda_index(cfg.trainer.device, cuda_available)
+    if server is None or trainer is None:
+        return
+    if cfg.inference.num_servers > 1:
+        raise ValueError(
+            f"inference.num_servers={cfg.inference.num_servers} servers would all run on "
+            f"inference.device={cfg.inference.device!r} (cuda:{server}), and NCCL weight sync needs one GPU "
+            f"per process; set trainer.weight_sync=disk, or run one server per GPU")
+    if server < cfg.trainer.nproc:
+        raise ValueError(
+            f"inference.device={cfg.inference.device!r} (cuda:{server}) is also trainer rank {server}'s GPU "
+            f"(trainer.nproc={cfg.trainer.nproc} ranks use cuda:0..{cfg.trainer.nproc - 1}), and NCCL weight "
+            f"sync needs one GPU per process; set inference.device=cuda:{cfg.trainer.nproc} on a machine with "
+            f"more GPUs, or trainer.weight_sync=disk")
+
+
 def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:
     """Load a YAML experiment file and apply ``key.sub=value`` overrides.
 

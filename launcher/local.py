@@ -155,8 +155,12 @@ def check_ports(cfg: Config) -> None:
 def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     """Create the run directory, resolve the model path and write the resolved config
     (``resume``: keep the directory and set ``trainer.resume``)."""
+    import torch
+
+    from areal_async.config import check_devices
     from areal_async.model.hub import resolve_model_path
 
+    check_devices(cfg, torch.cuda.is_available())
     check_ports(cfg)
     run_dir = cfg.run_dir
     if resume:

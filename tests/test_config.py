@@ -37,3 +37,20 @@ def test_defaults_and_override(tmp_path):
 def test_bad_keys_and_values(override, expected):
     with pytest.raises(ValueError, match=expected):
         load_config(None, [override])
+
+
+def test_nccl_weight_sync_needs_one_gpu_per_process():
+    from areal_async.config import check_devices
+
+    one_gpu = load_config(None, ["inference.device=cuda:0", "trainer.device=cuda"])
+    with pytest.raises(ValueError, match=r"cuda:0.*trainer rank 0.*trainer.weight_sync=disk"):
+        check_devices(one_gpu, cuda_available=True)
+    with pytest.raises(ValueError, match="trainer rank 0"):  # "auto" resolves to cuda:0 on a GPU machine
+        check_devices(load_config(None, []), cuda_available=True)
+    check_devices(load_config(None, []), cuda_available=False)  # CPU: gloo, no constraint
+    check_devices(load_config(None, ["inference.device=cuda:0", "trainer.device=cuda", "trainer.weight_sync=disk"]),
+                  cuda_available=True)
+    check_devices(load_config(None, ["inference.device=cuda:1", "trainer.device=cuda"]), cuda_available=True)
+    with pytest.raises(ValueError, match="inference.num_servers=2"):
+        check_devices(load_config(None, ["inference.device=cuda:2", "trainer.device=cuda", "inference.num_servers=2"]),
+                      cuda_available=True)
