@@ -97,3 +97,20 @@ def test_sglang_defaults_and_neutral_fields_are_accepted():
     params = SamplingParams.parse({"top_k": None, "min_p": 0.0, "skip_special_tokens": False, "stop": []})
     assert params.max_new_tokens == 128 and params.top_k == -1 and not params.skip_special_tokens
     assert math.isclose(params.temperature, 1.0)
+
+
+def test_mixed_rows_sample_as_they_would_alone():
+    # greedy, plain, top-k and top-p rows in one call: each row's token and log-prob equal its
+    # own single-row call (which rows share the call changes nothing)
+    torch.manual_seed(3)
+    logits = torch.randn(4, 40)
+    temperature = torch.tensor([0.0, 1.0, 0.8, 1.2])
+    top_p, top_k = torch.tensor([1.0, 1.0, 1.0, 0.5]), torch.tensor([-1, -1, 3, -1])
+    seeds, positions = [11, 12, 13, 14], [5, 6, 7, 8]
+    tokens, logprobs = sample(logits, temperature, top_p, top_k, seeds, positions)
+    for b in range(4):
+        alone = sample(logits[b : b + 1], temperature[b : b + 1], top_p[b : b + 1], top_k[b : b + 1],
+                       seeds[b : b + 1], positions[b : b + 1])
+        assert alone[0].item() == tokens[b].item() and alone[1].item() == logprobs[b].item(), b
+    assert tokens[0].item() == int(logits[0].argmax())
+    assert tokens[2].item() in logits[2].topk(3).indices.tolist()

@@ -88,6 +88,6 @@ class DecodeGraphs:
         n, pad = len(tokens), rows - len(tokens)
         scratch = self.forward.cache.scratch_slot
         host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, list(range(n)) + [scratch] * pad])
-        self.inputs[:, :rows].copy_(host)
+        self.inputs[:, :rows].copy_(host, non_blocking=True)
         graph.replay()
         return self.logits[:n]

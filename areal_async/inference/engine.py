@@ -265,9 +265,9 @@ class Engine:
         with torch.inference_mode():
             tokens, logprobs = sample(
                 torch.cat(logits) if len(logits) > 1 else logits[0],
-                temperature=torch.tensor([r.params.temperature for r in reqs], device=device),
-                top_p=torch.tensor([r.params.top_p for r in reqs], device=device),
-                top_k=torch.tensor([r.params.top_k for r in reqs], device=device),
+                temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32),
+                top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32),
+                top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64),
                 seeds=[r.seed for r in reqs],
                 positions=[len(r.input_ids) + len(r.output_ids) for r in reqs],
             )

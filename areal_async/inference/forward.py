@@ -198,14 +198,16 @@ class BatchedForward:
         """
         self._tiled_now = self.tiled or self.fixed_shape  # deterministic: fixed-row GEMM blocks
         lengths = [len(s) for s in seqs]
-        cu_seqlens = None
-        if self.varlen_prefill:
-            cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
-        tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        slot_of = torch.repeat_interleave(
-            torch.tensor(slots, device=self.device), torch.tensor(lengths, device=self.device)
-        )
+        # built on the host, copied without waiting for the device (a decode step may be running)
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+        host = torch.stack([
+            torch.tensor([t for s in seqs for t in s], dtype=torch.int64),
+            torch.cat([torch.arange(n) for n in lengths]),
+            torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(lengths)),
+        ])
+        tokens, positions, slot_of = host.to(self.device, non_blocking=True)
+        cu_seqlens = cu.to(torch.int32).to(self.device, non_blocking=True) if self.varlen_prefill else None
+        last = (cu[1:] - 1).to(self.device, non_blocking=True)
         index = self.cache.token_index(slot_of, positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
@@ -213,7 +215,6 @@ class BatchedForward:
             self.cache.write(i, index, k, v)
             x = x + self._linear(self._prefill_attention(q, k, v, lengths, cu_seqlens), layer.o_proj.weight)
             x = self._mlp(layer, x)
-        last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         return self._logits(x[last])
 
     def decode_shape(self, batch: int, span: int) -> tuple[int, int]:
@@ -244,7 +245,7 @@ class BatchedForward:
         pad = rows - n
         scratch = self.cache.scratch_slot
         host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, list(range(n)) + [scratch] * pad])
-        inputs = host.to(self.device)
+        inputs = host.to(self.device, non_blocking=True)
         return self._decode(inputs[0], inputs[1], inputs[2], length)[:n]
 
     @torch.inference_mode()

@@ -216,6 +216,11 @@ def _filter_top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.empty_like(z).scatter_(-1, order, sorted_z)
 
 
+def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → device without waiting for the device's queue (the CPU tensor is staged at once)."""
+    return x.to(device, non_blocking=True)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -232,24 +237,37 @@ def sample(
         top_p: ``[B] float32`` in (0, 1]; top_k: ``[B] int64``, -1 ⇒ whole vocabulary.
         seeds, positions: B ints each — see ``gumbel_noise``.
     Returns:
-        tokens ``[B] int64`` and logprobs ``[B] float32``.
+        tokens ``[B] int64`` and logprobs ``[B] float32``, on ``logits``' device.
+
+    Give ``temperature``, ``top_p`` and ``top_k`` as CPU tensors (the engine does): which rows are
+    greedy or filtered is then decided on the host, and the only wait for the device is the
+    caller's read of the result.
     """
     assert logits.dim() == 2 and logits.dtype == torch.float32, f"logits must be [B, V] float32, got {logits.shape} {logits.dtype}"
-    greedy = temperature <= 0
-    z = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    device = logits.device
+    host_t, host_p, host_k = temperature.tolist(), top_p.tolist(), top_k.tolist()
+    rows = [b for b, t in enumerate(host_t) if t > 0]
+    keys = _to(noise_keys([seeds[b] for b in rows], [positions[b] for b in rows]), device) if rows else None
+    temperature = _to(temperature, device)
+    z = logits / torch.where(temperature <= 0, 1.0, temperature)[:, None]
     logprobs = torch.log_softmax(z, dim=-1)
-    rows = [b for b, g in enumerate(greedy.tolist()) if not g]
     if len(rows) < len(logits):  # some rows are greedy
         tokens = torch.argmax(logits, dim=-1)
     else:
-        tokens = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
+        tokens = torch.empty(len(logits), dtype=torch.int64, device=device)
     if rows:
-        index = torch.tensor(rows, device=logits.device)
-        zs = logprobs[index]  # log_softmax(z) = z - const: same argmax, finite where z is
-        needs_filter = (top_k[index] > 0) | (top_p[index] < 1.0)
-        if bool(needs_filter.any()):
-            sub = needs_filter.nonzero().flatten()
-            zs[sub] = _filter_top_k_top_p(zs[sub], top_k[index][sub], top_p[index][sub])
-        keys = noise_keys([seeds[b] for b in rows], [positions[b] for b in rows], logits.device)
-        tokens[index] = gumbel_argmax(zs, keys)
+        every = len(rows) == len(logits)
+        index = None if every else _to(torch.tensor(rows), device)
+        zs = logprobs if every else logprobs[index]  # log_softmax(z) = z - const: same argmax, finite where z is
+        filtered = [i for i, b in enumerate(rows) if host_k[b] > 0 or host_p[b] < 1.0]
+        if filtered:
+            zs = zs.clone() if every else zs
+            sub, picked = _to(torch.tensor(filtered), device), [rows[i] for i in filtered]
+            zs[sub] = _filter_top_k_top_p(zs[sub], _to(torch.tensor([host_k[b] for b in picked]), device),
+                                          _to(torch.tensor([host_p[b] for b in picked], dtype=torch.float32), device))
+        drawn = gumbel_argmax(zs, keys)
+        if every:
+            tokens = drawn
+        else:
+            tokens[index] = drawn
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
