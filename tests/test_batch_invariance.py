@@ -102,19 +102,22 @@ def _sequence_logprobs(lm, seqs: list[list[int]], target: int) -> torch.Tensor:
     from areal_async.trainer.logprobs import PackedPolicy
     from areal_async.trainer.packing import pack_sequences
 
-    batch = pack_sequences(seqs)
+    batch = pack_sequences(seqs).to(next(lm.parameters()).device)
     with torch.no_grad():
         logp, _ = PackedPolicy(lm)(batch, 1.0, chunk_tokens=64)
     cu = batch.cu_seqlens.tolist()
     return logp[cu[target] : cu[target + 1]]
 
 
-def test_packed_sequence_logprobs_ignore_neighbours_with_tiled_linears(tiny_model_dir):
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
+                                           pytest.param("cuda", torch.float32, marks=pytest.mark.gpu),
+                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+def test_packed_sequence_logprobs_ignore_neighbours_with_tiled_linears(tiny_model_dir, device, dtype):
     from transformers import AutoModelForCausalLM
 
     from areal_async.trainer.attention import use_packed_attention
 
-    lm = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=dtype).to(device)
     use_packed_attention(lm)
     seqs = _prompts(40, lm.config.vocab_size)
     target = seqs[0] + seqs[1]
