@@ -140,7 +140,9 @@ class BatchedForward:
         self.fixed_shape = batch_invariant and on_cuda
         self._tiled_now = self.tiled
         self.varlen_prefill = on_cuda and self.dtype in (torch.bfloat16, torch.float16) and not batch_invariant
-        self.fused_attention = on_cuda and triton is not None
+        # the Triton kernel tiles head_dim with tl.arange: a power of two ≥ 16 (64, 128, 256)
+        pow2_dim = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
+        self.fused_attention = on_cuda and triton is not None and pow2_dim
         self.graphs = DecodeGraphs(self) if on_cuda and cuda_graph else None
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
