@@ -33,7 +33,9 @@ def _server_main(commands, replies):
     while True:
         cmd, args = commands.get()
         if cmd == "stop":
-            replies.put((True, (weights, version)))
+            # numpy arrays pickle by value; torch tensors would be shared through this process's
+            # file descriptors, which are gone once it exits (a race with the reader)
+            replies.put((True, ({n: t.numpy() for n, t in weights.items()}, version)))
             return
         if cmd == "init":
             addr, port, rank, world = args
@@ -92,7 +94,7 @@ class FakeClient:
             commands.put(("stop", None))
             out.append(replies.get(timeout=60))
             proc.join(timeout=30)
-        return [payload for _, payload in out]
+        return [({n: torch.from_numpy(a) for n, a in weights.items()}, version) for _, (weights, version) in out]
 
 
 def _free_port() -> int:
