@@ -54,7 +54,7 @@ def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: st
         f"model.path={model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
         "inference.num_servers=2", f"inference.base_port={server_port}",
         "inference.max_seq_len=512", "inference.threads=1", "inference.max_running_requests=8",
-        "rollout.num_workers=2", "rollout.n_samples=2", "rollout.max_new_tokens=12",
+        "rollout.num_workers=2", "rollout.n_samples=4", "rollout.max_new_tokens=12",
         "rollout.max_groups_in_flight=2",
         "queue.batch_size=2", "queue.max_staleness=1", "queue.max_concurrent=4",
         f"queue.port={queue_port}",
