@@ -39,7 +39,7 @@ class ModelConfig(_Cfg):
 
     path: str = "smollm2-135m-instruct"
     cache_dir: str = "~/.cache/areal_async"
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"  # auto: see resolve_dtypes
 
 
 class DataConfig(_Cfg):
@@ -61,7 +61,7 @@ class InferenceConfig(_Cfg):
     base_port: Port = 30000
     max_running_requests: PosInt = 32
     max_seq_len: PosInt = 1024
-    device: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (every server)
     threads: NonNegInt = 0
     cuda_graph: bool = True  # CUDA: replay captured decode steps (False: SGLang's --disable-cuda-graph)
     request_timeout_s: PosFloat = 600.0
@@ -120,7 +120,7 @@ class TrainerConfig(_Cfg):
     logit_chunk_tokens: PosInt = 256
     parallel: Literal["fsdp2", "ddp"] = "fsdp2"
     device: str = "auto"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; master weights stay fp32
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # compute dtype (master weights stay fp32)
     weight_sync: Literal["distributed", "disk"] = "distributed"
     weight_sync_port: Port = 29700
     weight_bucket_bytes: PosInt = 256 * 1024 * 1024
@@ -262,24 +262,66 @@ def check_config(cfg: Config) -> None:
             f"or lower the others")
 
 
-def _cuda_index(device: str, cuda_available: bool) -> int | None:
-    """The CUDA device index a ``device`` string resolves to (``None``: CPU)."""
+def _cuda_index(key: str, device: str, cuda_available: bool) -> int | None:
+    """The CUDA device index ``key``'s ``device`` resolves to (``None``: CPU).
+
+    Raises:
+        ValueError: not ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA asked for without one.
+    """
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
-    if not device.startswith("cuda"):
+    if device == "cpu":
         return None
-    return int(device.partition(":")[2] or 0)
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not (index == "" or index.isdigit()):
+        raise ValueError(f"{key}={device!r} is not a device; use auto, cpu, cuda or cuda:N")
+    if not cuda_available:
+        raise ValueError(f"{key}={device!r} but torch sees no CUDA device here; use {key}=cpu (or auto)")
+    return int(index or 0)
+
+
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); elsewhere torch emulates it,
+    slower than fp32 (measured on an AVX2-only EPYC: SmolLM2-135M decode 2.7× slower)."""
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtypes(cfg: Config, cuda_available: bool) -> Config:
+    """Replace ``auto`` in ``model.dtype`` (the servers') and ``trainer.dtype`` (compute): bf16
+    on CUDA and on CPUs with native bf16, float32 on other CPUs."""
+    def pick(key: str, device: str) -> str:
+        on_cuda = _cuda_index(key, device, cuda_available) is not None
+        return "bfloat16" if on_cuda or _cpu_has_bf16() else "float32"
+
+    model, trainer = cfg.model, cfg.trainer
+    if model.dtype == "auto":
+        model = msgspec.structs.replace(model, dtype=pick("inference.device", cfg.inference.device))
+    if trainer.dtype == "auto":
+        trainer = msgspec.structs.replace(trainer, dtype=pick("trainer.device", trainer.device))
+    return msgspec.structs.replace(cfg, model=model, trainer=trainer)
 
 
 def check_devices(cfg: Config, cuda_available: bool) -> None:
     """NCCL weight sync needs every process of its group on its own GPU: trainer rank r runs on
     ``cuda:r``, and each server on ``inference.device``. Raises ``ValueError`` naming the keys
     and the fix when two would share one (NCCL refuses: "Duplicate GPU detected")."""
+    server = _cuda_index("inference.device", cfg.inference.device, cuda_available)
+    trainer = _cuda_index("trainer.device", cfg.trainer.device, cuda_available)
+    if cfg.trainer.device.startswith("cuda:"):
+        raise ValueError(f"trainer.device={cfg.trainer.device!r}: rank r always runs on cuda:r; use "
+                         f"trainer.device=cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
     if cfg.trainer.weight_sync != "distributed" or cfg.inference.backend != "embedded":
         return
-    server = _cuda_index(cfg.inference.device, cuda_available)
-    trainer = _cuda_index(cfg.trainer.device, cuda_available)
-    if server is None or trainer is None:
+    if (server is None) != (trainer is None):
+        raise ValueError(
+            f"NCCL/gloo weight sync needs the trainer and the servers on the same kind of device, got "
+            f"trainer.device={cfg.trainer.device!r} and inference.device={cfg.inference.device!r}; "
+            f"put both on CUDA (or both on CPU), or set trainer.weight_sync=disk")
+    if server is None:
         return
     if cfg.inference.num_servers > 1:
         raise ValueError(

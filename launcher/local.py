@@ -157,10 +157,11 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     (``resume``: keep the directory and set ``trainer.resume``)."""
     import torch
 
-    from areal_async.config import check_devices
+    from areal_async.config import check_devices, resolve_dtypes
     from areal_async.model.hub import resolve_model_path
 
     check_devices(cfg, torch.cuda.is_available())
+    cfg = resolve_dtypes(cfg, torch.cuda.is_available())
     check_ports(cfg)
     run_dir = cfg.run_dir
     if resume:

@@ -54,3 +54,24 @@ def test_nccl_weight_sync_needs_one_gpu_per_process():
     with pytest.raises(ValueError, match="inference.num_servers=2"):
         check_devices(load_config(None, ["inference.device=cuda:2", "trainer.device=cuda", "inference.num_servers=2"]),
                       cuda_available=True)
+
+
+def test_device_strings_are_checked_and_dtypes_resolved(monkeypatch):
+    from areal_async import config as config_module
+    from areal_async.config import check_devices, resolve_dtypes
+
+    with pytest.raises(ValueError, match=r"inference.device='cuda:x' is not a device"):
+        check_devices(load_config(None, ["inference.device=cuda:x"]), cuda_available=True)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        check_devices(load_config(None, ["inference.device=cuda"]), cuda_available=False)
+    with pytest.raises(ValueError, match="rank r always runs on cuda:r"):
+        check_devices(load_config(None, ["trainer.device=cuda:1", "trainer.weight_sync=disk"]), cuda_available=True)
+    with pytest.raises(ValueError, match="same kind of device"):
+        check_devices(load_config(None, ["inference.device=cpu", "trainer.device=cuda"]), cuda_available=True)
+    auto = load_config(None, ["model.dtype=auto", "trainer.dtype=auto", "inference.device=cpu", "trainer.device=cpu"])
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(config_module, "_cpu_has_bf16", lambda native=native: native)
+        resolved = resolve_dtypes(auto, cuda_available=False)
+        assert (resolved.model.dtype, resolved.trainer.dtype) == (expected, expected)
+    gpu = resolve_dtypes(load_config(None, ["model.dtype=auto", "inference.device=cuda:1"]), cuda_available=True)
+    assert gpu.model.dtype == "bfloat16" and gpu.trainer.dtype == "float32"  # an explicit value stays

@@ -81,6 +81,8 @@ def test_sampling_frequencies_follow_softmax():
     [
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "finite"),
+        ({"temperature": float("inf")}, "finite"),
         ({"top_p": 0}, "top_p"),
         ({"top_k": 0}, "top_k"),
         ({"bogus": 1}, "unknown sampling_params field 'bogus'"),
@@ -114,3 +116,9 @@ def test_mixed_rows_sample_as_they_would_alone():
         assert alone[0].item() == tokens[b].item() and alone[1].item() == logprobs[b].item(), b
     assert tokens[0].item() == int(logits[0].argmax())
     assert tokens[2].item() in logits[2].topk(3).indices.tolist()
+
+
+def test_temperature_below_epsilon_samples_greedily():
+    # logits / 1e-40 overflows to inf/NaN; such temperatures are greedy, as on SGLang
+    assert SamplingParams.parse({"temperature": 1e-40}).temperature == 0.0
+    assert SamplingParams.parse({"temperature": 0.5}).temperature == 0.5

@@ -161,6 +161,9 @@ def test_request_alone_equals_request_batched_with_others(tiny_model_dir):
         ({"input_ids": [1, 10**6], "sampling_params": {}}, "outside the vocabulary"),
         ({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}, "unknown sampling_params field 'temprature'"),
         ({"sampling_params": {}}, "send 'input_ids'"),
+        ({"input_ids": [[1, 2], 3]}, "list of integer token ids"),
+        ({"input_ids": [1, True]}, "list of integer token ids"),
+        ({"input_ids": [1, 2], "sampling_params": [1]}, "must be a JSON object"),
     ],
 )
 def test_bad_input_is_400_with_a_message(tiny_model_dir, body, message):
@@ -298,3 +301,15 @@ def test_health_and_flush(tiny_model_dir):
     health, health_gen, flush, info = asyncio.run(main())
     assert health[0] == health_gen[0] == flush[0] == 200
     assert info[1]["model_path"] == str(tiny_model_dir)
+
+
+def test_weight_group_rank_zero_is_refused(tiny_model_dir):
+    # rank 0 is the trainer (the broadcast source); a server there would load its own empty buffers
+    async def main():
+        async with running(tiny_model_dir) as (api, _):
+            return await api.post("/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 1,
+                "backend": "gloo", "group_name": "g"})
+
+    status, out = asyncio.run(main())
+    assert status == 400 and not out["success"] and "rank_offset must be >= 1" in out["message"]

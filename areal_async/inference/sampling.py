@@ -16,10 +16,13 @@ top-p filtered the draw. ``T == 0`` is greedy and reports ``log_softmax(logits)`
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import torch
 
 _MASK64 = (1 << 64) - 1
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SGLang's _SAMPLING_EPS)
 
 # SGLang sampling fields this engine accepts only at their neutral value.
 _NEUTRAL = {
@@ -80,9 +83,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"invalid sampling_params: {exc}") from None
         if params.max_new_tokens <= 0:
             raise ValueError(f"sampling_params.max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {params.temperature}")
-        if not 0.0 < params.top_p <= 1.0:
+        if not math.isfinite(params.temperature) or params.temperature < 0:
+            raise ValueError(f"sampling_params.temperature must be a finite number >= 0, got {params.temperature}")
+        if params.temperature < GREEDY_BELOW:  # logits / T would overflow: greedy, as SGLang does
+            params = msgspec.structs.replace(params, temperature=0.0)
+        if not math.isfinite(params.top_p) or not 0.0 < params.top_p <= 1.0:
             raise ValueError(f"sampling_params.top_p must be in (0, 1], got {params.top_p}")
         if params.top_k == 0 or params.top_k < -1:
             raise ValueError(f"sampling_params.top_k must be -1 (all) or >= 1, got {params.top_k}")

@@ -158,6 +158,10 @@ class InferenceServer:
             return _error("send 'input_ids' (a list of token ids, or a list of such lists) or 'text'")
         batch = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batch else [ids]
+        if not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts):
+            return _error("'input_ids' must be a list of integer token ids, or a list of such lists")
+        if not isinstance(body.get("sampling_params", {}), (dict, type(None))):
+            return _error("'sampling_params' must be a JSON object, e.g. {\"max_new_tokens\": 16}")
         rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
         rids = rids if isinstance(rids, list) else [rids]
         if len(rids) != len(prompts):
@@ -246,6 +250,9 @@ class InferenceServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _body(request)
         try:
+            if int(body["rank_offset"]) < 1:
+                raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer, the broadcast source), "
+                                 f"got {body['rank_offset']}")
             name = body.get("group_name", "weight_update_group")
             group = await self.engine.run_blocking(
                 weight_group.new_weight_group,

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import pathlib
+import signal
 
 import msgspec
 import torch
@@ -183,9 +185,22 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     dist.destroy_process_group()
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when its parent (torchrun) dies, even when the parent is killed
+    with SIGKILL and cannot stop its ranks (the launcher gives torchrun the same setting)."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent was already gone
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvloop
 
+    _die_with_parent()
     parser = argparse.ArgumentParser(prog="python -m areal_async.trainer.main", description=__doc__)
     parser.add_argument("--config", required=True, help="the run's resolved RUN_DIR/config.yaml")
     args = parser.parse_args(argv)
