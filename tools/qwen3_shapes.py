@@ -87,8 +87,10 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    if len(sys.argv) != 3 or sys.argv[1] not in SHAPES:
-        sys.exit(f"usage: python tools/qwen3_shapes.py {{{'|'.join(SHAPES)}}} OUT_DIR")
-    print(write_model_dir(sys.argv[1], sys.argv[2]))
+    ap = argparse.ArgumentParser(description="Write a Qwen3-shaped model with random weights (HF directory).")
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out_dir")
+    args = ap.parse_args()
+    print(write_model_dir(args.shape, args.out_dir))
