@@ -98,9 +98,9 @@ class QueueConfig(_Cfg):
 class AlgoConfig(_Cfg):
     """GRPO advantages and the decoupled-PPO loss (AReaL-boba defaults)."""
 
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    behav_imp_weight_cap: float | None = 5.0
+    eps_clip: PosFloat = 0.2
+    eps_clip_high: PosFloat | None = None
+    behav_imp_weight_cap: PosFloat | None = 5.0
     std_norm: bool = True
     batch_norm: bool = False
     kl_coef: float = 0.0
@@ -253,6 +253,14 @@ def check_config(cfg: Config) -> None:
     if not cfg.name or pathlib.PurePath(cfg.name).name != cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name '{cfg.name}' must be a plain directory name (no '/' or '..'); "
                          f"use run_root to put runs elsewhere")
+    r = cfg.rollout
+    if not 0.0 < r.top_p <= 1.0:
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]; 1.0 keeps the whole vocabulary")
+    if r.top_k == 0 or r.top_k < -1:
+        raise ValueError(f"rollout.top_k={r.top_k} must be -1 (the whole vocabulary) or >= 1")
+    if r.n_samples < 2:
+        raise ValueError(f"rollout.n_samples={r.n_samples}: GRPO normalises rewards within a group, so one "
+                         f"sample per prompt gives every advantage 0; use rollout.n_samples >= 2")
     need = cfg.data.max_prompt_len + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     if cfg.inference.backend == "embedded" and need > cfg.inference.max_seq_len:
         raise ValueError(

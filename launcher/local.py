@@ -160,7 +160,13 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     from areal_async.config import check_devices, resolve_dtypes
     from areal_async.model.hub import resolve_model_path
 
+    from areal_async.data import TASKS
+    from areal_async.reward.pool import resolve_reward_fn
+
     check_devices(cfg, torch.cuda.is_available())
+    if cfg.data.task not in TASKS:
+        raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")
+    resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     cfg = resolve_dtypes(cfg, torch.cuda.is_available())
     check_ports(cfg)
     run_dir = cfg.run_dir

@@ -75,3 +75,12 @@ def test_device_strings_are_checked_and_dtypes_resolved(monkeypatch):
         assert (resolved.model.dtype, resolved.trainer.dtype) == (expected, expected)
     gpu = resolve_dtypes(load_config(None, ["model.dtype=auto", "inference.device=cuda:1"]), cuda_available=True)
     assert gpu.model.dtype == "bfloat16" and gpu.trainer.dtype == "float32"  # an explicit value stays
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.top_p=5", "rollout.top_p=5"), ("rollout.top_k=0", "rollout.top_k=0"),
+    ("rollout.n_samples=1", "n_samples >= 2"), ("algo.eps_clip=-0.5", "eps_clip"),
+])
+def test_sampling_and_algorithm_values_are_checked_at_load(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])

@@ -104,7 +104,13 @@ def test_ports_in_use_or_shared_are_named():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cfg = load_config(None, [f"queue.port={port}"])
+        free = []
+        for _ in range(3):  # the other ports: free ones, not the defaults (another job may hold those)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                free.append(s.getsockname()[1])
+        cfg = load_config(None, [f"queue.port={port}", f"inference.base_port={free[0]}",
+                                 f"trainer.master_port={free[1]}", f"trainer.weight_sync_port={free[2]}"])
         with pytest.raises(ValueError, match=f"port {port} \\(queue.port\\) is already in use"):
             check_ports(cfg)
     cfg = load_config(None, ["inference.num_servers=2", "inference.base_port=31000",
