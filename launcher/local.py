@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. queue.max_staleness=2")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    parser.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    start.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
