@@ -60,6 +60,9 @@ def load_engine(
         ValueError: unknown dtype, or an unsupported architecture.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per process clutters the job's console
 
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")

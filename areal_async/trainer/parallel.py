@@ -94,6 +94,9 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
 
     Every rank loads the full checkpoint (small models; a meta-device init would avoid that).
     """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank clutters the job's console
     lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     lm.config.use_cache = False
     use_packed_attention(lm)
