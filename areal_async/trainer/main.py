@@ -26,6 +26,7 @@ import ctypes
 import os
 import pathlib
 import signal
+import sys
 
 import msgspec
 import torch
@@ -206,6 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     uvloop.run(train(load_config(args.config), pathlib.Path(args.config).resolve().parent))
+    # Leave without interpreter finalization: C++ threads of the (destroyed) gloo groups can still
+    # be joinable then, and their destructors call std::terminate ("terminate called without an
+    # active exception", SIGABRT), which turned a finished run into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
