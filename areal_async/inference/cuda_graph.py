@@ -41,6 +41,13 @@ def decode_bucket(max_rows: int, max_seq_len: int, batch: int, span: int, length
     return rows, min(max_seq_len, -(-span // length_step) * length_step)
 
 
+def padded_inputs(tokens: list[int], positions: list[int], rows: int, scratch_slot: int) -> torch.Tensor:
+    """``[3, rows] int64`` on the host: tokens, positions and cache slots of the n running rows
+    (slot b for row b), then padding rows (token 0, position 0, the scratch slot)."""
+    n, pad = len(tokens), rows - len(tokens)
+    return torch.tensor([tokens + [0] * pad, positions + [0] * pad, list(range(n)) + [scratch_slot] * pad])
+
+
 class DecodeGraphs:
     """Capture and replay decode steps of a ``BatchedForward`` (CUDA only).
 
@@ -85,9 +92,7 @@ class DecodeGraphs:
         graph = self.graphs.get((rows, length))
         if graph is None:
             graph = self.graphs[(rows, length)] = self._capture(rows, length)
-        n, pad = len(tokens), rows - len(tokens)
-        scratch = self.forward.cache.scratch_slot
-        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, list(range(n)) + [scratch] * pad])
+        host = padded_inputs(tokens, positions, rows, self.forward.cache.scratch_slot)
         self.inputs[:, :rows].copy_(host, non_blocking=True)
         graph.replay()
-        return self.logits[:n]
+        return self.logits[: len(tokens)]

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch_invariant import tiled_linear
-from .cuda_graph import DecodeGraphs, decode_bucket
+from .cuda_graph import DecodeGraphs, decode_bucket, padded_inputs
 from .kv_cache import KVCache
 from .triton_attention import decode_attention, triton
 
@@ -244,10 +244,7 @@ class BatchedForward:
         rows, length = self.decode_shape(n, max(positions) + 1)
         if self.graphs is not None:
             return self.graphs.run(tokens, positions, rows, length)
-        pad = rows - n
-        scratch = self.cache.scratch_slot
-        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, list(range(n)) + [scratch] * pad])
-        inputs = host.to(self.device, non_blocking=True)
+        inputs = padded_inputs(tokens, positions, rows, self.cache.scratch_slot).to(self.device, non_blocking=True)
         return self._decode(inputs[0], inputs[1], inputs[2], length)[:n]
 
     @torch.inference_mode()
