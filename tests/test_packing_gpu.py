@@ -54,3 +54,37 @@ def test_varlen_logprobs_backward(tiny_qwen3_dir, monkeypatch):
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
     assert torch.isfinite(entropy).all()
     assert len(calls) == model.config.num_hidden_layers  # one call per layer (forward; backward is autograd)
+
+
+def test_varlen_native_gqa_matches_repeated_kv(monkeypatch):
+    # K/V with H_kv heads go to the flash kernel as they are (no repeat), and the result and the
+    # gradients equal those of K/V repeated to H heads: the kernel reads K/V head h // (H / H_kv)
+    # for query head h, the same numbers the repeat copies there; its backward sums the group's
+    # dK/dV as the repeat's backward does. bf16 outputs O(1): measured differences are printed,
+    # the bound is a few bf16 ulps.
+    import torch.nn.attention.varlen as varlen
+
+    from areal_async.trainer.attention import packed_attention
+
+    kv_heads_seen = []
+    real = varlen.varlen_attn
+
+    def spy(q, k, *args, **kwargs):
+        kv_heads_seen.append(k.shape[1])
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(varlen, "varlen_attn", spy)
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 300, 301, 1000, 1700], dtype=torch.int32, device="cuda")
+    n, kw = 1700, {"cu_seq_lens_q": cu, "max_length_q": 700}
+    q, k, v = (torch.randn(1, h, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (16, 8, 8))
+    grad_out = torch.randn(1, n, 16, 128, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for native in (True, False):
+        out, _ = packed_attention(torch.nn.Module(), q, k, v, None, 128**-0.5, native_gqa=native, **kw)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
+    assert kv_heads_seen == [8, 16]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        diff = float((a.float() - b.float()).abs().max())
+        print(f"native GQA vs repeat: {name} max |Δ| {diff:.3g} (max |x| {float(b.float().abs().max()):.3g})")
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

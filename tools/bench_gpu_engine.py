@@ -142,9 +142,9 @@ def time_decode(model, forward, batch: int, context: int, reps: int, bandwidth: 
     tokens = torch.randint(3, vocab, (batch,), device=device)
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
     eager_s = _time(lambda: forward.decode(tokens, positions), reps, device)
-    token_list, position_list = tokens.tolist(), positions.tolist()
-    graph_s = _time(lambda: forward.decode_batch(token_list, position_list), reps, device)
-    logits = forward.decode_batch(token_list, position_list).clone()
+    position_list = positions.tolist()  # decode_batch: tokens on the device, positions host ints
+    graph_s = _time(lambda: forward.decode_batch(tokens, position_list), reps, device)
+    logits = forward.decode_batch(tokens, position_list).clone()
     temperature = torch.ones(batch, device=device)
     top_p, top_k = torch.ones(batch, device=device), torch.full((batch,), -1, device=device)
     seeds, pos = list(range(batch)), [context] * batch
@@ -153,6 +153,26 @@ def time_decode(model, forward, batch: int, context: int, reps: int, bandwidth: 
     return {"batch": batch, "context": context, "eager_ms": eager_s * 1e3, "decode_ms": graph_s * 1e3,
             "sample_ms": sample_s * 1e3, "floor_ms": floor_s * 1e3, "decode_tok_s": batch / graph_s,
             "graphed": forward.graphs is not None}
+
+
+def time_attention(forward, batch: int, context: int, configs: list[str], reps: int, device) -> list[dict]:
+    """The fused decode-attention kernel alone on one layer's cache, each ``BLOCK_N,warps,stages``
+    config: ms per call and the K/V bytes it must read per ms (every row at ``context``)."""
+    from areal_async.inference.triton_attention import decode_attention
+
+    cache = forward.cache
+    k, v = torch.randn_like(cache.k[0]), torch.randn_like(cache.v[0])
+    q = torch.randn(batch, forward.num_heads, forward.head_dim, dtype=forward.dtype, device=device)
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    kv_bytes = 2 * batch * forward.num_kv_heads * context * forward.head_dim * k.element_size()
+    rows = []
+    for text in configs:
+        config = tuple(int(x) for x in text.split(","))
+        seconds = _time(lambda: decode_attention(q, k, v, positions, forward.scaling, config), reps, device)
+        rows.append({"config": text, "batch": batch, "context": context, "ms": seconds * 1e3,
+                     "tb_s": kv_bytes / seconds / 1e12})
+        print("attention:", json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def profile_decode(model, forward, batch: int, context: int, device, top: int = 12) -> None:
@@ -223,6 +243,8 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true", help="also run the batch-invariant forward")
     ap.add_argument("--profile", action="store_true",
                     help="kernel times of one eager decode step at the largest batch (what a graph replays)")
+    ap.add_argument("--attention-configs", nargs="*", default=["64,4,2", "32,4,2", "64,4,3", "64,8,2", "128,8,2"],
+                    help="BLOCK_N,num_warps,num_stages of the decode-attention kernel to time alone")
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of device memory (measured copy)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -239,6 +261,9 @@ def main() -> None:
     context = args.prompt_len + args.new_tokens // 2
     report["decode"] = [time_decode(model, forward, b, context, args.decode_reps, args.bandwidth, device)
                         for b in args.batches]
+    if forward.fused_attention and args.attention_configs:
+        report["attention"] = time_attention(forward, max(args.batches), context, args.attention_configs,
+                                             args.decode_reps, device)
     if args.profile:
         profile_decode(model, forward, max(args.batches), context, device)
     report["engine"] = run_engine(forward, args, model.config.vocab_size)
@@ -265,6 +290,11 @@ def main() -> None:
     for r in report["decode"]:
         print(f"{r['batch']:>6} {r['eager_ms']:>9.2f} {r['decode_ms']:>9.2f} {r['floor_ms']:>9.3f} "
               f"{r['decode_ms'] / r['floor_ms']:>8.1f} {r['sample_ms']:>10.2f} {r['decode_tok_s']:>12.0f}")
+    if report.get("attention"):
+        print(f"\ndecode attention kernel alone, batch {max(args.batches)}, context {context} (one layer)")
+        print(f"{'BLOCK_N,warps,stages':>21} {'ms':>8} {'TB/s':>6}")
+        for r in report["attention"]:
+            print(f"{r['config']:>21} {r['ms']:>8.4f} {r['tb_s']:>6.2f}")
     print(f"\nend to end: {args.prompt_len}-token prompts, {args.new_tokens} new tokens each, T = 1")
     print(f"{'engine':<12} {'batch':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'ms/step':>8}")
     for name, rows in (("embedded", report["engine"]), ("deterministic", report.get("engine_deterministic", [])),

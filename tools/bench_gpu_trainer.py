@@ -2,6 +2,12 @@
 
     python tools/bench_gpu_trainer.py [--shape 0.6b] [--num-seqs 64] [--min-len 64 --max-len 2048]
         [--max-tokens-per-mb 16384] [--padded-mb 8] [--chunks 256 1024 0] [--json out.json]
+        [--fsdp2 [--fused-norm]] [--variants base,mb32k,gqa,fusedhead,compile,all+mb32k]
+        [--skip-autocast] [--check] [--profile]
+
+    # each idea alone and together, one process (the variant table is printed at the end):
+    python tools/bench_gpu_trainer.py --skip-autocast --chunks 1024 --check
+        --variants base,mb32k,mb64k,gqa,fusedhead,headcompile,compile,all,all+mb32k,all+mb64k
 
 Workload: ``--num-seqs`` sequences of random tokens with lengths uniform in [min, max] (seed 0);
 loss = -mean next-token log-prob (the shape of the PPO loss's heavy part: one forward, the LM
@@ -16,6 +22,28 @@ Variants:
 - ``packed``: first-fit-decreasing micro-batches of at most ``--max-tokens-per-mb`` tokens, one 1D
   row each, ``varlen_attn`` (``trainer/attention.py``), log-probs chunked by ``chunk`` rows of the
   ``[T, vocab]`` logits (``0`` = the whole micro-batch at once, i.e. unchunked).
+  These rows, and the ``packed fsdp2`` / ``fsdp2 fusednorm`` rows, keep K/V repeated before
+  ``varlen_attn`` and the checkpointed LM head, as measured before the fused head existed.
+- ``--variants`` (the one-rank FSDP2 setup of ``--fsdp2``, every RMSNorm as ``F.rms_norm``): a
+  comma-separated list; each variant is a ``+``-joined set of options over ``base`` (the
+  ``fsdp2 fusednorm`` row's code paths):
+  ``mbNk`` micro-batches of ≤ N·1024 tokens (default ``--max-tokens-per-mb``);
+  ``cN`` LM-head chunks of N rows (default ``--chunks[0]``);
+  ``gqa`` K/V with their own head count (8 for Qwen3-0.6B) into ``varlen_attn``, no
+  ``repeat_interleave``;
+  ``fusedhead`` the fused LM head + log-softmax autograd function (``trainer/logprobs.py``);
+  ``headcompile`` its per-chunk kernels compiled (implies ``fusedhead``);
+  ``compile`` every decoder layer's ``forward`` through ``torch.compile``;
+  ``keeplogits`` the fused head keeps its raw logits for the backward (implies ``fusedhead``;
+  not in ``all``: it costs ``[tokens, vocab]`` bf16 memory);
+  ``all`` = ``gqa+fusedhead+headcompile+compile``. ``gqa+fusedhead`` is the trainer's CUDA
+  default now (``build_policy``); ``all`` is ``trainer.compile: true``.
+  All variants run on one FSDP2-sharded model: the options are switched between variants (the
+  attention implementation name, ``PackedPolicy`` attributes, the layers' ``forward``), compiled
+  code is kept. A variant that raises (compile error, out of memory) prints the error and the
+  others still run. ``--check``: max |Δ| of the native-GQA ``varlen_attn`` against the repeated
+  K/V (output and dQ/dK/dV on random bf16 inputs), then every variant's log-probs and gradients
+  on the first micro-batch against ``base``.
 
 FLOPs (model FLOPs of the real tokens; padding and recomputation are not counted):
 ``6 · N · T + 6 · layers · heads · head_dim · Σ L_b²``, N = all parameters with the tied
@@ -27,8 +55,11 @@ against the H200's dense bf16 datasheet rate (989 TFLOP/s; ~800 measured on a la
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -39,6 +70,7 @@ from areal_async.trainer.packing import allocate_micro_batches, pack_sequences
 from qwen3_shapes import build_model
 
 PEAK_FLOPS = 989e12
+OPTIONS = ("gqa", "fusedhead", "headcompile", "compile", "keeplogits")
 
 
 def _sync(device: torch.device) -> None:
@@ -80,9 +112,10 @@ def padded_step(lm, seqs, mb_size, chunk, device, total_tokens: int, dtype) -> N
         (-logp.sum() / total_tokens).backward()
 
 
-def measure(fn, reps: int, device) -> tuple[float, float]:
-    """Seconds per call (median of ``reps`` after one warm-up) and peak GiB allocated."""
-    fn()
+def measure(fn, reps: int, device, warmup: int = 1) -> tuple[float, float]:
+    """Seconds per call (median of ``reps`` after ``warmup`` calls) and peak GiB allocated."""
+    for _ in range(warmup):
+        fn()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -119,6 +152,137 @@ def profile(fn, device, top: int = 18) -> None:
         print(f"{e.self_device_time_total / 1e3:>9.1f} ms {share:>6.1%} {e.count:>6}x  {e.key[:100]}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One ``--variants`` entry: the micro-batch budget and the switched-on options."""
+
+    name: str
+    max_tokens_per_mb: int
+    chunk: int
+    options: frozenset[str]
+
+
+def parse_variants(spec: str, default_mb: int, default_chunk: int) -> list[Variant]:
+    """``"base,mb32k,gqa+compile,all+mb64k+c2048"`` → ``Variant``s (see the module docstring)."""
+    out = []
+    for name in filter(None, (v.strip() for v in spec.split(","))):
+        mb, chunk, options = default_mb, default_chunk, set()
+        for token in name.split("+"):
+            if token == "base":
+                continue
+            if token == "all":
+                options |= set(OPTIONS)
+            elif token.startswith("mb") and token.endswith("k") and token[2:-1].isdigit():
+                mb = int(token[2:-1]) * 1024
+            elif token.startswith("c") and token[1:].isdigit():
+                chunk = int(token[1:])
+            elif token in OPTIONS:
+                options.add(token)
+            else:
+                raise ValueError(f"unknown variant option {token!r} in {name!r}; use base, all, mbNk, cN or one of "
+                                 f"{', '.join(OPTIONS)} joined by '+'")
+        if "headcompile" in options:
+            options.add("fusedhead")
+        out.append(Variant(name, mb, chunk, frozenset(options)))
+    return out
+
+
+class Switches:
+    """Switches the options of ``Variant``s on one (FSDP2-sharded) ``PackedPolicy``; compiled
+    layer forwards and head kernels are built once and kept."""
+
+    def __init__(self, policy: PackedPolicy):
+        from areal_async.trainer.parallel import compile_decoder_layers
+
+        self.policy, self.lm = policy, policy.lm
+        self.eager_kernels = policy.head_kernels
+        self.compiled_kernels = PackedPolicy(self.lm, compile_head=True).head_kernels
+        compile_decoder_layers(self.lm)  # lazy: nothing compiles before the first call
+        self.compiled_forwards = [vars(layer).pop("forward") for layer in self.lm.model.layers]
+
+    def apply(self, options: frozenset[str]) -> None:
+        use_packed_attention(self.lm, native_gqa="gqa" in options)
+        self.policy.fused_head = "fusedhead" in options or "keeplogits" in options
+        self.policy.keep_logits = "keeplogits" in options
+        self.policy.head_kernels = self.compiled_kernels if "headcompile" in options else self.eager_kernels
+        for layer, compiled in zip(self.lm.model.layers, self.compiled_forwards):
+            if "compile" in options:
+                layer.forward = compiled
+            else:
+                vars(layer).pop("forward", None)
+
+
+def _free_memory(lm) -> None:
+    lm.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def check_native_gqa(device, lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> None:
+    """Max |Δ| of ``varlen_attn`` with ``kv_heads`` K/V heads against K/V repeated to ``heads``
+    (output and dQ/dK/dV; bf16 random inputs, the first packed micro-batch's boundaries)."""
+    from areal_async.trainer.attention import packed_attention
+
+    torch.manual_seed(0)
+    n = sum(lengths)
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=device)
+    kw = {"cu_seq_lens_q": cu, "max_length_q": max(lengths)}
+    q = torch.randn(1, heads, n, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, kv_heads, n, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, kv_heads, n, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(1, n, heads, head_dim, device=device, dtype=torch.bfloat16)
+    results = []
+    for native in (True, False):
+        out, _ = packed_attention(torch.nn.Module(), q, k, v, None, head_dim**-0.5, native_gqa=native, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        results.append((out, *grads))
+    diffs = [float((a.detach().float() - b.detach().float()).abs().max()) for a, b in zip(*results)]
+    scale = [float(b.detach().float().abs().max()) for b in results[1]]
+    print(f"native GQA vs repeated K/V ({n} tokens, {len(lengths)} seqs): max |Δ| out {diffs[0]:.3g} "
+          f"(max |out| {scale[0]:.3g}), dQ {diffs[1]:.3g} ({scale[1]:.3g}), dK {diffs[2]:.3g} ({scale[2]:.3g}), "
+          f"dV {diffs[3]:.3g} ({scale[3]:.3g})", flush=True)
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖: bf16 rounding differences give ~1e-3, a wrong gradient O(1) (a max-norm
+    would be dominated by single rounding flips of 2^-8 relative)."""
+    return float((a - b).norm()) / max(float(b.norm()), 1e-30)
+
+
+def check_variants(policy, switches: Switches, variants: list[Variant], seqs, mb, chunk, device) -> None:
+    """Log-probs and gradients of the first micro-batch under each variant against ``base``."""
+    lm = policy.lm
+    batch = pack_sequences([seqs[i] for i in mb]).to(device)
+    last = lm.config.num_hidden_layers - 1
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
+             f"model.layers.{last}.mlp.down_proj.weight"]
+
+    def run(options):
+        switches.apply(options)
+        lm.zero_grad(set_to_none=True)
+        logp, _ = policy(batch, 1.0, chunk)
+        logp.sum().backward()
+        params = dict(lm.named_parameters())
+        grads = {n: (params[n].grad.full_tensor() if hasattr(params[n].grad, "full_tensor") else params[n].grad)
+                 for n in names}
+        return logp.detach().float(), {n: g.float().clone() for n, g in grads.items()}
+
+    ref_logp, ref_grads = run(frozenset())
+    print(f"checks on one micro-batch of {batch.num_tokens} tokens against base (max |logp| "
+          f"{float(ref_logp.abs().max()):.3g}); gradients as ||Δ|| / ||g||:")
+    for variant in variants:
+        if not variant.options:
+            continue
+        try:
+            logp, grads = run(variant.options)
+            rel = ", ".join(f"{n.removeprefix('model.')} {_rel_diff(grads[n], ref_grads[n]):.2e}" for n in names)
+            print(f"  {variant.name}: max |Δ logp| {float((logp - ref_logp).abs().max()):.3g}; {rel}", flush=True)
+        except Exception as exc:  # keep checking the others
+            print(f"  {variant.name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            _free_memory(lm)
+    lm.zero_grad(set_to_none=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="0.6b")
@@ -133,9 +297,17 @@ def main() -> None:
     ap.add_argument("--fsdp2", action="store_true", help="also time the packed path under one-rank FSDP2")
     ap.add_argument("--fused-norm", action="store_true",
                     help="with --fsdp2: time it again with every RMSNorm as F.rms_norm (the trainer's CUDA default)")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated FSDP2 variants, e.g. base,mb32k,gqa,fusedhead,compile,all+mb32k (see above)")
+    ap.add_argument("--skip-autocast", action="store_true", help="skip the padded and autocast packed rows")
+    ap.add_argument("--check", action="store_true", help="with --variants: numerical checks against base")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the last variant's iteration")
+    ap.add_argument("--keep-unsharded", action="store_true",
+                    help="FSDP2 reshard_after_forward=False: the backward reuses the forward's gathered bf16 "
+                         "parameters instead of gathering them again (trainer.reshard_after_forward)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    variants = parse_variants(args.variants, args.max_tokens_per_mb, args.chunks[0])
     device = torch.device(args.device)
     dtype = torch.bfloat16
     lm = build_model(args.shape, torch.float32, device)
@@ -151,40 +323,54 @@ def main() -> None:
     mbs = allocate_micro_batches(lengths, args.max_tokens_per_mb)
     rows = []
 
-    def record(name, chunk, fn):
+    def record(name, chunk, fn, mb_tokens=args.max_tokens_per_mb, warmup=1):
         lm.zero_grad(set_to_none=True)
-        seconds, peak = measure(fn, args.reps, device)
+        seconds, peak = measure(fn, args.reps, device, warmup)
         lm.zero_grad(set_to_none=True)
         rows.append({"variant": name, "chunk": chunk, "seconds": seconds, "tok_s": tokens / seconds,
-                     "tflops": flops / seconds / 1e12, "mfu": flops / seconds / PEAK_FLOPS, "peak_gib": peak})
+                     "tflops": flops / seconds / 1e12, "mfu": flops / seconds / PEAK_FLOPS, "peak_gib": peak,
+                     "max_tokens_per_mb": mb_tokens})
         print(json.dumps(rows[-1]), flush=True)
 
-    lm.set_attn_implementation("sdpa")
-    record("padded sdpa", 256, lambda: padded_step(lm, seqs, args.padded_mb, 256, device, tokens, dtype))
-    use_packed_attention(lm)
-    policy = PackedPolicy(lm, autocast_dtype=dtype)
-    for chunk in args.chunks:
-        record("packed varlen", chunk, lambda: packed_step(policy, seqs, mbs, chunk, device, tokens))
-    if args.fsdp2:
+    profile_fn = None
+    if not args.skip_autocast:
+        lm.set_attn_implementation("sdpa")
+        record("padded sdpa", 256, lambda: padded_step(lm, seqs, args.padded_mb, 256, device, tokens, dtype), 0)
+        use_packed_attention(lm, native_gqa=False)
+        policy = PackedPolicy(lm, autocast_dtype=dtype, fused_head=False)
+        for chunk in args.chunks:
+            record("packed varlen", chunk, lambda: packed_step(policy, seqs, mbs, chunk, device, tokens))
+    if args.fsdp2 or variants:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from areal_async.trainer.parallel import init_distributed
+        from areal_async.trainer.parallel import init_distributed, use_fused_rms_norm
 
         init_distributed(device.type)
-        policy = PackedPolicy(lm)
+        use_packed_attention(lm, native_gqa=False)
+        policy = PackedPolicy(lm, fused_head=False)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for layer in lm.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(policy, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=not args.keep_unsharded)
+        fully_shard(policy, mp_policy=mp, reshard_after_forward=not args.keep_unsharded)
         chunk = args.chunks[0]
-        record("packed fsdp2", chunk, lambda: packed_step(policy, seqs, mbs, chunk, device, tokens))
-        if args.fused_norm:
-            from areal_async.trainer.parallel import use_fused_rms_norm
-
+        profile_fn = lambda: packed_step(policy, seqs, mbs, chunk, device, tokens)  # noqa: E731
+        if args.fsdp2:
+            record("packed fsdp2", chunk, profile_fn)
+        if args.fused_norm or variants:
             use_fused_rms_norm(lm)
-            record("fsdp2 fusednorm", chunk, lambda: packed_step(policy, seqs, mbs, chunk, device, tokens))
-        if args.profile:
-            profile(lambda: packed_step(policy, seqs, mbs, chunk, device, tokens), device)
+        if args.fsdp2 and args.fused_norm:
+            record("fsdp2 fusednorm", chunk, profile_fn)
+        if variants:
+            run_variants(args, policy, variants, seqs, lengths, device, tokens, record, rows)
+            last = variants[-1]
+            last_mbs = allocate_micro_batches(lengths, last.max_tokens_per_mb)
+            profile_fn = lambda: packed_step(policy, seqs, last_mbs, last.chunk, device, tokens)  # noqa: E731
+    if args.profile and profile_fn is not None:
+        try:
+            profile(profile_fn, device)
+        except Exception as exc:  # the table below still prints
+            print(f"profile FAILED {type(exc).__name__}: {exc}", flush=True)
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if args.json:
         with open(args.json, "w") as f:
@@ -195,12 +381,61 @@ def main() -> None:
           f"{args.max_tokens_per_mb} tokens; padded micro-batches of {args.padded_mb} seqs")
     print(f"FLOPs/iteration: 6*N*T = {6 * n_params * tokens / 1e12:.1f} T + attention {attn / 1e12:.1f} T "
           f"(N = {n_params / 1e6:.0f}M)")
-    print(f"{'variant':<14} {'chunk':>6} {'seconds':>8} {'tok/s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
-    base = rows[0]["tok_s"]
+    width = max([14] + [len(r["variant"]) for r in rows])
+    print(f"{'variant':<{width}} {'chunk':>6} {'mb tok':>6} {'seconds':>8} {'tok/s':>8} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'peak GiB':>9}")
+    ok = [r for r in rows if "error" not in r]
+    base_name = "padded" if ok and ok[0]["variant"] == "padded sdpa" else ok[0]["variant"] if ok else ""
     for r in rows:
-        chunk = r["chunk"] or "all"
-        print(f"{r['variant']:<14} {chunk:>6} {r['seconds']:>8.2f} {r['tok_s']:>8.0f} {r['tflops']:>8.1f} "
-              f"{r['mfu']:>6.1%} {r['peak_gib']:>9.1f}   {r['tok_s'] / base:.2f}x padded")
+        chunk, mb_tokens = r["chunk"] or "all", r["max_tokens_per_mb"] or "-"
+        if "error" in r:
+            print(f"{r['variant']:<{width}} {chunk:>6} {mb_tokens:>6}   FAILED: {r['error']}")
+            continue
+        print(f"{r['variant']:<{width}} {chunk:>6} {mb_tokens:>6} {r['seconds']:>8.2f} {r['tok_s']:>8.0f} "
+              f"{r['tflops']:>8.1f} {r['mfu']:>6.1%} {r['peak_gib']:>9.1f}   "
+              f"{r['tok_s'] / ok[0]['tok_s']:.2f}x {base_name}")
+
+
+def run_variants(args, policy, variants: list[Variant], seqs, lengths, device, tokens, record, rows) -> None:
+    """Time each ``Variant`` on the FSDP2 ``policy`` (``record`` appends a row); a failing variant
+    appends a row with its error instead."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # variants add guard sets to the layers' code
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    switches = Switches(policy)
+    if args.check and any("gqa" in v.options for v in variants):
+        mb = allocate_micro_batches(lengths, args.max_tokens_per_mb)[0]
+        cfg = policy.lm.config
+        try:
+            check_native_gqa(device, [lengths[i] for i in mb], cfg.num_attention_heads, cfg.num_key_value_heads,
+                             cfg.head_dim)
+        except Exception as exc:
+            print(f"native GQA check FAILED {type(exc).__name__}: {exc}", flush=True)
+    for variant in variants:
+        mbs = allocate_micro_batches(lengths, variant.max_tokens_per_mb)
+        start = time.perf_counter()
+        try:
+            switches.apply(variant.options)
+            # compiled code: the first iteration compiles for static then dynamic shapes, some
+            # backward graphs compile lazily in the second
+            warmup = 2 if variant.options & {"compile", "headcompile"} else 1
+            record(variant.name, variant.chunk, lambda: packed_step(policy, seqs, mbs, variant.chunk, device, tokens),
+                   variant.max_tokens_per_mb, warmup)
+            rows[-1]["micro_batches"] = len(mbs)
+        except Exception as exc:  # report and go on with the next variant
+            traceback.print_exc(limit=-8)  # the innermost frames
+            first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
+            rows.append({"variant": variant.name, "chunk": variant.chunk,
+                         "max_tokens_per_mb": variant.max_tokens_per_mb, "error": f"{type(exc).__name__}: {first_line}"})
+            print(json.dumps(rows[-1]), flush=True)
+            _free_memory(policy.lm)
+        print(f"  ({variant.name}: {time.perf_counter() - start:.0f} s with warm-up and compilation)", flush=True)
+    if args.check:
+        first_mb = allocate_micro_batches(lengths, args.max_tokens_per_mb)[0]
+        check_variants(policy, switches, variants, seqs, first_mb, args.chunks[0], device)
+    switches.apply(variants[-1].options)  # for --profile
 
 
 if __name__ == "__main__":

@@ -41,11 +41,20 @@ def decode_bucket(max_rows: int, max_seq_len: int, batch: int, span: int, length
     return rows, min(max_seq_len, -(-span // length_step) * length_step)
 
 
-def padded_inputs(tokens: list[int], positions: list[int], rows: int, scratch_slot: int) -> torch.Tensor:
-    """``[3, rows] int64`` on the host: tokens, positions and cache slots of the n running rows
-    (slot b for row b), then padding rows (token 0, position 0, the scratch slot)."""
-    n, pad = len(tokens), rows - len(tokens)
-    return torch.tensor([tokens + [0] * pad, positions + [0] * pad, list(range(n)) + [scratch_slot] * pad])
+def padded_inputs(tokens: torch.Tensor, positions: list[int], rows: int, scratch_slot: int, out: torch.Tensor) -> None:
+    """Fill ``out[:, :rows]`` (``[3, ≥ rows] int64`` on the device) with the tokens, positions and
+    cache slots of the n running rows (slot b for row b), then padding rows (token 0, position 0,
+    the scratch slot).
+
+    ``tokens: [n] int64`` is on the device (the engine's last sampled tokens, possibly not computed
+    yet): copied device to device in stream order. Positions and slots are host ints, staged in
+    pinned memory on CUDA so that the host-to-device copy waits for nothing.
+    """
+    n, pad = len(positions), rows - len(positions)
+    host = torch.tensor([positions + [0] * pad, list(range(n)) + [scratch_slot] * pad], pin_memory=out.is_cuda)
+    out[1:, :rows].copy_(host, non_blocking=True)
+    out[0, :n].copy_(tokens)
+    out[0, n:rows].zero_()
 
 
 class DecodeGraphs:
@@ -83,16 +92,18 @@ class DecodeGraphs:
         return graph
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], rows: int, length: int) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, positions: list[int], rows: int, length: int) -> torch.Tensor:
         """Replay the ``(rows, length)`` graph (capturing it first if new) for the n running slots.
 
+        Args:
+            tokens: ``[n] int64`` on the device, each slot's last sampled token.
+            positions: n ints, each slot's input position.
         Returns:
             logits ``[n, V] float32``, a view of the shared buffer (valid until the next replay).
         """
         graph = self.graphs.get((rows, length))
         if graph is None:
             graph = self.graphs[(rows, length)] = self._capture(rows, length)
-        host = padded_inputs(tokens, positions, rows, self.forward.cache.scratch_slot)
-        self.inputs[:, :rows].copy_(host, non_blocking=True)
+        padded_inputs(tokens, positions, rows, self.forward.cache.scratch_slot, self.inputs)
         graph.replay()
-        return self.logits[: len(tokens)]
+        return self.logits[: len(positions)]

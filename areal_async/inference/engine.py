@@ -1,22 +1,51 @@
-"""The continuous-batching scheduler of the embedded engine.
+"""The continuous-batching scheduler of the embedded engine, with host work overlapped on device work.
 
 One asyncio task (``Engine.run``) owns all scheduling state; forward passes run on a single
-executor thread (torch releases the GIL), so the HTTP server stays responsive. Each iteration:
+executor thread (torch releases the GIL), so the HTTP server stays responsive. Steps are
+pipelined one deep, as SGLang's overlap scheduler does: step n+1 is launched before step n's
+tokens are read back, so while the device runs step n+1 the host commits step n and plans step
+n+2. One iteration of the pipeline:
 
-1. drop finished / aborted requests and close the holes in the KV slots (the last running request
-   moves into each hole, so running requests always occupy slots ``0..B-1``);
-2. admit waiting requests into free slots, up to ``max_prefill_tokens`` prompt tokens;
-3. one executor call: slot moves, prefill of the admitted requests, one decode step of the others,
-   sampling of one token per request;
-4. append the tokens, finish requests on a stop token or on ``max_new_tokens``.
+1. **plan** step n+1 (``_plan``): drop requests known to be finished and requests whose last
+   token is already being sampled, close the holes in the KV slots (the last running request moves
+   into each hole, so running requests always occupy slots ``0..B-1``), admit waiting requests into
+   free slots, up to ``max_prefill_tokens`` prompt tokens;
+2. **one executor call** (``_advance``): launch step n+1 (``_launch``: slot moves, prefill of the
+   admitted requests, one decode step of the others, sampling of one token per request), then wait
+   for step n's results and return them as host lists;
+3. **commit** step n (``_commit``): append the tokens, finish requests on a stop token or on
+   ``max_new_tokens``.
 
-Requests join and leave between steps. Weight swaps, pause and abort also happen between steps:
-the step holds ``_step_lock``; a weight update takes it before copying tensors in. The decode batch
-is whatever is running, so a request's logits can differ from its solo run in the last bits (the
-matmul blocking depends on B) unless the forward is batch-invariant (``BatchedForward(...,
-batch_invariant=True)``, deterministic mode); its sampling noise never does (see ``sampling.py``).
-``jitter`` (tests only) sleeps a random delay before each step, so which requests share a step
-changes from run to run.
+Step n+1 needs step n's tokens as decode inputs before the host has seen them: every step writes
+its sampled tokens on the device into ``_slot_tokens`` (``[max_slots + 1] int64``, one entry per KV
+slot; a step's rows are its decode rows in slots ``0..n-1`` followed by its prefill rows in slots
+``n..n+p-1``, so this is one slice copy), and decode reads its input tokens from there. Positions
+stay host ints: a request's position is a function of how many tokens were issued for it
+(``_Request.issued``, counting the step in flight), not of their values. Slot moves copy the
+``_slot_tokens`` entry along with the KV, in stream order after the step in flight. Host tables
+of each slot's temperature, top-p, top-k and seed are kept in step with the slots, so a step hands
+``sample`` slices instead of tensors built from per-request lists. On CUDA the tokens and log-probs
+go to pinned host memory with ``non_blocking`` copies and a recorded event; the wait in step 2 is
+that event. On CPU every op is synchronous and the same code runs: the results are ready when the
+launch returns, and nothing overlaps.
+
+What the one-step lag costs: a request that samples a stop token at step n is still unknown to be
+finished when step n+1 is planned, so it is decoded once more; that extra token is dropped at
+commit and the slot is freed at the next plan (a waiting request may thus be admitted one step
+later than without the pipeline). A request that has been issued ``max_new_tokens`` tokens is
+never decoded again, so length-limited requests cost no extra step. Aborts return at once with the
+tokens committed so far (the in-flight token is dropped).
+
+Weight swaps and pause need a quiet engine: no step in flight and every launched step committed,
+so a request finished by the steps before a swap reports the version that made its tokens (one
+running across a swap reports the new version, as on SGLang). The pipeline holds
+``_step_lock`` from its first launch until it has committed its last step; ``update_weights`` and
+``pause`` first raise ``_drain_requests`` (the pipeline then launches nothing new, commits what is
+in flight and releases the lock), then take the lock. The decode batch is whatever is running, so
+a request's logits can differ from its solo run in the last bits (the matmul blocking depends on
+B) unless the forward is batch-invariant (``BatchedForward(..., batch_invariant=True)``,
+deterministic mode); its sampling noise never does (see ``sampling.py``). ``jitter`` (tests only)
+sleeps a random delay before each plan, so which requests share a step changes from run to run.
 """
 
 from __future__ import annotations
@@ -24,10 +53,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import secrets
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..jitter import Jitter
@@ -55,32 +86,50 @@ class _Request:
     seed: int
     stop_ids: frozenset[int]
     done: asyncio.Future
-    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # committed tokens
     logprobs: list[float] = dataclasses.field(default_factory=list)
     slot: int = -1
-    cached: int = 0  # tokens whose K/V are in the slot
+    issued: int = 0  # tokens sampled for it by launched steps, committed or still in flight
 
     @property
     def finished(self) -> bool:
         return self.done.done()
 
+    @property
+    def cached(self) -> int:
+        """Positions whose K/V are in its slot once the launched steps have run (prompt + all
+        issued tokens but the last, which is the next decode's input); for ``issued >= 1``."""
+        return len(self.input_ids) + self.issued - 1
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(eq=False)
 class _Plan:
-    moves: list[tuple[int, int, int]]
+    """One step: decided by ``_plan`` (loop), launched by ``_launch`` (executor), committed by
+    ``_commit`` (loop). Its rows are ``decode + prefill``, in slots ``0..len(rows)-1``."""
+
+    moves: list[tuple[int, int, int]]  # (src slot, dst slot, positions to copy)
     prefill: list[_Request]
     decode: list[_Request]  # ordered by slot, slots 0..len-1
+    positions: list[int]  # each decode row's input position
+    sample_positions: list[int]  # each row's position of the token it draws
+    tokens: torch.Tensor | None = None  # set by _launch: [rows] int64 on the host (pinned on CUDA)
+    logprobs: torch.Tensor | None = None  # [rows] float32, same
+    ready: torch.cuda.Event | None = None  # CUDA: fires when tokens / logprobs hold the results
+
+    @property
+    def rows(self) -> list[_Request]:
+        return self.decode + self.prefill
 
 
 class Engine:
-    """Continuous batching over ``BatchedForward``.
+    """Continuous batching over ``BatchedForward``, one step in flight while the host works.
 
     Args:
         forward: the model's batched forward (owns the KV cache).
         eos_token_ids: the model's end-of-sequence ids (stop unless ``ignore_eos``).
         max_prefill_tokens: prompt tokens admitted per step (at least one request is always admitted).
         weight_version: initial policy version.
-        jitter: random delay before each step (``debug.jitter_ms``); ``None``: none.
+        jitter: random delay before each plan (``debug.jitter_ms``); ``None``: none.
     """
 
     def __init__(
@@ -100,13 +149,23 @@ class Engine:
         self.weight_version = weight_version
         self.vocab_size = forward.embed.weight.shape[0]
         self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []
+        self._running: list[_Request] = []  # hold slots 0..len-1 and are decoded again
+        self._in_flight: _Plan | None = None  # launched, not yet committed
         self._paused = False
         self._error: RuntimeError | None = None
         self._step_waiters: list[asyncio.Future] = []
         self._wake = asyncio.Event()
         self._step_lock = asyncio.Lock()
+        self._drain_requests = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="forward")
+        # each slot's last sampled token, on the device (entry max_slots: the scratch slot's)
+        self._slot_tokens = torch.zeros(self.max_running + 1, dtype=torch.int64, device=forward.device)
+        # each slot's sampling parameters on the host, kept in step with the slots: a step passes
+        # slices instead of building tensors from per-request lists
+        self._slot_temperature = np.zeros(self.max_running, dtype=np.float32)
+        self._slot_top_p = np.ones(self.max_running, dtype=np.float32)
+        self._slot_top_k = np.full(self.max_running, -1, dtype=np.int64)
+        self._slot_seed = [0] * self.max_running
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -142,9 +201,15 @@ class Engine:
             req.done.set_result(Completion(list(req.output_ids), list(req.logprobs), reason, matched,
                                            len(req.input_ids), self.weight_version))
 
+    def _unfinished(self) -> list[_Request]:
+        """Every request not yet finished: waiting, running, or with its last token in flight."""
+        seen = [*self._running, *(self._in_flight.rows if self._in_flight else []), *self._waiting]
+        return [r for r in dict.fromkeys(seen) if not r.finished]
+
     def abort(self, rid: str | None = None) -> int:
-        """Abort request ``rid`` (or all when ``None``): it returns at once with its partial output."""
-        hits = [r for r in [*self._running, *self._waiting] if rid is None or r.rid == rid]
+        """Abort request ``rid`` (or all when ``None``): it returns at once with its committed
+        output (a token still in flight is dropped). Returns how many requests were aborted."""
+        hits = [r for r in self._unfinished() if rid is None or r.rid == rid]
         for req in hits:
             self._finish(req, "abort")
         self._wake.set()
@@ -158,34 +223,53 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return sum(not r.finished for r in self._running)
+        """Unfinished requests that hold a KV slot (decoding, or with their last token in flight)."""
+        return sum(r.slot >= 0 for r in self._unfinished())
 
     # ---- flow control and weights ---------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _quiet(self):
+        """Hold the step lock with no step in flight and every launched step committed."""
+        # the pipeline keeps the lock while steps are in flight: ask it to stop launching, so it
+        # commits the step in flight and lets go; the loop does not restart it while this is raised
+        self._drain_requests += 1
+        try:
+            async with self._step_lock:
+                if self._error is not None:  # the pipeline died mid-flight: nothing is drained
+                    raise self._error
+                assert self._in_flight is None, "a step is in flight under the step lock"
+                yield
+        finally:
+            self._drain_requests -= 1
+            self._wake.set()
 
     async def pause(self, mode: str = "abort") -> None:
         """Stop generating. ``abort``: every queued or running request returns now with its partial
         output; ``in_place``: running requests keep their slots and resume on ``resume``. Requests
-        arriving while paused wait. Returns once no step is in flight."""
+        arriving while paused wait. Returns once no step is in flight and every launched step is
+        committed."""
         if mode not in ("abort", "in_place"):
             raise ValueError(f"pause mode '{mode}' is not supported; use 'abort' or 'in_place'")
         self._paused = True
         if mode == "abort":
             self.abort(None)
-        async with self._step_lock:
+        async with self._quiet():
             pass
 
     def resume(self) -> None:
         self._paused = False
-        self._error: RuntimeError | None = None
-        self._step_waiters: list[asyncio.Future] = []
+        self._error = None
+        self._step_waiters = []
         self._wake.set()
 
     async def update_weights(self, receive: Callable[[], dict[str, torch.Tensor]], version: int) -> None:
-        """Run ``receive`` (blocking: disk read or broadcast) off the loop, then swap the tensors in
-        between two decode steps and set ``weight_version``. Raises what ``receive`` / the load raise."""
+        """Run ``receive`` (blocking: disk read or broadcast) off the loop while generation goes on,
+        then drain the pipeline, swap the tensors in and set ``weight_version``. Raises what
+        ``receive`` / the load raise."""
         loop = asyncio.get_running_loop()
         tensors = await loop.run_in_executor(None, receive)
-        async with self._step_lock:
+        async with self._quiet():
             await loop.run_in_executor(self._pool, self.forward.load_weights, tensors)
             self.weight_version = version
 
@@ -196,32 +280,48 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Schedule forever (cancel to stop). One iteration = one executor step."""
+        """Schedule forever (cancel to stop)."""
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if self._jitter is not None and (self._waiting or self._running):
-                    await self._jitter()  # injected timing noise: changes who shares the next step
-                plan = self._plan()
-                if plan is None:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                async with self._step_lock:
-                    tokens, logprobs = await loop.run_in_executor(self._pool, self._step, plan)
-                self._commit(plan, tokens, logprobs)
+                if not self._drain_requests:  # a drain waiting for the lock goes first
+                    async with self._step_lock:
+                        await self._pipeline(loop)
+                # no await since the pipeline last looked for work or a drain: no wake-up is lost
+                self._wake.clear()
+                await self._wake.wait()
         except Exception as exc:  # a dead engine must not leave callers waiting forever
             self._error = RuntimeError(f"inference engine failed: {type(exc).__name__}: {exc}")
-            for req in [*self._running, *self._waiting]:
-                if not req.finished:
-                    req.done.set_exception(self._error)
+            for req in self._unfinished():
+                req.done.set_exception(self._error)
             raise
         finally:
             self._pool.shutdown(wait=True)
 
+    async def _pipeline(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Launch steps back to back, committing each while the next runs, until there is nothing to
+        run, the engine is paused, or a drain is requested; returns with no step in flight."""
+        while True:
+            plan = None
+            if not self._drain_requests:
+                if self._jitter is not None and (self._waiting or self._running):
+                    await self._jitter()  # injected timing noise: changes who shares the next step
+                if not self._drain_requests:  # may have been raised during the jitter
+                    plan = self._plan()
+            if plan is None and self._in_flight is None:
+                return
+            done = self._in_flight
+            results = await loop.run_in_executor(self._pool, self._advance, plan, done)
+            self._in_flight = plan
+            if done is not None:
+                self._commit(done, *results)
+
     def _plan(self) -> _Plan | None:
-        """Compact slots and admit waiting requests; ``None`` when there is nothing to run."""
-        alive = [r for r in self._running if not r.finished]
+        """Compact slots and admit waiting requests; ``None`` when there is nothing to run. Counts
+        the planned step's tokens as issued."""
+        # a request whose last token is being sampled needs its slot no more: its result is
+        # committed from the in-flight plan's rows, not from the slot
+        alive = [r for r in self._running if not r.finished and r.issued < r.params.max_new_tokens]
         if self._paused:  # in-place pause keeps the running requests (and their slots) as they are
             self._running = alive
             return None
@@ -231,8 +331,10 @@ class Engine:
         moves = []
         for req, dst in zip([r for r in alive if r.slot >= n], holes):
             moves.append((req.slot, dst, req.cached))
+            self._move_slot_params(req.slot, dst)
             req.slot = dst
-        alive.sort(key=lambda r: r.slot)
+        if moves:  # otherwise still in slot order, as the previous plan left them
+            alive.sort(key=lambda r: r.slot)
         prefill, budget = [], self.max_prefill_tokens
         while self._waiting and n + len(prefill) < self.max_running:
             req = self._waiting[0]
@@ -244,43 +346,83 @@ class Engine:
             self._waiting.popleft()
             budget -= len(req.input_ids)
             req.slot = n + len(prefill)
+            self._put_slot_params(req)
             prefill.append(req)
         self._running = alive + prefill
         if not self._running:
             return None
-        return _Plan(moves, prefill, alive)
+        positions = []
+        for req in alive:
+            positions.append(req.cached)
+            req.issued += 1
+        for req in prefill:
+            req.issued += 1
+        sample_positions = [p + 1 for p in positions] + [len(r.input_ids) for r in prefill]
+        return _Plan(moves, prefill, alive, positions, sample_positions)
 
-    def _step(self, plan: _Plan) -> tuple[list[int], list[float]]:
-        """Executor side: slot moves, forward passes, sampling. Touches no scheduling state."""
-        for src, dst, length in plan.moves:
-            self.forward.cache.move(src, dst, length)
+    def _put_slot_params(self, req: _Request) -> None:
+        """Write ``req``'s sampling parameters into the per-slot tables at its slot."""
+        p, s = req.params, req.slot
+        self._slot_temperature[s], self._slot_top_p[s], self._slot_top_k[s] = p.temperature, p.top_p, p.top_k
+        self._slot_seed[s] = req.seed
+
+    def _move_slot_params(self, src: int, dst: int) -> None:
+        for table in (self._slot_temperature, self._slot_top_p, self._slot_top_k, self._slot_seed):
+            table[dst] = table[src]
+
+    @torch.inference_mode()
+    def _launch(self, plan: _Plan) -> None:
+        """Executor side: enqueue ``plan``'s slot moves, forward passes and sampling, and the copies
+        of its results to the host; sets ``plan.tokens`` / ``logprobs`` / ``ready``. Waits for
+        nothing on CUDA (the inputs of its decode rows are the previous step's ``_slot_tokens``)."""
+        forward = self.forward
+        for src, dst, length in plan.moves:  # in stream order, after the step in flight
+            forward.cache.move(src, dst, length)
+            self._slot_tokens[dst] = self._slot_tokens[src]
         logits = []
-        if plan.decode:
-            logits.append(self.forward.decode_batch([r.output_ids[-1] for r in plan.decode],
-                                                    [r.cached for r in plan.decode]))
+        n = len(plan.decode)
+        if n:
+            logits.append(forward.decode_batch(self._slot_tokens[:n], plan.positions))
         if plan.prefill:
-            logits.append(self.forward.prefill([r.input_ids for r in plan.prefill], [r.slot for r in plan.prefill]))
-        reqs = plan.decode + plan.prefill
-        device = self.forward.device
-        with torch.inference_mode():
-            tokens, logprobs = sample(
-                torch.cat(logits) if len(logits) > 1 else logits[0],
-                temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32),
-                top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32),
-                top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64),
-                seeds=[r.seed for r in reqs],
-                positions=[len(r.input_ids) + len(r.output_ids) for r in reqs],
-            )
-        return tokens.tolist(), logprobs.tolist()
+            logits.append(forward.prefill([r.input_ids for r in plan.prefill], [r.slot for r in plan.prefill]))
+        rows = n + len(plan.prefill)
+        tokens, logprobs = sample(
+            torch.cat(logits) if len(logits) > 1 else logits[0],
+            temperature=torch.from_numpy(self._slot_temperature[:rows]),
+            top_p=torch.from_numpy(self._slot_top_p[:rows]),
+            top_k=torch.from_numpy(self._slot_top_k[:rows]),
+            seeds=self._slot_seed[:rows],
+            positions=plan.sample_positions,
+        )
+        self._slot_tokens[:rows].copy_(tokens)
+        if tokens.is_cuda:
+            plan.tokens = torch.empty(rows, dtype=torch.int64, pin_memory=True).copy_(tokens, non_blocking=True)
+            plan.logprobs = torch.empty(rows, dtype=torch.float32, pin_memory=True).copy_(logprobs, non_blocking=True)
+            plan.ready = torch.cuda.Event()
+            plan.ready.record(torch.cuda.current_stream(tokens.device))
+        else:
+            plan.tokens, plan.logprobs = tokens, logprobs
+
+    def _advance(self, plan: _Plan | None, done: _Plan | None) -> tuple[list[int], list[float]] | None:
+        """Executor side, one call per pipeline iteration: launch ``plan`` (if any), then wait for
+        ``done`` (the step launched before it, if any) and return its tokens and log-probs."""
+        if plan is not None:
+            self._launch(plan)
+        if done is None:
+            return None
+        if done.ready is not None:
+            done.ready.synchronize()
+        return done.tokens.tolist(), done.logprobs.tolist()
 
     def _commit(self, plan: _Plan, tokens: list[int], logprobs: list[float]) -> None:
-        for req in plan.prefill:
-            req.cached = len(req.input_ids)
-        for req in plan.decode:
-            req.cached += 1
-        for req, token, logprob in zip(plan.decode + plan.prefill, tokens, logprobs):
-            if req.finished:  # aborted while the step ran: its partial output was already returned
+        """Append a launched step's tokens (one per row of ``plan``), finish requests on a stop token
+        or at ``max_new_tokens``, and wake ``next_step`` waiters."""
+        for req, token, logprob in zip(plan.rows, tokens, logprobs):
+            # finished already: aborted while the step ran (its partial output was returned), or
+            # stopped at the previous step (this is the one extra step it was planned for)
+            if req.finished:
                 continue
+            assert len(req.output_ids) < req.issued, f"request {req.rid} commits more tokens than were issued"
             req.output_ids.append(token)
             req.logprobs.append(logprob)
             if token in req.stop_ids:

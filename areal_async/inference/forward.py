@@ -11,9 +11,11 @@ their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module on
   projections run once over all of them, attention runs per sequence (causal SDPA);
 - **decode**: one token per running slot; attention over the packed cache view up to the longest
   running sequence, shorter rows masked; on CUDA each step replays a captured CUDA graph
-  (``cuda_graph.py``) of a padded batch size and a rounded-up attention span, so a step costs a
-  few launches instead of ~1,000; attention is one Triton kernel per layer
-  (``triton_attention.py``) that reads only each row's own cached positions;
+  (``cuda_graph.py``) of a padded batch size, so a step costs a few launches instead of ~1,000;
+  attention is one Triton kernel per layer (``triton_attention.py``) that reads only each row's
+  own cached positions, and the rest of a layer's element-wise work is 4 fused Triton kernels
+  (``triton_fused.py``: add + RMSNorm, q/k norm + RoPE + KV-cache store, SiLU · up), so a layer
+  is 9 launches (``fused_layers``; power-of-two head dims, SiLU MLPs and HF RMSNorms);
 - **prefill on CUDA** (bf16/fp16): one ``varlen_attn`` call over the packed prompts per layer;
 - RoPE cos/sin come from the model's own ``rotary_emb`` (so ``rope_theta`` / ``rope_parameters``
   and scaling types are read as HF reads them), tabulated once for positions ``[0, max_seq_len)``;
@@ -48,6 +50,7 @@ from ..batch_invariant import tiled_linear
 from .cuda_graph import DecodeGraphs, decode_bucket, padded_inputs
 from .kv_cache import KVCache
 from .triton_attention import decode_attention, triton
+from .triton_fused import add_rms_norm, qkv_rope_store, silu_mul
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -72,6 +75,11 @@ class _RMSNorm:
     def __init__(self, module: nn.Module):
         self.module = module
         self.eps = getattr(module, "variance_epsilon", None)
+
+    @property
+    def params(self) -> tuple[torch.Tensor, float]:
+        """(weight, epsilon), read at call time (weight updates copy into the same tensor)."""
+        return self.module.weight, self.eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.eps is not None:
@@ -131,18 +139,21 @@ class BatchedForward:
         with torch.no_grad():
             positions = torch.arange(max_seq_len, device=self.device)[None]
             cos, sin = core.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
-        self.cos, self.sin = cos[0], sin[0]  # [L, D] in the model dtype, as HF applies them
-        self.cache = KVCache(
-            len(self.layers), max_slots, self.num_kv_heads, max_seq_len, self.head_dim, self.dtype, self.device
-        )
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [L, D] in the model dtype, as HF applies them
         on_cuda = self.device.type == "cuda"
+        # the Triton kernels tile head_dim with tl.arange: a power of two ≥ 16 (64, 128, 256)
+        pow2_dim = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
+        self.fused_attention = on_cuda and triton is not None and pow2_dim
+        norms = [self.final_norm] + [n for la in self.layers for n in (la.input_norm, la.post_norm, la.q_norm, la.k_norm)]
+        self.fused_layers = (self.fused_attention and getattr(cfg, "hidden_act", None) in ("silu", "swish")
+                             and all(n is None or n.eps is not None for n in norms)
+                             and self.cos.shape[-1] == self.head_dim)
+        self.cache = KVCache(len(self.layers), max_slots, self.num_kv_heads, max_seq_len, self.head_dim, self.dtype,
+                             self.device, keys_transposed=not self.fused_attention)
         self.tiled = batch_invariant and not on_cuda
         self.fixed_shape = batch_invariant and on_cuda
         self._tiled_now = self.tiled
         self.varlen_prefill = on_cuda and self.dtype in (torch.bfloat16, torch.float16) and not batch_invariant
-        # the Triton kernel tiles head_dim with tl.arange: a power of two ≥ 16 (64, 128, 256)
-        pow2_dim = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
-        self.fused_attention = on_cuda and triton is not None and pow2_dim
         self.graphs = DecodeGraphs(self) if on_cuda and cuda_graph else None
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
@@ -210,6 +221,8 @@ class BatchedForward:
         tokens, positions, slot_of = host.to(self.device, non_blocking=True)
         cu_seqlens = cu.to(torch.int32).to(self.device, non_blocking=True) if self.varlen_prefill else None
         last = (cu[1:] - 1).to(self.device, non_blocking=True)
+        if self.fused_layers:
+            return self._prefill_fused(tokens, positions, slot_of, lengths, cu_seqlens, last)
         index = self.cache.token_index(slot_of, positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
@@ -219,6 +232,31 @@ class BatchedForward:
             x = self._mlp(layer, x)
         return self._logits(x[last])
 
+    def _qkv_fused(self, layer: _Layer, i: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   kv_out: bool = False):
+        """Projection, then q/k norms, RoPE and the cache store in one kernel (``triton_fused.py``)."""
+        qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
+        q_norm = layer.q_norm.params if layer.q_norm is not None else None
+        k_norm = layer.k_norm.params if layer.k_norm is not None else None
+        return qkv_rope_store(qkv, positions, slots, self.cos, self.sin, q_norm, k_norm, self.cache.k[i],
+                              self.cache.v[i], self.num_heads, kv_out=kv_out)
+
+    def _mlp_fused(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate) · up)`` of the post-attention-normed ``h`` (the residual add is the caller's)."""
+        down = layer.down_proj
+        return self._linear(silu_mul(self._linear(h, layer.gate_up_w, layer.gate_up_b)), down.weight, down.bias)
+
+    def _prefill_fused(self, tokens, positions, slot_of, lengths, cu_seqlens, last) -> torch.Tensor:
+        """``prefill`` on CUDA with the fused element-wise kernels (same inputs, same result up to rounding)."""
+        x, delta = self.embed(tokens), None
+        for i, layer in enumerate(self.layers):
+            h = add_rms_norm(x, delta, *layer.input_norm.params)
+            q, k, v = self._qkv_fused(layer, i, h, positions, slot_of, kv_out=True)
+            attn = self._linear(self._prefill_attention(q, k, v, lengths, cu_seqlens), layer.o_proj.weight)
+            delta = self._mlp_fused(layer, add_rms_norm(x, attn, *layer.post_norm.params))
+        h = add_rms_norm(x[last], delta[last], *self.final_norm.params)
+        return self._linear(h, self.lm_head.weight, self.lm_head.bias).float()
+
     def decode_shape(self, batch: int, span: int) -> tuple[int, int]:
         """(rows, attention length) a decode step of ``batch`` running slots, the longest holding
         ``span`` positions after the step, runs with. On CUDA the same with or without graphs, so
@@ -226,25 +264,30 @@ class BatchedForward:
         if self.fixed_shape:
             return self.cache.num_slots, self.cache.max_seq_len
         if self.device.type == "cuda":
-            return decode_bucket(self.cache.num_slots, self.cache.max_seq_len, batch, span)
+            rows, length = decode_bucket(self.cache.num_slots, self.cache.max_seq_len, batch, span)
+            # the fused kernel bounds its loop by each row's own position: one graph per row count
+            return rows, self.cache.max_seq_len if self.fused_attention else length
         return batch, self.cache.max_seq_len if self.batch_invariant else span
 
     @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step for the running slots ``0..n-1`` (the engine's entry point).
+    def decode_batch(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """One decode step for the running slots ``0..n-1`` (the engine's entry point). Waits for
+        nothing on CUDA: the tokens may be the output of a sampling step still in the stream.
 
         Args:
-            tokens: n ints, the last sampled token of each running slot.
+            tokens: ``[n] int64`` on the model's device, the last sampled token of each running slot.
             positions: n ints, its absolute position (= tokens already in the slot's cache).
         Returns:
             next-token logits ``[n, V] float32``; on CUDA a view of a buffer that the next step
             overwrites.
         """
-        n = len(tokens)
+        n = len(positions)
+        assert tokens.shape == (n,), f"{tokens.shape[0]} tokens for {n} positions"
         rows, length = self.decode_shape(n, max(positions) + 1)
         if self.graphs is not None:
             return self.graphs.run(tokens, positions, rows, length)
-        inputs = padded_inputs(tokens, positions, rows, self.cache.scratch_slot).to(self.device, non_blocking=True)
+        inputs = torch.empty(3, rows, dtype=torch.int64, device=self.device)
+        padded_inputs(tokens, positions, rows, self.cache.scratch_slot, inputs)
         return self._decode(inputs[0], inputs[1], inputs[2], length)[:n]
 
     @torch.inference_mode()
@@ -268,6 +311,8 @@ class BatchedForward:
         this is what a CUDA graph captures (``out``: the logits buffer to fill)."""
         batch = tokens.shape[0]
         self._tiled_now = self.tiled
+        if self.fused_layers:
+            return self._decode_fused(tokens, positions, slots, out)
         groups = self.num_heads // self.num_kv_heads
         index = self.cache.token_index(slots, positions)
         if not self.fused_attention:
@@ -280,7 +325,7 @@ class BatchedForward:
             q, k, v = self._qkv(layer, layer.input_norm(x), positions)
             self.cache.write(i, index, k, v)
             if self.fused_attention:  # CUDA: one Triton kernel, reads only each row's positions
-                o = decode_attention(q, self.cache.k[i], self.cache.v[i], positions, self.scaling, length)
+                o = decode_attention(q, self.cache.k[i], self.cache.v[i], positions, self.scaling)
             else:
                 keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
                 # grouped-query attention without repeating K/V: [B, Hkv, G, D] @ [B, Hkv, D, length]
@@ -290,6 +335,19 @@ class BatchedForward:
             x = x + self._linear(o.reshape(batch, -1), layer.o_proj.weight)
             x = self._mlp(layer, x)
         return self._logits(x, out)
+
+    def _decode_fused(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      out: torch.Tensor | None) -> torch.Tensor:
+        """``_decode`` on CUDA: 9 launches per layer (4 GEMMs, attention, 4 fused element-wise)."""
+        x, delta = self.embed(tokens), None
+        for i, layer in enumerate(self.layers):
+            h = add_rms_norm(x, delta, *layer.input_norm.params)
+            q = self._qkv_fused(layer, i, h, positions, slots)
+            o = decode_attention(q, self.cache.k[i], self.cache.v[i], positions, self.scaling)
+            attn = self._linear(o.reshape(tokens.shape[0], -1), layer.o_proj.weight)
+            delta = self._mlp_fused(layer, add_rms_norm(x, attn, *layer.post_norm.params))
+        logits = self._linear(add_rms_norm(x, delta, *self.final_norm.params), self.lm_head.weight, self.lm_head.bias)
+        return logits.float() if out is None else out.copy_(logits)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF name → parameter/buffer, tied aliases included (``lm_head.weight``)."""

@@ -1,11 +1,14 @@
 """A preallocated, slot-based KV cache: one row of ``max_seq_len`` positions per running request.
 
-Layout per layer: keys transposed ``k: [S, Hkv, D, L]``, values ``v: [S, Hkv, L, D]``, with S =
-``max_running_requests`` slots and L = ``max_seq_len``. The scheduler keeps running requests packed
-in slots ``0..B-1`` (a finished request's hole is filled by moving the last one in), so decode
-attends over the plain views ``k[:B, ..., :len]`` / ``v[:B, :, :len]`` without gathering; keys are
-stored transposed so both attention matmuls read row-major operands (a sliced ``[len, D]`` key
-block would be copied by CPU bf16 ``bmm``). There is no paging and no prefix sharing: memory is
+Layout per layer: values ``v: [S, Hkv, L, D]``, keys either transposed ``k: [S, Hkv, D, L]``
+(``keys_transposed=True``, the matmul attention path) or like the values ``k: [S, Hkv, L, D]``
+(the fused CUDA kernel's layout), with S = ``max_running_requests`` slots and L = ``max_seq_len``.
+The scheduler keeps running requests packed in slots ``0..B-1`` (a finished request's hole is
+filled by moving the last one in), so decode attends over the plain views of slots ``0..B-1``
+without gathering. Transposed keys let both attention matmuls read row-major operands (a sliced
+``[len, D]`` key block would be copied by CPU bf16 ``bmm``); the fused kernel instead wants each
+token's key as one contiguous ``D``-element row, so a token's K and V are written as two
+contiguous rows rather than ``D`` scattered elements. There is no paging and no prefix sharing: memory is
 ``2 * layers * (S + 1) * Hkv * L * D * bytes`` up front (SmolLM2-135M, 32 × 1024, bf16: 778 MB).
 Slot ``S`` (``scratch_slot``) belongs to no request: the padding rows of a fixed-shape decode step
 (CUDA graphs, deterministic mode) write their keys and values there.
@@ -28,9 +31,12 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        keys_transposed: bool = True,
     ):
         rows = num_slots + 1  # + the scratch slot
-        self.k = torch.zeros((num_layers, rows, num_kv_heads, head_dim, max_seq_len), dtype=dtype, device=device)
+        key_shape = (head_dim, max_seq_len) if keys_transposed else (max_seq_len, head_dim)
+        self.k = torch.zeros((num_layers, rows, num_kv_heads, *key_shape), dtype=dtype, device=device)
+        self.keys_transposed = keys_transposed
         self.v = torch.zeros((num_layers, rows, num_kv_heads, max_seq_len, head_dim), dtype=dtype, device=device)
         self.num_slots = num_slots
         self.scratch_slot = num_slots
@@ -39,27 +45,41 @@ class KVCache:
     def token_index(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat element indices of tokens at ``(slots[t], positions[t])`` (``[T] int64`` each).
 
-        Returns ``(k_index [T*Hkv*D], v_index [T*Hkv])``: into a layer's flattened keys, and into
-        the rows of a layer's values viewed as ``[S*Hkv*L, D]``; both in ``[T, Hkv(, D)]`` order.
+        Returns ``(k_index, v_index [T*Hkv])``: ``v_index`` into the rows of a layer's values
+        viewed as ``[S*Hkv*L, D]``, in ``[T, Hkv]`` order; ``k_index`` the same for untransposed
+        keys, and for transposed keys ``[T*Hkv*D]`` indices into the flattened layer, in
+        ``[T, Hkv, D]`` order.
         """
-        _, _, heads, dim, length = self.k.shape
+        _, _, heads, length, dim = self.v.shape
         rows = slots[:, None] * heads + torch.arange(heads, device=slots.device)[None, :]  # [T, Hkv]
+        v_index = (rows * length + positions[:, None]).flatten()
+        if not self.keys_transposed:
+            return v_index, v_index
         dims = torch.arange(dim, device=slots.device)
         k_index = ((rows[:, :, None] * dim + dims) * length + positions[:, None, None]).flatten()
-        return k_index, (rows * length + positions[:, None]).flatten()
+        return k_index, v_index
 
     def write(self, layer: int, index: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v: [T, Hkv, D]`` at the places ``index`` (from ``token_index``) of ``layer``."""
-        self.k[layer].view(-1).index_copy_(0, index[0], k.reshape(-1))
-        self.v[layer].view(-1, v.shape[-1]).index_copy_(0, index[1], v.reshape(-1, v.shape[-1]))
+        dim = v.shape[-1]
+        if self.keys_transposed:
+            self.k[layer].view(-1).index_copy_(0, index[0], k.reshape(-1))
+        else:
+            self.k[layer].view(-1, dim).index_copy_(0, index[0], k.reshape(-1, dim))
+        self.v[layer].view(-1, dim).index_copy_(0, index[1], v.reshape(-1, dim))
 
     def view(self, layer: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[batch, Hkv, D, length]`` (transposed) and values ``[batch, Hkv, length, D]`` of
-        slots ``[0, batch)``, positions ``[0, length)``, as views."""
-        return self.k[layer, :batch, :, :, :length], self.v[layer, :batch, :, :length]
+        """Keys ``[batch, Hkv, D, length]`` (transposed, in either layout) and values
+        ``[batch, Hkv, length, D]`` of slots ``[0, batch)``, positions ``[0, length)``, as views."""
+        keys = self.k[layer, :batch, :, :, :length] if self.keys_transposed else \
+            self.k[layer, :batch, :, :length].transpose(-1, -2)
+        return keys, self.v[layer, :batch, :, :length]
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
         assert src != dst and 0 <= length <= self.max_seq_len, f"bad slot move {src}->{dst} ({length})"
-        self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
+        if self.keys_transposed:
+            self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
+        else:
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]

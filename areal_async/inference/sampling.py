@@ -16,6 +16,7 @@ top-p filtered the draw. ``T == 0`` is greedy and reports ``log_softmax(logits)`
 
 from __future__ import annotations
 
+import functools
 import math
 
 import msgspec
@@ -154,9 +155,15 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _lsr(x, 31)
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _seed_key(seed: int) -> int:
+    """``splitmix64(seed)`` as a signed int64 (cached: a request's seed is hashed every step)."""
+    return _signed(_splitmix64(seed & _MASK64))
+
+
 def noise_keys(seeds: list[int], positions: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """``noise_key`` of each (seed, position) pair as ``[B] int64`` (the bits of the unsigned key)."""
-    seed_keys = torch.tensor([_signed(_splitmix64(s & _MASK64)) for s in seeds], dtype=torch.int64)
+    seed_keys = torch.tensor([_seed_key(s) for s in seeds], dtype=torch.int64)
     pos = torch.tensor(positions, dtype=torch.int64)
     return _mix64((seed_keys ^ pos) + _signed(_GOLDEN)).to(device)
 
@@ -246,11 +253,19 @@ def sample(
 
     Give ``temperature``, ``top_p`` and ``top_k`` as CPU tensors (the engine does): which rows are
     greedy or filtered is then decided on the host, and the only wait for the device is the
-    caller's read of the result.
+    caller's read of the result. On CUDA, when no row is top-k / top-p filtered, the whole draw is
+    two fused kernels (``triton_sampling.fused_sample``; its docstring says how its rounding
+    differs from the torch path's).
     """
     assert logits.dim() == 2 and logits.dtype == torch.float32, f"logits must be [B, V] float32, got {logits.shape} {logits.dtype}"
     device = logits.device
     host_t, host_p, host_k = temperature.tolist(), top_p.tolist(), top_k.tolist()
+    if logits.is_cuda and not any(k > 0 or p < 1.0 for k, p in zip(host_k, host_p)):
+        from .triton_sampling import fused_sample
+
+        drawn = fused_sample(logits, _to(temperature, device), _to(noise_keys(seeds, positions), device))
+        if drawn is not None:
+            return drawn
     rows = [b for b, t in enumerate(host_t) if t > 0]
     keys = _to(noise_keys([seeds[b] for b in rows], [positions[b] for b in rows]), device) if rows else None
     temperature = _to(temperature, device)

@@ -4,10 +4,14 @@ Each program loads the ``G = H / Hkv`` query heads that share its KV head once (
 rows so both products run on tensor cores), then streams that head's keys and values for
 positions ``0..positions[b]`` in blocks of ``BLOCK_N`` with an online softmax (Milakov &
 Gimelshein 2018; as in FlashAttention, Dao et al. 2022): scores and accumulators in fp32, the
-probabilities rounded to the cache dtype for the ``P·V`` product (as the matmul path does). It reads
-each key/value byte of the row's own positions once, where the matmul formulation in
-``forward.py`` reads the whole span of the longest row, materialises fp32 scores and probabilities
-and runs a batched GEMM with ``M = G`` rows (2 for Qwen3-0.6B) that cannot reach memory bandwidth.
+probabilities rounded to the cache dtype for the ``P·V`` product (as the matmul path does). Keys
+and values are both ``[S, Hkv, L, D]`` (``KVCache(keys_transposed=False)``): each position's key is
+one contiguous row of ``D`` elements, so every block load is ``BLOCK_N`` full rows. The loop runs
+to the row's own position (a bound read from device memory, so one compiled kernel serves every
+span and a CUDA graph replays it for any positions). It reads each key/value byte of the row's own
+positions once, where the matmul formulation in ``forward.py`` reads the whole span of the longest
+row, materialises fp32 scores and probabilities and runs a batched GEMM with ``M = G`` rows (2 for
+Qwen3-0.6B) that cannot reach memory bandwidth.
 
 A row's result depends only on its own query, cache and position (never on the batch, the other
 rows or the span), so the kernel is batch-invariant as it stands.
@@ -16,6 +20,8 @@ rows or the span), so the kernel is batch-invariant as it stands.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -29,9 +35,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
-                                 sq_b, sq_h, sk_b, sk_h, sk_d, sv_b, sv_h, sv_n, so_b, so_h,
+                                 sq_b, sq_h, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h,
                                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 LENGTH: tl.constexpr, IEEE: tl.constexpr):
+                                 IEEE: tl.constexpr, SPAN: tl.constexpr):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         pos = tl.load(pos_ptr + b)
@@ -45,16 +51,18 @@ if triton is not None:
         acc = tl.zeros([GP, D], tl.float32)
         k_base = k_ptr + b * sk_b + kv_head * sk_h
         v_base = v_ptr + b * sv_b + kv_head * sv_h
-        # Blocks past the row's position load nothing (masked) and leave m, denom and acc exactly
-        # as they were (p = 0, alpha = 1), so the result does not depend on LENGTH.
-        for start in range(0, LENGTH, BLOCK_N):
+        # Positions past the row's own load nothing (masked) and leave m, denom and acc exactly as
+        # they were (p = 0, alpha = 1): only the blocks that hold positions 0..pos are visited.
+        # (SPAN > 0: a fixed bound instead, for Triton's CPU interpreter, which cannot loop to a
+        # loaded value; the extra blocks change nothing.)
+        for start in range(0, pos + 1 if SPAN == 0 else SPAN, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             valid = offs_n <= pos
-            k = tl.load(k_base + offs_d[:, None] * sk_d + offs_n[None, :], mask=valid[None, :], other=0.0)  # [D, N]
+            k = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :], mask=valid[:, None], other=0.0)  # [N, D]
             if IEEE:  # fp32 caches: full-precision products, not TF32
-                s = tl.dot(q, k, input_precision="ieee") * scale  # [GP, N] fp32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GP, N] fp32
             else:
-                s = tl.dot(q, k) * scale
+                s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(valid[None, :], s, -float("inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
@@ -71,32 +79,40 @@ if triton is not None:
                  mask=real[:, None])
 
 
-def decode_attention(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     scale: float, length: int, block_n: int = 64) -> torch.Tensor | None:
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# (BLOCK_N, num_warps, num_stages) of the kernel; tools/bench_gpu_engine.py --attention-configs sweeps others
+CONFIG = (64, 4, 2)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     scale: float, config: tuple[int, int, int] | None = None) -> torch.Tensor | None:
     """Attention of one new token per row over its cached positions ``0..positions[b]``.
 
     Args:
         q: ``[B, H, D]`` queries (after RoPE), CUDA, last dim contiguous.
-        keys_t: ``[≥B, Hkv, D, L]`` transposed keys of slots ``0..B-1`` (``KVCache.k[layer]``).
+        keys: ``[≥B, Hkv, L, D]`` keys of slots ``0..B-1`` (``KVCache.k[layer]``, untransposed).
         values: ``[≥B, Hkv, L, D]`` values (``KVCache.v[layer]``).
-        positions: ``[B] int64``; row b attends to positions ``0..positions[b]`` of slot b.
+        positions: ``[B] int64``; row b attends to positions ``0..positions[b]`` of slot b
+            (``positions[b] < L``).
         scale: softmax scale.
-        length: an upper bound of ``positions + 1`` (the step's attention span; one compiled
-            kernel per value).
+        config: ``(BLOCK_N, num_warps, num_stages)``; ``None``: ``CONFIG``.
     Returns:
         ``[B, H, D]`` in ``q``'s dtype, or ``None`` without Triton.
     """
     if triton is None:
         return None
     batch, heads, dim = q.shape
-    kv_heads = keys_t.shape[1]
+    kv_heads = keys.shape[1]
     groups = heads // kv_heads
-    assert q.stride(2) == 1 and keys_t.stride(3) == 1 and values.stride(3) == 1, "last dims must be contiguous"
+    assert q.stride(2) == 1 and keys.stride(3) == 1 and values.stride(3) == 1, "last dims must be contiguous"
+    block_n, num_warps, num_stages = config or CONFIG
     out = torch.empty_like(q)
     _decode_attention_kernel[(batch, kv_heads)](
-        q, keys_t, values, positions, out, scale,
-        q.stride(0), q.stride(1), keys_t.stride(0), keys_t.stride(1), keys_t.stride(2),
+        q, keys, values, positions, out, scale,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1),
-        G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n, LENGTH=length,
-        IEEE=q.dtype == torch.float32)
+        G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, SPAN=keys.shape[2] if _INTERPRET else 0, num_warps=num_warps,
+        num_stages=num_stages)
     return out

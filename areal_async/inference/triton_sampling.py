@@ -1,4 +1,17 @@
-"""Fused Gumbel-max sampling on CUDA: one Triton program per row hashes, transforms and reduces.
+"""Fused Gumbel-max sampling on CUDA (Triton): the draw and its log-prob without ``[R, V]`` temporaries.
+
+``fused_sample(logits, temperature, keys)`` is the engine's sampler on CUDA for rows without
+top-k / top-p: the vocabulary is cut into ``CHUNK``-entry pieces, one program per (row, piece)
+computes ``z = logits / T`` on the fly, the piece's max and ``Σ exp(z - max)`` (for the
+log-sum-exp) and its best ``z + g`` (``g`` the Gumbel noise below; greedy rows, ``T = 0``, add no
+noise and use ``T = 1``); a second kernel, one program per row, combines the pieces in a fixed
+order: the token is the best over pieces (lowest index on ties) and its log-prob
+``z[token] - logsumexp(z)``. It reads the fp32 logits once (plus one element per row) — at
+R = 256, V = 151,936 the former path (divide, ``log_softmax``, arg-max over the log-probs,
+gather) made five passes over 156 MB with 256 programs for the arg-max. Each row's result
+depends only on that row (batch-invariant). Against ``sampling.sample``'s torch path the token is
+drawn from ``z + g`` rather than ``log_softmax(z) + g`` (the same arg-max up to rounding, so a
+token can differ only at a near-tie) and the log-prob is rounded differently (last bits).
 
 ``fused_gumbel_argmax(z, keys)`` returns ``argmax_i(z[r, i] + g(keys[r], i))`` where ``g`` is the
 counter-based Gumbel noise of ``sampling.gumbel_from_keys``: ``fmix32(k + i * 0x9E3779B9)`` with
@@ -65,6 +78,98 @@ if triton is not None:
             best_idx = tl.where(better, block_idx, best_idx)
             best_val = tl.where(better, block_max, best_val)
         tl.store(out_ptr + row, best_idx.to(tl.int64))
+
+
+CHUNK = 2048  # vocab entries per program of fused_sample
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sample_pieces_kernel(logits_ptr, temp_ptr, keys_ptr, part_ptr, stride, n_pieces, vocab: tl.constexpr,
+                              CHUNK: tl.constexpr, WEYL: tl.constexpr, FMIX1: tl.constexpr,
+                              FMIX2: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0)
+        piece = tl.program_id(1)
+        t = tl.load(temp_ptr + row)
+        noisy = t > 0
+        t = tl.where(noisy, t, 1.0)
+        idx = piece * CHUNK + tl.arange(0, CHUNK)
+        valid = idx < vocab
+        z = tl.load(logits_ptr + row * stride + idx, mask=valid, other=-float("inf")) / t
+        z_max = tl.max(z, axis=0)
+        safe_max = tl.where(z_max == -float("inf"), 0.0, z_max)
+        sum_exp = tl.sum(tl.exp(z - safe_max), axis=0)
+        key = tl.load(keys_ptr + row)
+        k = ((key >> 32) ^ key) & 0xFFFFFFFF
+        x = (k + idx.to(tl.int64) * WEYL) & 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * FMIX1) & 0xFFFFFFFF
+        x = ((x ^ (x >> 13)) * FMIX2) & 0xFFFFFFFF
+        x = x ^ (x >> 16)
+        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        if LIBDEVICE:
+            g = -libdevice.log(-libdevice.log(u))
+        else:
+            g = -tl.log(-tl.log(u))
+        val = tl.where(valid, z + tl.where(noisy, g, 0.0), -float("inf"))
+        best = tl.max(val, axis=0)
+        best_idx = tl.min(tl.where(val == best, idx, vocab), axis=0)
+        out = part_ptr + (row * n_pieces + piece) * 4
+        tl.store(out, z_max)
+        tl.store(out + 1, sum_exp)
+        tl.store(out + 2, best)
+        tl.store(out + 3, best_idx.to(tl.float32))  # < 2**24: exact in fp32
+
+    @triton.jit
+    def _sample_combine_kernel(logits_ptr, temp_ptr, part_ptr, tok_ptr, logp_ptr, stride, n_pieces,
+                               vocab: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        valid = offs < n_pieces
+        part = part_ptr + (row * n_pieces + offs) * 4
+        z_max = tl.load(part, mask=valid, other=-float("inf"))
+        sum_exp = tl.load(part + 1, mask=valid, other=0.0)
+        best = tl.load(part + 2, mask=valid, other=-float("inf"))
+        best_idx = tl.load(part + 3, mask=valid, other=vocab).to(tl.int32)
+        top = tl.max(z_max, axis=0)
+        scale = tl.where(z_max == -float("inf"), 0.0, tl.exp(z_max - top))
+        lse = top + tl.log(tl.sum(sum_exp * scale, axis=0))
+        winner = tl.max(best, axis=0)
+        token = tl.min(tl.where(best == winner, best_idx, vocab), axis=0)
+        t = tl.load(temp_ptr + row)
+        t = tl.where(t > 0, t, 1.0)
+        tl.store(tok_ptr + row, token.to(tl.int64))
+        tl.store(logp_ptr + row, tl.load(logits_ptr + row * stride + token) / t - lse)
+
+
+def fused_sample(logits: torch.Tensor, temperature: torch.Tensor,
+                 keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One token per row and its log-prob under ``log_softmax(logits / T)`` (no top-k / top-p).
+
+    Args:
+        logits: ``[R, V] float32`` CUDA, rows contiguous.
+        temperature: ``[R] float32`` on the same device; ``<= 0`` ⇒ greedy (arg-max of ``logits``).
+        keys: ``[R] int64`` noise keys (``sampling.noise_keys``); ignored for greedy rows.
+    Returns:
+        ``(tokens [R] int64, logprobs [R] float32)``, or ``None`` without Triton.
+    """
+    if triton is None:
+        return None
+    assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1, \
+        f"logits must be [R, V] float32 rows, got {tuple(logits.shape)} {logits.dtype}"
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        n_pieces = triton.cdiv(vocab, CHUNK)
+        parts = torch.empty(rows, n_pieces, 4, dtype=torch.float32, device=logits.device)
+        temperature, keys = temperature.contiguous(), keys.contiguous()
+        _sample_pieces_kernel[(rows, n_pieces)](logits, temperature, keys, parts, logits.stride(0), n_pieces,
+                                                vocab=vocab, CHUNK=CHUNK, WEYL=_WEYL32, FMIX1=_FMIX1,
+                                                FMIX2=_FMIX2, LIBDEVICE=_LIBDEVICE, num_warps=4)
+        _sample_combine_kernel[(rows,)](logits, temperature, parts, tokens, logprobs, logits.stride(0), n_pieces,
+                                        vocab=vocab, BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
+    return tokens, logprobs
 
 
 def fused_gumbel_argmax(z: torch.Tensor, keys: torch.Tensor, block: int = 4096) -> torch.Tensor | None:

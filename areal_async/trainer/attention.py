@@ -1,9 +1,10 @@
-"""Packed (variable-length) causal attention for HF models, registered as ``"packed"``.
+"""Packed (variable-length) causal attention for HF models, registered as ``"packed"``
+(and ``"packed_repeat_kv"``).
 
-``use_packed_attention(model)`` registers the function below with transformers'
-``AttentionInterface`` and switches the model to it. The model is then called on one packed row
-(batch size 1) with the boundaries as keyword arguments, which transformers forwards to every
-attention layer::
+``use_packed_attention(model)`` registers the functions below with transformers'
+``AttentionInterface`` and switches the model to one of them. The model is then called on one
+packed row (batch size 1) with the boundaries as keyword arguments, which transformers forwards to
+every attention layer::
 
     model(input_ids=ids[None], position_ids=pos[None], **packed_kwargs(batch))
 
@@ -17,19 +18,33 @@ Attention never crosses a sequence boundary:
   mask, but it costs Σ L_b² instead of T², which on a CPU is the difference between a cheap and
   an unusable training step for a 4k-token micro-batch.
 
-Grouped-query attention is handled by repeating K/V heads up to the query head count. Because
+Grouped-query attention: on the ``varlen_attn`` path K/V keep their ``H_kv`` heads (the flash
+kernel maps query head ``h`` to K/V head ``h // (H / H_kv)``, and its backward sums the group's
+dK/dV); ``use_packed_attention(model, native_gqa=False)`` selects ``"packed_repeat_kv"``, which
+repeats K/V heads up to the query head count first, as the CPU path always does. Because
 transformers only builds masks for the attention names it knows, no ``[T, T]`` mask is ever
-created for ``"packed"``.
+created for either name.
+
+Under ``torch.compile`` the per-sequence ``sdpa`` loop runs eagerly (``torch.compiler.disable``:
+its Python loop over ``cu_seqlens`` values would otherwise specialise the graph on every packing);
+``varlen_attn`` is a custom op and stays in the graph.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import varlen
 from transformers import AttentionInterface
 
 NAME = "packed"
+REPEAT_KV_NAME = "packed_repeat_kv"
+# torch 2.13 checks head counts unless ``enable_gqa=True``; releases without the flag pass
+# K/V with fewer heads straight to the flash kernel.
+_GQA_FLAG = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters else {}
 
 
 def packed_kwargs(cu_seqlens: Tensor, max_seqlen: int) -> dict:
@@ -60,6 +75,7 @@ def packed_attention(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    native_gqa: bool = True,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """Causal attention within each packed sequence.
@@ -68,6 +84,8 @@ def packed_attention(
         query: ``[1, H, T, D]``; key, value: ``[1, H_kv, T, D]``.
         attention_mask: must be ``None`` (boundaries come from ``cu_seq_lens_q``).
         scaling: softmax scale (``None`` = ``1/sqrt(D)``).
+        native_gqa: on the ``varlen_attn`` path, give the kernel K/V with ``H_kv`` heads
+            (``False``: repeat them to ``H`` first). The ``sdpa`` path always repeats.
         kwargs: ``cu_seq_lens_q`` ``[B+1] int32`` and ``max_length_q`` (see ``packed_kwargs``).
 
     Returns:
@@ -79,29 +97,45 @@ def packed_attention(
     assert attention_mask is None, "packed attention takes no attention_mask"
     n_rep = query.shape[1] // key.shape[1]
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        from torch.nn.attention.varlen import varlen_attn
-
         q = query[0].transpose(0, 1)  # [T, H, D]
-        k = _repeat_kv(key[0].transpose(0, 1), n_rep, 1)
-        v = _repeat_kv(value[0].transpose(0, 1), n_rep, 1)
-        max_len = int(kwargs["max_length_q"])
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, H_kv, D]
+        gqa = {}
+        if native_gqa and n_rep > 1:
+            gqa = _GQA_FLAG
+        else:
+            k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
+        max_len = kwargs["max_length_q"]
         cu32 = cu.to(torch.int32)
-        out = varlen_attn(q, k, v, cu32, cu32, max_len, max_len, scale=scaling, window_size=(-1, 0))
+        out = varlen.varlen_attn(q, k, v, cu32, cu32, max_len, max_len, scale=scaling, window_size=(-1, 0),
+                                 **gqa)
         return out.unsqueeze(0), None
-    k = _repeat_kv(key, n_rep, 1)
-    v = _repeat_kv(value, n_rep, 1)
+    return _sdpa_per_sequence(query, _repeat_kv(key, n_rep, 1), _repeat_kv(value, n_rep, 1), cu, scaling), None
+
+
+@torch.compiler.disable
+def _sdpa_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scaling: float | None) -> Tensor:
+    """``query, key, value [1, H, T, D]`` → ``[1, T, H, D]``: causal ``sdpa`` on each sequence's slice."""
     bounds = cu.tolist()
     outs = [
         F.scaled_dot_product_attention(
-            query[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scaling
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling
         )
         for s, e in zip(bounds[:-1], bounds[1:])
     ]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2)
 
 
-def use_packed_attention(model: torch.nn.Module) -> None:
-    """Register ``"packed"`` with ``AttentionInterface`` (idempotent) and switch ``model`` to it."""
+def packed_attention_repeat_kv(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                               attention_mask: Tensor | None, scaling: float | None = None,
+                               dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """``packed_attention`` with K/V heads always repeated to the query head count."""
+    return packed_attention(module, query, key, value, attention_mask, scaling, dropout, native_gqa=False, **kwargs)
+
+
+def use_packed_attention(model: torch.nn.Module, native_gqa: bool = True) -> None:
+    """Register ``"packed"`` and ``"packed_repeat_kv"`` with ``AttentionInterface`` (idempotent)
+    and switch ``model`` to the first (``native_gqa``) or the second. May be called again to switch."""
     AttentionInterface.register(NAME, packed_attention)
-    model.set_attn_implementation(NAME)
+    AttentionInterface.register(REPEAT_KV_NAME, packed_attention_repeat_kv)
+    model.set_attn_implementation(NAME if native_gqa else REPEAT_KV_NAME)

@@ -1,10 +1,25 @@
 """Per-token log-probs and entropy of a packed micro-batch, computed in chunks over tokens.
 
 The model runs once to the final hidden states ``[T, hidden]``; the LM head, the temperature and
-the log-softmax are then applied to ``chunk_tokens`` rows at a time. With gradients enabled each
-chunk is wrapped in activation checkpointing, so neither the forward nor the autograd graph ever
-holds more than one ``[chunk_tokens, vocab]`` fp32 block (the full ``[T, vocab]`` logits dominate
-trainer memory otherwise; see GPU_NOTES).
+the log-softmax are then applied to ``chunk_tokens`` rows at a time, so no more than one
+``[chunk_tokens, vocab]`` fp32 block is alive at once (the full ``[T, vocab]`` logits dominate
+trainer memory otherwise; docs/performance.md, trainer section). Two implementations:
+
+- **fused** (default when the head is a plain bias-free ``nn.Linear``): one autograd function
+  over all chunks. The forward computes per chunk ``z = (h Wᵀ)/τ`` in fp32, ``lse = logsumexp z``,
+  ``logp = z[y] − lse`` and the entropy, and keeps only ``lse [T] fp32`` (plus ``h``, ``W`` and the
+  labels, alive anyway). The backward recomputes each chunk's ``h Wᵀ`` and forms the logits'
+  gradient directly, ``g · (onehot(y) − softmax z) / τ``, then ``grad_h`` and ``grad_W`` by two
+  matmuls; nothing of the entropy is recomputed and no log-softmax is stored.
+  ``keep_logits=True`` keeps each chunk's raw ``h Wᵀ`` (``[T, vocab]`` in the compute dtype, 20 GB
+  for 65,536 tokens of a 151,936-token vocabulary in bf16) from the forward for the backward
+  instead of recomputing it: one LM-head GEMM less per token (2·V·H FLOPs) for that memory.
+  ``compile_head=True`` compiles each chunk's element-wise and reduction work with ``torch.compile``
+  (the fp32 ``[chunk, vocab]`` block then never reaches memory).
+- **checkpointed**: each chunk is ``lm_head`` → fp32 log-softmax → gather under activation
+  checkpointing. Used when the head's ``forward`` was replaced (``make_linears_batch_invariant``
+  in deterministic mode: the fused path would bypass the tiled GEMMs, and its chunk GEMM shapes
+  depend on the micro-batch size), has a bias, or ``fused_head=False``.
 
 Alignment: position ``t`` predicts token ``t+1``. ``logp[t] = log softmax(logits_t / τ)[ids[t+1]]``;
 the last position of every sequence has no next token in that sequence and gets ``logp = 0``.
@@ -13,6 +28,9 @@ the log-prob the inference server returns for the sampled token.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +51,99 @@ def _head_logp(lm_head: torch.nn.Module, hidden: Tensor, labels: Tensor, tempera
     return logp, entropy
 
 
+def _chunk_stats(logits: Tensor, y: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk of the fused head: raw ``logits = h wᵀ [C, V]`` (compute dtype), ``y [C]`` →
+    ``(logp, entropy, lse)``, each ``[C] fp32``; ``z = logits/τ`` in fp32 (fp64 for fp64 inputs),
+    ``lse = logsumexp z``."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # kept logits stay intact
+    if temperature != 1.0:
+        z.div_(temperature)
+    lse = torch.logsumexp(z, -1)
+    logp = z.gather(-1, y[:, None])[:, 0] - lse
+    x = z.sub_(lse[:, None])  # log-softmax, in place
+    entropy = -x.exp().mul_(x).sum(-1)
+    return logp, entropy, lse
+
+
+def _chunk_grad_logits(logits: Tensor, y: Tensor, lse: Tensor, g: Tensor, temperature: float) -> Tensor:
+    """Gradient of ``Σ_t g_t · logp_t`` with respect to the chunk's raw logits ``h wᵀ`` ``[C, V]``
+    (in ``logits``' dtype). With ``z = logits/τ`` and ``logp_t = z_{t,y_t} − logsumexp_j z_{t,j}``:
+    ``∂logp_t/∂(h wᵀ)_{t,j} = (1[j = y_t] − softmax(z_t)_j) / τ``."""
+    z = logits.to(lse.dtype, copy=True)
+    if temperature != 1.0:
+        z.div_(temperature)
+    coef = g / temperature  # [C]
+    grad = z.sub_(lse[:, None]).exp_().mul_(-coef[:, None])  # −p · g/τ, in place
+    # + g/τ at the label; one label per row, so a plain scatter (deterministic on CUDA) suffices
+    grad.scatter_(-1, y[:, None], grad.gather(-1, y[:, None]) + coef[:, None])
+    return grad.to(logits.dtype)
+
+
+class _HeadKernels(NamedTuple):
+    stats: Callable
+    grad_logits: Callable
+
+
+_EAGER_KERNELS = _HeadKernels(_chunk_stats, _chunk_grad_logits)
+
+
+class _FusedHeadLogp(torch.autograd.Function):
+    """``(hidden [T, H], weight [V, H]) → (logp [T] fp32, entropy [T] fp32)`` chunk by chunk;
+    saves ``lse [T] fp32`` (and with ``keep_logits`` the chunks' raw logits; see the module
+    docstring). ``weight``'s gradient is accumulated over chunks in ``dtype`` with ``addmm_`` (as
+    autograd sums the per-chunk gradients of the checkpointed path); ``entropy`` is not
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk_tokens: int,
+                dtype: torch.dtype, kernels: _HeadKernels, keep_logits: bool = False) -> tuple[Tensor, Tensor]:
+        h, w = hidden.to(dtype), weight.to(dtype)
+        n = h.shape[0]
+        acc = torch.promote_types(dtype, torch.float32)
+        logp, entropy, lse = (torch.empty(n, dtype=acc, device=h.device) for _ in range(3))
+        kept = []
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            logits = F.linear(h[s:e], w)
+            logp[s:e], entropy[s:e], lse[s:e] = kernels.stats(logits, labels[s:e], temperature)
+            if keep_logits:
+                kept.append(logits)
+        ctx.save_for_backward(hidden, weight, labels, lse, *kept)
+        ctx.temperature, ctx.chunk_tokens, ctx.dtype, ctx.kernels = temperature, chunk_tokens, dtype, kernels
+        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, labels, lse, *kept = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if grad_logp is None or not (need_h or need_w):
+            return (None,) * 8
+        h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros_like(w) if need_w else None
+        g = grad_logp.to(lse.dtype)
+        n, step = h.shape[0], ctx.chunk_tokens
+        with torch.autocast(h.device.type, enabled=False):
+            for i, s in enumerate(range(0, n, step)):
+                e = min(s + step, n)
+                logits = kept[i] if kept else F.linear(h[s:e], w)
+                grad_z = ctx.kernels.grad_logits(logits, labels[s:e], lse[s:e], g[s:e], ctx.temperature)
+                if need_h:
+                    torch.mm(grad_z, w, out=grad_h[s:e])
+                if need_w:
+                    grad_w.addmm_(grad_z.t(), h[s:e])
+        grad_h = grad_h.to(hidden.dtype) if need_h else None
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _fusable(head: torch.nn.Module) -> bool:
+    """A bias-free ``nn.Linear`` whose ``forward`` is the class's own (not replaced by tiling)."""
+    return isinstance(head, torch.nn.Linear) and head.bias is None and "forward" not in vars(head)
+
+
 def next_token_labels(batch: PackedBatch) -> tuple[Tensor, Tensor]:
     """``(labels [T] int64, valid [T] bool)``: ``labels[t] = ids[t+1]``, invalid at sequence ends."""
     labels = torch.roll(batch.input_ids, -1)
@@ -49,13 +160,21 @@ class PackedPolicy(torch.nn.Module):
     the chunked head that bypasses the HF model's own ``forward``. ``self.lm`` is the HF model:
     its decoder is ``lm.model`` and its head ``lm.lm_head`` (Llama/Qwen families).
     ``autocast_dtype`` (e.g. bf16) runs the forward under ``torch.autocast`` (mixed precision
-    without FSDP2; FSDP2 casts parameters itself).
+    without FSDP2; FSDP2 casts parameters itself). ``fused_head``: use the fused head when the LM
+    head allows it (see the module docstring); ``compile_head``: compile its per-chunk kernels;
+    ``keep_logits``: the fused head keeps the raw logits for the backward instead of recomputing.
     """
 
-    def __init__(self, lm: torch.nn.Module, autocast_dtype: torch.dtype | None = None):
+    def __init__(self, lm: torch.nn.Module, autocast_dtype: torch.dtype | None = None,
+                 fused_head: bool = True, compile_head: bool = False, keep_logits: bool = False):
         super().__init__()
         self.lm = lm
         self.autocast_dtype = autocast_dtype
+        self.fused_head = fused_head
+        self.keep_logits = keep_logits
+        self.head_kernels = _EAGER_KERNELS
+        if compile_head:
+            self.head_kernels = _HeadKernels(torch.compile(_chunk_stats), torch.compile(_chunk_grad_logits))
 
     def forward(self, batch: PackedBatch, temperature: float = 1.0, chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
         """See ``packed_logprobs``."""
@@ -76,6 +195,19 @@ class PackedPolicy(torch.nn.Module):
         )
         hidden = out.last_hidden_state[0]  # [T, hidden]
         labels, valid = next_token_labels(batch)
+        head = self.lm.lm_head
+        if self.fused_head and _fusable(head):
+            device_type = hidden.device.type
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+            logp, entropy = _FusedHeadLogp.apply(hidden, head.weight, labels, temperature, chunk_tokens, dtype,
+                                                 self.head_kernels, self.keep_logits and torch.is_grad_enabled())
+        else:
+            logp, entropy = self._checkpointed_head(hidden, labels, temperature, chunk_tokens)
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
+
+    def _checkpointed_head(self, hidden: Tensor, labels: Tensor, temperature: float,
+                           chunk_tokens: int) -> tuple[Tensor, Tensor]:
         logps, entropies = [], []
         for start in range(0, hidden.shape[0], chunk_tokens):
             h, y = hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens]
@@ -85,9 +217,7 @@ class PackedPolicy(torch.nn.Module):
                 lp, ent = _head_logp(self.lm.lm_head, h, y, temperature)
             logps.append(lp)
             entropies.append(ent)
-        logp, entropy = torch.cat(logps), torch.cat(entropies)
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
+        return torch.cat(logps), torch.cat(entropies)
 
 
 def packed_logprobs(

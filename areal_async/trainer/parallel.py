@@ -14,6 +14,13 @@ On a CPU with AVX512-BF16, bf16 compute made a SmolLM2-135M forward+backward 1.6
 On CUDA every RMSNorm module runs as ``F.rms_norm`` (``use_fused_rms_norm``), as the embedded
 engine's norms do.
 
+``trainer.compile``: each decoder layer's ``forward`` runs through ``torch.compile`` (regional
+compilation: every layer runs the same code, so one graph serves all of them; the FSDP2 hooks,
+which run around ``forward``, stay eager), and the fused LM head's per-chunk kernels are compiled
+too (``PackedPolicy(compile_head=True)``). Shapes change with every micro-batch: the first call
+compiles for static shapes, the second recompiles with the token count dynamic. Not combined with
+deterministic mode (the tiled linears' batch invariance is checked for eager kernels only).
+
 ``full_parameters`` and ``full_state_dict`` are collectives: every rank must call them, and only
 rank 0 receives the gathered tensors.
 """
@@ -73,17 +80,39 @@ def _fused_rms_norm(module: torch.nn.Module, x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
 
+@functools.cache
+def _fused_norm_class(cls: type) -> type:
+    """``cls`` with ``forward`` = ``F.rms_norm`` (one subclass per norm class)."""
+    return type(f"Fused{cls.__name__}", (cls,), {"forward": _fused_rms_norm, "fused_rms_norm": True})
+
+
 def use_fused_rms_norm(model: torch.nn.Module) -> int:
     """Make every HF RMSNorm module (``variance_epsilon`` + ``weight``) compute with
     ``F.rms_norm``: one fused kernel each way on CUDA instead of ~8 element-wise ones, fp32
     inside and one rounding (HF rounds the normalised value, then multiplies by the weight).
-    Row-wise, so batch invariance is kept. Returns how many modules were changed."""
+    Row-wise, so batch invariance is kept. Returns how many modules were changed (idempotent).
+
+    The module's class is swapped for a subclass (parameters, names and ``isinstance`` stay):
+    every norm then runs the same ``forward``, so a compiled decoder layer's guards hold for all
+    layers (a per-module ``forward`` attribute would recompile each layer)."""
     count = 0
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = functools.partial(_fused_rms_norm, module)
+        cls = type(module)
+        if cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and not getattr(
+                cls, "fused_rms_norm", False):
+            module.__class__ = _fused_norm_class(cls)
             count += 1
     return count
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """Make every decoder layer (``model.model.layers``) call its own ``forward`` compiled with
+    ``torch.compile`` (an instance attribute; ``del layer.forward`` undoes it). Returns how many.
+    Before or after ``fully_shard``: FSDP2 works through module hooks, outside ``forward``."""
+    layers = model.model.layers
+    for layer in layers:
+        layer.forward = torch.compile(type(layer).forward.__get__(layer))
+    return len(layers)
 
 
 def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
@@ -93,7 +122,13 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
     tiles, so a sequence's log-probs do not depend on what else is packed with it.
 
     Every rank loads the full checkpoint (small models; a meta-device init would avoid that).
+
+    Raises:
+        ValueError: ``cfg.compile`` together with ``batch_invariant``.
     """
+    if cfg.compile and batch_invariant:
+        raise ValueError("trainer.compile=true is not supported with mode: deterministic (batch-invariant "
+                         "kernels are checked eagerly only); set trainer.compile=false")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank clutters the job's console
@@ -104,17 +139,20 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
         use_fused_rms_norm(lm)
     if batch_invariant:
         make_linears_batch_invariant(lm)
+    if cfg.compile:
+        compile_decoder_layers(lm)
     compute_dtype = _DTYPES[cfg.dtype]
     if cfg.parallel == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = PackedPolicy(lm)
+        policy = PackedPolicy(lm, compile_head=cfg.compile, keep_logits=cfg.keep_head_logits)
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in lm.model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(policy, mp_policy=mp_policy)
         return policy
-    policy = PackedPolicy(lm, autocast_dtype=None if compute_dtype == torch.float32 else compute_dtype)
+    policy = PackedPolicy(lm, autocast_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                          compile_head=cfg.compile, keep_logits=cfg.keep_head_logits)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return policy
     device_ids = [device.index] if device.type == "cuda" else None
