@@ -124,9 +124,6 @@ class TrainerConfig(_Cfg):
     # torch.compile each decoder layer's forward and the fused LM head's chunk kernels
     # (trainer/parallel.py); not with mode: deterministic
     compile: bool = False
-    # the fused LM head keeps each micro-batch's raw logits ([tokens, vocab] in the compute dtype)
-    # for the backward instead of recomputing them: one LM-head GEMM less per token, for memory
-    keep_head_logits: bool = False
     weight_sync: Literal["distributed", "disk"] = "distributed"
     weight_sync_port: Port = 29700
     weight_bucket_bytes: PosInt = 256 * 1024 * 1024

@@ -39,9 +39,8 @@ def _checkpointed(head, h, y, temperature, chunk):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-@pytest.mark.parametrize("keep_logits", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_head_matches_checkpointed_head_fp32(temperature, keep_logits):
+def test_fused_head_matches_checkpointed_head_fp32(temperature):
     torch.manual_seed(0)
     t, hidden, vocab, chunk = 37, 64, 1000, 8  # 37 = 4 full chunks + a partial one
     head = torch.nn.Linear(hidden, vocab, bias=False)
@@ -51,7 +50,7 @@ def test_fused_head_matches_checkpointed_head_fp32(temperature, keep_logits):
     y = torch.randint(0, vocab, (t,))
     g = torch.randn(t)  # a loss with weights of both signs per token
 
-    lp, ent = _FusedHeadLogp.apply(h, head.weight, y, temperature, chunk, torch.float32, _EAGER_KERNELS, keep_logits)
+    lp, ent = _FusedHeadLogp.apply(h, head.weight, y, temperature, chunk, torch.float32, _EAGER_KERNELS)
     grads = torch.autograd.grad((lp * g).sum(), (h, head.weight))
     ref_lp, ref_ent = _checkpointed(head, h, y, temperature, chunk)
     ref_grads = torch.autograd.grad((ref_lp * g).sum(), (h, head.weight))
@@ -64,8 +63,7 @@ def test_fused_head_matches_checkpointed_head_fp32(temperature, keep_logits):
         assert want.abs().max() > 0.1  # the comparison is not between near-zero gradients
 
 
-@pytest.mark.parametrize("keep_logits", [False, True])
-def test_fused_head_gradcheck_float64(keep_logits):
+def test_fused_head_gradcheck_float64():
     # Finite differences in float64 (the kernels compute in fp64 for fp64 inputs): the hand-written
     # backward is the derivative of the forward, at τ ≠ 1 and with a partial last chunk.
     torch.manual_seed(0)
@@ -74,7 +72,7 @@ def test_fused_head_gradcheck_float64(keep_logits):
     y = torch.randint(0, 50, (9,))
 
     def logp(h, w):
-        return _FusedHeadLogp.apply(h, w, y, 0.7, 4, torch.float64, _EAGER_KERNELS, keep_logits)[0]
+        return _FusedHeadLogp.apply(h, w, y, 0.7, 4, torch.float64, _EAGER_KERNELS)[0]
 
     assert torch.autograd.gradcheck(logp, (h, w))
 

@@ -34,8 +34,6 @@ Variants:
   ``fusedhead`` the fused LM head + log-softmax autograd function (``trainer/logprobs.py``);
   ``headcompile`` its per-chunk kernels compiled (implies ``fusedhead``);
   ``compile`` every decoder layer's ``forward`` through ``torch.compile``;
-  ``keeplogits`` the fused head keeps its raw logits for the backward (implies ``fusedhead``;
-  not in ``all``: it costs ``[tokens, vocab]`` bf16 memory);
   ``all`` = ``gqa+fusedhead+headcompile+compile``. ``gqa+fusedhead`` is the trainer's CUDA
   default now (``build_policy``); ``all`` is ``trainer.compile: true``.
   All variants run on one FSDP2-sharded model: the options are switched between variants (the
@@ -70,7 +68,7 @@ from areal_async.trainer.packing import allocate_micro_batches, pack_sequences
 from qwen3_shapes import build_model
 
 PEAK_FLOPS = 989e12
-OPTIONS = ("gqa", "fusedhead", "headcompile", "compile", "keeplogits")
+OPTIONS = ("gqa", "fusedhead", "headcompile", "compile")
 
 
 def _sync(device: torch.device) -> None:
@@ -202,8 +200,7 @@ class Switches:
 
     def apply(self, options: frozenset[str]) -> None:
         use_packed_attention(self.lm, native_gqa="gqa" in options)
-        self.policy.fused_head = "fusedhead" in options or "keeplogits" in options
-        self.policy.keep_logits = "keeplogits" in options
+        self.policy.fused_head = "fusedhead" in options
         self.policy.head_kernels = self.compiled_kernels if "headcompile" in options else self.eager_kernels
         for layer, compiled in zip(self.lm.model.layers, self.compiled_forwards):
             if "compile" in options:

@@ -11,9 +11,6 @@ trainer memory otherwise; docs/performance.md, trainer section). Two implementat
   labels, alive anyway). The backward recomputes each chunk's ``h Wᵀ`` and forms the logits'
   gradient directly, ``g · (onehot(y) − softmax z) / τ``, then ``grad_h`` and ``grad_W`` by two
   matmuls; nothing of the entropy is recomputed and no log-softmax is stored.
-  ``keep_logits=True`` keeps each chunk's raw ``h Wᵀ`` (``[T, vocab]`` in the compute dtype, 20 GB
-  for 65,536 tokens of a 151,936-token vocabulary in bf16) from the forward for the backward
-  instead of recomputing it: one LM-head GEMM less per token (2·V·H FLOPs) for that memory.
   ``compile_head=True`` compiles each chunk's element-wise and reduction work with ``torch.compile``
   (the fp32 ``[chunk, vocab]`` block then never reaches memory).
 - **checkpointed**: each chunk is ``lm_head`` → fp32 log-softmax → gather under activation
@@ -89,26 +86,21 @@ _EAGER_KERNELS = _HeadKernels(_chunk_stats, _chunk_grad_logits)
 
 class _FusedHeadLogp(torch.autograd.Function):
     """``(hidden [T, H], weight [V, H]) → (logp [T] fp32, entropy [T] fp32)`` chunk by chunk;
-    saves ``lse [T] fp32`` (and with ``keep_logits`` the chunks' raw logits; see the module
-    docstring). ``weight``'s gradient is accumulated over chunks in ``dtype`` with ``addmm_`` (as
-    autograd sums the per-chunk gradients of the checkpointed path); ``entropy`` is not
-    differentiable."""
+    saves ``lse [T] fp32`` only (see the module docstring). ``weight``'s gradient is accumulated
+    over chunks in ``dtype`` with ``addmm_`` (as autograd sums the per-chunk gradients of the
+    checkpointed path); ``entropy`` is not differentiable."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk_tokens: int,
-                dtype: torch.dtype, kernels: _HeadKernels, keep_logits: bool = False) -> tuple[Tensor, Tensor]:
+                dtype: torch.dtype, kernels: _HeadKernels) -> tuple[Tensor, Tensor]:
         h, w = hidden.to(dtype), weight.to(dtype)
         n = h.shape[0]
         acc = torch.promote_types(dtype, torch.float32)
         logp, entropy, lse = (torch.empty(n, dtype=acc, device=h.device) for _ in range(3))
-        kept = []
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
-            logits = F.linear(h[s:e], w)
-            logp[s:e], entropy[s:e], lse[s:e] = kernels.stats(logits, labels[s:e], temperature)
-            if keep_logits:
-                kept.append(logits)
-        ctx.save_for_backward(hidden, weight, labels, lse, *kept)
+            logp[s:e], entropy[s:e], lse[s:e] = kernels.stats(F.linear(h[s:e], w), labels[s:e], temperature)
+        ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.temperature, ctx.chunk_tokens, ctx.dtype, ctx.kernels = temperature, chunk_tokens, dtype, kernels
         ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
@@ -116,27 +108,27 @@ class _FusedHeadLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
-        hidden, weight, labels, lse, *kept = ctx.saved_tensors
+        hidden, weight, labels, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         if grad_logp is None or not (need_h or need_w):
-            return (None,) * 8
+            return (None,) * 7
         h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros_like(w) if need_w else None
         g = grad_logp.to(lse.dtype)
         n, step = h.shape[0], ctx.chunk_tokens
         with torch.autocast(h.device.type, enabled=False):
-            for i, s in enumerate(range(0, n, step)):
+            for s in range(0, n, step):
                 e = min(s + step, n)
-                logits = kept[i] if kept else F.linear(h[s:e], w)
-                grad_z = ctx.kernels.grad_logits(logits, labels[s:e], lse[s:e], g[s:e], ctx.temperature)
+                grad_z = ctx.kernels.grad_logits(F.linear(h[s:e], w), labels[s:e], lse[s:e], g[s:e],
+                                                 ctx.temperature)
                 if need_h:
                     torch.mm(grad_z, w, out=grad_h[s:e])
                 if need_w:
                     grad_w.addmm_(grad_z.t(), h[s:e])
         grad_h = grad_h.to(hidden.dtype) if need_h else None
         grad_w = grad_w.to(weight.dtype) if need_w else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _fusable(head: torch.nn.Module) -> bool:
@@ -161,17 +153,15 @@ class PackedPolicy(torch.nn.Module):
     its decoder is ``lm.model`` and its head ``lm.lm_head`` (Llama/Qwen families).
     ``autocast_dtype`` (e.g. bf16) runs the forward under ``torch.autocast`` (mixed precision
     without FSDP2; FSDP2 casts parameters itself). ``fused_head``: use the fused head when the LM
-    head allows it (see the module docstring); ``compile_head``: compile its per-chunk kernels;
-    ``keep_logits``: the fused head keeps the raw logits for the backward instead of recomputing.
+    head allows it (see the module docstring); ``compile_head``: compile its per-chunk kernels.
     """
 
     def __init__(self, lm: torch.nn.Module, autocast_dtype: torch.dtype | None = None,
-                 fused_head: bool = True, compile_head: bool = False, keep_logits: bool = False):
+                 fused_head: bool = True, compile_head: bool = False):
         super().__init__()
         self.lm = lm
         self.autocast_dtype = autocast_dtype
         self.fused_head = fused_head
-        self.keep_logits = keep_logits
         self.head_kernels = _EAGER_KERNELS
         if compile_head:
             self.head_kernels = _HeadKernels(torch.compile(_chunk_stats), torch.compile(_chunk_grad_logits))
@@ -200,7 +190,7 @@ class PackedPolicy(torch.nn.Module):
             device_type = hidden.device.type
             dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
             logp, entropy = _FusedHeadLogp.apply(hidden, head.weight, labels, temperature, chunk_tokens, dtype,
-                                                 self.head_kernels, self.keep_logits and torch.is_grad_enabled())
+                                                 self.head_kernels)
         else:
             logp, entropy = self._checkpointed_head(hidden, labels, temperature, chunk_tokens)
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)

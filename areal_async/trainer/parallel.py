@@ -145,14 +145,14 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
     if cfg.parallel == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = PackedPolicy(lm, compile_head=cfg.compile, keep_logits=cfg.keep_head_logits)
+        policy = PackedPolicy(lm, compile_head=cfg.compile)
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in lm.model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(policy, mp_policy=mp_policy)
         return policy
     policy = PackedPolicy(lm, autocast_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-                          compile_head=cfg.compile, keep_logits=cfg.keep_head_logits)
+                          compile_head=cfg.compile)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return policy
     device_ids = [device.index] if device.type == "cuda" else None
