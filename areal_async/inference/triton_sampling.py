@@ -48,30 +48,35 @@ if triton is not None:
     _LIBDEVICE = libdevice is not None and os.environ.get("TRITON_INTERPRET") != "1"
 
     @triton.jit
+    def _gumbel(key, idx, WEYL: tl.constexpr, FMIX1: tl.constexpr, FMIX2: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Gumbel noise at vocab indices ``idx`` of the row keyed ``key`` (``sampling.noise_uniform``).
+        32-bit lanes kept in int64 and masked after every multiply: exact whatever Triton's integer
+        promotion rules, and every shift acts on a non-negative value."""
+        k = ((key >> 32) ^ key) & 0xFFFFFFFF
+        x = (k + idx.to(tl.int64) * WEYL) & 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * FMIX1) & 0xFFFFFFFF
+        x = ((x ^ (x >> 13)) * FMIX2) & 0xFFFFFFFF
+        x = x ^ (x >> 16)
+        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        if LIBDEVICE:
+            g = -libdevice.log(-libdevice.log(u))
+        else:
+            g = -tl.log(-tl.log(u))
+        return g
+
+    @triton.jit
     def _gumbel_argmax_kernel(z_ptr, keys_ptr, out_ptr, stride, vocab: tl.constexpr, BLOCK: tl.constexpr,
                               WEYL: tl.constexpr, FMIX1: tl.constexpr, FMIX2: tl.constexpr,
                               LIBDEVICE: tl.constexpr):
         row = tl.program_id(0)
-        # 32-bit lanes kept in int64 and masked after every multiply: exact whatever Triton's
-        # integer promotion rules, and every shift acts on a non-negative value
         key = tl.load(keys_ptr + row)
-        k = ((key >> 32) ^ key) & 0xFFFFFFFF
         best_val = -float("inf")
         best_idx = 0
         for start in range(0, vocab, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             valid = idx < vocab
             z = tl.load(z_ptr + row * stride + idx, mask=valid, other=-float("inf"))
-            x = (k + idx.to(tl.int64) * WEYL) & 0xFFFFFFFF
-            x = ((x ^ (x >> 16)) * FMIX1) & 0xFFFFFFFF
-            x = ((x ^ (x >> 13)) * FMIX2) & 0xFFFFFFFF
-            x = x ^ (x >> 16)
-            u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            if LIBDEVICE:
-                val = z - libdevice.log(-libdevice.log(u))
-            else:
-                val = z - tl.log(-tl.log(u))
-            val = tl.where(valid, val, -float("inf"))
+            val = tl.where(valid, z + _gumbel(key, idx, WEYL, FMIX1, FMIX2, LIBDEVICE), -float("inf"))
             block_max = tl.max(val, axis=0)
             block_idx = tl.min(tl.where(val == block_max, idx, vocab), axis=0)
             better = block_max > best_val
@@ -100,17 +105,7 @@ if triton is not None:
         z_max = tl.max(z, axis=0)
         safe_max = tl.where(z_max == -float("inf"), 0.0, z_max)
         sum_exp = tl.sum(tl.exp(z - safe_max), axis=0)
-        key = tl.load(keys_ptr + row)
-        k = ((key >> 32) ^ key) & 0xFFFFFFFF
-        x = (k + idx.to(tl.int64) * WEYL) & 0xFFFFFFFF
-        x = ((x ^ (x >> 16)) * FMIX1) & 0xFFFFFFFF
-        x = ((x ^ (x >> 13)) * FMIX2) & 0xFFFFFFFF
-        x = x ^ (x >> 16)
-        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        if LIBDEVICE:
-            g = -libdevice.log(-libdevice.log(u))
-        else:
-            g = -tl.log(-tl.log(u))
+        g = _gumbel(tl.load(keys_ptr + row), idx, WEYL, FMIX1, FMIX2, LIBDEVICE)
         val = tl.where(valid, z + tl.where(noisy, g, 0.0), -float("inf"))
         best = tl.max(val, axis=0)
         best_idx = tl.min(tl.where(val == best, idx, vocab), axis=0)
