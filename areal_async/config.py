@@ -264,6 +264,15 @@ def check_config(cfg: Config) -> None:
     if r.n_samples < 2:
         raise ValueError(f"rollout.n_samples={r.n_samples}: GRPO normalises rewards within a group, so one "
                          f"sample per prompt gives every advantage 0; use rollout.n_samples >= 2")
+    if cfg.algo.kl_coef != 0.0:
+        raise ValueError(f"algo.kl_coef={cfg.algo.kl_coef}: a KL penalty needs a reference model, which this "
+                         f"trainer does not keep; set algo.kl_coef=0")
+    if not all(0.0 <= b < 1.0 for b in cfg.trainer.adam_betas):
+        raise ValueError(f"trainer.adam_betas={list(cfg.trainer.adam_betas)} must both be in [0, 1), "
+                         f"e.g. [0.9, 0.999]")
+    if cfg.trainer.compile and cfg.mode == "deterministic":
+        raise ValueError("trainer.compile=true is not supported with mode: deterministic (batch-invariant "
+                         "kernels are checked eagerly only); set trainer.compile=false")
     need = cfg.data.max_prompt_len + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     if cfg.inference.backend == "embedded" and need > cfg.inference.max_seq_len:
         raise ValueError(

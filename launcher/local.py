@@ -166,7 +166,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     check_devices(cfg, torch.cuda.is_available())
     if cfg.data.task not in TASKS:
         raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")
-    resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
+    if cfg.reward.fn:  # empty: the task's own reward function
+        resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     cfg = resolve_dtypes(cfg, torch.cuda.is_available())
     check_ports(cfg)
     run_dir = cfg.run_dir

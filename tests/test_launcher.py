@@ -1,6 +1,7 @@
 """Launcher supervision: a failing child stops the job with its last lines; nothing is orphaned."""
 
 import os
+import re
 import sys
 import time
 
@@ -140,3 +141,26 @@ def test_child_killed_by_a_signal_is_named(tmp_path):
     with pytest.raises(JobFailed, match="worker0 was killed by SIGKILL"):
         sup.wait_for(trainer, poll_s=0.05)
     sup.stop_all(grace_s=2)
+
+
+@pytest.mark.parametrize("config", ["quickstart_cpu.yaml", "gsm8k_smollm2.yaml"])
+def test_shipped_configs_pass_the_checks_before_start(tmp_path, tiny_model_dir, config):
+    # Everything prepare_run checks before a process starts (devices, task, reward function,
+    # ports, run directory), on the shipped CPU configs as a user runs them: reward.fn left
+    # empty means the task's own reward, not an unknown function.
+    from launcher.local import prepare_run
+
+    cfg = load_config(f"configs/{config}", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}"])
+    assert cfg.reward.fn == ""
+    resolved = prepare_run(cfg, overwrite=False)
+    assert (resolved.run_dir / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["algo.kl_coef=0.1"], "algo.kl_coef=0.1"),
+    (["trainer.adam_betas=[2, 3]"], "trainer.adam_betas=[2.0, 3.0]"),
+    (["trainer.compile=true", "mode=deterministic"], "trainer.compile=true"),
+])
+def test_trainer_settings_it_cannot_run_fail_at_load(overrides, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_config("configs/quickstart_cpu.yaml", overrides)
