@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import pathlib
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -246,9 +247,32 @@ def from_dict(data: dict) -> Config:
         msg, _, where = str(exc).rpartition(" - at `$.")
         if not msg:
             raise ValueError(f"invalid config: {exc}") from None
-        raise ValueError(f"invalid config value for '{where.rstrip('`')}': {msg}") from None
+        key = where.rstrip("`")
+        raise ValueError(f"invalid config value for '{key}'{_given(data, key)}: {msg}{_choices(key)}") from None
     check_config(cfg)
     return cfg
+
+
+def _given(data: dict, key: str) -> str:
+    """`` = <value>`` as given for dotted ``key`` in ``data`` (empty if it cannot be looked up)."""
+    node = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return ""
+        node = node[part]
+    return f" = {node!r}"
+
+
+def _choices(key: str) -> str:
+    """``; choose one of [...]`` when the field at dotted ``key`` is a ``Literal``."""
+    tp = Config
+    for part in key.split("."):
+        fields = {f.name: f.type for f in msgspec.structs.fields(tp)} if isinstance(tp, type) and issubclass(
+            tp, msgspec.Struct) else {}
+        if part not in fields:
+            return ""
+        tp = fields[part]
+    return f"; choose one of {list(typing.get_args(tp))}" if typing.get_origin(tp) is Literal else ""
 
 
 def check_config(cfg: Config) -> None:
@@ -273,6 +297,10 @@ def check_config(cfg: Config) -> None:
     if cfg.trainer.compile and cfg.mode == "deterministic":
         raise ValueError("trainer.compile=true is not supported with mode: deterministic (batch-invariant "
                          "kernels are checked eagerly only); set trainer.compile=false")
+    last_port = cfg.inference.base_port + cfg.inference.num_servers - 1
+    if last_port > 65535:
+        raise ValueError(f"inference.base_port ({cfg.inference.base_port}) + inference.num_servers "
+                         f"({cfg.inference.num_servers}) - 1 = {last_port} is above 65535; lower inference.base_port")
     need = cfg.data.max_prompt_len + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     if cfg.inference.backend == "embedded" and need > cfg.inference.max_seq_len:
         raise ValueError(
@@ -282,7 +310,7 @@ def check_config(cfg: Config) -> None:
             f"or lower the others")
 
 
-def _cuda_index(key: str, device: str, cuda_available: bool) -> int | None:
+def cuda_index(key: str, device: str, cuda_available: bool) -> int | None:
     """The CUDA device index ``key``'s ``device`` resolves to (``None``: CPU).
 
     Raises:
@@ -314,7 +342,7 @@ def resolve_dtypes(cfg: Config, cuda_available: bool) -> Config:
     """Replace ``auto`` in ``model.dtype`` (the servers') and ``trainer.dtype`` (compute): bf16
     on CUDA and on CPUs with native bf16, float32 on other CPUs."""
     def pick(key: str, device: str) -> str:
-        on_cuda = _cuda_index(key, device, cuda_available) is not None
+        on_cuda = cuda_index(key, device, cuda_available) is not None
         return "bfloat16" if on_cuda or _cpu_has_bf16() else "float32"
 
     model, trainer = cfg.model, cfg.trainer
@@ -329,8 +357,8 @@ def check_devices(cfg: Config, cuda_available: bool) -> None:
     """NCCL weight sync needs every process of its group on its own GPU: trainer rank r runs on
     ``cuda:r``, and each server on ``inference.device``. Raises ``ValueError`` naming the keys
     and the fix when two would share one (NCCL refuses: "Duplicate GPU detected")."""
-    server = _cuda_index("inference.device", cfg.inference.device, cuda_available)
-    trainer = _cuda_index("trainer.device", cfg.trainer.device, cuda_available)
+    server = cuda_index("inference.device", cfg.inference.device, cuda_available)
+    trainer = cuda_index("trainer.device", cfg.trainer.device, cuda_available)
     if cfg.trainer.device.startswith("cuda:"):
         raise ValueError(f"trainer.device={cfg.trainer.device!r}: rank r always runs on cuda:r; use "
                          f"trainer.device=cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
@@ -365,7 +393,10 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
     """
     data: dict = {}
     if path is not None:
-        data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+        try:
+            data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not a YAML config file: {exc}".replace("\n", " ")) from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: top level must be a mapping of config sections")
     for item in overrides:

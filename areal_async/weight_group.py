@@ -56,15 +56,15 @@ def new_weight_group(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"weight group rank {rank} is outside [0, {world_size}); check rank_offset")
+    if backend not in ("gloo", "nccl"):  # before the store: a bad name must not wait for peers first
+        raise ValueError(f"weight group backend '{backend}' is not supported; use 'gloo' or 'nccl'")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"weight group backend '{backend}' is not supported; use 'gloo' or 'nccl'")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
 
 
 def broadcast_(group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int = 0) -> None:

@@ -26,10 +26,10 @@ def test_defaults_and_override(tmp_path):
         ("noequals", "must look like"),
         ("mode=fast", "invalid config"),
         ("queue.batch_size=abc", "invalid config"),
-        ("queue.batch_size=0", "'queue.batch_size': Expected `int` >= 1"),
-        ("queue.max_staleness=-1", "'queue.max_staleness': Expected `int` >= 0"),
+        ("queue.batch_size=0", "'queue.batch_size' = 0: Expected `int` >= 1"),
+        ("queue.max_staleness=-1", "'queue.max_staleness' = -1: Expected `int` >= 0"),
         ("rollout.num_workers=0", "'rollout.num_workers'"),
-        ("trainer.lr=0", "'trainer.lr': Expected `float` > 0"),
+        ("trainer.lr=0", "'trainer.lr' = 0: Expected `float` > 0"),
         ("name=../elsewhere", "plain directory name"),
         ("rollout.max_new_tokens=900", "exceeds inference.max_seq_len \\(1024\\)"),
     ],
@@ -84,3 +84,19 @@ def test_device_strings_are_checked_and_dtypes_resolved(monkeypatch):
 def test_sampling_and_algorithm_values_are_checked_at_load(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
+
+
+def test_server_ports_past_65535_and_non_yaml_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"= 65536 is above 65535; lower inference.base_port"):
+        load_config(None, ["inference.base_port=65535", "inference.num_servers=2"])
+    bad = tmp_path / "notes.md"
+    bad.write_text("# title\n\n| a | b |\n: not yaml : [\n")
+    with pytest.raises(ValueError, match="is not a YAML config file"):
+        load_config(bad)
+
+
+def test_bad_values_are_named_with_what_was_given_and_the_choices():
+    with pytest.raises(ValueError, match=r"'queue.max_staleness' = -1: Expected `int` >= 0"):
+        load_config(None, ["queue.max_staleness=-1"])
+    with pytest.raises(ValueError, match=r"'mode' = 'determinstic'.*choose one of \['deterministic', 'throughput'\]"):
+        load_config(None, ["mode=determinstic"])

@@ -313,3 +313,36 @@ def test_weight_group_rank_zero_is_refused(tiny_model_dir):
 
     status, out = asyncio.run(main())
     assert status == 400 and not out["success"] and "rank_offset must be >= 1" in out["message"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-running-requests", "0"], "--max-running-requests 0: must be >= 1"),
+    (["--max-seq-len", "0"], "--max-seq-len 0: must be >= 1"),
+    (["--port", "99999"], "--port 99999: must be in [0, 65535]"),
+    (["--device", "gpu"], "--device='gpu' is not a device"),
+])
+def test_server_rejects_bad_arguments_before_loading(tiny_model_dir, capsys, flags, words):
+    from areal_async.inference.server import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model-path", str(tiny_model_dir), *flags])
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_server_rejects_a_model_path_without_a_model(tmp_path, capsys):
+    from areal_async.inference.server import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", str(tmp_path / "nowhere")])
+    assert "not an HF model directory" in capsys.readouterr().err
+
+
+def test_unknown_weight_group_backend_fails_before_waiting_for_peers():
+    import time
+
+    from areal_async.weight_group import new_weight_group
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="backend 'foo' is not supported"):
+        new_weight_group("foo", "127.0.0.1", 1, 1, 2, timeout_s=30.0)  # nobody listens on port 1
+    assert time.perf_counter() - start < 5.0

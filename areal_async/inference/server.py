@@ -31,6 +31,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from .. import weight_group
+from ..config import cuda_index
 from ..jitter import Jitter
 from .engine import Completion, Engine
 from .forward import BatchedForward, check_weight_names
@@ -348,7 +349,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--debug-jitter-ms", type=float, default=0.0, help="random delay before each step")
     p.add_argument("--debug-jitter-seed", type=int, default=0)
     p.add_argument("--debug-jitter-stream", type=int, default=0, help="e.g. the server index")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # bad values exit here with argparse's usage line (code 2), before the model loads
+    for flag, value in (("--max-running-requests", args.max_running_requests), ("--max-seq-len", args.max_seq_len),
+                        ("--max-prefill-tokens", args.max_prefill_tokens)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be >= 1")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port}: must be in [0, 65535] (0 picks a free port)")
+    if not (pathlib.Path(args.model_path) / "config.json").is_file():
+        p.error(f"--model-path {args.model_path!r}: not an HF model directory (no config.json there)")
+    try:
+        cuda_index("--device", args.device, torch.cuda.is_available())
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 async def main(argv: list[str] | None = None) -> None:
