@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from areal_async.trainer.main import check_config
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics
-from areal_async.config import Config, load_config
+from areal_async.config import Config, check_config, load_config
 from areal_async.types import Array, Sample, Trajectory
 
 

@@ -178,7 +178,11 @@ class BatchedForward:
         return x + self._linear(layer.act(gate) * up, down.weight, down.bias)
 
     def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self._linear(self.final_norm(h), self.lm_head.weight, self.lm_head.bias)
+        return self._head(self.final_norm(h), out)
+
+    def _head(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head over final-normed ``h``: float32 logits, or into ``out`` (the graphs' buffer)."""
+        logits = self._linear(h, self.lm_head.weight, self.lm_head.bias)
         return logits.float() if out is None else out.copy_(logits)
 
     def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
@@ -254,8 +258,7 @@ class BatchedForward:
             q, k, v = self._qkv_fused(layer, i, h, positions, slot_of, kv_out=True)
             attn = self._linear(self._prefill_attention(q, k, v, lengths, cu_seqlens), layer.o_proj.weight)
             delta = self._mlp_fused(layer, add_rms_norm(x, attn, *layer.post_norm.params))
-        h = add_rms_norm(x[last], delta[last], *self.final_norm.params)
-        return self._linear(h, self.lm_head.weight, self.lm_head.bias).float()
+        return self._head(add_rms_norm(x[last], delta[last], *self.final_norm.params))
 
     def decode_shape(self, batch: int, span: int) -> tuple[int, int]:
         """(rows, attention length) a decode step of ``batch`` running slots, the longest holding
@@ -346,8 +349,7 @@ class BatchedForward:
             o = decode_attention(q, self.cache.k[i], self.cache.v[i], positions, self.scaling)
             attn = self._linear(o.reshape(tokens.shape[0], -1), layer.o_proj.weight)
             delta = self._mlp_fused(layer, add_rms_norm(x, attn, *layer.post_norm.params))
-        logits = self._linear(add_rms_norm(x, delta, *self.final_norm.params), self.lm_head.weight, self.lm_head.bias)
-        return logits.float() if out is None else out.copy_(logits)
+        return self._head(add_rms_norm(x, delta, *self.final_norm.params), out)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF name → parameter/buffer, tied aliases included (``lm_head.weight``)."""

@@ -114,15 +114,7 @@ def save_checkpoint(cfg: Config, policy, optimizer, run_dir: pathlib.Path, step:
     save_training_state(policy, optimizer, run_dir / "checkpoint", step, buffer)
 
 
-def check_config(cfg: Config) -> None:
-    """Reject settings this trainer does not implement (``ValueError`` naming the fix)."""
-    if cfg.algo.kl_coef != 0.0:
-        raise ValueError(f"algo.kl_coef={cfg.algo.kl_coef}: a KL penalty needs a reference model, "
-                         "which this trainer does not keep; set algo.kl_coef=0")
-
-
 async def train(cfg: Config, run_dir: pathlib.Path) -> None:
-    check_config(cfg)
     deterministic = cfg.mode == "deterministic"
     if deterministic:  # before CUDA / NCCL initialise
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
