@@ -1,11 +1,21 @@
 """The embedded inference server over real HTTP: generation, log-probs, seeds, batching, flow
-control and weight updates (gloo broadcast and disk), with the tiny fp32 Llama / Qwen3 models."""
+control and weight updates (gloo broadcast and disk), with the tiny fp32 Llama / Qwen3 models;
+input checks (rid shapes, stop ids, weight versions), a client that disconnects mid-generation, and
+SIGTERM while a weight-group join waits for peers (a subprocess)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
 
 import aiohttp
 import pytest
@@ -346,3 +356,159 @@ def test_unknown_weight_group_backend_fails_before_waiting_for_peers():
     with pytest.raises(ValueError, match="backend 'foo' is not supported"):
         new_weight_group("foo", "127.0.0.1", 1, 1, 2, timeout_s=30.0)  # nobody listens on port 1
     assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.parametrize(
+    "ids, rid, message",
+    [
+        ([1, 2], 7, "rid 7 is not a non-empty string"),
+        ([1, 2], ["a"], "rid ['a'] is not a non-empty string"),
+        ([1, 2], "", "rid '' is not a non-empty string"),
+        ([[1, 2], [3]], "a", "rid 'a' is not a list of 2 non-empty strings"),
+        ([[1, 2], [3]], ["a", 2], "rid ['a', 2] is not a list of 2 non-empty strings"),
+        ([[1, 2], [3]], ["a"], "rid ['a'] is not a list of 2 non-empty strings"),
+    ],
+)
+def test_generate_rejects_a_rid_of_the_wrong_shape(tiny_model_dir, ids, rid, message):
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, engine):
+            bad = await api.post("/generate", {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 2}})
+            return bad, engine.num_running
+
+    (status, out), running_after = asyncio.run(main())
+    assert status == 400, out
+    assert message in out["error"]["message"] and "(or leave rid out)" in out["error"]["message"]
+    assert running_after == 0
+
+
+def test_generate_accepts_sglang_rid_shapes(tiny_model_dir):
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, _):
+            one = await api.post("/generate", {"input_ids": [1, 2], "rid": "x", "sampling_params": {"max_new_tokens": 2}})
+            two = await api.post("/generate", {"input_ids": [[1, 2], [3]], "rid": ["p", "q"],
+                                               "sampling_params": {"max_new_tokens": 2}})
+            anon = await api.post("/generate", {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 2}})
+            return one, two, anon
+
+    one, two, anon = asyncio.run(main())
+    assert one[0] == two[0] == anon[0] == 200
+    assert one[1]["meta_info"]["id"] == "x"
+    assert [r["meta_info"]["id"] for r in two[1]] == ["p", "q"]
+    assert len({r["meta_info"]["id"] for r in anon[1]}) == 2
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab_size", 10**6])
+def test_generate_rejects_stop_token_ids_outside_the_vocabulary(tiny_model_dir, bad):
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    bad = vocab_size if bad == "vocab_size" else bad
+
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, _):
+            sampling = {"stop_token_ids": [3, bad], "max_new_tokens": 4}
+            return await api.post("/generate", {"input_ids": [1, 2], "sampling_params": sampling})
+
+    status, out = asyncio.run(main())
+    assert status == 400, out
+    assert f"stop_token_ids has {bad}, outside the vocabulary [0, {vocab_size})" in out["error"]["message"]
+
+
+def test_weight_update_with_a_bad_version_is_refused_and_changes_nothing(tiny_model_dir, tmp_path):
+    prompt = prompt_ids(tiny_model_dir)
+    perturbed(tiny_model_dir, seed=3).save_pretrained(tmp_path / "new")
+    kw = dict(max_new_tokens=8, temperature=1.0, sampling_seed=4, ignore_eos=True)
+    bad_versions = [-1, "-1", "1.5", 1.5, "default", True, [1], ""]
+
+    async def main():
+        async with running(tiny_model_dir) as (api, _):
+            before = await api.generate(prompt, **kw)
+            refused = []
+            for version in bad_versions:
+                refused.append(await api.post("/update_weights_from_disk", {
+                    "model_path": str(tmp_path / "new"), "weight_version": version, "abort_all_requests": True}))
+                refused.append(await api.post("/update_weights_from_distributed", {
+                    "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": version}))
+            return before, refused, await api.get("/get_weight_version"), await api.generate(prompt, **kw)
+
+    before, refused, version, after = asyncio.run(main())
+    for (status, out), bad in zip(refused, [v for v in bad_versions for _ in range(2)]):
+        assert status == 400 and not out["success"], (bad, out)
+        assert f"weight_version {bad!r} is not a non-negative integer" in out["message"], out
+        assert 'e.g. "3"' in out["message"]
+    assert version == (200, {"weight_version": "0"})
+    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "0"
+
+
+def test_a_disconnected_client_frees_its_slot(tiny_model_dir):
+    prompt = prompt_ids(tiny_model_dir)
+    max_new_tokens = 1500
+
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=2048) as (api, engine):
+            async with aiohttp.ClientSession() as gone:
+                body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+                request = asyncio.create_task(gone.post(api.url + "/generate", json=body))
+                while engine.num_running == 0:  # admitted: it holds a slot
+                    await asyncio.sleep(0.005)
+                request.cancel()  # drops the connection
+            steps = 0
+            while engine.num_running and steps < 200:
+                await engine.next_step()
+                steps += 1
+            # the server still serves
+            return steps, await api.generate(prompt, max_new_tokens=2)
+
+    steps, after = asyncio.run(main())
+    # aborted within a few steps of the disconnect (the connection loss reaches the handler at once),
+    # not after the 1500 tokens it asked for
+    assert steps < 50, f"the request ran {steps} more steps after its client went away"
+    assert len(after["output_ids"]) <= 2
+
+
+def test_sigterm_stops_a_server_waiting_for_weight_group_peers(tiny_model_dir):
+    cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(tiny_model_dir), "--port", "0",
+           "--dtype", "float32", "--device", "cpu", "--max-running-requests", "2", "--max-seq-len", "64",
+           "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # a peer that accepts the store connection and never answers: the server's join blocks there
+    silent_peer = socket.create_server(("127.0.0.1", 0))
+    silent_peer.settimeout(60)
+    replies = []
+    try:
+        lines = [proc.stdout.readline()]
+        while lines[-1] and "inference server on " not in lines[-1]:  # past any load-time warnings
+            lines.append(proc.stdout.readline())
+        assert lines[-1], "".join(lines)
+        url = lines[-1].split("inference server on ")[1].split()[0]
+        body = json.dumps({"master_address": "127.0.0.1", "master_port": silent_peer.getsockname()[1],
+                           "rank_offset": 1, "world_size": 2, "backend": "gloo"}).encode()
+
+        def join():
+            request = urllib.request.Request(url + "/init_weights_update_group", body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as resp:
+                    replies.append((resp.status, resp.read()))
+            except urllib.error.HTTPError as exc:
+                replies.append((exc.code, exc.read()))
+            except OSError as exc:
+                replies.append((None, repr(exc)))
+
+        joiner = threading.Thread(target=join, daemon=True)
+        joiner.start()
+        connection, _ = silent_peer.accept()  # the server is inside the blocking join now
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server ignored SIGTERM for 10 s while joining a weight group")
+        assert code == 0, proc.stdout.read()
+        joiner.join(timeout=10)
+        connection.close()
+    finally:
+        silent_peer.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    status, reply = replies[0] if replies else (None, b"")
+    assert status == 503 and b"shutting down" in reply, replies

@@ -33,8 +33,9 @@ What the one-step lag costs: a request that samples a stop token at step n is st
 finished when step n+1 is planned, so it is decoded once more; that extra token is dropped at
 commit and the slot is freed at the next plan (a waiting request may thus be admitted one step
 later than without the pipeline). A request that has been issued ``max_new_tokens`` tokens is
-never decoded again, so length-limited requests cost no extra step. Aborts return at once with the
-tokens committed so far (the in-flight token is dropped).
+never decoded again, so length-limited requests cost no extra step. Aborts (``abort``, or a
+cancelled ``generate`` caller) return at once with the tokens committed so far (the in-flight token
+is dropped).
 
 Weight swaps and pause need a quiet engine: no step in flight and every launched step committed,
 so a request finished by the steps before a swap reports the version that made its tokens (one
@@ -176,6 +177,10 @@ class Engine:
         bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids has {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"sampling_params.stop_token_ids has {bad[0]!r}, outside the vocabulary "
+                             f"[0, {self.vocab_size}); send ids of this model's tokenizer")
         total = len(input_ids) + params.max_new_tokens
         if total > self.max_seq_len:
             raise ValueError(
@@ -184,7 +189,9 @@ class Engine:
             )
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Completion:
-        """Queue a request and wait for it to finish (or be aborted). Raises ``ValueError`` on bad input."""
+        """Queue a request and wait for it to finish (or be aborted). Raises ``ValueError`` on bad
+        input. Cancelling the caller (e.g. its HTTP client went away) aborts the request, so its
+        slot is free at the next step."""
         self.validate(input_ids, params)
         if self._error is not None:
             raise self._error
@@ -194,7 +201,12 @@ class Engine:
                        asyncio.get_running_loop().create_future())
         self._waiting.append(req)
         self._wake.set()
-        return await req.done
+        try:
+            return await asyncio.shield(req.done)  # shielded: a cancelled caller finishes it as an abort
+        except asyncio.CancelledError:
+            self._finish(req, "abort")
+            self._wake.set()
+            raise
 
     def _finish(self, req: _Request, reason: str, matched: int | None = None) -> None:
         if not req.finished:
@@ -272,10 +284,6 @@ class Engine:
         async with self._quiet():
             await loop.run_in_executor(self._pool, self.forward.load_weights, tensors)
             self.weight_version = version
-
-    async def run_blocking(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on the default executor (for calls that block, e.g. joining a group)."""
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     # ---- the loop -------------------------------------------------------------------------------
 

@@ -14,7 +14,14 @@ no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_mo
 requests run, as SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
-directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}``.
+directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}``; ``rid`` is a string (one
+prompt) or a list of strings (a batch, one per prompt), ``weight_version`` a non-negative integer
+(SGLang sends it as a string, ``"3"``).
+
+A ``/generate`` whose client disconnects is cancelled (aiohttp's ``handler_cancellation``), which
+aborts its requests in the engine; weight updates run in their own task, so a disconnect never
+leaves one half-applied. ``/init_weights_update_group`` joins the group in a daemon thread: on
+SIGTERM the server answers a join still waiting for peers with 503 and exits without waiting for it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import asyncio
 import contextlib
 import pathlib
 import signal
+import threading
 import uuid
 
 import torch
@@ -93,6 +101,43 @@ def _result(success: bool, message: str, **extra) -> web.Response:
     return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
 
+def _rids(raw, n: int, batch: bool) -> list[str]:
+    """The request ids of ``n`` prompts: ``raw`` is SGLang's ``rid`` field, a string for one prompt,
+    a list of ``n`` strings for a batch, or ``None`` (fresh ids).
+
+    Raises:
+        ValueError: any other shape or element type, or an empty id.
+    """
+    if raw is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if not batch:
+        if not isinstance(raw, str) or not raw:
+            raise ValueError(f"rid {raw!r} is not a non-empty string; send a string request id for one "
+                             f"prompt (or leave rid out)")
+        return [raw]
+    if not isinstance(raw, list) or len(raw) != n or not all(isinstance(r, str) and r for r in raw):
+        raise ValueError(f"rid {raw!r} is not a list of {n} non-empty strings; send a list of {n} string "
+                         f"request ids, one per prompt (or leave rid out)")
+    return raw
+
+
+def _weight_version(raw, current: int) -> int:
+    """SGLang's ``weight_version`` field as an int: ``None`` keeps ``current``; a non-negative int or
+    its decimal string (``"3"``, the form SGLang's clients send) is the new version.
+
+    Raises:
+        ValueError: anything else (negative, fractional, a bool, a non-numeric string).
+    """
+    if raw is None:
+        return current
+    if type(raw) is int and raw >= 0:
+        return raw
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
+        return int(raw)
+    raise ValueError(f"weight_version {raw!r} is not a non-negative integer; send the policy version "
+                     f'as a decimal string, e.g. "3" (or leave it out to keep version {current})')
+
+
 async def _body(request: web.Request) -> dict:
     if not request.can_read_body:
         return {}
@@ -112,10 +157,13 @@ class InferenceServer:
         self.engine, self.tokenizer, self.model_path = engine, tokenizer, model_path
         self.groups: dict = {}
         self._task: asyncio.Task | None = None
+        self._closing = asyncio.Event()  # set when the application starts shutting down
+        self._updates: set[asyncio.Task] = set()  # weight updates in flight (the loop holds tasks weakly)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.on_startup.append(self._start)
+        app.on_shutdown.append(self._shutdown)
         app.on_cleanup.append(self._stop)
         routes = [
             ("POST", "/generate", self.generate),
@@ -138,6 +186,10 @@ class InferenceServer:
 
     async def _start(self, app: web.Application) -> None:
         self._task = asyncio.create_task(self.engine.run(), name="engine")
+
+    async def _shutdown(self, app: web.Application) -> None:
+        # runs before aiohttp waits for the handlers in flight: a join waiting for peers gives up
+        self._closing.set()
 
     async def _stop(self, app: web.Application) -> None:
         self._task.cancel()
@@ -166,16 +218,14 @@ class InferenceServer:
             return _error("'input_ids' must be a list of integer token ids, or a list of such lists")
         if not isinstance(body.get("sampling_params", {}), (dict, type(None))):
             return _error("'sampling_params' must be a JSON object, e.g. {\"max_new_tokens\": 16}")
-        rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
-        rids = rids if isinstance(rids, list) else [rids]
-        if len(rids) != len(prompts):
-            return _error(f"got {len(rids)} rids for {len(prompts)} prompts")
         try:
+            rids = _rids(body.get("rid"), len(prompts), batch)
             params = SamplingParams.parse(body.get("sampling_params"))
             for prompt in prompts:
                 self.engine.validate(prompt, params)
         except ValueError as exc:
             return _error(str(exc))
+        # cancelled when the client disconnects: gather cancels each generate, which aborts its request
         done = await asyncio.gather(*(self.engine.generate(p, params, r) for p, r in zip(prompts, rids)))
         logprob = bool(body.get("return_logprob"))
         out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
@@ -258,7 +308,7 @@ class InferenceServer:
                 raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer, the broadcast source), "
                                  f"got {body['rank_offset']}")
             name = body.get("group_name", "weight_update_group")
-            group = await self.engine.run_blocking(
+            joining = _in_daemon_thread(
                 weight_group.new_weight_group,
                 body.get("backend", "nccl"),
                 body["master_address"],
@@ -266,6 +316,17 @@ class InferenceServer:
                 int(body["rank_offset"]),
                 int(body["world_size"]),
             )
+            closing = asyncio.ensure_future(self._closing.wait())
+            try:
+                await asyncio.wait([joining, closing], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                closing.cancel()
+                if not joining.done():  # shutting down, or the client went away: the thread stays
+                    joining.cancel()  # blocked, and being a daemon it does not hold up the exit
+            if joining.cancelled():
+                return web.json_response({"success": False, "message": "init_weights_update_group abandoned: "
+                                          "the server is shutting down"}, status=503)
+            group = joining.result()
         except (KeyError, ValueError, RuntimeError) as exc:
             return _result(False, f"init_weights_update_group failed: {type(exc).__name__}: {exc}")
         self.groups[name] = group
@@ -274,6 +335,7 @@ class InferenceServer:
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await _body(request)
         try:
+            version = _weight_version(body.get("weight_version"), self.engine.weight_version)
             names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
             if not len(names) == len(dtypes) == len(shapes):
                 raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
@@ -290,10 +352,14 @@ class InferenceServer:
             weight_group.broadcast_(group, buffers, src=0)
             return dict(zip(names, buffers))
 
-        return await self._update(receive, body)
+        return await self._update(receive, version, body)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _body(request)
+        try:
+            version = _weight_version(body.get("weight_version"), self.engine.weight_version)
+        except ValueError as exc:
+            return _result(False, f"update_weights_from_disk rejected: {exc}", num_paused_requests=0)
         path = pathlib.Path(str(body.get("model_path", "")))
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
         if not files:
@@ -305,23 +371,54 @@ class InferenceServer:
                 tensors.update(load_file(str(f)))
             return tensors
 
-        return await self._update(receive, body, num_paused_requests=0)
+        return await self._update(receive, version, body, num_paused_requests=0)
 
-    async def _update(self, receive, body: dict, **extra) -> web.Response:
+    async def _update(self, receive, version: int, body: dict, **extra) -> web.Response:
         if body.get("abort_all_requests"):
             self.engine.abort(None)
-        version = body.get("weight_version")
+        # its own task: a client that disconnects mid-update cancels only this handler, never a
+        # swap half-done (tensors received but not loaded, or loaded under the old version)
+        update = asyncio.ensure_future(self.engine.update_weights(receive, version))
+        self._updates.add(update)
+        update.add_done_callback(self._updates.discard)
         try:
-            await self.engine.update_weights(receive, int(version) if version is not None else self.engine.weight_version)
+            await asyncio.shield(update)
         except (ValueError, RuntimeError) as exc:
             return _result(False, f"weight update failed: {type(exc).__name__}: {exc}", **extra)
         return _result(True, f"weights updated to version {self.engine.weight_version}", **extra)
 
 
+def _in_daemon_thread(fn, *args) -> asyncio.Future:
+    """Start blocking ``fn(*args)`` in a daemon thread; returns a future of its result or exception.
+
+    Unlike an executor thread, one still blocked (e.g. waiting for weight-group peers) is neither
+    joined at loop close nor at interpreter exit; cancelling the future abandons the result.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, exc: BaseException | None) -> None:
+        if not future.done():  # the waiter may have given up
+            future.set_exception(exc) if exc is not None else future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the waiter, which raises it
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed while fn blocked: nobody waits
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=target, name=getattr(fn, "__name__", "blocking"), daemon=True).start()
+    return future
+
+
 @contextlib.asynccontextmanager
 async def serve(server: InferenceServer, host: str = "127.0.0.1", port: int = 0):
     """Serve ``server`` on ``host:port`` (0: a free port) inside the running loop; yields the base URL."""
-    runner = web.AppRunner(server.app(), access_log=None)
+    # handler_cancellation: a handler is cancelled when its client disconnects (aiohttp's default
+    # lets it run on), so a gone client's generation stops holding a slot
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
