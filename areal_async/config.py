@@ -125,6 +125,9 @@ class TrainerConfig(_Cfg):
     # torch.compile each decoder layer's forward and the fused LM head's chunk kernels
     # (trainer/parallel.py); not with mode: deterministic
     compile: bool = False
+    # packed attention on CUDA: "flash" (torch's varlen_attn) or "triton" (this project's kernels,
+    # trainer/triton_attention.py)
+    attention_backend: Literal["flash", "triton"] = "flash"
     weight_sync: Literal["distributed", "disk"] = "distributed"
     weight_sync_port: Port = 29700
     weight_bucket_bytes: PosInt = 256 * 1024 * 1024

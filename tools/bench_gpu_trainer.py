@@ -34,14 +34,24 @@ Variants:
   ``fusedhead`` the fused LM head + log-softmax autograd function (``trainer/logprobs.py``);
   ``headcompile`` its per-chunk kernels compiled (implies ``fusedhead``);
   ``compile`` every decoder layer's ``forward`` through ``torch.compile``;
+  ``triton`` the project's Triton attention kernels instead of ``varlen_attn``
+  (``trainer.attention_backend: triton``; native GQA);
+  ``padded`` micro-batches of ``--padded-mb`` sequences in their given order, right-padded, HF
+  ``sdpa`` with the padding mask, the LM head on the real tokens only: everything else as the
+  variant's other options say, so ``padded+fusedhead+headcompile+compile`` is the like-for-like
+  padded twin of ``all`` (``mbNk``, ``gqa`` and ``triton`` do not apply to it);
+  ``blockingh2d`` each micro-batch copied to the GPU from pageable memory (``.to(device)``
+  synchronises the stream first), as the trainer did before ``packing.to_device``;
   ``all`` = ``gqa+fusedhead+headcompile+compile``. ``gqa+fusedhead`` is the trainer's CUDA
   default now (``build_policy``); ``all`` is ``trainer.compile: true``.
   All variants run on one FSDP2-sharded model: the options are switched between variants (the
   attention implementation name, ``PackedPolicy`` attributes, the layers' ``forward``), compiled
   code is kept. A variant that raises (compile error, out of memory) prints the error and the
-  others still run. ``--check``: max |Δ| of the native-GQA ``varlen_attn`` against the repeated
-  K/V (output and dQ/dK/dV on random bf16 inputs), then every variant's log-probs and gradients
-  on the first micro-batch against ``base``.
+  others still run. ``--check``: the attention paths (flash with native GQA, flash with K/V
+  repeated, Triton) against an fp32 reference on random bf16 inputs, with their forward and
+  backward times; then every packed variant's log-probs and gradients on the first micro-batch
+  against ``base``. ``--profile``: the top kernels of the last variant's iteration, and where the
+  GPU sat idle (gaps between kernels, by the host operation that launched the kernel after the gap).
 
 FLOPs (model FLOPs of the real tokens; padding and recomputation are not counted):
 ``6 · N · T + 6 · layers · heads · head_dim · Σ L_b²``, N = all parameters with the tied
@@ -63,12 +73,13 @@ import numpy as np
 import torch
 
 from areal_async.trainer.attention import use_packed_attention
-from areal_async.trainer.logprobs import PackedPolicy, _head_logp
+from areal_async.trainer.logprobs import PackedPolicy, _FusedHeadLogp, _head_logp
 from areal_async.trainer.packing import allocate_micro_batches, pack_sequences
 from qwen3_shapes import build_model
 
 PEAK_FLOPS = 989e12
 OPTIONS = ("gqa", "fusedhead", "headcompile", "compile")
+EXTRA_OPTIONS = ("triton", "padded", "blockingh2d")
 
 
 def _sync(device: torch.device) -> None:
@@ -85,10 +96,63 @@ def _chunked_logp(lm, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) ->
     return torch.cat(parts)
 
 
-def packed_step(policy, seqs, mbs, chunk, device, total_tokens: int) -> None:
+def packed_step(policy, seqs, mbs, chunk, device, total_tokens: int, non_blocking: bool | None = None) -> None:
     for mb in mbs:
-        batch = pack_sequences([seqs[i] for i in mb]).to(device)
+        batch = pack_sequences([seqs[i] for i in mb]).to(device, non_blocking)
         logp, _ = policy(batch, 1.0, chunk or batch.num_tokens)
+        (-logp.sum() / total_tokens).backward()
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedBatch:
+    """Sequences right-padded to the longest: ``ids``, ``mask`` ``[B, L] int64``; ``labels``
+    ``[N] int64`` the next tokens of the ``N`` real positions that have one, at flat positions
+    ``index`` ``[N] int64`` of the ``[B·L]`` hidden states."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    labels: torch.Tensor
+    index: torch.Tensor
+
+    @staticmethod
+    def build(group: list[list[int]]) -> "PaddedBatch":
+        width = max(map(len, group))
+        ids = torch.zeros(len(group), width, dtype=torch.int64)
+        mask = torch.zeros(len(group), width, dtype=torch.int64)
+        labels, index = [], []
+        for b, seq in enumerate(group):
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+            labels += seq[1:]
+            index += range(b * width, b * width + len(seq) - 1)
+        return PaddedBatch(ids, mask, torch.tensor(labels), torch.tensor(index))
+
+    def to(self, device, non_blocking: bool | None = None) -> "PaddedBatch":
+        from areal_async.trainer.packing import to_device
+
+        return PaddedBatch(*(to_device(t, device, non_blocking) for t in dataclasses.astuple(self)))
+
+
+class BenchPolicy(PackedPolicy):
+    """``PackedPolicy`` whose ``forward`` also takes a ``PaddedBatch`` (the ``padded`` variants), so
+    that FSDP2's root hooks gather the embeddings and the head around both kinds of micro-batch."""
+
+    def forward(self, batch, temperature: float = 1.0, chunk_tokens: int = 1024):
+        if not isinstance(batch, PaddedBatch):
+            return super().forward(batch, temperature, chunk_tokens)
+        hidden = self.lm.model(input_ids=batch.ids, attention_mask=batch.mask, use_cache=False).last_hidden_state
+        h = hidden.flatten(0, 1).index_select(0, batch.index)  # real positions only, no host sync
+        if self.fused_head:
+            return _FusedHeadLogp.apply(h, self.lm.lm_head.weight, batch.labels, temperature, chunk_tokens, h.dtype,
+                                        self.head_kernels)
+        return self._checkpointed_head(h, batch.labels, temperature, chunk_tokens)
+
+
+def padded_policy_step(policy, seqs, mb_size, chunk, device, total_tokens: int,
+                       non_blocking: bool | None = None) -> None:
+    for s in range(0, len(seqs), mb_size):
+        batch = PaddedBatch.build(seqs[s : s + mb_size]).to(device, non_blocking)
+        logp, _ = policy(batch, 1.0, chunk)
         (-logp.sum() / total_tokens).backward()
 
 
@@ -128,8 +192,10 @@ def measure(fn, reps: int, device, warmup: int = 1) -> tuple[float, float]:
 
 
 def profile(fn, device, top: int = 18) -> None:
-    """One iteration under ``torch.profiler``: the CUDA kernels with the most total time, and the
-    share of the wall time any kernel ran."""
+    """One iteration under ``torch.profiler``: the CUDA kernels with the most total time, the share
+    of the wall time any kernel ran, and the GPU's idle gaps (``idle_gaps``)."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -148,6 +214,49 @@ def profile(fn, device, top: int = 18) -> None:
     for e in kernels[:top]:
         share = e.self_device_time_total / 1e6 / wall
         print(f"{e.self_device_time_total / 1e3:>9.1f} ms {share:>6.1%} {e.count:>6}x  {e.key[:100]}")
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        idle_gaps(json.load(open(f.name)), wall)
+
+
+def idle_gaps(trace: dict, wall: float, min_gap_us: float = 20.0, top: int = 12) -> None:
+    """Where the GPU waited, from a Chrome trace of ``torch.profiler``: the union of all kernel and
+    memcpy intervals (any stream) leaves gaps; each gap of at least ``min_gap_us`` is charged to the
+    innermost host operation that launched the first kernel after it (the launch's correlation id
+    links the two). Prints the idle total and the operations that account for most of it."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device_ops = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                        key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"}
+    cpu_ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in cpu_ops]
+
+    def launcher(ts: float, tid) -> str:
+        import bisect
+
+        best = None  # the innermost (latest-starting) op on the launching thread that contains ts
+        for i in range(bisect.bisect_right(starts, ts) - 1, max(-1, bisect.bisect_right(starts, ts) - 4000), -1):
+            e = cpu_ops[i]
+            if e["tid"] == tid and e["ts"] <= ts <= e["ts"] + e["dur"]:
+                best = e
+                break
+        return best["name"][:60] if best else "(no host op)"
+
+    by_op: dict[str, list[float]] = {}
+    end, idle, count = None, 0.0, 0
+    for e in device_ops:
+        if end is not None and e["ts"] - end >= min_gap_us:
+            gap = e["ts"] - end
+            launch = launches.get(e["args"].get("correlation"))
+            name = launcher(launch["ts"], launch["tid"]) if launch else "(unknown launch)"
+            by_op.setdefault(name, []).append(gap)
+            idle += gap
+            count += 1
+        end = max(end or 0.0, e["ts"] + e["dur"])
+    print(f"GPU idle in gaps >= {min_gap_us:.0f} us: {idle / 1e3:.1f} ms ({idle / 1e6 / wall:.1%} of the wall), "
+          f"{count} gaps; by the host op that launched the kernel after the gap:")
+    for name, gaps in sorted(by_op.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"{sum(gaps) / 1e3:>9.1f} ms {len(gaps):>6}x  max {max(gaps) / 1e3:.2f} ms  {name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,11 +283,11 @@ def parse_variants(spec: str, default_mb: int, default_chunk: int) -> list[Varia
                 mb = int(token[2:-1]) * 1024
             elif token.startswith("c") and token[1:].isdigit():
                 chunk = int(token[1:])
-            elif token in OPTIONS:
+            elif token in OPTIONS + EXTRA_OPTIONS:
                 options.add(token)
             else:
                 raise ValueError(f"unknown variant option {token!r} in {name!r}; use base, all, mbNk, cN or one of "
-                                 f"{', '.join(OPTIONS)} joined by '+'")
+                                 f"{', '.join(OPTIONS + EXTRA_OPTIONS)} joined by '+'")
         if "headcompile" in options:
             options.add("fusedhead")
         out.append(Variant(name, mb, chunk, frozenset(options)))
@@ -199,7 +308,10 @@ class Switches:
         self.compiled_forwards = [vars(layer).pop("forward") for layer in self.lm.model.layers]
 
     def apply(self, options: frozenset[str]) -> None:
-        use_packed_attention(self.lm, native_gqa="gqa" in options)
+        if "padded" in options:
+            self.lm.set_attn_implementation("sdpa")
+        else:
+            use_packed_attention(self.lm, native_gqa="gqa" in options, backend="triton" if "triton" in options else "flash")
         self.policy.fused_head = "fusedhead" in options
         self.policy.head_kernels = self.compiled_kernels if "headcompile" in options else self.eager_kernels
         for layer, compiled in zip(self.lm.model.layers, self.compiled_forwards):
@@ -215,9 +327,12 @@ def _free_memory(lm) -> None:
     torch.cuda.empty_cache()
 
 
-def check_native_gqa(device, lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> None:
-    """Max |Δ| of ``varlen_attn`` with ``kv_heads`` K/V heads against K/V repeated to ``heads``
-    (output and dQ/dK/dV; bf16 random inputs, the first packed micro-batch's boundaries)."""
+def check_attention(device, lengths: list[int], heads: int, kv_heads: int, head_dim: int, reps: int = 5) -> None:
+    """The packed attention paths on one micro-batch's boundaries (bf16 random inputs): flash
+    ``varlen_attn`` with native GQA, with K/V repeated, and the Triton kernels. Prints each
+    one's max |Δ| against an fp32 per-sequence ``sdpa`` reference (output and dQ/dK/dV), and its
+    forward and forward+backward times (median of ``reps``) with TFLOP/s on the causal FLOPs
+    (forward ``2 · H · D · Σ L²``, backward twice that, as the MFU count)."""
     from areal_async.trainer.attention import packed_attention
 
     torch.manual_seed(0)
@@ -228,16 +343,97 @@ def check_native_gqa(device, lengths: list[int], heads: int, kv_heads: int, head
     k = torch.randn(1, kv_heads, n, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, kv_heads, n, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(1, n, heads, head_dim, device=device, dtype=torch.bfloat16)
-    results = []
-    for native in (True, False):
-        out, _ = packed_attention(torch.nn.Module(), q, k, v, None, head_dim**-0.5, native_gqa=native, **kw)
-        grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        results.append((out, *grads))
-    diffs = [float((a.detach().float() - b.detach().float()).abs().max()) for a, b in zip(*results)]
-    scale = [float(b.detach().float().abs().max()) for b in results[1]]
-    print(f"native GQA vs repeated K/V ({n} tokens, {len(lengths)} seqs): max |Δ| out {diffs[0]:.3g} "
-          f"(max |out| {scale[0]:.3g}), dQ {diffs[1]:.3g} ({scale[1]:.3g}), dK {diffs[2]:.3g} ({scale[2]:.3g}), "
-          f"dV {diffs[3]:.3g} ({scale[3]:.3g})", flush=True)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = packed_attention(torch.nn.Module(), *ref_in, None, head_dim**-0.5, **kw)  # fp32: sdpa path
+    ref = (ref_out, *torch.autograd.grad(ref_out, ref_in, grad_out.float()))
+    fwd_flops = 2 * heads * head_dim * sum(n_ * n_ for n_ in lengths)
+    print(f"packed attention, {n} tokens in {len(lengths)} seqs, {heads} q / {kv_heads} kv heads; "
+          f"max |Δ| against fp32 (max |out| {float(ref[0].detach().abs().max()):.3g}, |dQ| {float(ref[1].abs().max()):.3g}):")
+    for name, extra in (("flash, native GQA", {}), ("flash, K/V repeated", {"native_gqa": False}),
+                        ("triton", {"backend": "triton"})):
+        try:
+            def fwd():
+                return packed_attention(torch.nn.Module(), q, k, v, None, head_dim**-0.5, **extra, **kw)[0]
+
+            out = fwd()
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+            diffs = [float((a.detach().float() - b.float()).abs().max()) for a, b in zip((out, *grads), ref)]
+
+            def fwd_bwd():
+                torch.autograd.grad(fwd(), (q, k, v), grad_out)
+
+            times = []
+            for fn in (lambda: fwd().detach(), fwd_bwd):
+                fn()
+                _sync(device)
+                laps = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(device)
+                    laps.append(time.perf_counter() - t0)
+                times.append(float(np.median(laps)))
+            print(f"  {name:<20} out {diffs[0]:.3g}, dQ {diffs[1]:.3g}, dK {diffs[2]:.3g}, dV {diffs[3]:.3g}; "
+                  f"forward {times[0] * 1e3:.2f} ms ({fwd_flops / times[0] / 1e12:.0f} TFLOP/s), forward+backward "
+                  f"{times[1] * 1e3:.2f} ms ({3 * fwd_flops / times[1] / 1e12:.0f} TFLOP/s)", flush=True)
+        except Exception as exc:  # report and check the others
+            print(f"  {name:<20} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    if device.type == "cuda":
+        try:
+            sweep_triton_configs(q, k, v, cu, max(lengths), grad_out, fwd_flops, reps)
+        except Exception as exc:
+            print(f"  Triton config sweep FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+TRITON_SWEEP = {
+    "FWD_CONFIG": [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
+    "DKDV_CONFIG": [(64, 128, 8, 2), (32, 128, 4, 2), (64, 128, 8, 3), (64, 64, 4, 2), (32, 64, 4, 3)],
+    "DQ_CONFIG": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
+}
+
+
+def sweep_triton_configs(q, k, v, cu, max_len: int, grad_out, fwd_flops: float, reps: int) -> None:
+    """Each Triton kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` choices of
+    ``TRITON_SWEEP`` in turn (the other kernels at their current configs), timed on the same
+    inputs; the fastest of each is kept in ``trainer.triton_attention`` for the variants that
+    follow, and printed."""
+    from areal_async.trainer import triton_attention as ta
+
+    q3, k3, v3 = (t[0].transpose(0, 1).detach().requires_grad_() for t in (q, k, v))
+    g3 = grad_out[0]
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        laps = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            laps.append(time.perf_counter() - t0)
+        return float(np.median(laps))
+
+    def fwd():
+        return ta.varlen_attention(q3, k3, v3, cu, max_len)
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), (q3, k3, v3), g3)
+
+    for name, configs in TRITON_SWEEP.items():
+        results = []
+        for config in configs:
+            setattr(ta, name, config)
+            try:
+                seconds = timed(fwd if name == "FWD_CONFIG" else fwd_bwd)
+                results.append((seconds, config))
+            except Exception as exc:  # e.g. out of shared memory
+                print(f"  triton {name} {config}: FAILED {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        results.sort()
+        setattr(ta, name, results[0][1])
+        flops = fwd_flops if name == "FWD_CONFIG" else 3 * fwd_flops
+        what = "forward" if name == "FWD_CONFIG" else "forward+backward"
+        print(f"  triton {name}: " + ", ".join(f"{c} {t * 1e3:.2f} ms" for t, c in results)
+              + f" -> {results[0][1]} ({what} {flops / results[0][0] / 1e12:.0f} TFLOP/s)", flush=True)
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -268,7 +464,7 @@ def check_variants(policy, switches: Switches, variants: list[Variant], seqs, mb
     print(f"checks on one micro-batch of {batch.num_tokens} tokens against base (max |logp| "
           f"{float(ref_logp.abs().max()):.3g}); gradients as ||Δ|| / ||g||:")
     for variant in variants:
-        if not variant.options:
+        if not variant.options or "padded" in variant.options:  # a padded model sees other shapes
             continue
         try:
             logp, grads = run(variant.options)
@@ -344,7 +540,7 @@ def main() -> None:
 
         init_distributed(device.type)
         use_packed_attention(lm, native_gqa=False)
-        policy = PackedPolicy(lm, fused_head=False)
+        policy = BenchPolicy(lm, fused_head=False)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for layer in lm.model.layers:
             fully_shard(layer, mp_policy=mp, reshard_after_forward=not args.keep_unsharded)
@@ -359,9 +555,7 @@ def main() -> None:
             record("fsdp2 fusednorm", chunk, profile_fn)
         if variants:
             run_variants(args, policy, variants, seqs, lengths, device, tokens, record, rows)
-            last = variants[-1]
-            last_mbs = allocate_micro_batches(lengths, last.max_tokens_per_mb)
-            profile_fn = lambda: packed_step(policy, seqs, last_mbs, last.chunk, device, tokens)  # noqa: E731
+            profile_fn = variant_step(args, policy, variants[-1], seqs, lengths, device, tokens)
     if args.profile and profile_fn is not None:
         try:
             profile(profile_fn, device)
@@ -393,6 +587,15 @@ def main() -> None:
               f"{r['tok_s'] / ok[0]['tok_s']:.2f}x {base_name}")
 
 
+def variant_step(args, policy, variant: Variant, seqs, lengths, device, tokens):
+    """One iteration of ``variant`` (forward + backward of every micro-batch) as a function."""
+    non_blocking = False if "blockingh2d" in variant.options else None
+    if "padded" in variant.options:
+        return lambda: padded_policy_step(policy, seqs, args.padded_mb, variant.chunk, device, tokens, non_blocking)
+    mbs = allocate_micro_batches(lengths, variant.max_tokens_per_mb)
+    return lambda: packed_step(policy, seqs, mbs, variant.chunk, device, tokens, non_blocking)
+
+
 def run_variants(args, policy, variants: list[Variant], seqs, lengths, device, tokens, record, rows) -> None:
     """Time each ``Variant`` on the FSDP2 ``policy`` (``record`` appends a row); a failing variant
     appends a row with its error instead."""
@@ -402,25 +605,26 @@ def run_variants(args, policy, variants: list[Variant], seqs, lengths, device, t
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
     switches = Switches(policy)
-    if args.check and any("gqa" in v.options for v in variants):
+    if args.check:
         mb = allocate_micro_batches(lengths, args.max_tokens_per_mb)[0]
         cfg = policy.lm.config
         try:
-            check_native_gqa(device, [lengths[i] for i in mb], cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim)
+            check_attention(device, [lengths[i] for i in mb], cfg.num_attention_heads, cfg.num_key_value_heads,
+                            cfg.head_dim)
         except Exception as exc:
-            print(f"native GQA check FAILED {type(exc).__name__}: {exc}", flush=True)
+            print(f"attention check FAILED {type(exc).__name__}: {exc}", flush=True)
     for variant in variants:
-        mbs = allocate_micro_batches(lengths, variant.max_tokens_per_mb)
         start = time.perf_counter()
         try:
             switches.apply(variant.options)
             # compiled code: the first iteration compiles for static then dynamic shapes, some
             # backward graphs compile lazily in the second
             warmup = 2 if variant.options & {"compile", "headcompile"} else 1
-            record(variant.name, variant.chunk, lambda: packed_step(policy, seqs, mbs, variant.chunk, device, tokens),
-                   variant.max_tokens_per_mb, warmup)
-            rows[-1]["micro_batches"] = len(mbs)
+            padded = "padded" in variant.options
+            record(variant.name, variant.chunk, variant_step(args, policy, variant, seqs, lengths, device, tokens),
+                   0 if padded else variant.max_tokens_per_mb, warmup)
+            rows[-1]["micro_batches"] = (-(-len(seqs) // args.padded_mb) if padded
+                                         else len(allocate_micro_batches(lengths, variant.max_tokens_per_mb)))
         except Exception as exc:  # report and go on with the next variant
             traceback.print_exc(limit=-8)  # the innermost frames
             first_line = str(exc).splitlines()[0][:160] if str(exc) else ""

@@ -10,7 +10,8 @@ one after the other: ``mode`` deterministic and throughput, each with ``debug.ji
 (same ``debug.jitter_ms``). Each job: one embedded server (``cuda:0``), the replay queue, 2
 generation workers, a 1-rank trainer (``cuda``), η = 1, bf16 server and trainer compute (fp32 on
 CPU), the ``arith`` task without few-shot demonstrations, reward ``tests.parity_reward:even_length``
-(mixed rewards from random weights), no eval. If ``--model-path`` does not exist, a random Qwen3-0.6B-
+(mixed rewards from random weights), no eval, an eager trainer (``trainer.compile=false`` in both
+modes: deterministic mode refuses compilation). If ``--model-path`` does not exist, a random Qwen3-0.6B-
 shaped model (``tiny`` with ``--device cpu``) is written there first (``tools/qwen3_shapes.py``).
 
 Each pair of seeds is compared as ``tests/test_determinism.py`` does: every ``metrics.jsonl`` row
@@ -76,6 +77,9 @@ def overrides(args, mode: str, seed: int) -> list[str]:
         "trainer.nproc=1", f"trainer.device={args.device}", f"trainer.dtype={dtype}",
         f"trainer.total_steps={args.steps}", f"trainer.lr={LR}", "trainer.weight_decay=0",
         "trainer.max_tokens_per_mb=16384", f"trainer.weight_sync={args.weight_sync}",
+        # eager in both modes: deterministic mode refuses trainer.compile (the config compiles),
+        # and the cost compares the same kernels less their batch invariance
+        "trainer.compile=false",
         "reward.fn=tests.parity_reward:even_length",
         "eval.at_start=false", "eval.at_end=false", f"eval.max_new_tokens={args.new_tokens}",
         "logging.wandb_mode=disabled", "logging.dump_trajectories=true",

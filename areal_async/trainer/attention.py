@@ -1,5 +1,5 @@
 """Packed (variable-length) causal attention for HF models, registered as ``"packed"``
-(and ``"packed_repeat_kv"``).
+(and ``"packed_repeat_kv"``, ``"packed_triton"``).
 
 ``use_packed_attention(model)`` registers the functions below with transformers'
 ``AttentionInterface`` and switches the model to one of them. The model is then called on one
@@ -11,7 +11,9 @@ every attention layer::
 Attention never crosses a sequence boundary:
 
 - CUDA, bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (flash varlen kernel) with
-  ``window_size=(-1, 0)`` (causal).
+  ``window_size=(-1, 0)`` (causal); or, with ``backend="triton"`` (``trainer.attention_backend``),
+  this project's Triton kernels (``trainer/triton_attention.py``: FlashAttention-2 forward and a
+  deterministic backward, native GQA).
 - Otherwise (CPU, or fp32 anywhere): ``scaled_dot_product_attention`` with ``is_causal=True``
   applied to each sequence's slice in turn. This is the block-diagonal causal mask built from
   ``cu_seqlens``, evaluated block by block: the result is the same as with the full ``[T, T]``
@@ -27,7 +29,7 @@ created for either name.
 
 Under ``torch.compile`` the per-sequence ``sdpa`` loop runs eagerly (``torch.compiler.disable``:
 its Python loop over ``cu_seqlens`` values would otherwise specialise the graph on every packing);
-``varlen_attn`` is a custom op and stays in the graph.
+``varlen_attn`` and the Triton attention are custom ops and stay in the graph.
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ from torch import Tensor
 from torch.nn.attention import varlen
 from transformers import AttentionInterface
 
+from areal_async.trainer.triton_attention import varlen_attention
+
 NAME = "packed"
 REPEAT_KV_NAME = "packed_repeat_kv"
+TRITON_NAME = "packed_triton"
+BACKENDS = ("flash", "triton")
 # torch 2.13 checks head counts unless ``enable_gqa=True``; releases without the flag pass
 # K/V with fewer heads straight to the flash kernel.
 _GQA_FLAG = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters else {}
@@ -76,6 +82,7 @@ def packed_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     native_gqa: bool = True,
+    backend: str = "flash",
     **kwargs,
 ) -> tuple[Tensor, None]:
     """Causal attention within each packed sequence.
@@ -85,7 +92,10 @@ def packed_attention(
         attention_mask: must be ``None`` (boundaries come from ``cu_seq_lens_q``).
         scaling: softmax scale (``None`` = ``1/sqrt(D)``).
         native_gqa: on the ``varlen_attn`` path, give the kernel K/V with ``H_kv`` heads
-            (``False``: repeat them to ``H`` first). The ``sdpa`` path always repeats.
+            (``False``: repeat them to ``H`` first). The ``sdpa`` path always repeats; the Triton
+            kernels never do.
+        backend: ``"flash"`` (``varlen_attn``) or ``"triton"``, for CUDA bf16/fp16 inputs; other
+            inputs take the ``sdpa`` path whatever it says.
         kwargs: ``cu_seq_lens_q`` ``[B+1] int32`` and ``max_length_q`` (see ``packed_kwargs``).
 
     Returns:
@@ -99,6 +109,9 @@ def packed_attention(
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         q = query[0].transpose(0, 1)  # [T, H, D]
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, H_kv, D]
+        if backend == "triton":
+            out = varlen_attention(q, k, v, cu.to(torch.int32), kwargs["max_length_q"], scaling)
+            return out.unsqueeze(0), None
         gqa = {}
         if native_gqa and n_rep > 1:
             gqa = _GQA_FLAG
@@ -133,9 +146,24 @@ def packed_attention_repeat_kv(module: torch.nn.Module, query: Tensor, key: Tens
     return packed_attention(module, query, key, value, attention_mask, scaling, dropout, native_gqa=False, **kwargs)
 
 
-def use_packed_attention(model: torch.nn.Module, native_gqa: bool = True) -> None:
-    """Register ``"packed"`` and ``"packed_repeat_kv"`` with ``AttentionInterface`` (idempotent)
-    and switch ``model`` to the first (``native_gqa``) or the second. May be called again to switch."""
+def packed_attention_triton(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                            attention_mask: Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """``packed_attention`` through the Triton kernels on CUDA (``backend="triton"``)."""
+    return packed_attention(module, query, key, value, attention_mask, scaling, dropout, backend="triton", **kwargs)
+
+
+def use_packed_attention(model: torch.nn.Module, native_gqa: bool = True, backend: str = "flash") -> None:
+    """Register ``"packed"``, ``"packed_repeat_kv"`` and ``"packed_triton"`` with
+    ``AttentionInterface`` (idempotent) and switch ``model`` to one: ``backend="triton"`` the last,
+    else the first (``native_gqa``) or the second. May be called again to switch.
+
+    Raises:
+        ValueError: ``backend`` is not one of ``BACKENDS``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}")
     AttentionInterface.register(NAME, packed_attention)
     AttentionInterface.register(REPEAT_KV_NAME, packed_attention_repeat_kv)
-    model.set_attn_implementation(NAME if native_gqa else REPEAT_KV_NAME)
+    AttentionInterface.register(TRITON_NAME, packed_attention_triton)
+    model.set_attn_implementation(TRITON_NAME if backend == "triton" else NAME if native_gqa else REPEAT_KV_NAME)

@@ -43,10 +43,25 @@ class PackedBatch:
     def num_seqs(self) -> int:
         return int(self.cu_seqlens.numel()) - 1
 
-    def to(self, device: torch.device | str) -> "PackedBatch":
-        return PackedBatch(
-            self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device), self.max_seqlen
-        )
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> "PackedBatch":
+        """The batch on ``device``; see ``to_device`` for ``non_blocking``."""
+        return PackedBatch(*(to_device(t, device, non_blocking)
+                             for t in (self.input_ids, self.position_ids, self.cu_seqlens)), self.max_seqlen)
+
+
+def to_device(t: Tensor, device: torch.device | str, non_blocking: bool | None = None) -> Tensor:
+    """``t`` on ``device``. ``non_blocking`` (default: when ``device`` is CUDA and ``t`` is on the
+    CPU): copy from pinned memory without waiting, so the host goes on launching work while the GPU
+    still runs the previous micro-batch. A plain ``.to("cuda")`` of pageable memory synchronises
+    the stream first: every micro-batch would then start with the GPU idle until the host has
+    launched its first kernels. The pinned staging buffer is kept alive by torch's caching host
+    allocator until the copy has run."""
+    device = torch.device(device)
+    if non_blocking is None:
+        non_blocking = device.type == "cuda" and t.device.type == "cpu"
+    if non_blocking and t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
 
 
 def pack_sequences(seqs: list[list[int]]) -> PackedBatch:

@@ -134,7 +134,7 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank clutters the job's console
     lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     lm.config.use_cache = False
-    use_packed_attention(lm)
+    use_packed_attention(lm, backend=cfg.attention_backend)
     if device.type == "cuda":
         use_fused_rms_norm(lm)
     if batch_invariant:

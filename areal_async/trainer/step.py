@@ -33,7 +33,7 @@ from areal_async.algo.advantages import batch_normalize, group_advantages
 from areal_async.algo.loss import decoupled_ppo_loss
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.logprobs import packed_logprobs
-from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences
+from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences, to_device
 from areal_async.types import Trajectory
 
 STAT_KEYS = ("loss", "clip_ratio", "importance_weight", "behav_capped_ratio", "ratio", "approx_kl", "behav_kl")
@@ -85,7 +85,7 @@ def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device) -> tuple
         return pack_sequences([[0]]).to(device), {"behav_logp": one, "loss_mask": one.bool(), "advantages": one}
     batch = pack_sequences([seqs[i].ids for i in idx]).to(device)
     keys = ("behav_logp", "loss_mask", "advantages")
-    fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]).to(device) for k in keys}
+    fields = {k: to_device(torch.cat([getattr(seqs[i], k) for i in idx]), device) for k in keys}
     return batch, fields
 
 
@@ -126,7 +126,9 @@ def train_step(
                     prox[(m, j)] = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)[0]
 
     params = [p for p in policy.parameters() if p.requires_grad]
-    sums = torch.zeros(len(STAT_KEYS) + 1, dtype=torch.float64)
+    # summed on the device and read once at the end: a read per micro-batch would stall the host
+    # until the GPU finished it, and the next micro-batch would start with the GPU idle
+    sums = torch.zeros(len(STAT_KEYS) + 1, dtype=torch.float64, device=device)
     for m, plan in enumerate(plans):
         num_tokens = sum(int(seqs[i].loss_mask.sum()) for i in minibatches[m])
         for j, idx in enumerate(plan):
@@ -139,12 +141,11 @@ def train_step(
             )
             (loss * world).backward()  # ranks' gradients are averaged; the loss is a global share
             ent = (entropy * f["loss_mask"]).sum() / max(num_tokens, 1)
-            sums += torch.tensor([float(st[k]) for k in STAT_KEYS] + [float(ent)], dtype=torch.float64) / n_mini
+            sums += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) / n_mini
         grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if world > 1:
-        sums = sums.to(device)
         dist.all_reduce(sums)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     stats = dict(zip(STAT_KEYS + ("entropy",), sums.cpu().tolist()))
