@@ -26,17 +26,33 @@ def test_pack_sequences_exact():
         pack_sequences([])
 
 
-def test_allocate_micro_batches_first_fit_decreasing():
-    # Visit order by (-length, index): 0(7), 3(5), 1(4), 4(4), 2(3), 5(1). Budget 10:
-    # 0→bin0 [7]; 3→bin1 [5]; 1→bin1 [9]; 4→bin2 [4]; 2→bin0 [10]; 5→bin1 [10].
-    assert allocate_micro_batches([7, 4, 3, 5, 4, 1], 10) == [[0, 2], [1, 3, 5], [4]]
-    # Ties are broken by index: equal lengths keep index order within and across bins.
-    assert allocate_micro_batches([2, 2, 2, 2, 2], 4) == [[0, 1], [2, 3], [4]]
+def test_allocate_micro_batches_balanced_under_the_budget():
+    # First-fit-decreasing needs 3 micro-batches of budget 10 for these: [0, 2] 10, [1, 3, 5] 10,
+    # [4] 4. Balanced into 3, longest first into the least loaded: 0(7)→b0, 3(5)→b1, 1(4)→b2,
+    # 4(4)→b2 (8), 2(3)→b1 (8), 5(1)→b0 (8).
+    assert allocate_micro_batches([7, 4, 3, 5, 4, 1], 10) == [[0, 5], [2, 3], [1, 4]]
+    # Ties are broken by index: equal lengths and equal loads keep index order.
+    assert allocate_micro_batches([2, 2, 2, 2, 2], 4) == [[0, 3], [1, 4], [2]]
     # A sequence over the budget gets a micro-batch of its own; nothing joins it.
     assert allocate_micro_batches([3, 12, 1], 4) == [[1], [0, 2]]
     assert allocate_micro_batches([], 4) == []
     with pytest.raises(ValueError, match="max_tokens_per_mb"):
         allocate_micro_batches([1], 0)
+
+
+def test_allocate_micro_batches_splits_evenly_not_full_then_a_remainder():
+    # the trainer benchmark's case in small: 69 units under a budget of 64 make 2 micro-batches;
+    # first-fit-decreasing fills the first to 64 and leaves 5 for the second
+    lengths = [20, 15, 12, 10, 7, 5]
+    mbs = allocate_micro_batches(lengths, 64)
+    assert sorted(sum(lengths[i] for i in mb) for mb in mbs) == [34, 35]
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
+
+
+def test_allocate_micro_batches_falls_back_to_first_fit_decreasing():
+    # balancing into first-fit-decreasing's 2 micro-batches fails (5→b0, 5→b1, 4→b0 9, 3→b1 8,
+    # and the last 3 fits in neither), so its micro-batches are kept: never one more than it needs
+    assert allocate_micro_batches([5, 5, 4, 3, 3], 10) == [[0, 1], [2, 3, 4]]
 
 
 def test_assign_to_ranks_pads_with_empty():

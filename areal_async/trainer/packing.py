@@ -5,10 +5,15 @@ boundaries and position ids restart at 0 in every sequence, so rotary embeddings
 sequence as if it were alone; the packed attention (``trainer/attention.py``) keeps attention
 inside each sequence.
 
-Micro-batches are chosen by first-fit-decreasing bin packing on sequence lengths under a token
-budget. The allocation depends only on the lengths (ties broken by index), never on timing, so a
-replayed run makes the same micro-batches. A sequence longer than the budget is not an error: it
-gets a micro-batch of its own (its memory is bounded by ``inference.max_seq_len`` anyway).
+Micro-batches are as few as first-fit-decreasing bin packing needs under the token budget, and as
+even as a longest-first greedy can make them (``allocate_micro_batches``): a batch of 69k tokens
+under a 64k budget becomes two micro-batches of ~34k, not 64k and 5k. The small one would cost as
+many launches, FSDP gathers and host work per layer as a full one for a tenth of the arithmetic; on
+one H200 the 0.6B trainer ran 34.9 % MFU with 64k + 5k and 36.9 % with two balanced halves
+(docs/performance.md, round 4). The allocation depends only on the lengths (ties broken by index),
+never on timing, so a replayed run makes the same micro-batches. A sequence longer than the budget
+is not an error: it gets a micro-batch of its own (its memory is bounded by
+``inference.max_seq_len`` anyway).
 """
 
 from __future__ import annotations
@@ -89,19 +94,24 @@ def pack_sequences(seqs: list[list[int]]) -> PackedBatch:
 
 
 def allocate_micro_batches(lengths: list[int], max_tokens_per_mb: int) -> list[list[int]]:
-    """First-fit-decreasing assignment of sequences to micro-batches under a token budget.
+    """Balanced assignment of sequences to micro-batches under a token budget.
 
-    Sequences are visited longest first (equal lengths: lower index first); each goes into the
-    first micro-batch (in creation order) whose total stays ``<= max_tokens_per_mb``, else opens a
-    new one. A sequence longer than the budget opens a micro-batch that nothing else joins.
+    1. ``k`` = the number of micro-batches first-fit-decreasing needs (``_first_fit_decreasing``).
+    2. Longest first (equal lengths: lower index first), each sequence joins the least-loaded of
+       ``k`` micro-batches (equal loads: the lowest-numbered), the greedy rule of Graham (1969)
+       for even loads; an empty micro-batch takes any sequence, so one longer than the budget has
+       a micro-batch of its own that nothing else joins.
+    3. If a sequence does not fit in the least-loaded micro-batch, step 2 gives up and the
+       first-fit-decreasing micro-batches are used as they are: never more micro-batches than
+       first-fit-decreasing, balanced where the greedy rule finds a fit.
 
     Args:
         lengths: ``[B]`` token count of each sequence (prompt + response), each ``>= 1``.
         max_tokens_per_mb: token budget of one micro-batch, ``>= 1``.
 
     Returns:
-        Micro-batches in creation order; each is a list of sequence indices in ascending order.
-        Every index appears exactly once.
+        Micro-batches in creation order (step 2: the one the longest sequence joined first); each is
+        a list of sequence indices in ascending order. Every index appears exactly once.
 
     Raises:
         ValueError: ``max_tokens_per_mb < 1`` or a length ``< 1``.
@@ -111,6 +121,22 @@ def allocate_micro_batches(lengths: list[int], max_tokens_per_mb: int) -> list[l
     if lengths and min(lengths) < 1:
         raise ValueError(f"sequence lengths must be >= 1, got {min(lengths)}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    packed = _first_fit_decreasing(lengths, order, max_tokens_per_mb)
+    bins: list[list[int]] = [[] for _ in packed]
+    loads = [0] * len(packed)
+    for i in order:
+        b = min(range(len(loads)), key=lambda j: (loads[j], j))
+        if bins[b] and loads[b] + lengths[i] > max_tokens_per_mb:
+            return packed
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def _first_fit_decreasing(lengths: list[int], order: list[int], max_tokens_per_mb: int) -> list[list[int]]:
+    """First-fit-decreasing: in ``order`` (longest first), each sequence goes into the first
+    micro-batch (in creation order) whose total stays ``<= max_tokens_per_mb``, else opens a new
+    one. Micro-batches in creation order, indices ascending in each."""
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in order:
