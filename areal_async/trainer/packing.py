@@ -6,13 +6,13 @@ sequence as if it were alone; the packed attention (``trainer/attention.py``) ke
 inside each sequence.
 
 Micro-batches are as few as first-fit-decreasing bin packing needs under the token budget, and as
-even as a longest-first greedy can make them (``allocate_micro_batches``): a batch of 69k tokens
-under a 64k budget becomes two micro-batches of ~34k, not 64k and 5k. The small one would cost as
-many launches, FSDP gathers and host work per layer as a full one for a tenth of the arithmetic; on
-one H200 the 0.6B trainer ran 34.9 % MFU with 64k + 5k and 36.9 % with two balanced halves
-(docs/performance.md, round 4). The allocation depends only on the lengths (ties broken by index),
-never on timing, so a replayed run makes the same micro-batches. A sequence longer than the budget
-is not an error: it gets a micro-batch of its own (its memory is bounded by
+even as a longest-first greedy can make them (``allocate_micro_batches``): a batch of 68.8k tokens
+under a 64k budget becomes two micro-batches of 34.4k, not 65.5k and 3.3k. The small one would cost
+as many launches, FSDP gathers and host work per layer as a full one for a twentieth of the
+arithmetic; on one H200 the 0.6B trainer ran 34.9 % MFU with 65.5k + 3.3k and 36.9 % with 36.9k +
+32.0k (docs/performance.md, round 4). The allocation depends only on the lengths (ties broken by
+index), never on timing, so a replayed run makes the same micro-batches. A sequence longer than the
+budget is not an error: it gets a micro-batch of its own (its memory is bounded by
 ``inference.max_seq_len`` anyway).
 """
 
