@@ -9,10 +9,13 @@ receives each bucket by broadcast, exactly as an inference server does behind
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
+import pathlib
 import socket
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from areal_async.trainer.attention import use_packed_attention
@@ -97,6 +100,13 @@ class FakeClient:
         return [({n: torch.from_numpy(a) for n, a in weights.items()}, version) for _, (weights, version) in out]
 
 
+class DiskClient(FakeClient):
+    """Records ``update_weights_from_disk`` calls; no server processes."""
+
+    def __init__(self):
+        self.calls, self.disk_updates = [], []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,11 +151,6 @@ def test_disk_sender_writes_loadable_checkpoint(tiny_model_dir, tmp_path):
     policy = _policy(tiny_model_dir)
     with torch.no_grad():
         policy.lm.model.norm.weight.fill_(3.0)
-
-    class DiskClient(FakeClient):
-        def __init__(self):
-            self.calls, self.disk_updates = [], []
-
     client = DiskClient()
     sender = DiskWeightSender(policy, client, 2, str(tiny_model_dir), tmp_path / "weights", torch.bfloat16)
     asyncio.run(sender.send(1))
@@ -158,3 +163,33 @@ def test_disk_sender_writes_loadable_checkpoint(tiny_model_dir, tmp_path):
     torch.testing.assert_close(loaded.model.embed_tokens.weight.float(), policy.lm.model.embed_tokens.weight,
                                rtol=1e-2, atol=1e-2)  # bf16 rounding
     assert (tmp_path / "weights" / "v2" / "tokenizer_config.json").exists()
+
+
+def test_disk_sender_writes_send_dtype_bitwise(tiny_model_dir, tmp_path):
+    policy = _policy(tiny_model_dir)
+    client = DiskClient()
+    sender = DiskWeightSender(policy, client, 2, str(tiny_model_dir), tmp_path / "weights", torch.bfloat16)
+    asyncio.run(sender.setup())
+    asyncio.run(sender.send(1))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1 / 3)  # version 2 must carry the new values; most sums need rounding to bf16
+    asyncio.run(sender.send(2))
+    paths = {v: pathlib.Path(path) for _, path, v in client.disk_updates}
+    assert paths[2] == (tmp_path / "weights" / "v2").resolve()
+    assert not paths[1].exists(), "the previous version's directory is removed once the servers serve v2"
+    files = sorted(paths[2].glob("*.safetensors"))
+    assert len(files) == 4, files  # written in parallel, one file per writer thread
+    written = {}
+    for f in files:
+        written |= load_file(f)
+    expected = {name: p.detach().to(torch.bfloat16) for name, p in policy.lm.named_parameters()}
+    assert written.keys() == expected.keys()  # the tied LM head is stored once, as the embedding
+    index = json.loads((paths[2] / "model.safetensors.index.json").read_text())
+    assert index["weight_map"].keys() == expected.keys()
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    for name, t in expected.items():
+        assert written[name].dtype == torch.bfloat16, f"{name}: {written[name].dtype}"
+        assert torch.equal(written[name].view(torch.int16), t.view(torch.int16)), name  # bitwise
+    assert json.loads((paths[2] / "config.json").read_text())["dtype"] == "bfloat16"
+    assert not list((tmp_path / "weights").glob("*.tmp")), "no half-written directory is left"

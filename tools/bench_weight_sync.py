@@ -1,7 +1,8 @@
-"""Trainer → embedded-server weight broadcast (NCCL on CUDA, gloo on CPU): seconds, GB/s, checksums.
+"""Trainer → embedded-server weight updates (NCCL/gloo broadcast, or through disk): seconds, GB/s, checksums.
 
     python tools/bench_weight_sync.py [--shapes 0.6b 1.7b] [--trainer-device cuda:1]
-        [--server-device cuda:0] [--bucket-mb 256] [--reps 3] [--json out.json]
+        [--server-device cuda:0] [--bucket-mb 256] [--reps 3] [--sync distributed|disk] [--json out.json]
+    python tools/bench_weight_sync.py --sync disk --shapes 0.6b --trainer-device cpu --server-device cpu
 
 For each shape: a random Qwen3-shaped checkpoint (bf16) is written to a temporary directory; a
 child process loads it into the real embedded server (``load_engine`` + ``InferenceServer``, HTTP
@@ -11,7 +12,10 @@ every parameter (so an update that does nothing is caught), and runs ``Distribut
 ``setup`` (group join; NCCL creates its communicator lazily, in the first send) once, then
 ``send(version)`` ``--reps`` times. Each send is timed end to end
 (pause, per-parameter gather, bf16 cast, bucketed ``/update_weights_from_distributed`` calls with the
-broadcast, resume). GB/s = bytes sent (bf16) / seconds.
+broadcast, resume). GB/s = bytes sent (bf16) / seconds. ``--sync disk`` times ``DiskWeightSender``
+instead (the fallback when server and trainer share a GPU): gather, cast, write the version's HF
+directory under the temporary directory, the server's ``/update_weights_from_disk`` (its read of
+the files and load), resume.
 
 Checksum: SHA-256 of every parameter's bytes, trainer side of the bf16 tensor it sent, server side of
 the live parameter after the last update (the engine's fused q|k|v and gate|up weights are what
@@ -27,6 +31,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import pathlib
 import socket
 import tempfile
 import time
@@ -64,14 +69,19 @@ def _server(model_dir: str, device: str, url_q, done, result_q) -> None:
     asyncio.run(main())
 
 
-async def _trainer(policy, url: str, device: torch.device, bucket_bytes: int, reps: int) -> tuple[list[float], float]:
+async def _trainer(policy, url: str, device: torch.device, bucket_bytes: int, reps: int, sync: str,
+                   model_dir: str) -> tuple[list[float], float]:
     from areal_async.inference.client import InferenceClient
-    from areal_async.trainer.weight_sync import DistributedWeightSender
+    from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
 
     async with InferenceClient([url]) as client:
         await client.wait_healthy(300)
-        sender = DistributedWeightSender(policy, client, 1, "127.0.0.1", _free_port(), bucket_bytes,
-                                         torch.bfloat16, device)
+        if sync == "disk":
+            sender = DiskWeightSender(policy, client, 1, model_dir, pathlib.Path(model_dir).parent / "weights",
+                                      torch.bfloat16)
+        else:
+            sender = DistributedWeightSender(policy, client, 1, "127.0.0.1", _free_port(), bucket_bytes,
+                                             torch.bfloat16, device)
         start = time.perf_counter()
         await sender.setup()
         setup_s = time.perf_counter() - start
@@ -95,7 +105,7 @@ def bench_shape(shape: str, args) -> dict:
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(write_model_dir(shape, tmp))
+        model_dir = str(write_model_dir(shape, pathlib.Path(tmp) / "model"))
         url_q, result_q, done = ctx.Queue(), ctx.Queue(), ctx.Event()
         server = ctx.Process(target=_server, args=(model_dir, args.server_device, url_q, done, result_q))
         server.start()
@@ -114,7 +124,8 @@ def bench_shape(shape: str, args) -> dict:
                     local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 shard (DTensor)
                     local.add_(torch.randn_like(local) * 1e-2)
             url = url_q.get(timeout=600)
-            times, setup_s = asyncio.run(_trainer(policy, url, device, args.bucket_mb << 20, args.reps))
+            times, setup_s = asyncio.run(_trainer(policy, url, device, args.bucket_mb << 20, args.reps, args.sync,
+                                                  model_dir))
             sent = {n: t.to(torch.bfloat16) for n, t in full_parameters(policy)}
             ours = checksums(sent, list(sent), torch.bfloat16)
             nbytes = sum(t.numel() * t.element_size() for t in sent.values())
@@ -142,6 +153,7 @@ def main() -> None:
     ap.add_argument("--server-device", default="cuda:0")
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sync", choices=["distributed", "disk"], default="distributed")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = []
@@ -151,9 +163,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\nweight broadcast trainer ({args.trainer_device}) -> embedded server ({args.server_device}), "
-          f"bf16, buckets of {args.bucket_mb} MiB, best of {args.reps}")
-    print("(the first send includes the NCCL communicator's lazy initialisation)")
+    how = f"buckets of {args.bucket_mb} MiB" if args.sync == "distributed" else "through disk"
+    print(f"\nweight update ({args.sync}) trainer ({args.trainer_device}) -> embedded server ({args.server_device}), "
+          f"bf16, {how}, best of {args.reps}")
+    if args.sync == "distributed":
+        print("(the first send includes the NCCL communicator's lazy initialisation)")
     print(f"{'shape':<6} {'GB':>6} {'tensors':>8} {'first s':>8} {'send s':>7} {'GB/s':>6} {'bitwise equal':>14} "
           f"{'changed':>8}")
     for r in rows:

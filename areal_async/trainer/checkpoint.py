@@ -6,15 +6,24 @@ copied from the starting checkpoint; the weights are the gathered full state dic
 requested dtype. Saving builds the model skeleton on the ``meta`` device and assigns the tensors,
 so no second copy of the weights is allocated. ``state_dict_sha256`` fingerprints a state dict
 (bitwise run-to-run comparisons).
+
+For weight updates through disk (``DiskWeightSender``) ``write_hf_directory`` writes the same kind
+of directory from tensors already cast and on the CPU, as a few safetensors files in parallel,
+with the config (its ``dtype`` set to the weights') and tokenizer files that ``hf_metadata_files``
+renders once per run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -57,6 +66,60 @@ def save_hf_checkpoint(
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def write_hf_directory(out_dir: str | pathlib.Path, tensors: dict[str, Tensor], metadata: dict[str, bytes],
+                       num_files: int = 4) -> pathlib.Path:
+    """Write the HF directory ``out_dir`` (through ``out_dir.tmp``, renamed at the end, so a
+    reader never sees half a checkpoint): ``tensors`` (CPU) as safetensors files written in
+    parallel, and ``metadata``'s files (``hf_metadata_files``).
+
+    The tensors are dealt to ``num_files`` files by size (each to the file with the fewest bytes so
+    far), one ``safetensors.torch.save_file`` thread per file: writes to one file are serialised,
+    and on the H200 machine four files took 0.17 s for 1.2 GB where one took 0.32 s. One file is
+    ``model.safetensors``; several are ``model-0000k-of-0000n.safetensors`` with the
+    ``model.safetensors.index.json`` that ``from_pretrained`` reads. Returns ``out_dir``.
+    """
+    out_dir = pathlib.Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        num_files = max(1, min(num_files, len(tensors)))
+        names = (["model.safetensors"] if num_files == 1 else
+                 [f"model-{k + 1:05d}-of-{num_files:05d}.safetensors" for k in range(num_files)])
+        shards: list[dict[str, Tensor]] = [{} for _ in names]
+        sizes = [0] * num_files
+        for name, t in tensors.items():
+            k = sizes.index(min(sizes))
+            shards[k][name] = t.contiguous()
+            sizes[k] += t.numel() * t.element_size()
+        with ThreadPoolExecutor(num_files, thread_name_prefix="safetensors") as pool:
+            list(pool.map(lambda k: save_file(shards[k], str(tmp / names[k]), metadata={"format": "pt"}),
+                          range(num_files)))
+        if num_files > 1:
+            weight_map = {name: names[k] for k, shard in enumerate(shards) for name in shard}
+            index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for name, data in metadata.items():
+            (tmp / name).write_bytes(data)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def hf_metadata_files(base_model_path: str | pathlib.Path, dtype: torch.dtype) -> dict[str, bytes]:
+    """The files of an HF directory other than its weights, for weights in ``dtype``: the config
+    of ``base_model_path`` with ``dtype`` set, and its tokenizer. Keyed by file name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = AutoConfig.from_pretrained(base_model_path)
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
+        return {f.name: f.read_bytes() for f in pathlib.Path(tmp).iterdir() if f.is_file()}
 
 
 def state_dict_sha256(state_dict: dict[str, Tensor]) -> str:
