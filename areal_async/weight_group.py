@@ -9,7 +9,10 @@ never touches the default group.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -73,3 +76,30 @@ def broadcast_(group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int =
     opts.rootRank = src
     for t in tensors:
         group.broadcast([t], opts).wait()
+
+
+def in_daemon_thread(fn, *args) -> asyncio.Future:
+    """Start blocking ``fn(*args)`` in a daemon thread; returns a future of its result or exception.
+
+    For the group's blocking calls (joining it, a broadcast): unlike an executor thread, one still
+    blocked because a peer never came (waiting for group members, a broadcast a server refused) is
+    neither joined at loop close nor at interpreter exit; cancelling the future abandons the
+    result.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, exc: BaseException | None) -> None:
+        if not future.done():  # the waiter may have given up
+            future.set_exception(exc) if exc is not None else future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the waiter, which raises it
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed while fn blocked: nobody waits
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=target, name=getattr(fn, "__name__", "blocking"), daemon=True).start()
+    return future

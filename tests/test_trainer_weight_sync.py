@@ -14,6 +14,7 @@ import multiprocessing as mp
 import pathlib
 import socket
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -193,3 +194,41 @@ def test_disk_sender_writes_send_dtype_bitwise(tiny_model_dir, tmp_path):
         assert torch.equal(written[name].view(torch.int16), t.view(torch.int16)), name  # bitwise
     assert json.loads((paths[2] / "config.json").read_text())["dtype"] == "bfloat16"
     assert not list((tmp_path / "weights").glob("*.tmp")), "no half-written directory is left"
+
+
+def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
+    # A server that answers /update_weights_from_distributed with an error never joins the
+    # broadcast; the sender must raise then, not wait in the broadcast for the group's timeout.
+    import threading
+    import time
+
+    from areal_async.inference.client import ServerError
+    from areal_async.trainer import weight_sync
+
+    released = threading.Event()
+    monkeypatch.setattr(weight_sync, "broadcast_", lambda group, tensors: released.wait(20))
+
+    class RefusingClient:
+        calls: list[str] = []
+
+        async def pause(self, mode="abort"):
+            self.calls.append("pause")
+
+        async def resume(self):
+            self.calls.append("resume")
+
+        async def update_weights_from_distributed(self, server, *args):
+            raise ServerError(f"http://server-{server}", 400, "weight_version -1 is not a non-negative integer")
+
+    client = RefusingClient()
+    sender = DistributedWeightSender(_policy(tiny_model_dir), client, 1, "127.0.0.1", 0, 1 << 30, torch.float32,
+                                     torch.device("cpu"))
+    sender.group = object()  # never used: the broadcast is the stub above
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match="refused the bucket .* weight version 3"):
+            asyncio.run(sender.send(3))
+        assert time.perf_counter() - start < 10, "the send waited for the broadcast"
+        assert client.calls == ["pause", "resume"]
+    finally:
+        released.set()

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import pathlib
 import signal
-import threading
 import uuid
 
 import torch
@@ -308,7 +307,7 @@ class InferenceServer:
                 raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer, the broadcast source), "
                                  f"got {body['rank_offset']}")
             name = body.get("group_name", "weight_update_group")
-            joining = _in_daemon_thread(
+            joining = weight_group.in_daemon_thread(
                 weight_group.new_weight_group,
                 body.get("backend", "nccl"),
                 body["master_address"],
@@ -386,31 +385,6 @@ class InferenceServer:
         except (ValueError, RuntimeError) as exc:
             return _result(False, f"weight update failed: {type(exc).__name__}: {exc}", **extra)
         return _result(True, f"weights updated to version {self.engine.weight_version}", **extra)
-
-
-def _in_daemon_thread(fn, *args) -> asyncio.Future:
-    """Start blocking ``fn(*args)`` in a daemon thread; returns a future of its result or exception.
-
-    Unlike an executor thread, one still blocked (e.g. waiting for weight-group peers) is neither
-    joined at loop close nor at interpreter exit; cancelling the future abandons the result.
-    """
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, exc: BaseException | None) -> None:
-        if not future.done():  # the waiter may have given up
-            future.set_exception(exc) if exc is not None else future.set_result(result)
-
-    def target() -> None:
-        try:
-            result, exc = fn(*args), None
-        except BaseException as e:  # handed to the waiter, which raises it
-            result, exc = None, e
-        with contextlib.suppress(RuntimeError):  # the loop closed while fn blocked: nobody waits
-            loop.call_soon_threadsafe(settle, result, exc)
-
-    threading.Thread(target=target, name=getattr(fn, "__name__", "blocking"), daemon=True).start()
-    return future
 
 
 @contextlib.asynccontextmanager

@@ -27,6 +27,7 @@ import os
 import pathlib
 import signal
 import sys
+import traceback
 
 import msgspec
 import torch
@@ -198,7 +199,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="the run's resolved RUN_DIR/config.yaml")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    uvloop.run(train(load_config(args.config), pathlib.Path(args.config).resolve().parent))
+    try:
+        uvloop.run(train(load_config(args.config), pathlib.Path(args.config).resolve().parent))
+    except BaseException as exc:
+        # Leave at once with the traceback: a thread can still be blocked in a collective whose
+        # peer is gone (a weight broadcast a server refused), and interpreter exit would join it.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1)
     # Leave without interpreter finalization: C++ threads of the (destroyed) gloo groups can still
     # be joinable then, and their destructors call std::terminate ("terminate called without an
     # active exception", SIGABRT), which turned a finished run into a failed one.

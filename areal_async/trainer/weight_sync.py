@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
 from areal_async.trainer.parallel import full_parameters
-from areal_async.weight_group import broadcast_, dtype_name, new_weight_group
+from areal_async.weight_group import broadcast_, dtype_name, in_daemon_thread, new_weight_group
 
 GROUP_NAME = "weight_update_group"
 
@@ -129,9 +129,17 @@ class DistributedWeightSender:
             self.client.update_weights_from_distributed(i, names, dtypes, shapes, version, GROUP_NAME)
             for i in range(self.num_servers)
         ))
+        # The servers join the broadcast when their HTTP call arrives; ours blocks until then. A
+        # server that refuses the call never joins, so a failed call ends the wait at once (the
+        # blocked broadcast would otherwise hold the trainer until the group's timeout).
+        broadcast = in_daemon_thread(broadcast_, self.group, [t for _, t in bucket])
+        await asyncio.wait([broadcast, calls], return_when=asyncio.FIRST_EXCEPTION)
+        if calls.done() and calls.exception() is not None and not broadcast.done():
+            raise RuntimeError(f"a server refused the bucket of {len(names)} tensors ({names[0]}, ...) of weight "
+                               f"version {version}, so the broadcast cannot complete: {calls.exception()}") \
+                from calls.exception()
         try:
-            # The servers join the broadcast when their HTTP call arrives; ours blocks until then.
-            await asyncio.to_thread(broadcast_, self.group, [t for _, t in bucket])
+            await broadcast
         finally:
             await calls
 
