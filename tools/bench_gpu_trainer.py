@@ -362,17 +362,7 @@ def check_attention(device, lengths: list[int], heads: int, kv_heads: int, head_
             def fwd_bwd():
                 torch.autograd.grad(fwd(), (q, k, v), grad_out)
 
-            times = []
-            for fn in (lambda: fwd().detach(), fwd_bwd):
-                fn()
-                _sync(device)
-                laps = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    fn()
-                    _sync(device)
-                    laps.append(time.perf_counter() - t0)
-                times.append(float(np.median(laps)))
+            times = [measure(fn, reps, device)[0] for fn in (lambda: fwd().detach(), fwd_bwd)]
             print(f"  {name:<20} out {diffs[0]:.3g}, dQ {diffs[1]:.3g}, dK {diffs[2]:.3g}, dV {diffs[3]:.3g}; "
                   f"forward {times[0] * 1e3:.2f} ms ({fwd_flops / times[0] / 1e12:.0f} TFLOP/s), forward+backward "
                   f"{times[1] * 1e3:.2f} ms ({3 * fwd_flops / times[1] / 1e12:.0f} TFLOP/s)", flush=True)
@@ -402,17 +392,6 @@ def sweep_triton_configs(q, k, v, cu, max_len: int, grad_out, fwd_flops: float, 
     q3, k3, v3 = (t[0].transpose(0, 1).detach().requires_grad_() for t in (q, k, v))
     g3 = grad_out[0]
 
-    def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        laps = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            laps.append(time.perf_counter() - t0)
-        return float(np.median(laps))
-
     def fwd():
         return ta.varlen_attention(q3, k3, v3, cu, max_len)
 
@@ -424,7 +403,7 @@ def sweep_triton_configs(q, k, v, cu, max_len: int, grad_out, fwd_flops: float, 
         for config in configs:
             setattr(ta, name, config)
             try:
-                seconds = timed(fwd if name == "FWD_CONFIG" else fwd_bwd)
+                seconds = measure(fwd if name == "FWD_CONFIG" else fwd_bwd, reps, q.device)[0]
                 results.append((seconds, config))
             except Exception as exc:  # e.g. out of shared memory
                 print(f"  triton {name} {config}: FAILED {type(exc).__name__}: {str(exc)[:120]}", flush=True)

@@ -65,14 +65,39 @@ if triton is not None:
         return start, length, tl.maximum(first, 0)
 
     @triton.jit
-    def _fwd_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, length, qk_scale, MASK: tl.constexpr):
+    def _query_block(q_ptr, k_ptr, v_ptr, cu_ptr, bseq_ptr, bstart_ptr, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
+                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """This program's query block (grid: block table × query heads): its sequence's start and
+        length, the block's positions and their validity, the queries ``[BLOCK_M, D]``, and the
+        row pointers of its K/V head at the sequence's start."""
+        start, length, m0 = _seq_of_block(cu_ptr, bseq_ptr, bstart_ptr)
+        h = tl.program_id(1)
+        kv = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < length
+        q = tl.load(q_ptr + (start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        k_base = k_ptr + start * s_kt + kv * s_kh + offs_d[None, :]
+        v_base = v_ptr + start * s_vt + kv * s_vh + offs_d[None, :]
+        return start, length, m0, h, offs_m, offs_d, row_ok, q, k_base, v_base
+
+    @triton.jit
+    def _key_block(k_ptrs, v_ptrs, offs_n, length, MASK: tl.constexpr):
+        """Keys and values ``[BLOCK_N, D]`` at ``offs_n`` and which are inside the sequence
+        (``MASK``: rows past ``length`` load as zeros; else every row is known to be inside)."""
+        key_ok = offs_n < length
         if MASK:
-            key_ok = offs_n < length
             k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+        return k, v, key_ok
+
+    @triton.jit
+    def _fwd_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, length, qk_scale, MASK: tl.constexpr):
+        k, v, key_ok = _key_block(k_ptrs, v_ptrs, offs_n, length, MASK)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32, base-2 scaled
         if MASK:
             s = tl.where((offs_m[:, None] >= offs_n[None, :]) & key_ok[None, :], s, -float("inf"))
@@ -88,20 +113,12 @@ if triton is not None:
                     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_lh,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     SPAN: tl.constexpr):
-        start, length, m0 = _seq_of_block(cu_ptr, bseq_ptr, bstart_ptr)
-        h = tl.program_id(1)
-        kv = h // GROUP
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
+        start, length, m0, h, offs_m, offs_d, row_ok, q, k_base, v_base = _query_block(
+            q_ptr, k_ptr, v_ptr, cu_ptr, bseq_ptr, bstart_ptr, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, GROUP, D, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
-        row_ok = offs_m < length
-        q = tl.load(q_ptr + (start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=row_ok[:, None],
-                    other=0.0)
         m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        k_base = k_ptr + start * s_kt + kv * s_kh + offs_d[None, :]
-        v_base = v_ptr + start * s_vt + kv * s_vh + offs_d[None, :]
         if SPAN == 0:
             # keys [0, m0): below every query of the block and inside the sequence, no mask
             for n in range(0, m0, BLOCK_N):
@@ -186,13 +203,7 @@ if triton is not None:
 
     @triton.jit
     def _dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, offs_m, offs_n, length, qk_scale, MASK: tl.constexpr):
-        if MASK:
-            key_ok = offs_n < length
-            k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k, v, key_ok = _key_block(k_ptrs, v_ptrs, offs_n, length, MASK)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # [M, N]
         if MASK:
             p = tl.where((offs_m[:, None] >= offs_n[None, :]) & key_ok[None, :], p, 0.0)
@@ -206,22 +217,14 @@ if triton is not None:
                    qk_scale, scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_dot, s_doh, s_lh, s_dqt, s_dqh,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPAN: tl.constexpr):
-        start, length, m0 = _seq_of_block(cu_ptr, bseq_ptr, bstart_ptr)
-        h = tl.program_id(1)
-        kv = h // GROUP
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
+        start, length, m0, h, offs_m, offs_d, row_ok, q, k_base, v_base = _query_block(
+            q_ptr, k_ptr, v_ptr, cu_ptr, bseq_ptr, bstart_ptr, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, GROUP, D, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
-        row_ok = offs_m < length
-        q = tl.load(q_ptr + (start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=row_ok[:, None],
-                    other=0.0)
         do = tl.load(do_ptr + (start + offs_m)[:, None] * s_dot + h * s_doh + offs_d[None, :], mask=row_ok[:, None],
                      other=0.0)
         lse = tl.load(lse_ptr + h * s_lh + start + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_ptr + h * s_lh + start + offs_m, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, D], tl.float32)
-        k_base = k_ptr + start * s_kt + kv * s_kh + offs_d[None, :]
-        v_base = v_ptr + start * s_vt + kv * s_vh + offs_d[None, :]
         if SPAN == 0:
             for n in range(0, m0, BLOCK_N):
                 offs_n = n + offs_n0
