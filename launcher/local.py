@@ -130,7 +130,8 @@ def lock_run(cfg: Config):
 
 
 def check_ports(cfg: Config) -> None:
-    """Raise ``ValueError`` naming the config key if a port the job needs is taken or reused."""
+    """Raise ``ValueError`` naming the config key if a port the job needs is reused (checked
+    first: a config error, whatever else runs on the machine) or taken."""
     wanted = {f"inference.base_port+{i}" if i else "inference.base_port": (cfg.inference.host, p)
               for i, p in enumerate(range(cfg.inference.base_port,
                                           cfg.inference.base_port + cfg.inference.num_servers))}
@@ -138,10 +139,11 @@ def check_ports(cfg: Config) -> None:
                "trainer.master_port": ("127.0.0.1", cfg.trainer.master_port),
                "trainer.weight_sync_port": ("127.0.0.1", cfg.trainer.weight_sync_port)}
     seen: dict[int, str] = {}
-    for key, (host, port) in wanted.items():
+    for key, (_, port) in wanted.items():
         if port in seen:
             raise ValueError(f"{key} and {seen[port]} are both port {port}; give them distinct ports")
         seen[port] = key
+    for key, (host, port) in wanted.items():
         with socket.socket() as s:
             # As the servers do: a port held only by connections in TIME_WAIT is free to listen on.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

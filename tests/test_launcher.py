@@ -150,7 +150,16 @@ def test_shipped_configs_pass_the_checks_before_start(tmp_path, tiny_model_dir, 
     # empty means the task's own reward, not an unknown function.
     from launcher.local import prepare_run
 
-    cfg = load_config(f"configs/{config}", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}"])
+    import socket
+
+    ports = []
+    for _ in range(4):  # free ones, not the configs' (another job on the machine may hold those)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    free = [f"inference.base_port={ports[0]}", "inference.num_servers=1", f"queue.port={ports[1]}",
+            f"trainer.master_port={ports[2]}", f"trainer.weight_sync_port={ports[3]}"]
+    cfg = load_config(f"configs/{config}", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}", *free])
     assert cfg.reward.fn == ""
     resolved = prepare_run(cfg, overwrite=False)
     assert (resolved.run_dir / "config.yaml").exists()
