@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -511,4 +512,65 @@ def test_sigterm_stops_a_server_waiting_for_weight_group_peers(tiny_model_dir):
             proc.kill()
             proc.wait()
     status, reply = replies[0] if replies else (None, b"")
+    assert status == 503 and b"shutting down" in reply, replies
+
+
+def test_sigterm_stops_a_server_blocked_receiving_a_weight_broadcast(tiny_model_dir):
+    # The server has joined a gloo weight group with this process (rank 0, the trainer) and is
+    # inside /update_weights_from_distributed, waiting for a broadcast that never comes (a trainer
+    # that gave up on this version): SIGTERM must still stop it promptly.
+    from areal_async import weight_group
+
+    cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(tiny_model_dir), "--port", "0",
+           "--dtype", "float32", "--device", "cpu", "--max-running-requests", "2", "--max-seq-len", "64",
+           "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    replies: dict[str, tuple] = {}
+
+    def post(path, payload):
+        request = urllib.request.Request(url + path, json.dumps(payload).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                replies[path] = (resp.status, resp.read())
+        except urllib.error.HTTPError as exc:
+            replies[path] = (exc.code, exc.read())
+        except OSError as exc:
+            replies[path] = (None, repr(exc))
+
+    try:
+        lines = [proc.stdout.readline()]
+        while lines[-1] and "inference server on " not in lines[-1]:
+            lines.append(proc.stdout.readline())
+        assert lines[-1], "".join(lines)
+        url = lines[-1].split("inference server on ")[1].split()[0]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        joiner = threading.Thread(target=post, args=("/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "backend": "gloo"}), daemon=True)
+        joiner.start()
+        group = weight_group.new_weight_group("gloo", "127.0.0.1", port, 0, 2, timeout_s=60)
+        joiner.join(timeout=30)
+        assert replies["/init_weights_update_group"][0] == 200, replies
+        updater = threading.Thread(target=post, args=("/update_weights_from_distributed", {
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": "1"}),
+            daemon=True)
+        updater.start()
+        time.sleep(1.0)  # the call reaches the receive; no broadcast follows
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server ignored SIGTERM for 10 s while receiving a weight broadcast")
+        assert code == 0, proc.stdout.read()
+        updater.join(timeout=10)
+        del group
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    status, reply = replies.get("/update_weights_from_distributed", (None, b""))
     assert status == 503 and b"shutting down" in reply, replies

@@ -232,3 +232,30 @@ def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
         assert client.calls == ["pause", "resume"]
     finally:
         released.set()
+
+
+def test_a_refused_join_fails_the_setup_at_once(tiny_model_dir, monkeypatch):
+    # A server that answers /init_weights_update_group with an error never connects to the
+    # rendezvous; setup must raise then, not wait for the rendezvous to time out.
+    import threading
+    import time
+
+    from areal_async.inference.client import ServerError
+    from areal_async.trainer import weight_sync
+
+    released = threading.Event()
+    monkeypatch.setattr(weight_sync, "new_weight_group", lambda *args: released.wait(20))
+
+    class RefusingClient:
+        async def init_weights_update_group(self, server, *args):
+            raise ServerError(f"http://server-{server}", 400, "rank_offset must be >= 1")
+
+    sender = DistributedWeightSender(_policy(tiny_model_dir), RefusingClient(), 2, "127.0.0.1", 0, 1 << 30,
+                                     torch.float32, torch.device("cpu"))
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match="refused to join the weight group"):
+            asyncio.run(sender.setup())
+        assert time.perf_counter() - start < 10, "setup waited for the rendezvous"
+    finally:
+        released.set()

@@ -10,9 +10,22 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
+from areal_async.trainer import triton_attention  # noqa: E402
 from areal_async.trainer.triton_attention import block_table, varlen_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=["loaded bounds", "fixed bound"])
+def loops(request, monkeypatch):
+    """Both loop forms of the kernels: ending at loaded bounds (the GPU's, with the unmasked blocks
+    below the diagonal) and the interpreter's fixed bound under full masks."""
+    if request.param == "fixed bound":
+        if not triton_attention._INTERPRET:
+            pytest.skip("the fixed-bound loops exist for Triton's interpreter")
+    else:
+        monkeypatch.setattr(triton_attention, "_INTERPRET", False)
+    return request.param
 
 
 def reference(q, k, v, lengths, scale):
@@ -36,8 +49,8 @@ def inputs(lengths, heads=4, kv_heads=2, dim=16, seed=0):
     return q, k, v, cu
 
 
-@pytest.mark.parametrize("lengths", [[5], [1, 130, 64, 3], [200, 1, 70]])
-def test_matches_per_sequence_reference_with_gradients(lengths):
+@pytest.mark.parametrize("lengths", [[5], [1, 130, 64, 3], [200, 1, 70], [128, 129, 256, 63]])
+def test_matches_per_sequence_reference_with_gradients(lengths, loops):
     # fp32 inputs: the interpreter's products are exact fp32 (on CUDA they are TF32), so the bound
     # is tight on CPU; a wrong mask or a wrong softmax statistic gives O(1) errors
     q, k, v, cu = inputs(lengths)
@@ -54,7 +67,24 @@ def test_matches_per_sequence_reference_with_gradients(lengths):
         assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item()), name
 
 
-def test_a_sequence_gets_the_same_bits_whatever_it_is_packed_with():
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_grouped_query_heads_read_their_own_kv_head(heads, kv_heads):
+    # query head h reads K/V head h // (H / Hkv); a wrong mapping gives O(1) errors
+    lengths = [40, 90]
+    q, k, v, cu = inputs(lengths, heads, kv_heads, seed=2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = varlen_attention(*leaves, cu, 90)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference(*ref_leaves, lengths, 16**-0.5)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out)
+    tol = 1e-4 if DEVICE == "cpu" else 2e-2
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item()), name
+
+
+def test_a_sequence_gets_the_same_bits_whatever_it_is_packed_with(loops):
     # blocks are aligned to each sequence's start and every sum runs in a fixed order, so the
     # last sequence's output and gradients are bitwise those of the sequence alone
     lengths = [70, 1, 150]

@@ -19,7 +19,8 @@ Variants:
 - ``padded``: micro-batches of ``--padded-mb`` sequences in their given order, right-padded to the
   longest, HF ``sdpa`` attention with the padding mask; the LM head + log-softmax run chunked on the
   real tokens only (the same code as packed), so the difference is attention and padding.
-- ``packed``: first-fit-decreasing micro-batches of at most ``--max-tokens-per-mb`` tokens, one 1D
+- ``packed``: micro-batches of at most ``--max-tokens-per-mb`` tokens (``packing.allocate_micro_batches``:
+  as few as first-fit-decreasing needs, balanced; before round 4, first-fit-decreasing itself), one 1D
   row each, ``varlen_attn`` (``trainer/attention.py``), log-probs chunked by ``chunk`` rows of the
   ``[T, vocab]`` logits (``0`` = the whole micro-batch at once, i.e. unchunked).
   These rows, and the ``packed fsdp2`` / ``fsdp2 fusednorm`` rows, keep K/V repeated before
@@ -407,6 +408,10 @@ def sweep_triton_configs(q, k, v, cu, max_len: int, grad_out, fwd_flops: float, 
                 results.append((seconds, config))
             except Exception as exc:  # e.g. out of shared memory
                 print(f"  triton {name} {config}: FAILED {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        if not results:
+            setattr(ta, name, configs[0])
+            print(f"  triton {name}: every config failed; kept {configs[0]}", flush=True)
+            continue
         results.sort()
         setattr(ta, name, results[0][1])
         flops = fwd_flops if name == "FWD_CONFIG" else 3 * fwd_flops

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from ..jitter import Jitter
+from ..weight_group import in_daemon_thread
 from .forward import BatchedForward
 from .sampling import SamplingParams, sample
 
@@ -278,9 +279,11 @@ class Engine:
     async def update_weights(self, receive: Callable[[], dict[str, torch.Tensor]], version: int) -> None:
         """Run ``receive`` (blocking: disk read or broadcast) off the loop while generation goes on,
         then drain the pipeline, swap the tensors in and set ``weight_version``. Raises what
-        ``receive`` / the load raise."""
+        ``receive`` / the load raise. ``receive`` runs in a daemon thread: cancelled while it
+        blocks (a broadcast whose sender is gone), the update is abandoned and the thread does not
+        hold up the process's exit."""
         loop = asyncio.get_running_loop()
-        tensors = await loop.run_in_executor(None, receive)
+        tensors = await in_daemon_thread(receive)
         async with self._quiet():
             await loop.run_in_executor(self._pool, self.forward.load_weights, tensors)
             self.weight_version = version

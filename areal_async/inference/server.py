@@ -100,6 +100,11 @@ def _result(success: bool, message: str, **extra) -> web.Response:
     return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
 
+def _shutting_down(what: str) -> web.Response:
+    return web.json_response({"success": False, "message": f"{what} abandoned: the server is shutting down"},
+                             status=503)
+
+
 def _rids(raw, n: int, batch: bool) -> list[str]:
     """The request ids of ``n`` prompts: ``raw`` is SGLang's ``rid`` field, a string for one prompt,
     a list of ``n`` strings for a batch, or ``None`` (fresh ids).
@@ -191,6 +196,9 @@ class InferenceServer:
         self._closing.set()
 
     async def _stop(self, app: web.Application) -> None:
+        for update in list(self._updates):  # abandoned by their handlers at shutdown
+            update.cancel()
+        await asyncio.gather(*self._updates, return_exceptions=True)
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
 
@@ -224,8 +232,14 @@ class InferenceServer:
                 self.engine.validate(prompt, params)
         except ValueError as exc:
             return _error(str(exc))
-        # cancelled when the client disconnects: gather cancels each generate, which aborts its request
-        done = await asyncio.gather(*(self.engine.generate(p, params, r) for p, r in zip(prompts, rids)))
+        # Cancelled when the client disconnects, and if one prompt fails: the task group then
+        # cancels every other generate, which aborts its request (no slot is left to nobody).
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running = [tasks.create_task(self.engine.generate(p, params, r)) for p, r in zip(prompts, rids)]
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None  # the first prompt's error, as a single call raises it
+        done = [t.result() for t in running]
         logprob = bool(body.get("return_logprob"))
         out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
         return web.json_response(out if batch else out[0])
@@ -315,16 +329,8 @@ class InferenceServer:
                 int(body["rank_offset"]),
                 int(body["world_size"]),
             )
-            closing = asyncio.ensure_future(self._closing.wait())
-            try:
-                await asyncio.wait([joining, closing], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                closing.cancel()
-                if not joining.done():  # shutting down, or the client went away: the thread stays
-                    joining.cancel()  # blocked, and being a daemon it does not hold up the exit
-            if joining.cancelled():
-                return web.json_response({"success": False, "message": "init_weights_update_group abandoned: "
-                                          "the server is shutting down"}, status=503)
+            if not await self._unless_closing(joining):
+                return _shutting_down("init_weights_update_group")
             group = joining.result()
         except (KeyError, ValueError, RuntimeError) as exc:
             return _result(False, f"init_weights_update_group failed: {type(exc).__name__}: {exc}")
@@ -380,11 +386,28 @@ class InferenceServer:
         update = asyncio.ensure_future(self.engine.update_weights(receive, version))
         self._updates.add(update)
         update.add_done_callback(self._updates.discard)
+        if not await self._unless_closing(update):
+            return _shutting_down("weight update")
         try:
-            await asyncio.shield(update)
+            update.result()
         except (ValueError, RuntimeError) as exc:
             return _result(False, f"weight update failed: {type(exc).__name__}: {exc}", **extra)
         return _result(True, f"weights updated to version {self.engine.weight_version}", **extra)
+
+    async def _unless_closing(self, work: asyncio.Future) -> bool:
+        """Wait for ``work`` unless the server starts shutting down first: then cancel it (a join
+        or a receive still blocked in its daemon thread is abandoned) and return ``False``. A
+        cancelled caller (the client went away) does not cancel ``work``: a weight swap is never
+        left half-done."""
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait([asyncio.shield(work), closing], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+        if work.done():
+            return True
+        work.cancel()
+        return False
 
 
 @contextlib.asynccontextmanager

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1)
+        code = (exc.code or 0) if isinstance(exc, SystemExit) and isinstance(exc.code, (int, type(None))) else 1
+        os._exit(code)
     # Leave without interpreter finalization: C++ threads of the (destroyed) gloo groups can still
     # be joinable then, and their destructors call std::terminate ("terminate called without an
     # active exception", SIGABRT), which turned a finished run into a failed one.

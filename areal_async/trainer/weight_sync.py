@@ -94,9 +94,17 @@ class DistributedWeightSender:
                 i, self.master_address, self.master_port, 1 + i, world_size, self.backend, GROUP_NAME)
             for i in range(self.num_servers)
         ))
+        # A server that refuses to join never connects: its refusal ends the wait at once (our side
+        # would otherwise block until the rendezvous times out).
+        group = in_daemon_thread(new_weight_group, self.backend, self.master_address, self.master_port, 0,
+                                 world_size)
+        await asyncio.wait([group, joins], return_when=asyncio.FIRST_EXCEPTION)
+        if joins.done() and joins.exception() is not None and not group.done():
+            group.cancel()
+            raise RuntimeError(f"a server refused to join the weight group at {self.master_address}:"
+                               f"{self.master_port}: {joins.exception()}") from joins.exception()
         try:
-            self.group = await asyncio.to_thread(
-                new_weight_group, self.backend, self.master_address, self.master_port, 0, world_size)
+            self.group = await group
         finally:
             await joins  # surfaces a server's refusal even if our side failed first
 
@@ -168,14 +176,16 @@ class DiskWeightSender:
         return None
 
     async def send(self, version: int) -> None:
-        tensors = {}
+        tensors, devices = {}, set()
         for name, full in full_parameters(self.policy):  # collective: every rank takes part in each gather
             if full is not None:
                 tensors[name] = _to_host(full, self.save_dtype if full.is_floating_point() else full.dtype)
+                if full.is_cuda:
+                    devices.add(full.device)
         if _rank() != 0:
             return
-        if any(t.is_pinned() for t in tensors.values()):
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        for device in devices:
+            torch.cuda.synchronize(device)  # the non-blocking device-to-host copies have landed
         if self._metadata is None:
             self._metadata = hf_metadata_files(self.base_model_path, self.save_dtype)
         path = await asyncio.to_thread(write_hf_directory, self.weights_dir / f"v{version}", tensors, self._metadata)
@@ -192,7 +202,8 @@ class DiskWeightSender:
 
 def _to_host(full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``full`` in ``dtype`` on the CPU: cast where it lives; from CUDA into pinned memory without
-    waiting (the caller synchronises once for all parameters)."""
+    waiting (the caller synchronises once for all parameters). The pinned buffers return to torch's
+    caching host allocator when the update is written, and serve the next update."""
     cast = full.to(dtype)
     if not cast.is_cuda:
         return cast
