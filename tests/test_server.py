@@ -465,70 +465,26 @@ def test_a_disconnected_client_frees_its_slot(tiny_model_dir):
     assert len(after["output_ids"]) <= 2
 
 
-def test_sigterm_stops_a_server_waiting_for_weight_group_peers(tiny_model_dir):
-    cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(tiny_model_dir), "--port", "0",
+def _server_process(model_dir) -> tuple[subprocess.Popen, str]:
+    """``python -m areal_async.inference.server`` on the tiny model (CPU), and its URL once serving."""
+    cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir), "--port", "0",
            "--dtype", "float32", "--device", "cpu", "--max-running-requests", "2", "--max-seq-len", "64",
            "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    # a peer that accepts the store connection and never answers: the server's join blocks there
-    silent_peer = socket.create_server(("127.0.0.1", 0))
-    silent_peer.settimeout(60)
-    replies = []
-    try:
-        lines = [proc.stdout.readline()]
-        while lines[-1] and "inference server on " not in lines[-1]:  # past any load-time warnings
-            lines.append(proc.stdout.readline())
-        assert lines[-1], "".join(lines)
-        url = lines[-1].split("inference server on ")[1].split()[0]
-        body = json.dumps({"master_address": "127.0.0.1", "master_port": silent_peer.getsockname()[1],
-                           "rank_offset": 1, "world_size": 2, "backend": "gloo"}).encode()
-
-        def join():
-            request = urllib.request.Request(url + "/init_weights_update_group", body, method="POST",
-                                             headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=60) as resp:
-                    replies.append((resp.status, resp.read()))
-            except urllib.error.HTTPError as exc:
-                replies.append((exc.code, exc.read()))
-            except OSError as exc:
-                replies.append((None, repr(exc)))
-
-        joiner = threading.Thread(target=join, daemon=True)
-        joiner.start()
-        connection, _ = silent_peer.accept()  # the server is inside the blocking join now
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the server ignored SIGTERM for 10 s while joining a weight group")
-        assert code == 0, proc.stdout.read()
-        joiner.join(timeout=10)
-        connection.close()
-    finally:
-        silent_peer.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    status, reply = replies[0] if replies else (None, b"")
-    assert status == 503 and b"shutting down" in reply, replies
+    lines = [proc.stdout.readline()]
+    while lines[-1] and "inference server on " not in lines[-1]:  # past any load-time warnings
+        lines.append(proc.stdout.readline())
+    if not lines[-1]:
+        proc.kill()
+        raise AssertionError("".join(lines))
+    return proc, lines[-1].split("inference server on ")[1].split()[0]
 
 
-def test_sigterm_stops_a_server_blocked_receiving_a_weight_broadcast(tiny_model_dir):
-    # The server has joined a gloo weight group with this process (rank 0, the trainer) and is
-    # inside /update_weights_from_distributed, waiting for a broadcast that never comes (a trainer
-    # that gave up on this version): SIGTERM must still stop it promptly.
-    from areal_async import weight_group
+def _post_in_thread(url: str, path: str, payload: dict, replies: dict) -> threading.Thread:
+    """POST ``payload`` to ``url + path`` from a daemon thread; ``replies[path]`` gets (status, body)."""
 
-    cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(tiny_model_dir), "--port", "0",
-           "--dtype", "float32", "--device", "cpu", "--max-running-requests", "2", "--max-seq-len", "64",
-           "--threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    replies: dict[str, tuple] = {}
-
-    def post(path, payload):
+    def post():
         request = urllib.request.Request(url + path, json.dumps(payload).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
         try:
@@ -539,33 +495,66 @@ def test_sigterm_stops_a_server_blocked_receiving_a_weight_broadcast(tiny_model_
         except OSError as exc:
             replies[path] = (None, repr(exc))
 
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
+def _stops_on_sigterm(proc: subprocess.Popen, what: str) -> None:
+    proc.send_signal(signal.SIGTERM)
     try:
-        lines = [proc.stdout.readline()]
-        while lines[-1] and "inference server on " not in lines[-1]:
-            lines.append(proc.stdout.readline())
-        assert lines[-1], "".join(lines)
-        url = lines[-1].split("inference server on ")[1].split()[0]
+        code = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server ignored SIGTERM for 10 s while {what}")
+    assert code == 0, proc.stdout.read()
+
+
+def test_sigterm_stops_a_server_waiting_for_weight_group_peers(tiny_model_dir):
+    # a peer that accepts the store connection and never answers: the server's join blocks there
+    silent_peer = socket.create_server(("127.0.0.1", 0))
+    silent_peer.settimeout(60)
+    replies: dict[str, tuple] = {}
+    proc, url = _server_process(tiny_model_dir)
+    try:
+        joiner = _post_in_thread(url, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": silent_peer.getsockname()[1], "rank_offset": 1,
+            "world_size": 2, "backend": "gloo"}, replies)
+        connection, _ = silent_peer.accept()  # the server is inside the blocking join now
+        _stops_on_sigterm(proc, "joining a weight group")
+        joiner.join(timeout=10)
+        connection.close()
+    finally:
+        silent_peer.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    status, reply = replies.get("/init_weights_update_group", (None, b""))
+    assert status == 503 and b"shutting down" in reply, replies
+
+
+def test_sigterm_stops_a_server_blocked_receiving_a_weight_broadcast(tiny_model_dir):
+    # The server has joined a gloo weight group with this process (rank 0, the trainer) and is
+    # inside /update_weights_from_distributed, waiting for a broadcast that never comes (a trainer
+    # that gave up on this version): SIGTERM must still stop it promptly.
+    from areal_async import weight_group
+
+    replies: dict[str, tuple] = {}
+    proc, url = _server_process(tiny_model_dir)
+    try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        joiner = threading.Thread(target=post, args=("/init_weights_update_group", {
+        joiner = _post_in_thread(url, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "backend": "gloo"}), daemon=True)
-        joiner.start()
+            "backend": "gloo"}, replies)
         group = weight_group.new_weight_group("gloo", "127.0.0.1", port, 0, 2, timeout_s=60)
         joiner.join(timeout=30)
         assert replies["/init_weights_update_group"][0] == 200, replies
-        updater = threading.Thread(target=post, args=("/update_weights_from_distributed", {
-            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": "1"}),
-            daemon=True)
-        updater.start()
+        updater = _post_in_thread(url, "/update_weights_from_distributed", {
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": "1"},
+            replies)
         time.sleep(1.0)  # the call reaches the receive; no broadcast follows
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the server ignored SIGTERM for 10 s while receiving a weight broadcast")
-        assert code == 0, proc.stdout.read()
+        _stops_on_sigterm(proc, "receiving a weight broadcast")
         updater.join(timeout=10)
         del group
     finally:
