@@ -396,6 +396,9 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
     """
     data: dict = {}
     if path is not None:
+        if pathlib.Path(path).is_dir():
+            raise ValueError(f"{path} is a directory; give the path of a YAML config file in it, e.g. "
+                             f"{pathlib.Path(path) / 'quickstart_cpu.yaml'}")
         try:
             data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
         except yaml.YAMLError as exc:

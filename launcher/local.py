@@ -174,8 +174,9 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     check_ports(cfg)
     run_dir = cfg.run_dir
     if resume:
-        from areal_async.trainer.resume import read_step
+        from areal_async.trainer.resume import read_step, recover_checkpoint
 
+        recover_checkpoint(run_dir / "checkpoint")  # a publish interrupted between its two renames
         read_step(run_dir / "checkpoint")  # FileNotFoundError naming the fix when there is none
         cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, resume=True))
     elif (run_dir / "metrics.jsonl").exists():
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     start.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags before, between or after the overrides
     try:
         cfg = load_config(args.config, args.overrides)
         lock = lock_run(cfg)  # noqa: F841  (held until the launcher exits)

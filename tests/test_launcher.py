@@ -173,3 +173,16 @@ def test_shipped_configs_pass_the_checks_before_start(tmp_path, tiny_model_dir, 
 def test_trainer_settings_it_cannot_run_fail_at_load(overrides, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         load_config("configs/quickstart_cpu.yaml", overrides)
+
+
+def test_flags_go_anywhere_among_the_overrides_and_a_directory_is_not_a_config(tmp_path, capsys):
+    # --overwrite before the overrides used to fail with "unrecognized arguments"; every call
+    # below stops at the (deliberately unknown) task, after the arguments were parsed
+    from launcher.local import main
+
+    for argv in (["configs/quickstart_cpu.yaml", "--overwrite", f"run_root={tmp_path}", "data.task=nosuch"],
+                 ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "--resume", "data.task=nosuch"]):
+        assert main(argv) == 2
+        assert "data.task='nosuch' is not a registered task" in capsys.readouterr().err
+    assert main(["configs", f"run_root={tmp_path}"]) == 2
+    assert "configs is a directory; give the path of a YAML config file" in capsys.readouterr().err

@@ -8,6 +8,8 @@ restart with the checkpoint's weights as version 3 and the queue at version 3 wi
 Data order and sampling seeds are functions of (run seed, group id) and need no state.
 """
 
+import json
+
 import pytest
 
 from tests.test_determinism import fingerprint, run_job
@@ -23,3 +25,34 @@ def test_resumed_run_matches_unbroken_run(tiny_model_dir, tmp_path):
     assert resumed["metrics"] == unbroken["metrics"]
     assert resumed["trajectories"] == unbroken["trajectories"]
     assert resumed["weights"] == unbroken["weights"]
+
+
+def test_an_interrupted_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
+    # The next checkpoint is written whole into a staging directory and swapped in only when
+    # complete: stopping the job in the middle of the (1 GB, seconds-long) training-state write
+    # leaves the previous checkpoint resumable.
+    from areal_async.trainer.resume import publish_checkpoint, read_step, recover_checkpoint, staging_dir
+
+    ckpt = tmp_path / "checkpoint"
+
+    def write(step: int, complete: bool = True) -> None:
+        staging = staging_dir(ckpt)
+        staging.mkdir()
+        (staging / "model.safetensors").write_bytes(b"weights of step %d" % step)
+        (staging / "trainer_state.pt").write_bytes(b"partial" if not complete else b"state")
+        if complete:
+            (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
+            publish_checkpoint(ckpt)
+
+    write(1)
+    write(2, complete=False)  # interrupted: publish_checkpoint never ran
+    assert read_step(ckpt) == 1
+    assert (ckpt / "model.safetensors").read_bytes() == b"weights of step 1"
+    recover_checkpoint(ckpt)  # what --resume does first: the half-written staging goes
+    assert not staging_dir(ckpt).exists() and read_step(ckpt) == 1
+    write(3)
+    assert read_step(ckpt) == 3 and (ckpt / "model.safetensors").read_bytes() == b"weights of step 3"
+    # interrupted between publish_checkpoint's two renames: the old one is put back
+    ckpt.rename(ckpt.with_name("checkpoint.old"))
+    recover_checkpoint(ckpt)
+    assert read_step(ckpt) == 3

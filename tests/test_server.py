@@ -563,3 +563,26 @@ def test_sigterm_stops_a_server_blocked_receiving_a_weight_broadcast(tiny_model_
             proc.wait()
     status, reply = replies.get("/update_weights_from_distributed", (None, b""))
     assert status == 503 and b"shutting down" in reply, replies
+
+
+def test_unreadable_weights_and_non_json_bodies_get_json_400s(tiny_model_dir, tmp_path):
+    # a truncated/corrupt safetensors file is bad input (400 with the error shape), not a server
+    # error, and the weights in service stay as they were
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+
+    async def main():
+        async with running(tiny_model_dir, slots=2, max_seq_len=64) as (api, engine):
+            corrupt = await api.post("/update_weights_from_disk", {"model_path": str(bad), "weight_version": "1"})
+            missing = await api.post("/update_weights_from_disk", {"weight_version": "1"})
+            async with api.http.post(api.url + "/generate", data=b"{not json",
+                                     headers={"Content-Type": "application/json"}) as resp:
+                not_json = resp.status, await resp.json()
+            return corrupt, missing, not_json, engine.weight_version
+
+    corrupt, missing, not_json, version = asyncio.run(main())
+    assert corrupt[0] == 400 and "not a readable safetensors file" in corrupt[1]["message"], corrupt
+    assert missing[0] == 400 and "model_path None" in missing[1]["message"], missing
+    assert not_json[0] == 400 and "not JSON" in not_json[1]["error"]["message"], not_json
+    assert version == 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import pathlib
 import signal
 import uuid
@@ -148,10 +149,15 @@ async def _body(request: web.Request) -> dict:
     try:
         data = await request.json()
     except ValueError as exc:
-        raise web.HTTPBadRequest(text=f"request body is not JSON: {exc}") from None
+        raise _bad_request(f"request body is not JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise web.HTTPBadRequest(text="request body must be a JSON object")
+        raise _bad_request("request body must be a JSON object")
     return data
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    """HTTP 400 with the ``{"error": {"message": ...}}`` body of every other bad input."""
+    return web.HTTPBadRequest(text=json.dumps({"error": {"message": message}}), content_type="application/json")
 
 
 class InferenceServer:
@@ -365,7 +371,11 @@ class InferenceServer:
             version = _weight_version(body.get("weight_version"), self.engine.weight_version)
         except ValueError as exc:
             return _result(False, f"update_weights_from_disk rejected: {exc}", num_paused_requests=0)
-        path = pathlib.Path(str(body.get("model_path", "")))
+        raw = body.get("model_path")
+        if not isinstance(raw, str) or not raw:
+            return _result(False, f"model_path {raw!r} is not a directory path; send the HF directory holding the "
+                                  f"*.safetensors weights", num_paused_requests=0)
+        path = pathlib.Path(raw)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
         if not files:
             return _result(False, f"model_path '{path}' has no *.safetensors files", num_paused_requests=0)
@@ -373,7 +383,11 @@ class InferenceServer:
         def receive() -> dict[str, torch.Tensor]:
             tensors: dict[str, torch.Tensor] = {}
             for f in files:
-                tensors.update(load_file(str(f)))
+                try:
+                    tensors.update(load_file(str(f)))
+                except Exception as exc:  # safetensors raises its own SafetensorError (header, truncation)
+                    raise ValueError(f"{f} is not a readable safetensors file ({type(exc).__name__}: {exc}); "
+                                     f"write the directory again") from exc
             return tensors
 
         return await self._update(receive, version, body, num_paused_requests=0)

@@ -40,7 +40,7 @@ from areal_async.queue.staleness import group_id_limit
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
-from areal_async.trainer.resume import load_training_state, save_training_state
+from areal_async.trainer.resume import load_training_state, publish_checkpoint, save_training_state, staging_dir
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 from areal_async.types import Trajectory
@@ -108,11 +108,15 @@ async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
 def save_checkpoint(cfg: Config, policy, optimizer, run_dir: pathlib.Path, step: int,
                     buffer: list[Trajectory]) -> None:
     """Collective: rank 0 writes ``RUN_DIR/checkpoint``: the fp32 master weights (HF directory),
-    then the training state of ``step`` and the queue's saved ``buffer`` (``resume.py``)."""
+    then the training state of ``step`` and the queue's saved ``buffer`` (``resume.py``), all into
+    a staging directory that replaces the previous checkpoint only once complete."""
+    ckpt = run_dir / "checkpoint"
     state = full_state_dict(policy)
     if state is not None:
-        save_hf_checkpoint(state, cfg.model.path, run_dir / "checkpoint", torch.float32)
-    save_training_state(policy, optimizer, run_dir / "checkpoint", step, buffer)
+        save_hf_checkpoint(state, cfg.model.path, staging_dir(ckpt), torch.float32)
+    save_training_state(policy, optimizer, staging_dir(ckpt), step, buffer)
+    if state is not None:
+        publish_checkpoint(ckpt)
 
 
 async def train(cfg: Config, run_dir: pathlib.Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import msgspec
 import torch
@@ -54,6 +55,44 @@ def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     (ckpt_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
 
 
+def staging_dir(ckpt_dir: pathlib.Path) -> pathlib.Path:
+    """Where the next checkpoint is written before ``publish_checkpoint`` puts it in place."""
+    return pathlib.Path(ckpt_dir).with_name(pathlib.Path(ckpt_dir).name + ".partial")
+
+
+def publish_checkpoint(ckpt_dir: pathlib.Path) -> None:
+    """Make the complete checkpoint in ``staging_dir(ckpt_dir)`` the one in ``ckpt_dir``.
+
+    A checkpoint is written whole into the staging directory first (weights, then the training
+    state, ``trainer_state.json`` last), so an interrupted write leaves the previous checkpoint
+    untouched. The swap is two renames (the old one to ``<ckpt_dir>.old``, the new one into place),
+    then the old one is removed; ``recover_checkpoint`` repairs an interruption between them.
+    """
+    ckpt_dir = pathlib.Path(ckpt_dir)
+    staging, old = staging_dir(ckpt_dir), ckpt_dir.with_name(ckpt_dir.name + ".old")
+    if not (staging / "trainer_state.json").exists():
+        raise FileNotFoundError(f"{staging} holds no complete checkpoint to publish")
+    shutil.rmtree(old, ignore_errors=True)
+    if ckpt_dir.exists():
+        ckpt_dir.rename(old)
+    staging.rename(ckpt_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_checkpoint(ckpt_dir: pathlib.Path) -> None:
+    """After an interrupted ``publish_checkpoint`` (no complete ``ckpt_dir`` but a complete
+    ``<ckpt_dir>.old``), put the old one back; a half-written staging directory is removed. A
+    no-op when ``ckpt_dir`` is complete."""
+    ckpt_dir = pathlib.Path(ckpt_dir)
+    old = ckpt_dir.with_name(ckpt_dir.name + ".old")
+    if not (ckpt_dir / "trainer_state.json").exists() and (old / "trainer_state.json").exists():
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        old.rename(ckpt_dir)
+    staging = staging_dir(ckpt_dir)
+    if staging.exists() and not (staging / "trainer_state.json").exists():
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def read_step(ckpt_dir: pathlib.Path) -> int:
     """Steps done by the checkpoint in ``ckpt_dir``.
 
@@ -63,7 +102,8 @@ def read_step(ckpt_dir: pathlib.Path) -> int:
     path = pathlib.Path(ckpt_dir) / "trainer_state.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: no checkpoint with training state to resume "
-                                f"from (set trainer.checkpoint_every, or run without --resume)")
+                                f"from (a run writes one every trainer.checkpoint_every steps and at its end; "
+                                f"run without --resume)")
     return int(json.loads(path.read_text())["step"])
 
 
