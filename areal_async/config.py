@@ -10,6 +10,7 @@ directory (``config.yaml``) and given to wandb.
 from __future__ import annotations
 
 import difflib
+import math
 import pathlib
 import typing
 from typing import Annotated, Any, Literal
@@ -278,8 +279,26 @@ def _choices(key: str) -> str:
     return f"; choose one of {list(typing.get_args(tp))}" if typing.get_origin(tp) is Literal else ""
 
 
+def _non_finite(struct: _Cfg, prefix: str = "") -> tuple[str, float] | None:
+    """The first float field (dotted key, value) anywhere in ``struct`` that is inf or NaN."""
+    for field in msgspec.structs.fields(struct):
+        value = getattr(struct, field.name)
+        key = f"{prefix}{field.name}"
+        if isinstance(value, _Cfg):
+            found = _non_finite(value, key + ".")
+            if found:
+                return found
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                return key, v
+    return None
+
+
 def check_config(cfg: Config) -> None:
     """Rules that span several fields; raises ``ValueError`` naming the keys and the fix."""
+    bad = _non_finite(cfg)
+    if bad:
+        raise ValueError(f"{bad[0]}={bad[1]}: must be a finite number")
     if not cfg.name or pathlib.PurePath(cfg.name).name != cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name '{cfg.name}' must be a plain directory name (no '/' or '..'); "
                          f"use run_root to put runs elsewhere")

@@ -169,6 +169,8 @@ def test_shipped_configs_pass_the_checks_before_start(tmp_path, tiny_model_dir, 
     (["algo.kl_coef=0.1"], "algo.kl_coef=0.1"),
     (["trainer.adam_betas=[2, 3]"], "trainer.adam_betas=[2.0, 3.0]"),
     (["trainer.compile=true", "mode=deterministic"], "trainer.compile=true"),
+    (["trainer.lr=.inf"], "trainer.lr=inf: must be a finite number"),
+    (["reward.correct=.nan"], "reward.correct=nan: must be a finite number"),
 ])
 def test_trainer_settings_it_cannot_run_fail_at_load(overrides, words):
     with pytest.raises(ValueError, match=re.escape(words)):

@@ -331,13 +331,24 @@ def test_weight_group_rank_zero_is_refused(tiny_model_dir):
     (["--max-seq-len", "0"], "--max-seq-len 0: must be >= 1"),
     (["--port", "99999"], "--port 99999: must be in [0, 65535]"),
     (["--device", "gpu"], "--device='gpu' is not a device"),
+    (["--weight-version", "-3"], "--weight-version -3: must be >= 0"),
 ])
 def test_server_rejects_bad_arguments_before_loading(tiny_model_dir, capsys, flags, words):
     from areal_async.inference.server import parse_args
 
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(["--model-path", str(tiny_model_dir), *flags])
+        parse_args(["--model-path", str(tiny_model_dir), "--port", "0", *flags])  # the last --port wins
     assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_server_rejects_a_port_in_use_before_loading(tiny_model_dir, capsys):
+    from areal_async.inference.server import parse_args
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(["--model-path", str(tiny_model_dir), "--port", str(port)])
+    assert exit_info.value.code == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 def test_server_rejects_a_model_path_without_a_model(tmp_path, capsys):

@@ -32,6 +32,7 @@ import contextlib
 import json
 import pathlib
 import signal
+import socket
 import uuid
 
 import torch
@@ -465,6 +466,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag} {value}: must be >= 1")
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port}: must be in [0, 65535] (0 picks a free port)")
+    if args.port:
+        with socket.socket() as probe:  # as aiohttp binds it: a port held only in TIME_WAIT is free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((args.host, args.port))
+            except OSError as exc:
+                p.error(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({exc.strerror}); "
+                        f"another process holds it, pick another port (0 picks a free one)")
+    if args.weight_version < 0:
+        p.error(f"--weight-version {args.weight_version}: must be >= 0 (the policy version being served)")
     if not (pathlib.Path(args.model_path) / "config.json").is_file():
         p.error(f"--model-path {args.model_path!r}: not an HF model directory (no config.json there)")
     try:
