@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pathlib
+import secrets
 import sys
 import time
 
@@ -72,9 +73,14 @@ class MetricsLogger:
             _wandb_env(self.run_dir)
             import wandb
 
+            # one wandb run per run directory: a resumed job continues it (same id) instead of
+            # starting a second run on the dashboard
+            id_file = self.run_dir / "wandb_run_id"
+            if not id_file.exists():
+                id_file.write_text(secrets.token_hex(8))
             self._wandb = wandb.init(
-                project=cfg.wandb_project, group=name, name=name, config=config,
-                mode=cfg.wandb_mode, dir=os.environ["WANDB_DIR"], reinit="finish_previous",
+                project=cfg.wandb_project, group=name, name=name, config=config, id=id_file.read_text().strip(),
+                resume="allow", mode=cfg.wandb_mode, dir=os.environ["WANDB_DIR"], reinit="finish_previous",
             )
 
     def log(self, step: int, metrics: dict) -> None:
