@@ -107,7 +107,8 @@ class Supervisor:
             if rc is None or (rc == 0 and child.expect_exit):
                 continue
             time.sleep(0.2)  # let the reader thread drain the child's last output
-            tail = "\n".join(f"  [{child.name}] {line}" for line in child.tail)
+            tag = f"[{child.name}]"  # lines the child tagged itself keep their one tag
+            tail = "\n".join(f"  {line}" if line.startswith(tag) else f"  {tag} {line}" for line in child.tail)
             if rc < 0:
                 why = f"was killed by {signal.Signals(-rc).name}"
             else:

@@ -40,8 +40,8 @@ def test_failing_child_stops_job_with_its_last_lines(tmp_path):
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         "print('grandchild', p.pid, flush=True)\n"
         "time.sleep(600)\n")])
-    bad = sup.start("worker0", [PY, "-c", "print('loading'); raise SystemExit('reward pool broke')"],
-                    expect_exit=True)
+    bad = sup.start("worker0", [PY, "-c", "print('loading'); print('[worker0] tagged by itself'); "
+                                          "raise SystemExit('reward pool broke')"], expect_exit=True)
     while not any(line.startswith("grandchild") for line in server.tail):
         sup.check() if bad.poll() is None else None
         time.sleep(0.05)
@@ -51,9 +51,11 @@ def test_failing_child_stops_job_with_its_last_lines(tmp_path):
     msg = str(info.value)
     assert "worker0 exited with status 1" in msg
     assert "[worker0] reward pool broke" in msg and "[worker0] loading" in msg
+    assert "  [worker0] tagged by itself" in msg and "[worker0] [worker0]" not in msg
     sup.stop_all(grace_s=2)
     assert not _alive(server.proc.pid) and not _alive(grandchild)
-    assert (tmp_path / "logs" / "worker0.log").read_text().endswith("\nloading\nreward pool broke\n")
+    assert (tmp_path / "logs" / "worker0.log").read_text().endswith(
+        "\nloading\n[worker0] tagged by itself\nreward pool broke\n")
 
 
 def test_unexpected_clean_exit_of_long_lived_child_is_a_failure(tmp_path):
