@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -169,3 +170,34 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, tmp_path):
     assert bf16["metrics"]["train/entropy"] == pytest.approx(fp32["metrics"]["train/entropy"], abs=2e-2)
     delta_fp32 = bf16["state"]["model.norm.weight"] - fp32["state"]["model.norm.weight"]
     assert delta_fp32.abs().max() < 0.05 * (fp32["state"]["model.norm.weight"] - 1).abs().max() + 1e-3
+
+
+def test_a_non_finite_gradient_skips_the_update(tiny_model_dir):
+    # one NaN behaviour log-prob makes the loss and every gradient NaN: the optimizer step is
+    # skipped (the weights stay finite and unchanged) and counted in train/skipped_updates
+    from transformers import AutoModelForCausalLM
+
+    from areal_async.trainer.attention import use_packed_attention
+    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    use_packed_attention(lm)
+    policy = PackedPolicy(lm)
+    before = {n: p.detach().clone() for n, p in lm.named_parameters()}
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    trajs = make_trajectories(lm.config.vocab_size)
+    bad = trajs[0].samples[0].behav_logprobs.numpy().copy()
+    bad[0] = np.nan
+    trajs[0].samples[0] = msgspec.structs.replace(trajs[0].samples[0], behav_logprobs=Array.of(bad, "float32"))
+    metrics = train_step(policy, optimizer, trajs, AlgoConfig(), TrainerConfig(max_tokens_per_mb=24), 1.0,
+                         torch.device("cpu"))
+    changed = [n for n, p in lm.named_parameters() if not torch.equal(p, before[n])]
+    assert not changed, f"updated by a NaN gradient: {changed[:3]}"
+    assert metrics["train/skipped_updates"] == 1.0
+    good = train_step(policy, optimizer, make_trajectories(lm.config.vocab_size), AlgoConfig(),
+                      TrainerConfig(max_tokens_per_mb=24), 1.0, torch.device("cpu"))
+    assert good["train/skipped_updates"] == 0.0
+    assert not all(torch.equal(p, before[n]) for n, p in lm.named_parameters())
+    assert all(torch.isfinite(p).all() for p in lm.parameters())

@@ -105,7 +105,9 @@ def train_step(
     Returns:
         ``train/*`` metrics (global token means over all ranks), identical on every rank:
         loss, clip_ratio, importance_weight, behav_capped_ratio, ratio, approx_kl, behav_kl,
-        entropy, grad_norm (before clipping, last update), lr, tokens (sequence tokens processed).
+        entropy, grad_norm (before clipping, last update), lr, tokens (sequence tokens processed),
+        skipped_updates (optimizer updates of this step skipped because the gradient norm was
+        inf or NaN; the weights then stay as they were).
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     seqs = build_sequences(trajs, algo)
@@ -126,6 +128,7 @@ def train_step(
                     prox[(m, j)] = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)[0]
 
     params = [p for p in policy.parameters() if p.requires_grad]
+    skipped = 0  # optimizer updates skipped for a non-finite gradient norm
     # summed on the device and read once at the end: a read per micro-batch would stall the host
     # until the GPU finished it, and the next micro-batch would start with the GPU idle
     sums = torch.zeros(len(STAT_KEYS) + 1, dtype=torch.float64, device=device)
@@ -143,14 +146,22 @@ def train_step(
             ent = (entropy * f["loss_mask"]).sum() / max(num_tokens, 1)
             sums += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) / n_mini
         grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
-        optimizer.step()
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # A non-finite gradient (one inf/NaN log-prob is enough) would make every weight NaN and
+        # reach the servers with the next version: the update is skipped and counted instead. The
+        # norm is all-reduced, so every rank takes the same branch.
+        if torch.isfinite(norm):
+            optimizer.step()
+        else:
+            skipped += 1
         optimizer.zero_grad(set_to_none=True)
     if world > 1:
         dist.all_reduce(sums)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     stats = dict(zip(STAT_KEYS + ("entropy",), sums.cpu().tolist()))
     tokens = float(sum(len(s.ids) for s in seqs))
-    stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=tokens)
+    stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=tokens,
+                 skipped_updates=float(skipped))
     return {f"train/{k}": v for k, v in stats.items()}
 
 
