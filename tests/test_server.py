@@ -21,6 +21,7 @@ import urllib.request
 import aiohttp
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async import weight_group
@@ -577,8 +578,8 @@ def test_sigterm_stops_a_server_blocked_receiving_a_weight_broadcast(tiny_model_
 
 
 def test_unreadable_weights_and_non_json_bodies_get_json_400s(tiny_model_dir, tmp_path):
-    # a truncated/corrupt safetensors file is bad input (400 with the error shape), not a server
-    # error, and the weights in service stay as they were
+    # a truncated/corrupt safetensors file, or one with only some of the weights, is bad input (400
+    # with the error shape), not a server error, and the weights in service stay as they were
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
@@ -587,12 +588,18 @@ def test_unreadable_weights_and_non_json_bodies_get_json_400s(tiny_model_dir, tm
         async with running(tiny_model_dir, slots=2, max_seq_len=64) as (api, engine):
             corrupt = await api.post("/update_weights_from_disk", {"model_path": str(bad), "weight_version": "1"})
             missing = await api.post("/update_weights_from_disk", {"weight_version": "1"})
+            partial_dir = tmp_path / "partial"
+            partial_dir.mkdir()
+            save_file({"model.norm.weight": torch.zeros(64)}, str(partial_dir / "model.safetensors"))
+            partial = await api.post("/update_weights_from_disk", {"model_path": str(partial_dir),
+                                                                   "weight_version": "1"})
             async with api.http.post(api.url + "/generate", data=b"{not json",
                                      headers={"Content-Type": "application/json"}) as resp:
                 not_json = resp.status, await resp.json()
-            return corrupt, missing, not_json, engine.weight_version
+            return corrupt, missing, partial, not_json, engine.weight_version
 
-    corrupt, missing, not_json, version = asyncio.run(main())
+    corrupt, missing, partial, not_json, version = asyncio.run(main())
+    assert partial[0] == 400 and "holds 1 of the model's" in partial[1]["message"], partial
     assert corrupt[0] == 400 and "not a readable safetensors file" in corrupt[1]["message"], corrupt
     assert missing[0] == 400 and "model_path None" in missing[1]["message"], missing
     assert not_json[0] == 400 and "not JSON" in not_json[1]["error"]["message"], not_json

@@ -389,6 +389,12 @@ class InferenceServer:
                 except Exception as exc:  # safetensors raises its own SafetensorError (header, truncation)
                     raise ValueError(f"{f} is not a readable safetensors file ({type(exc).__name__}: {exc}); "
                                      f"write the directory again") from exc
+            expected = {name for name, _ in self.engine.forward.model.named_parameters()}  # tied ones once
+            missing = sorted(expected - tensors.keys())
+            if missing:
+                raise ValueError(f"{path} holds {len(expected) - len(missing)} of the model's {len(expected)} "
+                                 f"weights (missing {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+                                 f"a weight update from disk replaces every weight: write the whole model")
             return tensors
 
         return await self._update(receive, version, body, num_paused_requests=0)
