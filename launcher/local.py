@@ -244,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     start.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
+    given = sys.argv[1:] if argv is None else argv
+    # without a config argparse would also call the optional overrides "required"
+    if not {"-h", "--help"} & set(given) and not [a for a in given if not a.startswith("-")]:
+        parser.error("the config is required: an experiment YAML, e.g. configs/quickstart_cpu.yaml")
     args = parser.parse_intermixed_args(argv)  # flags before, between or after the overrides
     try:
         cfg = load_config(args.config, args.overrides)

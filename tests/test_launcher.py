@@ -190,3 +190,7 @@ def test_flags_go_anywhere_among_the_overrides_and_a_directory_is_not_a_config(t
         assert "data.task='nosuch' is not a registered task" in capsys.readouterr().err
     assert main(["configs", f"run_root={tmp_path}"]) == 2
     assert "configs is a directory; give the path of a YAML config file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--overwrite"])
+    err = capsys.readouterr().err
+    assert "the config is required" in err and "overrides" not in err.splitlines()[-1]
