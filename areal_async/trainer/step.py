@@ -146,18 +146,17 @@ def train_step(
             ent = (entropy * f["loss_mask"]).sum() / max(num_tokens, 1)
             sums += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) / n_mini
         grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
-        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # A non-finite gradient (one inf/NaN log-prob is enough) would make every weight NaN and
         # reach the servers with the next version: the update is skipped and counted instead. The
         # norm is all-reduced, so every rank takes the same branch.
-        if torch.isfinite(norm):
+        if torch.isfinite(grad_norm):
             optimizer.step()
         else:
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
     if world > 1:
         dist.all_reduce(sums)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     stats = dict(zip(STAT_KEYS + ("entropy",), sums.cpu().tolist()))
     tokens = float(sum(len(s.ids) for s in seqs))
     stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=tokens,
