@@ -94,19 +94,10 @@ class DistributedWeightSender:
                 i, self.master_address, self.master_port, 1 + i, world_size, self.backend, GROUP_NAME)
             for i in range(self.num_servers)
         ))
-        # A server that refuses to join never connects: its refusal ends the wait at once (our side
-        # would otherwise block until the rendezvous times out).
         group = in_daemon_thread(new_weight_group, self.backend, self.master_address, self.master_port, 0,
                                  world_size)
-        await asyncio.wait([group, joins], return_when=asyncio.FIRST_EXCEPTION)
-        if joins.done() and joins.exception() is not None and not group.done():
-            group.cancel()
-            raise RuntimeError(f"a server refused to join the weight group at {self.master_address}:"
-                               f"{self.master_port}: {joins.exception()}") from joins.exception()
-        try:
-            self.group = await group
-        finally:
-            await joins  # surfaces a server's refusal even if our side failed first
+        self.group = await _with_server_calls(
+            group, joins, f"a server refused to join the weight group at {self.master_address}:{self.master_port}")
 
     async def send(self, version: int) -> None:
         if _rank() == 0:
@@ -137,19 +128,27 @@ class DistributedWeightSender:
             self.client.update_weights_from_distributed(i, names, dtypes, shapes, version, GROUP_NAME)
             for i in range(self.num_servers)
         ))
-        # The servers join the broadcast when their HTTP call arrives; ours blocks until then. A
-        # server that refuses the call never joins, so a failed call ends the wait at once (the
-        # blocked broadcast would otherwise hold the trainer until the group's timeout).
+        # The servers join the broadcast when their HTTP call arrives; ours blocks until then.
         broadcast = in_daemon_thread(broadcast_, self.group, [t for _, t in bucket])
-        await asyncio.wait([broadcast, calls], return_when=asyncio.FIRST_EXCEPTION)
-        if calls.done() and calls.exception() is not None and not broadcast.done():
-            raise RuntimeError(f"a server refused the bucket of {len(names)} tensors ({names[0]}, ...) of weight "
-                               f"version {version}, so the broadcast cannot complete: {calls.exception()}") \
-                from calls.exception()
-        try:
-            await broadcast
-        finally:
-            await calls
+        await _with_server_calls(broadcast, calls, f"a server refused the bucket of {len(names)} tensors "
+                                                   f"({names[0]}, ...) of weight version {version}, so the "
+                                                   f"broadcast cannot complete")
+
+
+async def _with_server_calls(ours: asyncio.Future, calls: asyncio.Future, refused: str):
+    """Our side of a group operation (``ours``: joining, a broadcast, blocking in a daemon thread)
+    and the servers' HTTP calls that make them take part; returns ``ours``' result. A server that
+    refuses its call never takes part, so a failed call ends the wait at once, raising
+    ``RuntimeError(refused: <the call's error>)`` (``ours`` would otherwise block until the group's
+    timeout). A failure of ours still waits for the calls, and theirs surfaces first."""
+    await asyncio.wait([ours, calls], return_when=asyncio.FIRST_EXCEPTION)
+    if calls.done() and calls.exception() is not None and not ours.done():
+        ours.cancel()  # abandoned: the daemon thread stays blocked and does not hold up the exit
+        raise RuntimeError(f"{refused}: {calls.exception()}") from calls.exception()
+    try:
+        return await ours
+    finally:
+        await calls
 
 
 class DiskWeightSender:
