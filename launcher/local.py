@@ -238,17 +238,18 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.local", description=__doc__,
+                                     usage="%(prog)s [-h] [--overwrite | --resume] config [overrides ...]",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
+    # optional to argparse, checked below: a missing required positional would make argparse call
+    # the optional overrides "required" too
+    parser.add_argument("config", nargs="?", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. queue.max_staleness=2")
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     start.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
-    given = sys.argv[1:] if argv is None else argv
-    # without a config argparse would also call the optional overrides "required"
-    if not {"-h", "--help"} & set(given) and not [a for a in given if not a.startswith("-")]:
-        parser.error("the config is required: an experiment YAML, e.g. configs/quickstart_cpu.yaml")
     args = parser.parse_intermixed_args(argv)  # flags before, between or after the overrides
+    if args.config is None:
+        parser.error("the config is required: an experiment YAML, e.g. configs/quickstart_cpu.yaml")
     try:
         cfg = load_config(args.config, args.overrides)
         lock = lock_run(cfg)  # noqa: F841  (held until the launcher exits)

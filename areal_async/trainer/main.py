@@ -203,22 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="the run's resolved RUN_DIR/config.yaml")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    code = 0
     try:
         uvloop.run(train(load_config(args.config), pathlib.Path(args.config).resolve().parent))
     except BaseException as exc:
-        # Leave at once with the traceback: a thread can still be blocked in a collective whose
-        # peer is gone (a weight broadcast a server refused), and interpreter exit would join it.
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
         code = (exc.code or 0) if isinstance(exc, SystemExit) and isinstance(exc.code, (int, type(None))) else 1
-        os._exit(code)
-    # Leave without interpreter finalization: C++ threads of the (destroyed) gloo groups can still
-    # be joinable then, and their destructors call std::terminate ("terminate called without an
-    # active exception", SIGABRT), which turned a finished run into a failed one.
+    # Leave without interpreter finalization, after success and failure alike: C++ threads of the
+    # (destroyed) gloo groups can still be joinable then, and their destructors call std::terminate
+    # ("terminate called without an active exception", SIGABRT), which turned a finished run into a
+    # failed one; and after a failure a thread can still be blocked in a collective whose peer is
+    # gone (a weight broadcast a server refused), which interpreter exit would join.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
