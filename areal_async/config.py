@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import pathlib
+import socket
 import typing
 from typing import Annotated, Any, Literal
 
@@ -330,6 +331,18 @@ def check_config(cfg: Config) -> None:
             f"eval.max_new_tokens) ({need - cfg.data.max_prompt_len}) = {need} exceeds "
             f"inference.max_seq_len ({cfg.inference.max_seq_len}); raise inference.max_seq_len "
             f"or lower the others")
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (the OS's reason), or ``None`` if it can. Bound with
+    ``SO_REUSEADDR`` as the servers bind, so a port held only by connections in TIME_WAIT is free."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def cuda_index(key: str, device: str, cuda_available: bool) -> int | None:

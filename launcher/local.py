@@ -33,7 +33,7 @@ import urllib.request
 import msgspec
 
 from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
-                                load_config)
+                                load_config, port_in_use)
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -144,14 +144,9 @@ def check_ports(cfg: Config) -> None:
             raise ValueError(f"{key} and {seen[port]} are both port {port}; give them distinct ports")
         seen[port] = key
     for key, (host, port) in wanted.items():
-        with socket.socket() as s:
-            # As the servers do: a port held only by connections in TIME_WAIT is free to listen on.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                raise ValueError(f"port {port} ({key}) is already in use on {host}, perhaps by "
-                                 f"another job; set {key.split('+')[0]}=<a free port>") from None
+        if port_in_use(host, port):
+            raise ValueError(f"port {port} ({key}) is already in use on {host}, perhaps by "
+                             f"another job; set {key.split('+')[0]}=<a free port>")
 
 
 def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:

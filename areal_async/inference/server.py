@@ -32,7 +32,6 @@ import contextlib
 import json
 import pathlib
 import signal
-import socket
 import uuid
 
 import torch
@@ -40,7 +39,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from .. import weight_group
-from ..config import cuda_index
+from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
 from .engine import Completion, Engine
 from .forward import BatchedForward, check_weight_names
@@ -472,14 +471,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag} {value}: must be >= 1")
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port}: must be in [0, 65535] (0 picks a free port)")
-    if args.port:
-        with socket.socket() as probe:  # as aiohttp binds it: a port held only in TIME_WAIT is free
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((args.host, args.port))
-            except OSError as exc:
-                p.error(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({exc.strerror}); "
-                        f"another process holds it, pick another port (0 picks a free one)")
+    why = port_in_use(args.host, args.port) if args.port else None
+    if why:
+        p.error(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({why}); "
+                f"another process holds it, pick another port (0 picks a free one)")
     if args.weight_version < 0:
         p.error(f"--weight-version {args.weight_version}: must be >= 0 (the policy version being served)")
     if not (pathlib.Path(args.model_path) / "config.json").is_file():
