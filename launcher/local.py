@@ -19,6 +19,7 @@ buffer, and the trainer restores the optimizer and continues at step s up to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import pathlib
@@ -29,6 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from typing import Iterator
 
 import msgspec
 
@@ -114,19 +116,43 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def lock_run(cfg: Config):
-    """Hold ``RUN_ROOT/.<name>.lock`` for the launcher's lifetime, so two jobs can never share
-    (or overwrite) one run directory. Returns the open lock file; raises ``ValueError`` if held."""
+@contextlib.contextmanager
+def lock_run(cfg: Config) -> Iterator[None]:
+    """Hold ``RUN_ROOT/.<name>.lock`` while the block runs, so two jobs can never share (or
+    overwrite) one run directory, then remove it. Raises ``ValueError`` if another launcher holds it.
+
+    The file is removed while still locked, and only if the path still names the locked file. A
+    launcher that opened the file before it was removed finds, once it has the lock, that the path
+    names another file or none, and opens the path again.
+    """
     root = pathlib.Path(cfg.run_root)
     root.mkdir(parents=True, exist_ok=True)
-    lock = open(root / f".{cfg.name}.lock", "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    path = root / f".{cfg.name}.lock"
+    while True:
+        lock = open(path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise ValueError(f"run '{cfg.name}' in {root} is in use by another launcher; "
+                             f"choose another name (name=...)") from None
+        if _names(path, lock):
+            break
         lock.close()
-        raise ValueError(f"run '{cfg.name}' in {root} is in use by another launcher; "
-                         f"choose another name (name=...)") from None
-    return lock
+    try:
+        yield
+    finally:
+        if _names(path, lock):
+            path.unlink()
+        lock.close()
+
+
+def _names(path: pathlib.Path, file) -> bool:
+    """Whether ``path`` is the open ``file`` (not removed, nor replaced by another file)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(file.fileno()))
+    except FileNotFoundError:
+        return False
 
 
 def check_ports(cfg: Config) -> None:
@@ -231,27 +257,8 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     sup.wait_for(trainer)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher.local", description=__doc__,
-                                     usage="%(prog)s [-h] [--overwrite | --resume] config [overrides ...]",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    # optional to argparse, checked below: a missing required positional would make argparse call
-    # the optional overrides "required" too
-    parser.add_argument("config", nargs="?", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. queue.max_staleness=2")
-    start = parser.add_mutually_exclusive_group()
-    start.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    start.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
-    args = parser.parse_intermixed_args(argv)  # flags before, between or after the overrides
-    if args.config is None:
-        parser.error("the config is required: an experiment YAML, e.g. configs/quickstart_cpu.yaml")
-    try:
-        cfg = load_config(args.config, args.overrides)
-        lock = lock_run(cfg)  # noqa: F841  (held until the launcher exits)
-        cfg = prepare_run(cfg, args.overwrite, args.resume)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"[launcher] error: {exc}", file=sys.stderr)
-        return 2
+def launch(cfg: Config) -> int:
+    """Run the prepared job under a ``Supervisor``; the launcher's exit status."""
     print(f"[launcher] run '{cfg.name}' in {cfg.run_dir} (mode {cfg.mode}, "
           f"η = {cfg.queue.max_staleness}, model {cfg.model.path})", flush=True)
 
@@ -272,6 +279,31 @@ def main(argv: list[str] | None = None) -> int:
         sup.stop_all()
     print(f"[launcher] done: {cfg.run_dir}", flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.local", description=__doc__,
+                                     usage="%(prog)s [-h] [--overwrite | --resume] config [overrides ...]",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    # optional to argparse, checked below: a missing required positional would make argparse call
+    # the optional overrides "required" too
+    parser.add_argument("config", nargs="?", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. queue.max_staleness=2")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    start.add_argument("--resume", action="store_true", help="continue RUN_DIR from its checkpoint")
+    args = parser.parse_intermixed_args(argv)  # flags before, between or after the overrides
+    if args.config is None:
+        parser.error("the config is required: an experiment YAML, e.g. configs/quickstart_cpu.yaml")
+    with contextlib.ExitStack() as held:  # the run lock, removed however the launcher exits
+        try:
+            cfg = load_config(args.config, args.overrides)
+            held.enter_context(lock_run(cfg))
+            cfg = prepare_run(cfg, args.overwrite, args.resume)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"[launcher] error: {exc}", file=sys.stderr)
+            return 2
+        return launch(cfg)
 
 
 if __name__ == "__main__":

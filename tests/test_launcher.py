@@ -32,6 +32,20 @@ def _alive(pid: int, within_s: float = 5.0) -> bool:
     return False
 
 
+def _free_port_overrides() -> list[str]:
+    """Overrides putting every port of a one-server job on a free port, not the configs' (another
+    job on the machine may hold those)."""
+    import socket
+
+    ports = []
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    return [f"inference.base_port={ports[0]}", "inference.num_servers=1", f"queue.port={ports[1]}",
+            f"trainer.master_port={ports[2]}", f"trainer.weight_sync_port={ports[3]}"]
+
+
 def test_failing_child_stops_job_with_its_last_lines(tmp_path):
     sup = Supervisor(tmp_path / "logs")
     # A long-lived child that starts a grandchild of its own (like torchrun's ranks).
@@ -126,11 +140,71 @@ def test_one_launcher_per_run_name(tmp_path):
     from launcher.local import lock_run
 
     cfg = load_config(None, ["name=exp", f"run_root={tmp_path}"])
-    held = lock_run(cfg)
-    with pytest.raises(ValueError, match="run 'exp' .* is in use by another launcher"):
-        lock_run(cfg)
-    held.close()
-    lock_run(cfg).close()
+    with lock_run(cfg):
+        with pytest.raises(ValueError, match="run 'exp' .* is in use by another launcher"):
+            with lock_run(cfg):
+                pass
+    with lock_run(cfg):
+        pass
+
+
+def test_the_launcher_removes_its_run_lock_however_it_exits(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    import launcher.local
+    from launcher.local import lock_run, main
+    from launcher.supervisor import JobFailed
+
+    lock = tmp_path / ".exp.lock"
+    argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp", f"model.path={tiny_model_dir}",
+            *_free_port_overrides()]
+
+    def failing_job(cfg, sup):
+        raise JobFailed("trainer exited with status 1")
+
+    monkeypatch.setattr(launcher.local.signal, "signal", lambda *args: None)  # keep pytest's SIGTERM
+    for job, rc in ((lambda cfg, sup: None, 0), (failing_job, 1)):
+        monkeypatch.setattr(launcher.local, "run_job", job)
+        assert main([*argv, "--overwrite"]) == rc
+        assert not lock.exists(), f"exit status {rc} left {lock}"
+    (tmp_path / "exp" / "metrics.jsonl").write_text("")  # refused: the run directory holds a run
+    assert main(argv) == 2 and "already holds a run" in capsys.readouterr().err
+    assert not lock.exists()
+    assert main([*argv, "data.task=nosuch"]) == 2 and not lock.exists()  # a check after the lock is taken
+    cfg = load_config(None, ["name=exp", f"run_root={tmp_path}"])
+    with lock_run(cfg):  # another launcher holds the name: refused, and its lock stays
+        assert main(argv) == 2 and "in use by another launcher" in capsys.readouterr().err
+        assert lock.exists()
+        with pytest.raises(ValueError, match="in use by another launcher"):
+            with lock_run(cfg):
+                pass
+    assert not lock.exists()
+
+
+def test_a_lock_file_removed_before_it_is_locked_is_opened_again(tmp_path, monkeypatch):
+    # Launcher B opens the lock file; before it locks it, launcher A exits (removing the file) and
+    # launcher C takes the name with a new file. B must not lock the removed file: it would then
+    # share the run with C.
+    import contextlib
+    import fcntl
+
+    import launcher.local
+    from launcher.local import lock_run
+
+    cfg = load_config(None, ["name=exp", f"run_root={tmp_path}"])
+    others = contextlib.ExitStack()
+    others.enter_context(lock_run(cfg))  # A
+    real_flock, raced = fcntl.flock, []
+
+    def flock(fd, op):
+        if not raced:
+            raced.append(True)
+            others.close()  # A exits
+            others.enter_context(lock_run(cfg))  # C
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(launcher.local.fcntl, "flock", flock)
+    with others, pytest.raises(ValueError, match="in use by another launcher"):
+        with lock_run(cfg):  # B
+            pass
 
 
 def test_child_killed_by_a_signal_is_named(tmp_path):
@@ -152,16 +226,8 @@ def test_shipped_configs_pass_the_checks_before_start(tmp_path, tiny_model_dir, 
     # empty means the task's own reward, not an unknown function.
     from launcher.local import prepare_run
 
-    import socket
-
-    ports = []
-    for _ in range(4):  # free ones, not the configs' (another job on the machine may hold those)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    free = [f"inference.base_port={ports[0]}", "inference.num_servers=1", f"queue.port={ports[1]}",
-            f"trainer.master_port={ports[2]}", f"trainer.weight_sync_port={ports[3]}"]
-    cfg = load_config(f"configs/{config}", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}", *free])
+    cfg = load_config(f"configs/{config}", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
+                                            *_free_port_overrides()])
     assert cfg.reward.fn == ""
     resolved = prepare_run(cfg, overwrite=False)
     assert (resolved.run_dir / "config.yaml").exists()
