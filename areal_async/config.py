@@ -1,10 +1,11 @@
 """Experiment configuration: a tree of frozen ``msgspec.Struct``s loaded from YAML.
 
 One YAML file per experiment lives in ``configs/``. Values are overridden from the command line
-with dotted keys (``queue.max_staleness=2``); override values are parsed as YAML scalars. An
-unknown key anywhere in the tree raises ``ValueError`` naming the closest valid key. Each
-component receives its own sub-config, never the root; the resolved config is written to the run
-directory (``config.yaml``) and given to wandb.
+with dotted keys (``queue.max_staleness=2``); override values are parsed as YAML scalars, so text
+that looks like a number is quoted (``'name="123"'`` in a shell). An unknown key anywhere in the
+tree raises ``ValueError`` naming the closest valid key. Each component receives its own
+sub-config, never the root; the resolved config is written to the run directory (``config.yaml``)
+and given to wandb.
 """
 
 from __future__ import annotations
@@ -253,19 +254,41 @@ def from_dict(data: dict) -> Config:
         if not msg:
             raise ValueError(f"invalid config: {exc}") from None
         key = where.rstrip("`")
-        raise ValueError(f"invalid config value for '{key}'{_given(data, key)}: {msg}{_choices(key)}") from None
+        raise ValueError(f"invalid config value for '{key}'{_given(data, key)}: {msg}{_choices(key)}"
+                         f"{_quote_hint(data, key, msg)}") from None
     check_config(cfg)
     return cfg
 
 
-def _given(data: dict, key: str) -> str:
-    """`` = <value>`` as given for dotted ``key`` in ``data`` (empty if it cannot be looked up)."""
+def _quote_hint(data: dict, key: str, msg: str) -> str:
+    """How to give a number or boolean as the text a ``str`` key wants (YAML reads ``name=123`` as
+    the int 123); empty for other errors."""
+    value = _lookup(data, key)
+    if not msg.startswith("Expected `str`") or not isinstance(value, (bool, int, float)):
+        return ""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    kind = "a boolean" if isinstance(value, bool) else "a number"
+    return (f"; YAML reads {text} as {kind}, so quote it: '{key}=\"{text}\"' on the command line, "
+            f"{key.rpartition('.')[2]}: \"{text}\" in the YAML file")
+
+
+_MISSING = object()
+
+
+def _lookup(data: dict, key: str) -> Any:
+    """The value given for dotted ``key`` in ``data``, or ``_MISSING``."""
     node = data
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
-            return ""
+            return _MISSING
         node = node[part]
-    return f" = {node!r}"
+    return node
+
+
+def _given(data: dict, key: str) -> str:
+    """`` = <value>`` as given for dotted ``key`` in ``data`` (empty if it cannot be looked up)."""
+    value = _lookup(data, key)
+    return "" if value is _MISSING else f" = {value!r}"
 
 
 def _choices(key: str) -> str:

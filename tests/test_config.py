@@ -100,3 +100,23 @@ def test_bad_values_are_named_with_what_was_given_and_the_choices():
         load_config(None, ["queue.max_staleness=-1"])
     with pytest.raises(ValueError, match=r"'mode' = 'determinstic'.*choose one of \['deterministic', 'throughput'\]"):
         load_config(None, ["mode=determinstic"])
+
+
+@pytest.mark.parametrize("override, value", [("name=123", "123"), ("data.task=1.5", "1.5"),
+                                             ("model.path=true", "true")])
+def test_a_number_for_a_text_key_says_how_to_quote_it(override, value):
+    # YAML reads name=123 as the int 123; the error gives the command-line form that makes it text,
+    # and that form, split as a POSIX shell splits it, loads
+    import re
+    import shlex
+
+    key = override.split("=")[0]
+    with pytest.raises(ValueError, match=re.escape(f"'{key}' = ")) as info:
+        load_config(None, [override])
+    given = re.search(r"quote it: (.+?) on the command line", str(info.value))
+    assert given, str(info.value)
+    assert shlex.split(given.group(1)) == [f'{key}="{value}"']
+    node = load_config(None, shlex.split(given.group(1)))
+    for part in key.split("."):
+        node = getattr(node, part)
+    assert node == value
