@@ -2,12 +2,14 @@
 
     python -m launcher.local configs/quickstart_cpu.yaml [section.key=value ...] [--overwrite | --resume]
 
-Order: resolve the model (fetch + convert once) → write ``RUN_DIR/config.yaml`` → start the
-inference servers and wait for ``/health`` → start the replay queue and wait for its port →
-start the trainer (``torch.distributed.run``) and the generation workers. The job ends when the
-trainer exits 0. If any process exits non-zero (or a long-lived one exits at all), every process
-is stopped and the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM stops
-everything and exits 130. Every child runs in its own process group and dies with the launcher.
+Order: check what fails cheaply (the backend is installed, devices, the task's data, the reward
+function, free ports; a refused launch creates no run directory and exits 2) → resolve the model
+(fetch + convert once) → write ``RUN_DIR/config.yaml`` → start the inference servers and wait
+for ``/health`` → start the replay queue and wait for its port → start the trainer
+(``torch.distributed.run``) and the generation workers. The job ends when the trainer exits 0.
+If any process exits non-zero (or a long-lived one exits at all), every process is stopped and
+the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM stops everything and
+exits 130. Every child runs in its own process group and dies with the launcher.
 
 ``--resume`` continues the run in ``RUN_DIR`` from ``RUN_DIR/checkpoint`` (needs a checkpoint with
 training state, ``trainer.checkpoint_every`` or a finished shorter run): the servers load the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -80,6 +83,15 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
 
 
 SERVER_ARGV = {"embedded": embedded_server_argv, "sglang": sglang_server_argv}
+
+
+def check_backend(cfg: InferenceConfig) -> None:
+    """Raise ``ValueError`` if the servers of ``inference.backend`` cannot start here: they run
+    as ``PY -m <module>``, so ``sglang`` needs SGLang installed for this Python."""
+    if cfg.backend == "sglang" and importlib.util.find_spec("sglang") is None:
+        raise ValueError(f"inference.backend=sglang but SGLang is not installed for {PY}; install it "
+                         f"there (pip install sglang) or set inference.backend=embedded")
+
 
 def _nccl_env(cfg: Config) -> dict[str, str]:
     """Deterministic mode: one NCCL algorithm and protocol, so collectives (the trainer's
@@ -176,36 +188,41 @@ def check_ports(cfg: Config) -> None:
 
 
 def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
-    """Create the run directory, resolve the model path and write the resolved config
-    (``resume``: keep the directory and set ``trainer.resume``)."""
+    """Check what can be checked before any process starts, then create the run directory and
+    write the resolved config, model path resolved (``resume``: keep the directory and set
+    ``trainer.resume``). A check that fails leaves the run directory as it was, or absent."""
     import torch
 
     from areal_async.config import check_devices, resolve_dtypes
     from areal_async.model.hub import resolve_model_path
 
-    from areal_async.data import TASKS
+    from areal_async.data import TASKS, load_task
     from areal_async.reward.pool import resolve_reward_fn
 
+    check_backend(cfg.inference)
     check_devices(cfg, torch.cuda.is_available())
     if cfg.data.task not in TASKS:
         raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")
+    for split in ("train", "test"):  # what the workers and the trainer read: a missing or bad file fails here
+        load_task(cfg.data, split)
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     cfg = resolve_dtypes(cfg, torch.cuda.is_available())
     check_ports(cfg)
     run_dir = cfg.run_dir
+    replace = not resume and (run_dir / "metrics.jsonl").exists()
     if resume:
         from areal_async.trainer.resume import read_step, recover_checkpoint
 
         recover_checkpoint(run_dir / "checkpoint")  # a publish interrupted between its two renames
         read_step(run_dir / "checkpoint")  # FileNotFoundError naming the fix when there is none
         cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, resume=True))
-    elif (run_dir / "metrics.jsonl").exists():
-        if not overwrite:
-            raise ValueError(f"{run_dir} already holds a run; choose another name (name=...), "
-                             f"delete it, or pass --overwrite")
+    elif replace and not overwrite:
+        raise ValueError(f"{run_dir} already holds a run; choose another name (name=...), "
+                         f"delete it, or pass --overwrite")
+    model_path = str(resolve_model_path(cfg.model))  # a bad path removes and creates nothing
+    if replace:
         shutil.rmtree(run_dir)
-    model_path = str(resolve_model_path(cfg.model))  # before mkdir: a bad path leaves no run dir
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model_path))
     dump_config(cfg, run_dir / "config.yaml")

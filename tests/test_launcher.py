@@ -260,3 +260,35 @@ def test_flags_go_anywhere_among_the_overrides_and_a_directory_is_not_a_config(t
         main(["--overwrite"])
     err = capsys.readouterr().err
     assert "the config is required" in err and "overrides" not in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("overrides, error, words", [
+    (["inference.backend=sglang"], ValueError, "inference.backend=sglang but SGLang is not installed"),
+    (["data.task=gsm8k", "data.train_path=nosuch.jsonl"], FileNotFoundError, "data file 'nosuch.jsonl' not found"),
+])
+def test_a_launch_refused_before_start_leaves_no_run_directory(tmp_path, tiny_model_dir, monkeypatch,
+                                                               overrides, error, words):
+    import importlib.util
+
+    from launcher.local import prepare_run
+
+    find_spec = importlib.util.find_spec  # SGLang is absent here, and on this test's machines too
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "sglang" else find_spec(name, *args))
+    cfg = load_config("configs/quickstart_cpu.yaml", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
+                                                      *_free_port_overrides(), *overrides])
+    with pytest.raises(error, match=words):
+        prepare_run(cfg, overwrite=False)
+    assert not cfg.run_dir.exists()
+
+
+def test_a_refused_overwrite_keeps_the_old_run(tmp_path):
+    from launcher.local import prepare_run
+
+    cfg = load_config(None, ["name=exp", f"run_root={tmp_path}", "model.path=nosuch", "data.task=arith",
+                             *_free_port_overrides()])
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="model.path 'nosuch' is not a directory"):
+        prepare_run(cfg, overwrite=True)
+    assert (tmp_path / "exp" / "metrics.jsonl").read_text() == "{}\n"
