@@ -56,3 +56,31 @@ def test_an_interrupted_checkpoint_write_keeps_the_previous_checkpoint(tmp_path)
     ckpt.rename(ckpt.with_name("checkpoint.old"))
     recover_checkpoint(ckpt)
     assert read_step(ckpt) == 3
+
+
+def test_a_checkpoint_is_written_into_its_staging_directory_and_swapped_in(tiny_model_dir, tmp_path, monkeypatch):
+    # The weights go straight into checkpoint.partial, next to the training state; the only
+    # renames are publish_checkpoint's swap (none of a directory of weights into the staging one).
+    import pathlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_async.config import load_config
+    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.main import save_checkpoint
+    from areal_async.trainer.resume import read_step
+
+    policy = PackedPolicy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    optimizer = torch.optim.AdamW(policy.parameters())
+    cfg = load_config(None, [f"model.path={tiny_model_dir}"])
+    renames, rename = [], pathlib.Path.rename
+    monkeypatch.setattr(pathlib.Path, "rename",
+                        lambda self, target: renames.append((self.name, pathlib.Path(target).name)) or rename(self, target))
+    for step in (1, 2):
+        save_checkpoint(cfg, policy, optimizer, tmp_path, step, [])
+    assert renames == [("checkpoint.partial", "checkpoint"),
+                       ("checkpoint", "checkpoint.old"), ("checkpoint.partial", "checkpoint")]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"] and read_step(tmp_path / "checkpoint") == 2
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32).state_dict()
+    assert all(torch.equal(saved[name], p) for name, p in policy.lm.state_dict().items())

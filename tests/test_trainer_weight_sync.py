@@ -193,7 +193,7 @@ def test_disk_sender_writes_send_dtype_bitwise(tiny_model_dir, tmp_path):
         assert written[name].dtype == torch.bfloat16, f"{name}: {written[name].dtype}"
         assert torch.equal(written[name].view(torch.int16), t.view(torch.int16)), name  # bitwise
     assert json.loads((paths[2] / "config.json").read_text())["dtype"] == "bfloat16"
-    assert not list((tmp_path / "weights").glob("*.tmp")), "no half-written directory is left"
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v2"], "no staging or old directory is left"
 
 
 def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
-import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +25,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from areal_async.atomic_dir import write_atomically
 
 
 def save_hf_checkpoint(
@@ -40,15 +41,15 @@ def save_hf_checkpoint(
         state_dict: full tensors keyed by HF parameter name (e.g. from
             ``parallel.full_state_dict``); a tied ``lm_head.weight`` may be absent.
         base_model_path: the starting HF directory (config, tokenizer, chat template).
-        out_dir: target directory; replaced atomically (written to ``out_dir.tmp`` then renamed).
+        out_dir: where the files are written (created if absent). Not atomic by itself: the
+            trainer writes into the checkpoint's staging directory (``atomic_dir.new_staging_dir``)
+            and publishes it with the training state.
         dtype: dtype of the saved weights.
 
     Raises:
         ValueError: ``state_dict`` misses parameters of the model or has unknown ones.
     """
     out_dir = pathlib.Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     config = AutoConfig.from_pretrained(base_model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -61,18 +62,16 @@ def save_hf_checkpoint(
                          f"unexpected {sorted(result.unexpected_keys)[:5]}")
     if tied:
         model.tie_weights()
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(base_model_path).save_pretrained(out_dir)
     return out_dir
 
 
 def write_hf_directory(out_dir: str | pathlib.Path, tensors: dict[str, Tensor], metadata: dict[str, bytes],
                        num_files: int = 4) -> pathlib.Path:
-    """Write the HF directory ``out_dir`` (through ``out_dir.tmp``, renamed at the end, so a
-    reader never sees half a checkpoint): ``tensors`` (CPU) as safetensors files written in
-    parallel, and ``metadata``'s files (``hf_metadata_files``).
+    """Write the HF directory ``out_dir`` atomically (``atomic_dir.write_atomically``, so a reader
+    never sees half a checkpoint): ``tensors`` (CPU) as safetensors files written in parallel, and
+    ``metadata``'s files (``hf_metadata_files``).
 
     The tensors are dealt to ``num_files`` files by size (each to the file with the fewest bytes so
     far), one ``safetensors.torch.save_file`` thread per file: writes to one file are serialised,
@@ -81,33 +80,25 @@ def write_hf_directory(out_dir: str | pathlib.Path, tensors: dict[str, Tensor], 
     ``model.safetensors.index.json`` that ``from_pretrained`` reads. Returns ``out_dir``.
     """
     out_dir = pathlib.Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        num_files = max(1, min(num_files, len(tensors)))
-        names = (["model.safetensors"] if num_files == 1 else
-                 [f"model-{k + 1:05d}-of-{num_files:05d}.safetensors" for k in range(num_files)])
-        shards: list[dict[str, Tensor]] = [{} for _ in names]
-        sizes = [0] * num_files
-        for name, t in tensors.items():
-            k = sizes.index(min(sizes))
-            shards[k][name] = t.contiguous()
-            sizes[k] += t.numel() * t.element_size()
+    num_files = max(1, min(num_files, len(tensors)))
+    names = (["model.safetensors"] if num_files == 1 else
+             [f"model-{k + 1:05d}-of-{num_files:05d}.safetensors" for k in range(num_files)])
+    shards: list[dict[str, Tensor]] = [{} for _ in names]
+    sizes = [0] * num_files
+    for name, t in tensors.items():
+        k = sizes.index(min(sizes))
+        shards[k][name] = t.contiguous()
+        sizes[k] += t.numel() * t.element_size()
+    with write_atomically(out_dir) as staging:
         with ThreadPoolExecutor(num_files, thread_name_prefix="safetensors") as pool:
-            list(pool.map(lambda k: save_file(shards[k], str(tmp / names[k]), metadata={"format": "pt"}),
+            list(pool.map(lambda k: save_file(shards[k], str(staging / names[k]), metadata={"format": "pt"}),
                           range(num_files)))
         if num_files > 1:
             weight_map = {name: names[k] for k, shard in enumerate(shards) for name in shard}
             index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         for name, data in metadata.items():
-            (tmp / name).write_bytes(data)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            (staging / name).write_bytes(data)
     return out_dir
 
 

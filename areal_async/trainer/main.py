@@ -33,6 +33,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from areal_async.atomic_dir import new_staging_dir, staging_dir
 from areal_async.config import Config, load_config, to_dict
 from areal_async.jitter import Jitter
 from areal_async.trainer.contract import check_batch, dump_batch
@@ -40,7 +41,7 @@ from areal_async.queue.staleness import group_id_limit
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
-from areal_async.trainer.resume import load_training_state, publish_checkpoint, save_training_state, staging_dir
+from areal_async.trainer.resume import load_training_state, publish_checkpoint, save_training_state
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 from areal_async.types import Trajectory
@@ -113,7 +114,7 @@ def save_checkpoint(cfg: Config, policy, optimizer, run_dir: pathlib.Path, step:
     ckpt = run_dir / "checkpoint"
     state = full_state_dict(policy)
     if state is not None:
-        save_hf_checkpoint(state, cfg.model.path, staging_dir(ckpt), torch.float32)
+        save_hf_checkpoint(state, cfg.model.path, new_staging_dir(ckpt), torch.float32)
     save_training_state(policy, optimizer, staging_dir(ckpt), step, buffer)
     if state is not None:
         publish_checkpoint(ckpt)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
+from areal_async.atomic_dir import old_dir, publish, staging_dir
 from areal_async.types import Trajectory
 
 
@@ -55,28 +56,19 @@ def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     (ckpt_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
 
 
-def staging_dir(ckpt_dir: pathlib.Path) -> pathlib.Path:
-    """Where the next checkpoint is written before ``publish_checkpoint`` puts it in place."""
-    return pathlib.Path(ckpt_dir).with_name(pathlib.Path(ckpt_dir).name + ".partial")
-
-
 def publish_checkpoint(ckpt_dir: pathlib.Path) -> None:
     """Make the complete checkpoint in ``staging_dir(ckpt_dir)`` the one in ``ckpt_dir``.
 
     A checkpoint is written whole into the staging directory first (weights, then the training
     state, ``trainer_state.json`` last), so an interrupted write leaves the previous checkpoint
-    untouched. The swap is two renames (the old one to ``<ckpt_dir>.old``, the new one into place),
-    then the old one is removed; ``recover_checkpoint`` repairs an interruption between them.
+    untouched. The swap is ``atomic_dir.publish``: two renames (the old one to ``<ckpt_dir>.old``,
+    the new one into place), then the old one is removed; ``recover_checkpoint`` repairs an
+    interruption between them.
     """
-    ckpt_dir = pathlib.Path(ckpt_dir)
-    staging, old = staging_dir(ckpt_dir), ckpt_dir.with_name(ckpt_dir.name + ".old")
+    staging = staging_dir(ckpt_dir)
     if not (staging / "trainer_state.json").exists():
         raise FileNotFoundError(f"{staging} holds no complete checkpoint to publish")
-    shutil.rmtree(old, ignore_errors=True)
-    if ckpt_dir.exists():
-        ckpt_dir.rename(old)
-    staging.rename(ckpt_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    publish(ckpt_dir)
 
 
 def recover_checkpoint(ckpt_dir: pathlib.Path) -> None:
@@ -84,7 +76,7 @@ def recover_checkpoint(ckpt_dir: pathlib.Path) -> None:
     ``<ckpt_dir>.old``), put the old one back; a half-written staging directory is removed. A
     no-op when ``ckpt_dir`` is complete."""
     ckpt_dir = pathlib.Path(ckpt_dir)
-    old = ckpt_dir.with_name(ckpt_dir.name + ".old")
+    old = old_dir(ckpt_dir)
     if not (ckpt_dir / "trainer_state.json").exists() and (old / "trainer_state.json").exists():
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         old.rename(ckpt_dir)

@@ -1,0 +1,61 @@
+"""Directories written atomically: a reader sees the previous directory or the new one, never a mix.
+
+A directory ``D`` is written whole into its staging directory ``D.partial`` and then swapped in by
+``publish``: ``D`` is renamed to ``D.old``, ``D.partial`` to ``D``, and ``D.old`` is removed. An
+interruption before the swap leaves ``D`` untouched; one between the two renames leaves no ``D``
+but a whole ``D.old``, which a caller that can tell a complete directory from a partial one puts
+back (``trainer.resume.recover_checkpoint``). ``write_atomically`` is the whole sequence for one
+writer; the trainer's checkpoint is written by several calls into the staging directory and
+published at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import shutil
+from typing import Iterator
+
+
+def staging_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
+    """``out_dir.partial``: where ``out_dir`` is written before ``publish`` puts it in place."""
+    out_dir = pathlib.Path(out_dir)
+    return out_dir.with_name(out_dir.name + ".partial")
+
+
+def old_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
+    """``out_dir.old``: the previous ``out_dir`` while ``publish`` swaps the new one in."""
+    out_dir = pathlib.Path(out_dir)
+    return out_dir.with_name(out_dir.name + ".old")
+
+
+def new_staging_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
+    """An empty ``staging_dir(out_dir)``; what an earlier, unpublished write left there is removed."""
+    staging = staging_dir(out_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish(out_dir: str | pathlib.Path) -> None:
+    """Swap ``staging_dir(out_dir)`` in as ``out_dir`` (two renames, see the module docstring)."""
+    out_dir = pathlib.Path(out_dir)
+    old = old_dir(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(old)
+    staging_dir(out_dir).rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def write_atomically(out_dir: str | pathlib.Path) -> Iterator[pathlib.Path]:
+    """Yield an empty staging directory for ``out_dir``; when the block ends, ``publish`` it, or
+    remove it if the block raised."""
+    staging = new_staging_dir(out_dir)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish(out_dir)
