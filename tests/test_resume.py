@@ -84,3 +84,27 @@ def test_a_checkpoint_is_written_into_its_staging_directory_and_swapped_in(tiny_
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"] and read_step(tmp_path / "checkpoint") == 2
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32).state_dict()
     assert all(torch.equal(saved[name], p) for name, p in policy.lm.state_dict().items())
+
+
+def test_checkpoint_and_weight_update_files_get_the_users_file_mode(tiny_model_dir, tmp_path, umask_027):
+    # safetensors writes each file through a temporary file, created 0600; what the trainer
+    # publishes has the mode any file of the user gets (0666 & ~umask)
+    import stat
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_async.config import load_config
+    from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
+    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.main import save_checkpoint
+
+    policy = PackedPolicy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    save_checkpoint(load_config(None, [f"model.path={tiny_model_dir}"]), policy,
+                    torch.optim.AdamW(policy.parameters()), tmp_path, 1, [])
+    tensors = {name: p.detach().clone() for name, p in policy.lm.named_parameters()}
+    write_hf_directory(tmp_path / "v1", tensors, hf_metadata_files(tiny_model_dir, torch.float32))
+    files = [*(tmp_path / "checkpoint").iterdir(), *(tmp_path / "v1").iterdir()]
+    assert any(f.name == "model.safetensors" for f in files)
+    modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files}
+    assert set(modes.values()) == {oct(umask_027)}, modes

