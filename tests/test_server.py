@@ -460,8 +460,8 @@ def test_a_disconnected_client_frees_its_slot(tiny_model_dir):
             async with aiohttp.ClientSession() as gone:
                 body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
                 request = asyncio.create_task(gone.post(api.url + "/generate", json=body))
-                while engine.num_running == 0:  # admitted: it holds a slot
-                    await asyncio.sleep(0.005)
+                await asyncio.wait_for(engine.next_step(), 60)  # the engine's first step: its prefill
+                assert engine.num_running == 1  # admitted: it holds a slot
                 request.cancel()  # drops the connection
             steps = 0
             while engine.num_running and steps < 200:
