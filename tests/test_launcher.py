@@ -272,7 +272,7 @@ def test_a_launch_refused_before_start_leaves_no_run_directory(tmp_path, tiny_mo
 
     from launcher.local import prepare_run
 
-    find_spec = importlib.util.find_spec  # SGLang is absent here, and on this test's machines too
+    find_spec = importlib.util.find_spec  # SGLang absent, whether or not this machine has it
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "sglang" else find_spec(name, *args))
     cfg = load_config("configs/quickstart_cpu.yaml", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
