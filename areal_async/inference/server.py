@@ -93,8 +93,19 @@ def load_engine(
     return Engine(forward, eos, max_prefill_tokens, weight_version, jitter), tokenizer
 
 
+def _error_json(message: str) -> str:
+    """The body of every error answer, SGLang's ``{"error": {"message": ...}}``, as JSON text."""
+    return json.dumps({"error": {"message": message}})
+
+
 def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+    """An error answer for a handler to return: HTTP ``status`` with the ``_error_json`` body."""
+    return web.Response(text=_error_json(message), status=status, content_type="application/json")
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    """HTTP 400 with the ``_error_json`` body, for code that raises rather than returns (``_body``)."""
+    return web.HTTPBadRequest(text=_error_json(message), content_type="application/json")
 
 
 def _result(success: bool, message: str, **extra) -> web.Response:
@@ -153,11 +164,6 @@ async def _body(request: web.Request) -> dict:
     if not isinstance(data, dict):
         raise _bad_request("request body must be a JSON object")
     return data
-
-
-def _bad_request(message: str) -> web.HTTPBadRequest:
-    """HTTP 400 with the ``{"error": {"message": ...}}`` body of every other bad input."""
-    return web.HTTPBadRequest(text=json.dumps({"error": {"message": message}}), content_type="application/json")
 
 
 class InferenceServer:
