@@ -333,6 +333,7 @@ def test_weight_group_rank_zero_is_refused(tiny_model_dir):
     (["--port", "99999"], "--port 99999: must be in [0, 65535]"),
     (["--device", "gpu"], "--device='gpu' is not a device"),
     (["--weight-version", "-3"], "--weight-version -3: must be >= 0"),
+    (["--weight-version", str(2**63)], f"--weight-version {2**63}: must be >= 0 and < 2**63"),
 ])
 def test_server_rejects_bad_arguments_before_loading(tiny_model_dir, capsys, flags, words):
     from areal_async.inference.server import parse_args
@@ -624,3 +625,82 @@ def test_raised_and_returned_bad_input_answers_have_the_same_shape(tiny_model_di
         assert list(body) == ["error"] and list(body["error"]) == ["message"], body
     assert "not JSON" in raised[3]["error"]["message"]
     assert "stream=true is not supported" in returned[3]["error"]["message"]
+
+
+def test_weight_update_behind_the_current_version_or_past_int64_is_refused_before_reading(tiny_model_dir, tmp_path):
+    # refused versions point at other weights: the answer and the generation show nothing was loaded;
+    # the distributed call has no weight group, so its version is checked before anything else
+    prompt = prompt_ids(tiny_model_dir)
+    perturbed(tiny_model_dir, seed=5).save_pretrained(tmp_path / "other")
+    kw = dict(max_new_tokens=8, temperature=1.0, sampling_seed=4, ignore_eos=True)
+    refused_versions = ["4", 4, "0", str(2**63), 2**63, "9" * 40]
+
+    async def main():
+        async with running(tiny_model_dir) as (api, _):
+            set_to_5 = await api.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
+                                                                    "weight_version": "5"})
+            before = await api.generate(prompt, **kw)
+            refused = []
+            for version in refused_versions:
+                refused.append(await api.post("/update_weights_from_disk", {
+                    "model_path": str(tmp_path / "other"), "weight_version": version}))
+                refused.append(await api.post("/update_weights_from_distributed", {
+                    "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+                    "weight_version": version}))
+            after = await api.generate(prompt, **kw)
+            again = await api.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
+                                                                 "weight_version": "5"})
+            return set_to_5, before, refused, after, again
+
+    set_to_5, before, refused, after, again = asyncio.run(main())
+    assert set_to_5[0] == 200, set_to_5
+    for (status, out), sent in zip(refused, [v for v in refused_versions for _ in range(2)]):
+        assert status == 400 and not out["success"], (sent, out)
+        if int(sent) < 5:
+            assert f"weight_version {sent!r} is behind this server's current version 5" in out["message"], out
+        else:
+            assert f"weight_version {sent!r} is not below 2**63" in out["message"], out
+            assert "this server is at version 5" in out["message"], out
+    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "5"
+    # the same version again is accepted: every bucket of a distributed update carries it
+    assert again[0] == 200 and again[1]["success"], again
+
+
+def test_a_bucket_behind_the_server_version_fails_the_trainer_side_at_once(tiny_model_dir):
+    # The trainer's side of a refused bucket (weight_sync._with_server_calls): the server answers
+    # 400 without entering the broadcast, so the sender raises at once instead of waiting in the
+    # broadcast for the group's timeout; the group is left in step (a later accepted bucket
+    # receives the broadcast the trainer still has pending).
+    from areal_async.inference.client import InferenceClient
+    from areal_async.trainer.weight_sync import _with_server_calls
+
+    port = free_port()
+    halves = torch.full((64,), 0.5)  # not the norm weight it replaces (ones)
+    sent = threading.Event()
+
+    def broadcast(group):
+        weight_group.broadcast_(group, [halves])
+        sent.set()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with running(tiny_model_dir) as (api, engine), InferenceClient([api.url]) as client:
+            await client.update_weights_from_disk(0, str(tiny_model_dir), 2)
+            host = loop.run_in_executor(None, weight_group.new_weight_group, "gloo", "127.0.0.1", port, 0, 2, 60)
+            await client.init_weights_update_group(0, "127.0.0.1", port, 1, 2, "gloo")
+            group = await host
+            bucket = (["model.norm.weight"], ["float32"], [[64]])
+            call = asyncio.gather(client.update_weights_from_distributed(0, *bucket, 1))
+            start = time.perf_counter()
+            with pytest.raises(RuntimeError, match="refused: .* HTTP 400: .*weight_version '1' is behind this "
+                                                   "server's current version 2"):
+                await _with_server_calls(weight_group.in_daemon_thread(broadcast, group), call, "refused")
+            waited_s = time.perf_counter() - start
+            accepted = await client.update_weights_from_distributed(0, *bucket, 2)
+            released = await asyncio.to_thread(sent.wait, 30)
+            return waited_s, accepted, released, engine.weight_version, engine.forward.model.model.norm.weight
+
+    waited_s, accepted, released, version, norm = asyncio.run(main())
+    assert waited_s < 5, f"the trainer side waited {waited_s:.1f} s for a refused bucket"
+    assert accepted["success"] and released and version == 2
+    assert torch.equal(norm, halves)

@@ -15,8 +15,10 @@ requests run, as SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/c
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
 directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}``; ``rid`` is a string (one
-prompt) or a list of strings (a batch, one per prompt), ``weight_version`` a non-negative integer
-(SGLang sends it as a string, ``"3"``).
+prompt) or a list of strings (a batch, one per prompt), ``weight_version`` an integer below 2**63
+(SGLang sends it as a string, ``"3"``) that never goes back: a version behind the server's is refused
+before any tensor is read or received (the current one is accepted: each bucket of a distributed
+update carries it).
 
 A ``/generate`` whose client disconnects is cancelled (aiohttp's ``handler_cancellation``), which
 aborts its requests in the engine; weight updates run in their own task, so a disconnect never
@@ -46,6 +48,7 @@ from .forward import BatchedForward, check_weight_names
 from .sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
 
 
 def load_engine(
@@ -138,20 +141,31 @@ def _rids(raw, n: int, batch: bool) -> list[str]:
 
 
 def _weight_version(raw, current: int) -> int:
-    """SGLang's ``weight_version`` field as an int: ``None`` keeps ``current``; a non-negative int or
-    its decimal string (``"3"``, the form SGLang's clients send) is the new version.
+    """SGLang's ``weight_version`` field as an int: ``None`` keeps ``current``; an int or its decimal
+    string (``"3"``, the form SGLang's clients send) in ``[current, _MAX_WEIGHT_VERSION)`` is the new
+    version. ``current`` itself is allowed: every bucket of a distributed update carries the
+    version, which the first bucket already set.
 
     Raises:
-        ValueError: anything else (negative, fractional, a bool, a non-numeric string).
+        ValueError: anything else (negative, fractional, a bool, a non-numeric string), a version
+            behind ``current`` or one of ``_MAX_WEIGHT_VERSION`` or more.
     """
     if raw is None:
         return current
     if type(raw) is int and raw >= 0:
-        return raw
-    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
-        return int(raw)
-    raise ValueError(f"weight_version {raw!r} is not a non-negative integer; send the policy version "
-                     f'as a decimal string, e.g. "3" (or leave it out to keep version {current})')
+        version = raw
+    elif isinstance(raw, str) and raw.isascii() and raw.isdigit():
+        version = int(raw)
+    else:
+        raise ValueError(f"weight_version {raw!r} is not a non-negative integer; send the policy version "
+                         f'as a decimal string, e.g. "3" (or leave it out to keep version {current})')
+    if version >= _MAX_WEIGHT_VERSION:
+        raise ValueError(f"weight_version {raw!r} is not below 2**63 (versions are int64); send the policy "
+                         f"version, the trainer's step count (this server is at version {current})")
+    if version < current:
+        raise ValueError(f"weight_version {raw!r} is behind this server's current version {current}; a "
+                         f"weight update never goes back: send a version >= {current}")
+    return version
 
 
 async def _body(request: web.Request) -> dict:
@@ -481,8 +495,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if why:
         p.error(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({why}); "
                 f"another process holds it, pick another port (0 picks a free one)")
-    if args.weight_version < 0:
-        p.error(f"--weight-version {args.weight_version}: must be >= 0 (the policy version being served)")
+    if not 0 <= args.weight_version < _MAX_WEIGHT_VERSION:
+        p.error(f"--weight-version {args.weight_version}: must be >= 0 and < 2**63 (the policy version "
+                f"being served)")
     if not (pathlib.Path(args.model_path) / "config.json").is_file():
         p.error(f"--model-path {args.model_path!r}: not an HF model directory (no config.json there)")
     try:
