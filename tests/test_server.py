@@ -381,6 +381,7 @@ def test_unknown_weight_group_backend_fails_before_waiting_for_peers():
         ([[1, 2], [3]], "a", "rid 'a' is not a list of 2 non-empty strings"),
         ([[1, 2], [3]], ["a", 2], "rid ['a', 2] is not a list of 2 non-empty strings"),
         ([[1, 2], [3]], ["a"], "rid ['a'] is not a list of 2 non-empty strings"),
+        ([[1, 2], [3], [4]], ["a", "b", "a"], "rid 'a' is given to 2 prompts of the batch"),
     ],
 )
 def test_generate_rejects_a_rid_of_the_wrong_shape(tiny_model_dir, ids, rid, message):
@@ -704,3 +705,57 @@ def test_a_bucket_behind_the_server_version_fails_the_trainer_side_at_once(tiny_
     assert waited_s < 5, f"the trainer side waited {waited_s:.1f} s for a refused bucket"
     assert accepted["success"] and released and version == 2
     assert torch.equal(norm, halves)
+
+
+def test_a_rid_held_by_an_unfinished_request_is_refused(tiny_model_dir):
+    # /abort_request by rid would stop both requests; the one holding the rid runs on untouched
+    prompt = prompt_ids(tiny_model_dir)
+    kw = dict(max_new_tokens=24, temperature=1.0, ignore_eos=True)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            busy = asyncio.create_task(api.generate(prompt, "busy", sampling_seed=1, **kw))
+            while engine.num_running == 0:  # admitted: it holds a slot
+                await asyncio.sleep(0.005)
+            await api.post("/pause_generation", {"mode": "in_place"})  # it stays unfinished meanwhile
+            async with asyncio.timeout(30):  # an accepted request would wait for the pause to end
+                again = await api.post("/generate", {"input_ids": prompt, "rid": "busy", "sampling_params": kw})
+                in_batch = await api.post("/generate", {"input_ids": [prompt, prompt], "rid": ["other", "busy"],
+                                                        "sampling_params": kw})
+            left = len(engine._unfinished())
+            await api.post("/continue_generation", {})
+            done = await busy
+            reused = await api.generate(prompt, "busy", sampling_seed=1, **kw)  # finished: its rid is free
+            return done, again, in_batch, left, reused
+
+    busy, again, in_batch, left, reused = asyncio.run(main())
+    for status, out in (again, in_batch):
+        assert status == 400, out
+        assert "rid 'busy' is already running in another request" in out["error"]["message"], out
+    assert left == 1, "a refused batch left a request queued"
+    assert busy["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    assert reused["output_ids"] == busy["output_ids"]
+
+
+def test_a_rid_taken_between_the_check_and_the_queueing_is_refused(tiny_model_dir):
+    # The handler checks the rid, then its request is queued by a task that runs later; a rival
+    # queued in between (here: scheduled by the check itself) holds the rid first. The engine
+    # refuses the second as it queues it, and the handler answers 400, as for the check.
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, engine):
+            checked, rivals = engine.validate, []
+
+            def validate(input_ids, params, rid=None):
+                checked(input_ids, params, rid)
+                if rid == "raced" and not rivals:
+                    rivals.append(asyncio.ensure_future(engine.generate(input_ids, params, rid)))
+
+            engine.validate = validate
+            answer = await api.post("/generate", {"input_ids": [1, 2], "rid": "raced",
+                                                  "sampling_params": {"max_new_tokens": 2}})
+            return answer, len(rivals) and (await rivals[0]).finish_reason
+
+    (status, out), rival = asyncio.run(main())
+    assert status == 400, out
+    assert "rid 'raced' is already running in another request" in out["error"]["message"], out
+    assert rival == "length"

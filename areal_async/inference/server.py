@@ -15,10 +15,10 @@ requests run, as SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/c
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
 directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}``; ``rid`` is a string (one
-prompt) or a list of strings (a batch, one per prompt), ``weight_version`` an integer below 2**63
-(SGLang sends it as a string, ``"3"``) that never goes back: a version behind the server's is refused
-before any tensor is read or received (the current one is accepted: each bucket of a distributed
-update carries it).
+prompt) or a list of distinct strings (a batch, one per prompt), never one an unfinished request
+holds; ``weight_version`` an integer below 2**63 (SGLang sends it as a string, ``"3"``) that never
+goes back: a version behind the server's is refused before any tensor is read or received (the
+current one is accepted: each bucket of a distributed update carries it).
 
 A ``/generate`` whose client disconnects is cancelled (aiohttp's ``handler_cancellation``), which
 aborts its requests in the engine; weight updates run in their own task, so a disconnect never
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import pathlib
@@ -125,7 +126,7 @@ def _rids(raw, n: int, batch: bool) -> list[str]:
     a list of ``n`` strings for a batch, or ``None`` (fresh ids).
 
     Raises:
-        ValueError: any other shape or element type, or an empty id.
+        ValueError: any other shape or element type, an empty id, or one id given to two prompts.
     """
     if raw is None:
         return [uuid.uuid4().hex for _ in range(n)]
@@ -137,6 +138,10 @@ def _rids(raw, n: int, batch: bool) -> list[str]:
     if not isinstance(raw, list) or len(raw) != n or not all(isinstance(r, str) and r for r in raw):
         raise ValueError(f"rid {raw!r} is not a list of {n} non-empty strings; send a list of {n} string "
                          f"request ids, one per prompt (or leave rid out)")
+    repeated = [r for r, count in collections.Counter(raw).items() if count > 1]
+    if repeated:
+        raise ValueError(f"rid {repeated[0]!r} is given to {raw.count(repeated[0])} prompts of the batch; send "
+                         f"a distinct request id for each prompt (or leave rid out)")
     return raw
 
 
@@ -254,8 +259,8 @@ class InferenceServer:
         try:
             rids = _rids(body.get("rid"), len(prompts), batch)
             params = SamplingParams.parse(body.get("sampling_params"))
-            for prompt in prompts:
-                self.engine.validate(prompt, params)
+            for prompt, rid in zip(prompts, rids):
+                self.engine.validate(prompt, params, rid)
         except ValueError as exc:
             return _error(str(exc))
         # Cancelled when the client disconnects, and if one prompt fails: the task group then
@@ -264,7 +269,10 @@ class InferenceServer:
             async with asyncio.TaskGroup() as tasks:
                 running = [tasks.create_task(self.engine.generate(p, params, r)) for p, r in zip(prompts, rids)]
         except ExceptionGroup as failed:
-            raise failed.exceptions[0] from None  # the first prompt's error, as a single call raises it
+            first = failed.exceptions[0]  # the first prompt's error, as a single call raises it
+            if isinstance(first, ValueError):  # its rid was taken by a request queued since the check
+                return _error(str(first))
+            raise first from None
         done = [t.result() for t in running]
         logprob = bool(body.get("return_logprob"))
         out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
