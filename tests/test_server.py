@@ -759,3 +759,43 @@ def test_a_rid_taken_between_the_check_and_the_queueing_is_refused(tiny_model_di
     assert status == 400, out
     assert "rid 'raced' is already running in another request" in out["error"]["message"], out
     assert rival == "length"
+
+
+def test_non_finite_logprobs_are_a_json_500_naming_the_weight_version(tiny_model_dir, tmp_path):
+    # weights with a NaN norm make every logit NaN: JSON has no NaN (the old answer was a 200 with
+    # bare NaN in it), and the rollout worker must fail on them rather than train on noise
+    from areal_async.inference.client import InferenceClient, ServerError
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(tmp_path / "nan")
+
+    def no_constants(name):
+        raise ValueError(f"{name} in a JSON answer")
+
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, _):
+            loaded = await api.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nan"),
+                                                                  "weight_version": "3"})
+            answers = []
+            for ids, rid, logprob in (([1, 2], "one", True), ([[1, 2], [3]], ["p", "q"], True), ([1, 2], "bare", False)):
+                body = {"input_ids": ids, "rid": rid, "return_logprob": logprob, "sampling_params": {"max_new_tokens": 3}}
+                async with api.http.post(api.url + "/generate", json=body) as resp:
+                    answers.append((resp.status, resp.content_type, json.loads(await resp.text(),
+                                                                               parse_constant=no_constants)))
+            async with InferenceClient([api.url]) as client:
+                with pytest.raises(ServerError, match="HTTP 500: .*non-finite log-probs .* under weight version 3"):
+                    await client.generate([1, 2], {"max_new_tokens": 3}, "worker-sample")
+            fixed = await api.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
+                                                                 "weight_version": "4"})
+            return loaded, answers, fixed, await api.generate([1, 2], max_new_tokens=3)
+
+    loaded, answers, fixed, after = asyncio.run(main())
+    assert loaded[0] == 200 and fixed[0] == 200
+    for (status, content_type, body), rid, more in zip(answers, ["one", "p", "bare"], ["", " (and 1 more", ""]):
+        assert (status, content_type) == (500, "application/json"), body
+        message = body["error"]["message"]
+        assert f"non-finite log-probs (NaN or inf) for rid {rid!r}{more}" in message, message
+        assert "under weight version 3" in message, message
+    assert after["meta_info"]["weight_version"] == "4" and len(after["output_ids"]) == 3

@@ -18,7 +18,9 @@ directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}``; ``rid`` 
 prompt) or a list of distinct strings (a batch, one per prompt), never one an unfinished request
 holds; ``weight_version`` an integer below 2**63 (SGLang sends it as a string, ``"3"``) that never
 goes back: a version behind the server's is refused before any tensor is read or received (the
-current one is accepted: each bucket of a distributed update carries it).
+current one is accepted: each bucket of a distributed update carries it). A generation whose
+log-probs are not all finite (broken weights) is HTTP 500 with that body, naming the rid and the
+weight version, whether or not log-probs were asked for.
 
 A ``/generate`` whose client disconnects is cancelled (aiohttp's ``handler_cancellation``), which
 aborts its requests in the engine; weight updates run in their own task, so a disconnect never
@@ -33,6 +35,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import pathlib
 import signal
 import uuid
@@ -143,6 +146,19 @@ def _rids(raw, n: int, batch: bool) -> list[str]:
         raise ValueError(f"rid {repeated[0]!r} is given to {raw.count(repeated[0])} prompts of the batch; send "
                          f"a distinct request id for each prompt (or leave rid out)")
     return raw
+
+
+def _non_finite(done: list[Completion], rids: list[str]) -> str | None:
+    """The error message for completions with a non-finite log-prob (NaN or inf: the weights in
+    service are broken), naming the first one's rid and weight version; ``None`` when all are
+    finite. JSON has no NaN, and tokens drawn from such logits are noise."""
+    bad = [(rid, c) for c, rid in zip(done, rids) if not all(map(math.isfinite, c.logprobs))]
+    if not bad:
+        return None
+    (rid, c), more = bad[0], f" (and {len(bad) - 1} more of the batch)" if len(bad) > 1 else ""
+    return (f"the model produced non-finite log-probs (NaN or inf) for rid {rid!r}{more} under weight "
+            f"version {c.weight_version}: those weights are broken (e.g. a diverged training step); "
+            f"load good weights, e.g. a version from before the divergence")
 
 
 def _weight_version(raw, current: int) -> int:
@@ -274,6 +290,9 @@ class InferenceServer:
                 return _error(str(first))
             raise first from None
         done = [t.result() for t in running]
+        broken = _non_finite(done, rids)
+        if broken:
+            return _error(broken, status=500)
         logprob = bool(body.get("return_logprob"))
         out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
         return web.json_response(out if batch else out[0])
