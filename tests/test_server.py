@@ -333,6 +333,7 @@ def test_weight_group_rank_zero_is_refused(tiny_model_dir):
     (["--port", "99999"], "--port 99999: must be in [0, 65535]"),
     (["--device", "gpu"], "--device='gpu' is not a device"),
     (["--weight-version", "-3"], "--weight-version -3: must be >= 0"),
+    (["--weight-version", str(2**63)], f"--weight-version {2**63}: must be >= 0 and < 2**63"),
 ])
 def test_server_rejects_bad_arguments_before_loading(tiny_model_dir, capsys, flags, words):
     from areal_async.inference.server import parse_args
@@ -380,6 +381,7 @@ def test_unknown_weight_group_backend_fails_before_waiting_for_peers():
         ([[1, 2], [3]], "a", "rid 'a' is not a list of 2 non-empty strings"),
         ([[1, 2], [3]], ["a", 2], "rid ['a', 2] is not a list of 2 non-empty strings"),
         ([[1, 2], [3]], ["a"], "rid ['a'] is not a list of 2 non-empty strings"),
+        ([[1, 2], [3], [4]], ["a", "b", "a"], "rid 'a' is given to 2 prompts of the batch"),
     ],
 )
 def test_generate_rejects_a_rid_of_the_wrong_shape(tiny_model_dir, ids, rid, message):
@@ -604,3 +606,196 @@ def test_unreadable_weights_and_non_json_bodies_get_json_400s(tiny_model_dir, tm
     assert missing[0] == 400 and "model_path None" in missing[1]["message"], missing
     assert not_json[0] == 400 and "not JSON" in not_json[1]["error"]["message"], not_json
     assert version == 0
+
+
+def test_raised_and_returned_bad_input_answers_have_the_same_shape(tiny_model_dir):
+    # a body that is not JSON is refused where the handler raises (_body); stream=true where it
+    # returns: both are SGLang's {"error": {"message": ...}} with a JSON content type
+    async def main():
+        async with running(tiny_model_dir, slots=2, max_seq_len=64) as (api, _):
+            answers = []
+            for data in (b"{not json", json.dumps({"input_ids": [1, 2], "stream": True}).encode()):
+                async with api.http.post(api.url + "/generate", data=data,
+                                         headers={"Content-Type": "application/json"}) as resp:
+                    answers.append((resp.status, resp.content_type, resp.charset, json.loads(await resp.text())))
+            return answers
+
+    raised, returned = asyncio.run(main())
+    for status, content_type, charset, body in (raised, returned):
+        assert (status, content_type, charset) == (400, "application/json", "utf-8")
+        assert list(body) == ["error"] and list(body["error"]) == ["message"], body
+    assert "not JSON" in raised[3]["error"]["message"]
+    assert "stream=true is not supported" in returned[3]["error"]["message"]
+
+
+def test_weight_update_behind_the_current_version_or_past_int64_is_refused_before_reading(tiny_model_dir, tmp_path):
+    # refused versions point at other weights: the answer and the generation show nothing was loaded;
+    # the distributed call has no weight group, so its version is checked before anything else
+    prompt = prompt_ids(tiny_model_dir)
+    perturbed(tiny_model_dir, seed=5).save_pretrained(tmp_path / "other")
+    kw = dict(max_new_tokens=8, temperature=1.0, sampling_seed=4, ignore_eos=True)
+    refused_versions = ["4", 4, "0", str(2**63), 2**63, "9" * 40]
+
+    async def main():
+        async with running(tiny_model_dir) as (api, _):
+            set_to_5 = await api.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
+                                                                    "weight_version": "5"})
+            before = await api.generate(prompt, **kw)
+            refused = []
+            for version in refused_versions:
+                refused.append(await api.post("/update_weights_from_disk", {
+                    "model_path": str(tmp_path / "other"), "weight_version": version}))
+                refused.append(await api.post("/update_weights_from_distributed", {
+                    "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+                    "weight_version": version}))
+            after = await api.generate(prompt, **kw)
+            again = await api.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
+                                                                 "weight_version": "5"})
+            return set_to_5, before, refused, after, again
+
+    set_to_5, before, refused, after, again = asyncio.run(main())
+    assert set_to_5[0] == 200, set_to_5
+    for (status, out), sent in zip(refused, [v for v in refused_versions for _ in range(2)]):
+        assert status == 400 and not out["success"], (sent, out)
+        if int(sent) < 5:
+            assert f"weight_version {sent!r} is behind this server's current version 5" in out["message"], out
+        else:
+            assert f"weight_version {sent!r} is not below 2**63" in out["message"], out
+            assert "this server is at version 5" in out["message"], out
+    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "5"
+    # the same version again is accepted: every bucket of a distributed update carries it
+    assert again[0] == 200 and again[1]["success"], again
+
+
+def test_a_bucket_behind_the_server_version_fails_the_trainer_side_at_once(tiny_model_dir):
+    # The trainer's side of a refused bucket (weight_sync._with_server_calls): the server answers
+    # 400 without entering the broadcast, so the sender raises at once instead of waiting in the
+    # broadcast for the group's timeout; the group is left in step (a later accepted bucket
+    # receives the broadcast the trainer still has pending).
+    from areal_async.inference.client import InferenceClient
+    from areal_async.trainer.weight_sync import _with_server_calls
+
+    port = free_port()
+    halves = torch.full((64,), 0.5)  # not the norm weight it replaces (ones)
+    sent = threading.Event()
+
+    def broadcast(group):
+        weight_group.broadcast_(group, [halves])
+        sent.set()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with running(tiny_model_dir) as (api, engine), InferenceClient([api.url]) as client:
+            await client.update_weights_from_disk(0, str(tiny_model_dir), 2)
+            host = loop.run_in_executor(None, weight_group.new_weight_group, "gloo", "127.0.0.1", port, 0, 2, 60)
+            await client.init_weights_update_group(0, "127.0.0.1", port, 1, 2, "gloo")
+            group = await host
+            bucket = (["model.norm.weight"], ["float32"], [[64]])
+            call = asyncio.gather(client.update_weights_from_distributed(0, *bucket, 1))
+            start = time.perf_counter()
+            with pytest.raises(RuntimeError, match="refused: .* HTTP 400: .*weight_version '1' is behind this "
+                                                   "server's current version 2"):
+                await _with_server_calls(weight_group.in_daemon_thread(broadcast, group), call, "refused")
+            waited_s = time.perf_counter() - start
+            accepted = await client.update_weights_from_distributed(0, *bucket, 2)
+            released = await asyncio.to_thread(sent.wait, 30)
+            return waited_s, accepted, released, engine.weight_version, engine.forward.model.model.norm.weight
+
+    waited_s, accepted, released, version, norm = asyncio.run(main())
+    assert waited_s < 5, f"the trainer side waited {waited_s:.1f} s for a refused bucket"
+    assert accepted["success"] and released and version == 2
+    assert torch.equal(norm, halves)
+
+
+def test_a_rid_held_by_an_unfinished_request_is_refused(tiny_model_dir):
+    # /abort_request by rid would stop both requests; the one holding the rid runs on untouched
+    prompt = prompt_ids(tiny_model_dir)
+    kw = dict(max_new_tokens=24, temperature=1.0, ignore_eos=True)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            busy = asyncio.create_task(api.generate(prompt, "busy", sampling_seed=1, **kw))
+            while engine.num_running == 0:  # admitted: it holds a slot
+                await asyncio.sleep(0.005)
+            await api.post("/pause_generation", {"mode": "in_place"})  # it stays unfinished meanwhile
+            async with asyncio.timeout(30):  # an accepted request would wait for the pause to end
+                again = await api.post("/generate", {"input_ids": prompt, "rid": "busy", "sampling_params": kw})
+                in_batch = await api.post("/generate", {"input_ids": [prompt, prompt], "rid": ["other", "busy"],
+                                                        "sampling_params": kw})
+            left = len(engine._unfinished())
+            await api.post("/continue_generation", {})
+            done = await busy
+            reused = await api.generate(prompt, "busy", sampling_seed=1, **kw)  # finished: its rid is free
+            return done, again, in_batch, left, reused
+
+    busy, again, in_batch, left, reused = asyncio.run(main())
+    for status, out in (again, in_batch):
+        assert status == 400, out
+        assert "rid 'busy' is already running in another request" in out["error"]["message"], out
+    assert left == 1, "a refused batch left a request queued"
+    assert busy["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    assert reused["output_ids"] == busy["output_ids"]
+
+
+def test_a_rid_taken_between_the_check_and_the_queueing_is_refused(tiny_model_dir):
+    # The handler checks the rid, then its request is queued by a task that runs later; a rival
+    # queued in between (here: scheduled by the check itself) holds the rid first. The engine
+    # refuses the second as it queues it, and the handler answers 400, as for the check.
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, engine):
+            checked, rivals = engine.validate, []
+
+            def validate(input_ids, params, rid=None):
+                checked(input_ids, params, rid)
+                if rid == "raced" and not rivals:
+                    rivals.append(asyncio.ensure_future(engine.generate(input_ids, params, rid)))
+
+            engine.validate = validate
+            answer = await api.post("/generate", {"input_ids": [1, 2], "rid": "raced",
+                                                  "sampling_params": {"max_new_tokens": 2}})
+            return answer, len(rivals) and (await rivals[0]).finish_reason
+
+    (status, out), rival = asyncio.run(main())
+    assert status == 400, out
+    assert "rid 'raced' is already running in another request" in out["error"]["message"], out
+    assert rival == "length"
+
+
+def test_non_finite_logprobs_are_a_json_500_naming_the_weight_version(tiny_model_dir, tmp_path):
+    # weights with a NaN norm make every logit NaN: JSON has no NaN (the old answer was a 200 with
+    # bare NaN in it), and the rollout worker must fail on them rather than train on noise
+    from areal_async.inference.client import InferenceClient, ServerError
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(tmp_path / "nan")
+
+    def no_constants(name):
+        raise ValueError(f"{name} in a JSON answer")
+
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, _):
+            loaded = await api.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nan"),
+                                                                  "weight_version": "3"})
+            answers = []
+            for ids, rid, logprob in (([1, 2], "one", True), ([[1, 2], [3]], ["p", "q"], True), ([1, 2], "bare", False)):
+                body = {"input_ids": ids, "rid": rid, "return_logprob": logprob, "sampling_params": {"max_new_tokens": 3}}
+                async with api.http.post(api.url + "/generate", json=body) as resp:
+                    answers.append((resp.status, resp.content_type, json.loads(await resp.text(),
+                                                                               parse_constant=no_constants)))
+            async with InferenceClient([api.url]) as client:
+                with pytest.raises(ServerError, match="HTTP 500: .*non-finite log-probs .* under weight version 3"):
+                    await client.generate([1, 2], {"max_new_tokens": 3}, "worker-sample")
+            fixed = await api.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
+                                                                 "weight_version": "4"})
+            return loaded, answers, fixed, await api.generate([1, 2], max_new_tokens=3)
+
+    loaded, answers, fixed, after = asyncio.run(main())
+    assert loaded[0] == 200 and fixed[0] == 200
+    for (status, content_type, body), rid, more in zip(answers, ["one", "p", "bare"], ["", " (and 1 more", ""]):
+        assert (status, content_type) == (500, "application/json"), body
+        message = body["error"]["message"]
+        assert f"non-finite log-probs (NaN or inf) for rid {rid!r}{more}" in message, message
+        assert "under weight version 3" in message, message
+    assert after["meta_info"]["weight_version"] == "4" and len(after["output_ids"]) == 3

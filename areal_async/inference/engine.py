@@ -171,8 +171,12 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` (naming the limit) for a request this engine cannot run."""
+    def validate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> None:
+        """Raise ``ValueError`` (naming the limit) for a request this engine cannot run, or whose
+        ``rid`` an unfinished request already holds (``abort`` by rid would stop both)."""
+        if rid is not None and any(r.rid == rid for r in self._unfinished()):
+            raise ValueError(f"rid {rid!r} is already running in another request; give each request its "
+                             f"own id, or wait for (or abort) the one running")
         if not input_ids:
             raise ValueError("input_ids is empty; send at least one prompt token")
         bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -191,9 +195,9 @@ class Engine:
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Completion:
         """Queue a request and wait for it to finish (or be aborted). Raises ``ValueError`` on bad
-        input. Cancelling the caller (e.g. its HTTP client went away) aborts the request, so its
-        slot is free at the next step."""
-        self.validate(input_ids, params)
+        input or a ``rid`` already running (``validate``). Cancelling the caller (e.g. its HTTP
+        client went away) aborts the request, so its slot is free at the next step."""
+        self.validate(input_ids, params, rid)
         if self._error is not None:
             raise self._error
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)

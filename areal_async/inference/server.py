@@ -15,8 +15,12 @@ requests run, as SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/c
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
 directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}``; ``rid`` is a string (one
-prompt) or a list of strings (a batch, one per prompt), ``weight_version`` a non-negative integer
-(SGLang sends it as a string, ``"3"``).
+prompt) or a list of distinct strings (a batch, one per prompt), never one an unfinished request
+holds; ``weight_version`` an integer below 2**63 (SGLang sends it as a string, ``"3"``) that never
+goes back: a version behind the server's is refused before any tensor is read or received (the
+current one is accepted: each bucket of a distributed update carries it). A generation whose
+log-probs are not all finite (broken weights) is HTTP 500 with that body, naming the rid and the
+weight version, whether or not log-probs were asked for.
 
 A ``/generate`` whose client disconnects is cancelled (aiohttp's ``handler_cancellation``), which
 aborts its requests in the engine; weight updates run in their own task, so a disconnect never
@@ -28,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
+import math
 import pathlib
 import signal
 import uuid
@@ -46,6 +52,7 @@ from .forward import BatchedForward, check_weight_names
 from .sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
 
 
 def load_engine(
@@ -93,8 +100,19 @@ def load_engine(
     return Engine(forward, eos, max_prefill_tokens, weight_version, jitter), tokenizer
 
 
+def _error_json(message: str) -> str:
+    """The body of every error answer, SGLang's ``{"error": {"message": ...}}``, as JSON text."""
+    return json.dumps({"error": {"message": message}})
+
+
 def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+    """An error answer for a handler to return: HTTP ``status`` with the ``_error_json`` body."""
+    return web.Response(text=_error_json(message), status=status, content_type="application/json")
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    """HTTP 400 with the ``_error_json`` body, for code that raises rather than returns (``_body``)."""
+    return web.HTTPBadRequest(text=_error_json(message), content_type="application/json")
 
 
 def _result(success: bool, message: str, **extra) -> web.Response:
@@ -111,7 +129,7 @@ def _rids(raw, n: int, batch: bool) -> list[str]:
     a list of ``n`` strings for a batch, or ``None`` (fresh ids).
 
     Raises:
-        ValueError: any other shape or element type, or an empty id.
+        ValueError: any other shape or element type, an empty id, or one id given to two prompts.
     """
     if raw is None:
         return [uuid.uuid4().hex for _ in range(n)]
@@ -123,24 +141,52 @@ def _rids(raw, n: int, batch: bool) -> list[str]:
     if not isinstance(raw, list) or len(raw) != n or not all(isinstance(r, str) and r for r in raw):
         raise ValueError(f"rid {raw!r} is not a list of {n} non-empty strings; send a list of {n} string "
                          f"request ids, one per prompt (or leave rid out)")
+    repeated = [r for r, count in collections.Counter(raw).items() if count > 1]
+    if repeated:
+        raise ValueError(f"rid {repeated[0]!r} is given to {raw.count(repeated[0])} prompts of the batch; send "
+                         f"a distinct request id for each prompt (or leave rid out)")
     return raw
 
 
+def _non_finite(done: list[Completion], rids: list[str]) -> str | None:
+    """The error message for completions with a non-finite log-prob (NaN or inf: the weights in
+    service are broken), naming the first one's rid and weight version; ``None`` when all are
+    finite. JSON has no NaN, and tokens drawn from such logits are noise."""
+    bad = [(rid, c) for c, rid in zip(done, rids) if not all(map(math.isfinite, c.logprobs))]
+    if not bad:
+        return None
+    (rid, c), more = bad[0], f" (and {len(bad) - 1} more of the batch)" if len(bad) > 1 else ""
+    return (f"the model produced non-finite log-probs (NaN or inf) for rid {rid!r}{more} under weight "
+            f"version {c.weight_version}: those weights are broken (e.g. a diverged training step); "
+            f"load good weights, e.g. a version from before the divergence")
+
+
 def _weight_version(raw, current: int) -> int:
-    """SGLang's ``weight_version`` field as an int: ``None`` keeps ``current``; a non-negative int or
-    its decimal string (``"3"``, the form SGLang's clients send) is the new version.
+    """SGLang's ``weight_version`` field as an int: ``None`` keeps ``current``; an int or its decimal
+    string (``"3"``, the form SGLang's clients send) in ``[current, _MAX_WEIGHT_VERSION)`` is the new
+    version. ``current`` itself is allowed: every bucket of a distributed update carries the
+    version, which the first bucket already set.
 
     Raises:
-        ValueError: anything else (negative, fractional, a bool, a non-numeric string).
+        ValueError: anything else (negative, fractional, a bool, a non-numeric string), a version
+            behind ``current`` or one of ``_MAX_WEIGHT_VERSION`` or more.
     """
     if raw is None:
         return current
     if type(raw) is int and raw >= 0:
-        return raw
-    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
-        return int(raw)
-    raise ValueError(f"weight_version {raw!r} is not a non-negative integer; send the policy version "
-                     f'as a decimal string, e.g. "3" (or leave it out to keep version {current})')
+        version = raw
+    elif isinstance(raw, str) and raw.isascii() and raw.isdigit():
+        version = int(raw)
+    else:
+        raise ValueError(f"weight_version {raw!r} is not a non-negative integer; send the policy version "
+                         f'as a decimal string, e.g. "3" (or leave it out to keep version {current})')
+    if version >= _MAX_WEIGHT_VERSION:
+        raise ValueError(f"weight_version {raw!r} is not below 2**63 (versions are int64); send the policy "
+                         f"version, the trainer's step count (this server is at version {current})")
+    if version < current:
+        raise ValueError(f"weight_version {raw!r} is behind this server's current version {current}; a "
+                         f"weight update never goes back: send a version >= {current}")
+    return version
 
 
 async def _body(request: web.Request) -> dict:
@@ -153,11 +199,6 @@ async def _body(request: web.Request) -> dict:
     if not isinstance(data, dict):
         raise _bad_request("request body must be a JSON object")
     return data
-
-
-def _bad_request(message: str) -> web.HTTPBadRequest:
-    """HTTP 400 with the ``{"error": {"message": ...}}`` body of every other bad input."""
-    return web.HTTPBadRequest(text=json.dumps({"error": {"message": message}}), content_type="application/json")
 
 
 class InferenceServer:
@@ -234,8 +275,8 @@ class InferenceServer:
         try:
             rids = _rids(body.get("rid"), len(prompts), batch)
             params = SamplingParams.parse(body.get("sampling_params"))
-            for prompt in prompts:
-                self.engine.validate(prompt, params)
+            for prompt, rid in zip(prompts, rids):
+                self.engine.validate(prompt, params, rid)
         except ValueError as exc:
             return _error(str(exc))
         # Cancelled when the client disconnects, and if one prompt fails: the task group then
@@ -244,8 +285,14 @@ class InferenceServer:
             async with asyncio.TaskGroup() as tasks:
                 running = [tasks.create_task(self.engine.generate(p, params, r)) for p, r in zip(prompts, rids)]
         except ExceptionGroup as failed:
-            raise failed.exceptions[0] from None  # the first prompt's error, as a single call raises it
+            first = failed.exceptions[0]  # the first prompt's error, as a single call raises it
+            if isinstance(first, ValueError):  # its rid was taken by a request queued since the check
+                return _error(str(first))
+            raise first from None
         done = [t.result() for t in running]
+        broken = _non_finite(done, rids)
+        if broken:
+            return _error(broken, status=500)
         logprob = bool(body.get("return_logprob"))
         out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
         return web.json_response(out if batch else out[0])
@@ -475,8 +522,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if why:
         p.error(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({why}); "
                 f"another process holds it, pick another port (0 picks a free one)")
-    if args.weight_version < 0:
-        p.error(f"--weight-version {args.weight_version}: must be >= 0 (the policy version being served)")
+    if not 0 <= args.weight_version < _MAX_WEIGHT_VERSION:
+        p.error(f"--weight-version {args.weight_version}: must be >= 0 and < 2**63 (the policy version "
+                f"being served)")
     if not (pathlib.Path(args.model_path) / "config.json").is_file():
         p.error(f"--model-path {args.model_path!r}: not an HF model directory (no config.json there)")
     try:
