@@ -96,6 +96,33 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
     assert p8 == "/get_weight_version"
 
 
+def test_a_null_logprob_from_sglang_is_a_server_error_naming_the_weight_version():
+    # SGLang writes a NaN log-prob (weights gone bad) as JSON null; float(None) used to raise a
+    # bare TypeError in the rollout worker that said nothing about the weights
+    broken = {**SGLANG_FINISHED, "meta_info": {**SGLANG_FINISHED["meta_info"],
+                                               "output_token_logprobs": [[-1.0, 9, None], [None, 2, None]]}}
+
+    async def reply(request: web.Request) -> web.Response:
+        return web.json_response(broken)
+
+    async def main():
+        app = web.Application()
+        app.router.add_route("POST", "/generate", reply)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with InferenceClient([f"http://127.0.0.1:{port}"]) as client:
+                with pytest.raises(ServerError, match=r"rid 'q-0' came back with 1 log-prob\(s\) that are not "
+                                                      r"finite numbers \(first: None\) under weight version 5"):
+                    await client.generate([1, 2, 3], {"max_new_tokens": 4}, "q-0")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
 def test_interrupted_generation_resumes_and_reproduces_the_uninterrupted_output(tiny_model_dir, tmp_path):
     prompt = prompt_ids(tiny_model_dir)
     sampling = {"max_new_tokens": 60, "temperature": 1.0, "sampling_seed": 21, "ignore_eos": True}

@@ -357,7 +357,7 @@ def test_server_rejects_a_model_path_without_a_model(tmp_path, capsys):
     from areal_async.inference.server import parse_args
 
     with pytest.raises(SystemExit):
-        parse_args(["--model-path", str(tmp_path / "nowhere")])
+        parse_args(["--model-path", str(tmp_path / "nowhere"), "--port", "0"])  # not the default 30000, which may be in use
     assert "not an HF model directory" in capsys.readouterr().err
 
 
@@ -787,12 +787,20 @@ def test_non_finite_logprobs_are_a_json_500_naming_the_weight_version(tiny_model
             async with InferenceClient([api.url]) as client:
                 with pytest.raises(ServerError, match="HTTP 500: .*non-finite log-probs .* under weight version 3"):
                     await client.generate([1, 2], {"max_new_tokens": 3}, "worker-sample")
+            health = [await health_generate(api)]
             fixed = await api.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
                                                                  "weight_version": "4"})
-            return loaded, answers, fixed, await api.generate([1, 2], max_new_tokens=3)
+            health.append(await health_generate(api))
+            return loaded, answers, fixed, health, await api.generate([1, 2], max_new_tokens=3)
 
-    loaded, answers, fixed, after = asyncio.run(main())
+    async def health_generate(api):
+        async with api.http.get(api.url + "/health_generate") as resp:
+            return resp.status, await resp.text()
+
+    loaded, answers, fixed, health, after = asyncio.run(main())
     assert loaded[0] == 200 and fixed[0] == 200
+    assert health[0][0] == 503 and "under weight version 3" in health[0][1], health  # as SGLang's failed check
+    assert health[1] == (200, ""), health
     for (status, content_type, body), rid, more in zip(answers, ["one", "p", "bare"], ["", " (and 1 more", ""]):
         assert (status, content_type) == (500, "application/json"), body
         message = body["error"]["message"]

@@ -15,9 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 
 import aiohttp
 import msgspec
+
+
+def _finite_logprobs(url: str, rid: str, version: int, entries: list) -> list[float]:
+    """The log-probs of SGLang's ``output_token_logprobs`` (``[[logprob, token_id, text], ...]``).
+
+    Raises:
+        ServerError: one is not a finite number. Weights that produce NaN give ``null`` from SGLang
+            (JSON has no NaN) and HTTP 500 from the embedded server; either way the served weights
+            are broken and their tokens are noise.
+    """
+    logprobs = [entry[0] for entry in entries]
+    bad = [x for x in logprobs if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)]
+    if bad:
+        raise ServerError(url, 200, f"rid {rid!r} came back with {len(bad)} log-prob(s) that are not finite "
+                                    f"numbers (first: {bad[0]!r}) under weight version {version}: those "
+                                    f"weights are broken (e.g. a diverged update); load good weights")
+    return [float(x) for x in logprobs]
 
 
 class GenResult(msgspec.Struct):
@@ -153,7 +171,7 @@ class InferenceClient:
             ids = list(resp["output_ids"])
             version = _version(self.urls[server], meta.get("weight_version"))
             out.output_ids += ids
-            out.logprobs += [float(entry[0]) for entry in meta["output_token_logprobs"]]
+            out.logprobs += _finite_logprobs(self.urls[server], rid, version, meta["output_token_logprobs"])
             out.versions += [version] * len(ids)
             remaining -= len(ids)
             reason = meta["finish_reason"]["type"]

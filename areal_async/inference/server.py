@@ -20,7 +20,7 @@ holds; ``weight_version`` an integer below 2**63 (SGLang sends it as a string, `
 goes back: a version behind the server's is refused before any tensor is read or received (the
 current one is accepted: each bucket of a distributed update carries it). A generation whose
 log-probs are not all finite (broken weights) is HTTP 500 with that body, naming the rid and the
-weight version, whether or not log-probs were asked for.
+weight version, whether or not log-probs were asked for; ``/health_generate`` is then 503.
 
 A ``/generate`` whose client disconnects is cancelled (aiohttp's ``handler_cancellation``), which
 aborts its requests in the engine; weight updates run in their own task, so a disconnect never
@@ -324,7 +324,10 @@ class InferenceServer:
     async def health_generate(self, request: web.Request) -> web.Response:
         start = next(iter(self.engine.eos_token_ids), 0)
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        await self.engine.generate([start], params, f"health-{uuid.uuid4().hex}")
+        rid = f"health-{uuid.uuid4().hex}"
+        broken = _non_finite([await self.engine.generate([start], params, rid)], [rid])
+        if broken:  # SGLang answers 503 when its health generation fails
+            return _error(broken, status=503)
         return web.Response(text="")
 
     # ---- info and flow control ------------------------------------------------------------------
