@@ -16,6 +16,8 @@ import pathlib
 
 import torch
 
+from areal_async.atomic_dir import give_user_file_mode
+
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=1024),
@@ -72,6 +74,7 @@ def write_model_dir(shape: str, out_dir: str | pathlib.Path, dtype: torch.dtype 
     out.mkdir(parents=True, exist_ok=True)
     build_model(shape, dtype, "cpu", seed).save_pretrained(out)
     _tokenizer().save_pretrained(out)
+    give_user_file_mode(out)  # safetensors wrote its file 0600
     return out
 
 
