@@ -18,7 +18,11 @@ from tests.test_determinism import fingerprint, run_job
 @pytest.mark.slow
 def test_resumed_run_matches_unbroken_run(tiny_model_dir, tmp_path):
     unbroken = fingerprint(run_job(tiny_model_dir, tmp_path, "unbroken", "deterministic", 1, steps=6))
-    run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 2, steps=3)
+    stopped = run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 2, steps=3)
+    for log in ("metrics.jsonl", "trajectories.jsonl"):  # as if it had run on past its checkpoint
+        last = json.loads((stopped / log).read_text().splitlines()[-1])
+        with (stopped / log).open("a") as f:
+            f.write(json.dumps({**last, "step": 3}) + "\n" + json.dumps({**last, "step": 4}) + "\n")
     resumed = fingerprint(run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 3, steps=6, resume=True))
     print(f"\nweights sha256: unbroken {unbroken['weights']} / resumed {resumed['weights']}")
     assert [r["step"] for r in resumed["metrics"]] == list(range(6))
@@ -108,3 +112,26 @@ def test_checkpoint_and_weight_update_files_get_the_users_file_mode(tiny_model_d
     assert any(f.name == "model.safetensors" for f in files)
     modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files}
     assert set(modes.values()) == {oct(umask_027)}, modes
+
+
+def test_a_resume_drops_the_rows_a_stopped_job_logged_after_its_checkpoint(tmp_path):
+    # A job checkpointed at step 3 and stopped during step 5 has logged steps 0-4; resumed, it
+    # logs steps 3 and 4 again. The superseded rows go, so every step appears once and in order;
+    # the evaluations at step 0 and at the checkpoint's step 3 (of the weights being resumed) stay.
+    from areal_async.trainer.resume import drop_superseded_rows
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "time": 1.0, "eval/pass@1": 0.1}]
+    rows += [{"step": k, "time": 2.0 + k, "train/loss": float(k)} for k in range(5)]
+    rows.insert(4, {"step": 3, "time": 4.5, "eval/pass@1": 0.3})  # after step 2's row, as the job logs it
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trajectories = tmp_path / "trajectories.jsonl"
+    trajectories.write_text("".join(json.dumps({"step": k, "groups": []}) + "\n" for k in range(5)))
+
+    assert drop_superseded_rows(metrics, 3) == 2
+    assert drop_superseded_rows(trajectories, 3) == 2
+    assert drop_superseded_rows(tmp_path / "absent.jsonl", 3) == 0 and not (tmp_path / "absent.jsonl").exists()
+    kept = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert kept == rows[:5]
+    assert [json.loads(x)["step"] for x in trajectories.read_text().splitlines()] == [0, 1, 2]
+    assert not list(tmp_path.glob("*.tmp"))

@@ -41,7 +41,8 @@ from areal_async.queue.staleness import group_id_limit
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
-from areal_async.trainer.resume import load_training_state, publish_checkpoint, save_training_state
+from areal_async.trainer.resume import (drop_superseded_rows, load_training_state, publish_checkpoint,
+                                        save_training_state)
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 from areal_async.types import Trajectory
@@ -135,6 +136,9 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     policy = build_policy(str(ckpt_dir) if t.resume else cfg.model.path, t, device, batch_invariant=deterministic)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
     start = load_training_state(policy, optimizer, ckpt_dir) if t.resume else 0
+    if t.resume and rank == 0:  # the steps a stopped job logged after its checkpoint are run again
+        for log in ("metrics.jsonl", "trajectories.jsonl"):
+            drop_superseded_rows(run_dir / log, start)
     jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "trainer", rank, start)
     async with contextlib.AsyncExitStack() as stack:
         services = await Services(cfg, run_dir, stack).start() if rank == 0 else None

@@ -19,6 +19,7 @@ function of the run seed and g), nor does sampling (seeds are functions of (seed
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 
@@ -110,3 +111,31 @@ def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
                              options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def drop_superseded_rows(path: pathlib.Path, step: int) -> int:
+    """Remove from the JSON-lines log ``path`` (``metrics.jsonl``, ``trajectories.jsonl``) every
+    row that a run resumed at ``step`` writes again: rows of ``"step" >= step``, except an
+    evaluation row (only ``eval/*`` keys) at ``step`` itself, which measured the checkpoint's
+    weights and is not repeated. A job stopped after its checkpoint at ``step`` has logged steps
+    past it; without this they would appear twice, and step curves would run backwards.
+
+    The file is rewritten through a temporary file and ``os.replace``, so a crash keeps one whole
+    version. Returns the number of rows removed; a missing file is left missing.
+    """
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if _kept(json.loads(line), step)]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _kept(row: dict, step: int) -> bool:
+    if row["step"] < step:
+        return True
+    keys = [k for k in row if k not in ("step", "time")]
+    return row["step"] == step and bool(keys) and all(k.startswith("eval/") for k in keys)
