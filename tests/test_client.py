@@ -5,6 +5,7 @@ server, caller aborts, health waiting, and the server's command-line entry point
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -46,6 +47,21 @@ UPDATE_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "weig
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@contextlib.asynccontextmanager
+async def fake_server(handler):
+    """Serve every path with ``handler`` on a free local port; yields the base URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
     seen: list[tuple[str, dict]] = []
     replies = {"/generate": [SGLANG_ABORTED, SGLANG_FINISHED]}
@@ -60,14 +76,8 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
         return web.json_response({"success": True, "message": ""})
 
     async def main():
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", record)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with InferenceClient([f"http://127.0.0.1:{port}"]) as client:
+        async with fake_server(record) as url:
+            async with InferenceClient([url]) as client:
                 sampling = {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 77}
                 result = await client.generate([1, 2, 3], sampling, "q-0")
                 await client.init_weights_update_group(0, "10.0.0.1", 29700, 1, 2, "gloo", "weight_update_group")
@@ -76,8 +86,6 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
                 await client.pause()
                 await client.resume()
                 return result, await client.get_weight_version(0)
-        finally:
-            await runner.cleanup()
 
     result, version = asyncio.run(main())
     assert result == GenResult([7, 8, 9, 2], [-0.5, -0.25, -1.0, -0.125], [4, 4, 5, 5], "stop")
@@ -106,19 +114,10 @@ def test_a_null_logprob_from_sglang_is_a_server_error_naming_the_weight_version(
         return web.json_response(broken)
 
     async def main():
-        app = web.Application()
-        app.router.add_route("POST", "/generate", reply)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with InferenceClient([f"http://127.0.0.1:{port}"]) as client:
-                with pytest.raises(ServerError, match=r"rid 'q-0' came back with 1 log-prob\(s\) that are not "
-                                                      r"finite numbers \(first: None\) under weight version 5"):
-                    await client.generate([1, 2, 3], {"max_new_tokens": 4}, "q-0")
-        finally:
-            await runner.cleanup()
+        async with fake_server(reply) as url, InferenceClient([url]) as client:
+            with pytest.raises(ServerError, match=r"rid 'q-0' came back with 1 log-prob\(s\) that are not "
+                                                  r"finite numbers \(first: None\) under weight version 5"):
+                await client.generate([1, 2, 3], {"max_new_tokens": 4}, "q-0")
 
     asyncio.run(main())
 
