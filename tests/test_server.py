@@ -807,3 +807,116 @@ def test_non_finite_logprobs_are_a_json_500_naming_the_weight_version(tiny_model
         assert f"non-finite log-probs (NaN or inf) for rid {rid!r}{more}" in message, message
         assert "under weight version 3" in message, message
     assert after["meta_info"]["weight_version"] == "4" and len(after["output_ids"]) == 3
+
+
+_JOIN = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 1, "backend": "gloo"}
+_BUCKET = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}
+_SHORT = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}  # runs, were its other fields right
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/generate", {"text": [1, 2]}, "text [1, 2] is not a string, or a non-empty list of strings"),
+    ("/generate", {"text": ["a", 5]}, "text ['a', 5] is not a string"),
+    ("/generate", {"text": 5}, "text 5 is not a string"),
+    ("/generate", {"text": []}, "text [] is not a string"),
+    ("/generate", {**_SHORT, "return_logprob": "false"}, "return_logprob 'false' is not a JSON boolean"),
+    ("/generate", {**_SHORT, "return_logprob": 1}, "return_logprob 1 is not a JSON boolean"),
+    ("/generate", {**_SHORT, "stream": "false"}, "stream 'false' is not a JSON boolean"),
+    ("/init_weights_update_group", {**_JOIN, "rank_offset": None}, "rank_offset None is not an integer"),
+    ("/init_weights_update_group", {**_JOIN, "rank_offset": [1]}, "rank_offset [1] is not an integer"),
+    ("/init_weights_update_group", {**_JOIN, "rank_offset": 1.5}, "rank_offset 1.5 is not an integer"),
+    ("/init_weights_update_group", {**_JOIN, "rank_offset": True}, "rank_offset True is not an integer"),
+    ("/init_weights_update_group", {k: v for k, v in _JOIN.items() if k != "rank_offset"}, "rank_offset is missing"),
+    ("/init_weights_update_group", {**_JOIN, "master_port": "x"}, "master_port 'x' is not a port number"),
+    ("/init_weights_update_group", {**_JOIN, "master_port": 70000}, "master_port 70000 is not a port number"),
+    ("/init_weights_update_group", {**_JOIN, "world_size": "1"}, "world_size '1' is not an integer"),
+    ("/init_weights_update_group", {**_JOIN, "backend": 5}, "backend 5 is not a non-empty string"),
+    ("/init_weights_update_group", {**_JOIN, "group_name": [1]}, "group_name [1] is not a non-empty string"),
+    ("/init_weights_update_group", {**_JOIN, "master_address": [1]}, "master_address [1] is not a non-empty string"),
+    ("/update_weights_from_distributed", {**_BUCKET, "names": 5}, "names 5 is not a list of non-empty strings"),
+    ("/update_weights_from_distributed", {**_BUCKET, "names": [5]}, "names [5] is not a list of non-empty strings"),
+    ("/update_weights_from_distributed", {**_BUCKET, "dtypes": [5]}, "dtypes [5] is not a list of non-empty strings"),
+    ("/update_weights_from_distributed", {**_BUCKET, "shapes": [64]}, "shapes [64] is not a list of shapes"),
+    ("/update_weights_from_distributed", {**_BUCKET, "shapes": [[64.0]]}, "shapes [[64.0]] is not a list of shapes"),
+    ("/update_weights_from_distributed", {**_BUCKET, "shapes": [[-1]]}, "shapes [[-1]] is not a list of shapes"),
+    ("/update_weights_from_distributed", {**_BUCKET, "dtypes": "float32"}, "dtypes 'float32' is not a list"),
+    ("/update_weights_from_distributed", {**_BUCKET, "names": ["a", "b"]}, "names/dtypes/shapes lengths differ: 2/1/1"),
+    ("/update_weights_from_distributed", {"dtypes": ["float32"], "shapes": [[64]]}, "names is missing"),
+    ("/update_weights_from_distributed", {**_BUCKET, "group_name": [1]}, "group_name [1] is not a non-empty string"),
+    ("/update_weights_from_distributed", {**_BUCKET, "flush_cache": "yes"}, "flush_cache 'yes' is not a JSON boolean"),
+    ("/update_weights_from_distributed", {**_BUCKET, "abort_all_requests": "false"},
+     "abort_all_requests 'false' is not a JSON boolean"),
+    ("/update_weights_from_distributed", _BUCKET, "no weight group 'weight_update_group' (joined: none yet)"),
+    ("/update_weights_from_disk", {"model_path": "MODEL", "abort_all_requests": "false"},
+     "abort_all_requests 'false' is not a JSON boolean"),
+    ("/pause_generation", {"mode": 5}, "mode 5 is not a non-empty string"),
+    ("/abort_request", {"rid": ["a", "b"]}, "rid ['a', 'b'] is not a non-empty string"),
+    ("/abort_request", {"rid": 5}, "rid 5 is not a non-empty string"),
+    ("/abort_request", {"rid": ""}, "rid '' is not a non-empty string"),
+    ("/abort_request", {}, 'rid is missing; send one request id as a string, {"rid": "..."}, or {"abort_all": true}'),
+    ("/abort_request", {"abort_all": "true"}, "abort_all 'true' is not a JSON boolean"),
+])
+def test_a_field_of_the_wrong_json_type_is_a_json_400_naming_it(tiny_model_dir, path, body, words):
+    # each body has one bad field, checked before anything runs: no join (world_size 1 would refuse
+    # rank 1 anyway), no load, no abort; weight endpoints answer SGLang's {success, message}
+    body = {k: str(tiny_model_dir) if v == "MODEL" else v for k, v in body.items()}
+
+    async def main():
+        async with running(tiny_model_dir, slots=2, max_seq_len=64) as (api, engine):
+            return await api.post(path, body), engine.weight_version, engine._paused
+
+    (status, out), version, paused = asyncio.run(main())
+    assert status == 400 and isinstance(out, dict), out
+    message = out["message"] if path.startswith(("/init", "/update")) else out["error"]["message"]
+    assert words in message, message
+    assert version == 0 and not paused
+
+
+def test_text_prompts_are_tokenized_and_empty_text_is_named(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    sampling = {"max_new_tokens": 3, "temperature": 0.0}
+
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, _):
+            one = await api.post("/generate", {"text": "How many", "sampling_params": sampling})
+            ids = await api.post("/generate", {"input_ids": tok("How many", add_special_tokens=False)["input_ids"],
+                                               "sampling_params": sampling})
+            batch = await api.post("/generate", {"text": ["How many", "apples"], "sampling_params": sampling})
+            empty = await api.post("/generate", {"text": "", "sampling_params": sampling})
+            empty_in_batch = await api.post("/generate", {"text": ["apples", ""], "sampling_params": sampling})
+            return one, ids, batch, empty, empty_in_batch
+
+    one, ids, batch, empty, empty_in_batch = asyncio.run(main())
+    assert one[0] == ids[0] == batch[0] == 200
+    assert one[1]["output_ids"] == ids[1]["output_ids"] == batch[1][0]["output_ids"]
+    for status, out in (empty, empty_in_batch):
+        assert status == 400 and "text '' has no tokens" in out["error"]["message"], out
+        assert "input_ids" not in out["error"]["message"]
+
+
+def test_return_logprob_false_returns_no_logprobs(tiny_model_dir):
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=64) as (api, _):
+            return [await api.post("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2},
+                                                 **flag}) for flag in ({"return_logprob": False}, {})]
+
+    for status, out in asyncio.run(main()):
+        assert status == 200 and "output_token_logprobs" not in out["meta_info"], out
+
+
+def test_a_weight_update_without_group_name_names_the_default_and_the_joined_groups(tiny_model_dir):
+    port = free_port()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with running(tiny_model_dir) as (api, _):
+            host = loop.run_in_executor(None, weight_group.new_weight_group, "gloo", "127.0.0.1", port, 0, 2)
+            joined = await api.post("/init_weights_update_group", {**_JOIN, "master_port": port, "world_size": 2,
+                                                                   "group_name": "g"})
+            await host
+            return joined, await api.post("/update_weights_from_distributed", _BUCKET)
+
+    joined, (status, out) = asyncio.run(main())
+    assert joined[0] == 200, joined
+    assert status == 400 and "no weight group 'weight_update_group' (joined: 'g')" in out["message"], out
+    assert "call /init_weights_update_group with group_name 'weight_update_group' first" in out["message"]

@@ -14,11 +14,15 @@ no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_mo
 requests run, as SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
-directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}``; ``rid`` is a string (one
-prompt) or a list of distinct strings (a batch, one per prompt), never one an unfinished request
-holds; ``weight_version`` an integer below 2**63 (SGLang sends it as a string, ``"3"``) that never
-goes back: a version behind the server's is refused before any tensor is read or received (the
-current one is accepted: each bucket of a distributed update carries it). A generation whose
+directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
+SGLang's ``{"success": false, "message": ...}``), naming the field; fields have exact JSON types
+(``return_logprob`` is ``true``/``false``, never ``"false"``; ports, ranks and sizes are integers;
+``text`` a string or a list of strings; a missing or null field takes SGLang's default, e.g.
+``group_name`` ``"weight_update_group"``). ``rid`` is a string (one prompt) or a list of distinct
+strings (a batch, one per prompt), never one an unfinished request holds; ``weight_version`` an
+integer below 2**63 (SGLang sends it as a string, ``"3"``) that never goes back: a version behind
+the server's is refused before any tensor is read or received (the current one is accepted: each
+bucket of a distributed update carries it). A generation whose
 log-probs are not all finite (broken weights) is HTTP 500 with that body, naming the rid and the
 weight version, whether or not log-probs were asked for; ``/health_generate`` is then 503.
 
@@ -53,6 +57,7 @@ from .sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
+_DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name of both weight-group endpoints
 
 
 def load_engine(
@@ -189,6 +194,40 @@ def _weight_version(raw, current: int) -> int:
     return version
 
 
+_KINDS = {  # the JSON type a request field must have: (check, what to send)
+    "bool": (lambda v: type(v) is bool, "a JSON boolean (true or false)"),
+    "int": (lambda v: type(v) is int, "an integer"),
+    "port": (lambda v: type(v) is int and 1 <= v <= 65535, "a port number in [1, 65535]"),
+    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+             "a list of non-empty strings"),
+    "shapes": (lambda v: isinstance(v, list) and all(isinstance(s, list) and all(type(d) is int and d >= 0 for d in s)
+                                                     for s in v), "a list of shapes, each a list of integers >= 0"),
+    "text": (lambda v: isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(t, str) for t in v)),
+             "a string, or a non-empty list of strings (a batch)"),
+}
+_REQUIRED = object()  # ``_field``'s default for a field the request must carry
+
+
+def _field(body: dict, key: str, kind: str, default=_REQUIRED, send: str | None = None):
+    """``body[key]``, checked to be of ``kind`` (a key of ``_KINDS``: exact JSON types, so ``true``
+    is not an integer and ``"false"`` not a boolean); a missing or null field is ``default``.
+
+    Raises:
+        ValueError: the field is missing and has no default, or is of another type; the message
+            names the value and what to send (``send``, else the kind's description).
+    """
+    value = body.get(key)
+    if value is None and default is not _REQUIRED:
+        return default
+    check, want = _KINDS[kind]
+    if key not in body:
+        raise ValueError(f"{key} is missing; send {send or want}")
+    if not check(value):
+        raise ValueError(f"{key} {value!r} is not {want}; send {send or want}")
+    return value
+
+
 async def _body(request: web.Request) -> dict:
     if not request.can_read_body:
         return {}
@@ -256,27 +295,8 @@ class InferenceServer:
     # ---- generation -----------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        if body.get("stream"):
-            return _error("stream=true is not supported by this server; send stream=false")
-        ids = body.get("input_ids")
-        if ids is None and isinstance(body.get("text"), (str, list)):
-            texts = body["text"]
-            tok = lambda t: self.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-            ids = tok(texts) if isinstance(texts, str) else [tok(t) for t in texts]
-        if not isinstance(ids, list):
-            return _error("send 'input_ids' (a list of token ids, or a list of such lists) or 'text'")
-        batch = bool(ids) and isinstance(ids[0], list)
-        prompts = ids if batch else [ids]
-        if not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts):
-            return _error("'input_ids' must be a list of integer token ids, or a list of such lists")
-        if not isinstance(body.get("sampling_params", {}), (dict, type(None))):
-            return _error("'sampling_params' must be a JSON object, e.g. {\"max_new_tokens\": 16}")
         try:
-            rids = _rids(body.get("rid"), len(prompts), batch)
-            params = SamplingParams.parse(body.get("sampling_params"))
-            for prompt, rid in zip(prompts, rids):
-                self.engine.validate(prompt, params, rid)
+            prompts, batch, rids, params, logprob = self._parse_generate(await _body(request))
         except ValueError as exc:
             return _error(str(exc))
         # Cancelled when the client disconnects, and if one prompt fails: the task group then
@@ -293,9 +313,41 @@ class InferenceServer:
         broken = _non_finite(done, rids)
         if broken:
             return _error(broken, status=500)
-        logprob = bool(body.get("return_logprob"))
         out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
         return web.json_response(out if batch else out[0])
+
+    def _parse_generate(self, body: dict) -> tuple[list[list[int]], bool, list[str], SamplingParams, bool]:
+        """A ``/generate`` body's prompts (token ids), whether it is a batch, the rids, the sampling
+        params and ``return_logprob``; raises ``ValueError`` naming the field that is wrong."""
+        if _field(body, "stream", "bool", False):
+            raise ValueError("stream=true is not supported by this server; send stream=false")
+        logprob = _field(body, "return_logprob", "bool", False)
+        ids = body.get("input_ids")
+        if ids is None and body.get("text") is not None:
+            ids = self._tokenize(_field(body, "text", "text"))
+        if not isinstance(ids, list):
+            raise ValueError("send 'input_ids' (a list of token ids, or a list of such lists) or 'text'")
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        if not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts):
+            raise ValueError("'input_ids' must be a list of integer token ids, or a list of such lists")
+        if not isinstance(body.get("sampling_params", {}), (dict, type(None))):
+            raise ValueError("'sampling_params' must be a JSON object, e.g. {\"max_new_tokens\": 16}")
+        rids = _rids(body.get("rid"), len(prompts), batch)
+        params = SamplingParams.parse(body.get("sampling_params"))
+        for prompt, rid in zip(prompts, rids):
+            self.engine.validate(prompt, params, rid)
+        return prompts, batch, rids, params, logprob
+
+    def _tokenize(self, text: str | list[str]) -> list[int] | list[list[int]]:
+        """``text`` (one prompt, or a list for a batch) as token ids; raises ``ValueError`` for a
+        prompt with no tokens (the engine would name ``input_ids``, which the caller did not send)."""
+        texts = [text] if isinstance(text, str) else text
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        empty = [t for t, p in zip(texts, ids) if not p]
+        if empty:
+            raise ValueError(f"text {empty[0]!r} has no tokens; send at least one character of prompt")
+        return ids[0] if isinstance(text, str) else ids
 
     def _response(self, c: Completion, rid: str, params: SamplingParams, logprob: bool) -> dict:
         finish = {"type": c.finish_reason}
@@ -352,7 +404,7 @@ class InferenceServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
-            await self.engine.pause((await _body(request)).get("mode", "abort"))
+            await self.engine.pause(_field(await _body(request), "mode", "str", "abort"))
         except ValueError as exc:
             return _error(str(exc))
         return web.json_response({"success": True, "message": "Generation paused."})
@@ -363,9 +415,12 @@ class InferenceServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        if not body.get("abort_all") and not body.get("rid"):
-            return _error("send {'rid': ...} or {'abort_all': true}")
-        n = self.engine.abort(None if body.get("abort_all") else str(body["rid"]))
+        try:
+            rid = None if _field(body, "abort_all", "bool", False) else _field(
+                body, "rid", "str", send='one request id as a string, {"rid": "..."}, or {"abort_all": true}')
+        except ValueError as exc:
+            return _error(str(exc))
+        n = self.engine.abort(rid)
         return web.json_response({"success": True, "message": f"aborted {n} request(s)"})
 
     # ---- weights --------------------------------------------------------------------------------
@@ -373,22 +428,23 @@ class InferenceServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _body(request)
         try:
-            if int(body["rank_offset"]) < 1:
+            rank_offset = _field(body, "rank_offset", "int")
+            if rank_offset < 1:
                 raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer, the broadcast source), "
-                                 f"got {body['rank_offset']}")
-            name = body.get("group_name", "weight_update_group")
+                                 f"got {rank_offset}")
+            name = _field(body, "group_name", "str", _DEFAULT_GROUP)
             joining = weight_group.in_daemon_thread(
                 weight_group.new_weight_group,
-                body.get("backend", "nccl"),
-                body["master_address"],
-                int(body["master_port"]),
-                int(body["rank_offset"]),
-                int(body["world_size"]),
+                _field(body, "backend", "str", "nccl"),
+                _field(body, "master_address", "str"),
+                _field(body, "master_port", "port"),
+                rank_offset,
+                _field(body, "world_size", "int"),
             )
             if not await self._unless_closing(joining):
                 return _shutting_down("init_weights_update_group")
             group = joining.result()
-        except (KeyError, ValueError, RuntimeError) as exc:
+        except (ValueError, RuntimeError) as exc:
             return _result(False, f"init_weights_update_group failed: {type(exc).__name__}: {exc}")
         self.groups[name] = group
         return _result(True, f"joined weight group '{name}'")
@@ -397,28 +453,36 @@ class InferenceServer:
         body = await _body(request)
         try:
             version = _weight_version(body.get("weight_version"), self.engine.weight_version)
-            names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+            names, dtypes = _field(body, "names", "strs"), _field(body, "dtypes", "strs")
+            shapes = _field(body, "shapes", "shapes")
             if not len(names) == len(dtypes) == len(shapes):
-                raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-            group = self.groups.get(body.get("group_name", "weight_update_group"))
+                raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}; "
+                                 f"send one dtype and one shape per name")
+            _field(body, "flush_cache", "bool", True)  # nothing to flush (no prefix cache), but a bool
+            abort_all = _field(body, "abort_all_requests", "bool", False)
+            name = _field(body, "group_name", "str", _DEFAULT_GROUP)
+            group = self.groups.get(name)
             if group is None:
-                raise ValueError(f"no weight group '{body.get('group_name')}'; call /init_weights_update_group first")
+                joined = ", ".join(f"'{g}'" for g in self.groups) or "none yet"
+                raise ValueError(f"no weight group '{name}' (joined: {joined}); call /init_weights_update_group "
+                                 f"with group_name '{name}' first, or send the group_name of a joined group")
             check_weight_names(self.engine.forward.named_tensors(), dict(zip(names, map(tuple, shapes))))
             device = self.engine.forward.device
             buffers = [torch.empty(s, dtype=weight_group.dtype_from_name(d), device=device) for d, s in zip(dtypes, shapes)]
-        except (KeyError, ValueError) as exc:
+        except ValueError as exc:
             return _result(False, f"update_weights_from_distributed rejected: {type(exc).__name__}: {exc}")
 
         def receive() -> dict[str, torch.Tensor]:
             weight_group.broadcast_(group, buffers, src=0)
             return dict(zip(names, buffers))
 
-        return await self._update(receive, version, body)
+        return await self._update(receive, version, abort_all)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _body(request)
         try:
             version = _weight_version(body.get("weight_version"), self.engine.weight_version)
+            abort_all = _field(body, "abort_all_requests", "bool", False)
         except ValueError as exc:
             return _result(False, f"update_weights_from_disk rejected: {exc}", num_paused_requests=0)
         raw = body.get("model_path")
@@ -446,10 +510,10 @@ class InferenceServer:
                                  f"a weight update from disk replaces every weight: write the whole model")
             return tensors
 
-        return await self._update(receive, version, body, num_paused_requests=0)
+        return await self._update(receive, version, abort_all, num_paused_requests=0)
 
-    async def _update(self, receive, version: int, body: dict, **extra) -> web.Response:
-        if body.get("abort_all_requests"):
+    async def _update(self, receive, version: int, abort_all: bool, **extra) -> web.Response:
+        if abort_all:
             self.engine.abort(None)
         # its own task: a client that disconnects mid-update cancels only this handler, never a
         # swap half-done (tensors received but not loaded, or loaded under the old version)
