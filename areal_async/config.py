@@ -318,11 +318,20 @@ def _non_finite(struct: _Cfg, prefix: str = "") -> tuple[str, float] | None:
     return None
 
 
+# Largest seed: numpy's default_rng (prompt order, jitter) and the prompt set need seed >= 0, and
+# torch.manual_seed takes at most 64 bits; a signed int64 also survives every 64-bit serialiser.
+SEED_MAX = 2**63 - 1
+
+
 def check_config(cfg: Config) -> None:
     """Rules that span several fields; raises ``ValueError`` naming the keys and the fix."""
     bad = _non_finite(cfg)
     if bad:
         raise ValueError(f"{bad[0]}={bad[1]}: must be a finite number")
+    for key, seed in (("seed", cfg.seed), ("debug.jitter_seed", cfg.debug.jitter_seed)):
+        if not 0 <= seed <= SEED_MAX:
+            raise ValueError(f"{key}={seed} must be in [0, 2**63 - 1] (numpy's default_rng needs a seed >= 0, "
+                             f"torch.manual_seed one of at most 64 bits); choose e.g. {key}=1")
     if not cfg.name or pathlib.PurePath(cfg.name).name != cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name '{cfg.name}' must be a plain directory name (no '/' or '..'); "
                          f"use run_root to put runs elsewhere")
