@@ -147,3 +147,24 @@ def test_the_largest_seed_reaches_every_consumer():
     np.random.default_rng([cfg.seed, 3])
     random.Random(cfg.seed)
     assert 0 <= sample_seed(cfg.seed, 5, 1) < 2**63
+
+
+@pytest.mark.parametrize("override", ["trainer.lr=.nan", "trainer.lr=nan", "trainer.lr=.inf", "trainer.lr=-inf",
+                                      "algo.eps_clip_high=.nan", "debug.jitter_ms=nan", "reward.correct=.nan"])
+def test_inf_and_nan_get_one_message_whatever_the_range_of_the_key(override):
+    # NaN used to fail the key's range constraint first (nan > 0 is false): "Expected `float` > 0.0"
+    key, _, given = override.partition("=")
+    value = float(given.replace(".", ""))
+    with pytest.raises(ValueError, match=re.escape(f"{key}={value}: must be a finite number")):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, words", [
+    ("name=", "name must be a non-empty string, e.g. name=default"),
+    ('name=""', "name='' must be a non-empty string"),
+    ("trainer.lr=", "trainer.lr must be a value, e.g. trainer.lr=1e-06"),
+    ("reward.fn=", "'reward.fn=\"\"' for an empty string"),
+])
+def test_an_empty_value_says_what_to_give(override, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_config(None, [override])
