@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import importlib.util
 import os
 import pathlib
@@ -39,6 +38,7 @@ import msgspec
 
 from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
                                 load_config, port_in_use)
+from areal_async.file_lock import file_lock
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -131,40 +131,17 @@ def _port_open(host: str, port: int) -> bool:
 @contextlib.contextmanager
 def lock_run(cfg: Config) -> Iterator[None]:
     """Hold ``RUN_ROOT/.<name>.lock`` while the block runs, so two jobs can never share (or
-    overwrite) one run directory, then remove it. Raises ``ValueError`` if another launcher holds it.
-
-    The file is removed while still locked, and only if the path still names the locked file. A
-    launcher that opened the file before it was removed finds, once it has the lock, that the path
-    names another file or none, and opens the path again.
-    """
+    overwrite) one run directory, then remove it (``file_lock``). Raises ``ValueError`` if another
+    launcher holds it."""
     root = pathlib.Path(cfg.run_root)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / f".{cfg.name}.lock"
-    while True:
-        lock = open(path, "a+")
+    with contextlib.ExitStack() as held:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.enter_context(file_lock(root / f".{cfg.name}.lock", wait=False))
         except BlockingIOError:
-            lock.close()
             raise ValueError(f"run '{cfg.name}' in {root} is in use by another launcher; "
                              f"choose another name (name=...)") from None
-        if _names(path, lock):
-            break
-        lock.close()
-    try:
         yield
-    finally:
-        if _names(path, lock):
-            path.unlink()
-        lock.close()
-
-
-def _names(path: pathlib.Path, file) -> bool:
-    """Whether ``path`` is the open ``file`` (not removed, nor replaced by another file)."""
-    try:
-        return os.path.samestat(os.stat(path), os.fstat(file.fileno()))
-    except FileNotFoundError:
-        return False
 
 
 def check_ports(cfg: Config) -> None:

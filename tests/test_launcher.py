@@ -186,7 +186,6 @@ def test_a_lock_file_removed_before_it_is_locked_is_opened_again(tmp_path, monke
     import contextlib
     import fcntl
 
-    import launcher.local
     from launcher.local import lock_run
 
     cfg = load_config(None, ["name=exp", f"run_root={tmp_path}"])
@@ -201,7 +200,7 @@ def test_a_lock_file_removed_before_it_is_locked_is_opened_again(tmp_path, monke
             others.enter_context(lock_run(cfg))  # C
         return real_flock(fd, op)
 
-    monkeypatch.setattr(launcher.local.fcntl, "flock", flock)
+    monkeypatch.setattr(fcntl, "flock", flock)
     with others, pytest.raises(ValueError, match="in use by another launcher"):
         with lock_run(cfg):  # B
             pass
