@@ -132,15 +132,20 @@ def _port_open(host: str, port: int) -> bool:
 def lock_run(cfg: Config) -> Iterator[None]:
     """Hold ``RUN_ROOT/.<name>.lock`` while the block runs, so two jobs can never share (or
     overwrite) one run directory, then remove it (``file_lock``). Raises ``ValueError`` if another
-    launcher holds it."""
+    launcher holds it, or if ``run_root`` is not a directory this user can write."""
     root = pathlib.Path(cfg.run_root)
-    root.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as held:
         try:
+            root.mkdir(parents=True, exist_ok=True)
             held.enter_context(file_lock(root / f".{cfg.name}.lock", wait=False))
         except BlockingIOError:
             raise ValueError(f"run '{cfg.name}' in {root} is in use by another launcher; "
                              f"choose another name (name=...)") from None
+        except OSError as exc:
+            why = ("it is a file, not a directory" if root.exists() and not root.is_dir()
+                   else f"{exc.filename}: {exc.strerror}")
+            raise ValueError(f"run_root={cfg.run_root} cannot hold runs ({why}); set run_root to a "
+                             f"directory you can write, e.g. run_root=runs") from None
         yield
 
 

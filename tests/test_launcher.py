@@ -291,3 +291,28 @@ def test_a_refused_overwrite_keeps_the_old_run(tmp_path):
     with pytest.raises(ValueError, match="model.path 'nosuch' is not a directory"):
         prepare_run(cfg, overwrite=True)
     assert (tmp_path / "exp" / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_a_run_root_that_cannot_hold_runs_is_a_launch_error(tmp_path, capsys):
+    # A file as run_root was a raw FileExistsError traceback (exit status 1)
+    from launcher.local import main
+
+    afile = tmp_path / "notes.txt"
+    afile.write_text("")
+    for root, why in ((afile, "it is a file, not a directory"), (afile / "runs", f"{afile / 'runs'}: Not a directory")):
+        assert main(["configs/quickstart_cpu.yaml", f"run_root={root}"]) == 2
+        err = capsys.readouterr().err
+        assert f"run_root={root} cannot hold runs ({why}" in err and "set run_root to a directory you can write" in err
+    assert afile.read_text() == ""
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_an_unwritable_run_root_is_a_launch_error(tmp_path, capsys):
+    from launcher.local import main
+
+    root = tmp_path / "runs"
+    root.mkdir(mode=0o555)
+    assert main(["configs/quickstart_cpu.yaml", f"run_root={root}"]) == 2
+    err = capsys.readouterr().err
+    assert f"run_root={root} cannot hold runs" in err and "Permission denied" in err
+    assert list(root.iterdir()) == []
