@@ -196,6 +196,10 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     if resume:
         from areal_async.trainer.resume import read_step, recover_checkpoint
 
+        if not run_dir.is_dir():
+            raise ValueError(f"--resume: run_root {cfg.run_root} holds no run '{cfg.name}' ({run_dir} does not "
+                             f"exist); give the name of an existing run (name=...), or start this one "
+                             f"without --resume")
         recover_checkpoint(run_dir / "checkpoint")  # a publish interrupted between its two renames
         read_step(run_dir / "checkpoint")  # FileNotFoundError naming the fix when there is none
         cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, resume=True))

@@ -316,3 +316,26 @@ def test_an_unwritable_run_root_is_a_launch_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"run_root={root} cannot hold runs" in err and "Permission denied" in err
     assert list(root.iterdir()) == []
+
+
+def test_resume_without_a_checkpoint_or_a_run_says_what_to_do_instead(tmp_path, tiny_model_dir, monkeypatch,
+                                                                       capsys):
+    # The advice was "run without --resume", which then failed: "already holds a run; ... pass --overwrite"
+    import launcher.local
+    from launcher.local import main
+
+    argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp", f"model.path={tiny_model_dir}",
+            *_free_port_overrides()]
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"run_root {tmp_path} holds no run 'exp'" in err and not (tmp_path / "exp").exists()
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "metrics.jsonl").write_text("{}\n")  # an interrupted run, trainer.checkpoint_every: 0
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint with training state" in err
+    assert "start the run afresh with --overwrite instead of --resume" in err
+    assert "set trainer.checkpoint_every=N" in err
+    monkeypatch.setattr(launcher.local.signal, "signal", lambda *args: None)  # keep pytest's SIGTERM
+    monkeypatch.setattr(launcher.local, "run_job", lambda cfg, sup: None)
+    assert main([*argv, "--overwrite"]) == 0  # the advice works
