@@ -264,11 +264,6 @@ def launch(cfg: Config) -> int:
     """Run the prepared job under a ``Supervisor``; the launcher's exit status."""
     print(f"[launcher] run '{cfg.name}' in {cfg.run_dir} (mode {cfg.mode}, "
           f"η = {cfg.queue.max_staleness}, model {cfg.model.path})", flush=True)
-
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
     sup = Supervisor(cfg.run_dir / "logs")
     try:
         run_job(cfg, sup)
@@ -276,12 +271,34 @@ def launch(cfg: Config) -> int:
         print(f"[launcher] job failed: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        print("[launcher] interrupted; stopping every process", file=sys.stderr, flush=True)
-        return 130
+        return _interrupted()  # printed before the children are stopped, which takes a while
     finally:
         sup.stop_all()
     print(f"[launcher] done: {cfg.run_dir}", flush=True)
     return 0
+
+
+def _interrupted() -> int:
+    print("[launcher] interrupted; stopping every process", file=sys.stderr, flush=True)
+    return 130
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT raise ``KeyboardInterrupt`` in the main thread, so
+    the launcher unwinds wherever it is (``finally`` blocks remove the run lock and a half-converted
+    model). SIGINT too when it was inherited ignored, as a job started with ``&`` from a script
+    inherits it. The previous handlers are put back afterwards."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not set from Python, nothing to put back
+                signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,15 +315,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # flags before, between or after the overrides
     if args.config is None:
         parser.error("the config is required: an experiment YAML, e.g. configs/quickstart_cpu.yaml")
-    with contextlib.ExitStack() as held:  # the run lock, removed however the launcher exits
+    with interrupt_on_signals(), contextlib.ExitStack() as held:  # held: the run lock, removed however it exits
         try:
-            cfg = load_config(args.config, args.overrides)
-            held.enter_context(lock_run(cfg))
-            cfg = prepare_run(cfg, args.overwrite, args.resume)
-        except (ValueError, FileNotFoundError) as exc:
-            print(f"[launcher] error: {exc}", file=sys.stderr)
-            return 2
-        return launch(cfg)
+            try:
+                cfg = load_config(args.config, args.overrides)
+                held.enter_context(lock_run(cfg))
+                cfg = prepare_run(cfg, args.overwrite, args.resume)  # may convert the model: minutes
+            except (ValueError, FileNotFoundError) as exc:
+                print(f"[launcher] error: {exc}", file=sys.stderr)
+                return 2
+            return launch(cfg)
+        except KeyboardInterrupt:  # during start-up; launch() handles its own
+            return _interrupted()
 
 
 if __name__ == "__main__":

