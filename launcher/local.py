@@ -8,8 +8,9 @@ function, free ports; a refused launch creates no run directory and exits 2) →
 for ``/health`` → start the replay queue and wait for its port → start the trainer
 (``torch.distributed.run``) and the generation workers. The job ends when the trainer exits 0.
 If any process exits non-zero (or a long-lived one exits at all), every process is stopped and
-the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM stops everything and
-exits 130. Every child runs in its own process group and dies with the launcher.
+the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM, from start-up on
+(the model's conversion included), stops everything, removes the run lock and exits 130. Every
+child runs in its own process group and dies with the launcher.
 
 ``--resume`` continues the run in ``RUN_DIR`` from ``RUN_DIR/checkpoint`` (needs a checkpoint with
 training state, ``trainer.checkpoint_every`` or a finished shorter run): the servers load the
