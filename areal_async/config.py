@@ -11,6 +11,7 @@ and given to wandb.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import pathlib
 import socket
@@ -254,10 +255,37 @@ def from_dict(data: dict) -> Config:
         if not msg:
             raise ValueError(f"invalid config: {exc}") from None
         key = where.rstrip("`")
+        if msg.startswith("Expected `float`") and _is_non_finite(_lookup(data, key)):
+            # NaN fails a range constraint (nan > 0 is false) before check_config sees it
+            raise ValueError(_finite_rule(key, float(_lookup(data, key)))) from None
         raise ValueError(f"invalid config value for '{key}'{_given(data, key)}: {msg}{_choices(key)}"
-                         f"{_quote_hint(data, key, msg)}") from None
+                         f"{_quote_hint(data, key, msg)}{_null_hint(data, key)}") from None
     check_config(cfg)
     return cfg
+
+
+def _is_non_finite(value: Any) -> bool:
+    """Whether ``value`` is a float, or text msgspec reads as one (``nan``, ``-inf``), that is inf or NaN."""
+    try:
+        return isinstance(value, (float, str)) and not math.isfinite(float(value))
+    except ValueError:
+        return False
+
+
+def _finite_rule(key: str, value: float) -> str:
+    return f"{key}={value}: must be a finite number"
+
+
+def _null_hint(data: dict, key: str) -> str:
+    """What to give instead of YAML null (``key=`` with nothing after ``=``); empty otherwise."""
+    field = _field(key)
+    if _lookup(data, key) is not None or field is None:
+        return ""
+    default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+    if default == "":
+        return f"; nothing after '=' is YAML null: give text, or '{key}=\"\"' for an empty string"
+    kind, example = ("a non-empty string", default) if isinstance(default, str) else ("a value", json.dumps(default))
+    return f"; nothing after '=' is YAML null: {key} must be {kind}, e.g. {key}={example}"
 
 
 def _quote_hint(data: dict, key: str, msg: str) -> str:
@@ -291,16 +319,25 @@ def _given(data: dict, key: str) -> str:
     return "" if value is _MISSING else f" = {value!r}"
 
 
-def _choices(key: str) -> str:
-    """``; choose one of [...]`` when the field at dotted ``key`` is a ``Literal``."""
-    tp = Config
+def _field(key: str) -> msgspec.structs.FieldInfo | None:
+    """The config field at dotted ``key`` (``None`` if there is none, e.g. an index into a list)."""
+    tp, field = Config, None
     for part in key.split("."):
-        fields = {f.name: f.type for f in msgspec.structs.fields(tp)} if isinstance(tp, type) and issubclass(
+        fields = {f.name: f for f in msgspec.structs.fields(tp)} if isinstance(tp, type) and issubclass(
             tp, msgspec.Struct) else {}
         if part not in fields:
-            return ""
-        tp = fields[part]
-    return f"; choose one of {list(typing.get_args(tp))}" if typing.get_origin(tp) is Literal else ""
+            return None
+        field = fields[part]
+        tp = field.type
+    return field
+
+
+def _choices(key: str) -> str:
+    """``; choose one of [...]`` when the field at dotted ``key`` is a ``Literal``."""
+    field = _field(key)
+    if field is None or typing.get_origin(field.type) is not Literal:
+        return ""
+    return f"; choose one of {list(typing.get_args(field.type))}"
 
 
 def _non_finite(struct: _Cfg, prefix: str = "") -> tuple[str, float] | None:
@@ -318,12 +355,24 @@ def _non_finite(struct: _Cfg, prefix: str = "") -> tuple[str, float] | None:
     return None
 
 
+# Largest seed: numpy's default_rng (prompt order, jitter) and the prompt set need seed >= 0, and
+# torch.manual_seed takes at most 64 bits; a signed int64 also survives every 64-bit serialiser.
+SEED_MAX = 2**63 - 1
+
+
 def check_config(cfg: Config) -> None:
     """Rules that span several fields; raises ``ValueError`` naming the keys and the fix."""
     bad = _non_finite(cfg)
     if bad:
-        raise ValueError(f"{bad[0]}={bad[1]}: must be a finite number")
-    if not cfg.name or pathlib.PurePath(cfg.name).name != cfg.name or cfg.name in (".", ".."):
+        raise ValueError(_finite_rule(*bad))
+    for key, seed in (("seed", cfg.seed), ("debug.jitter_seed", cfg.debug.jitter_seed)):
+        if not 0 <= seed <= SEED_MAX:
+            raise ValueError(f"{key}={seed} must be in [0, 2**63 - 1] (numpy's default_rng needs a seed >= 0, "
+                             f"torch.manual_seed one of at most 64 bits); choose e.g. {key}=1")
+    if not cfg.name:
+        raise ValueError("name='' must be a non-empty string: the run directory's name under run_root, "
+                         "e.g. name=exp1")
+    if pathlib.PurePath(cfg.name).name != cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name '{cfg.name}' must be a plain directory name (no '/' or '..'); "
                          f"use run_root to put runs elsewhere")
     r = cfg.rollout

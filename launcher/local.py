@@ -8,8 +8,9 @@ function, free ports; a refused launch creates no run directory and exits 2) →
 for ``/health`` → start the replay queue and wait for its port → start the trainer
 (``torch.distributed.run``) and the generation workers. The job ends when the trainer exits 0.
 If any process exits non-zero (or a long-lived one exits at all), every process is stopped and
-the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM stops everything and
-exits 130. Every child runs in its own process group and dies with the launcher.
+the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM, from start-up on
+(the model's conversion included), stops everything, removes the run lock and exits 130. Every
+child runs in its own process group and dies with the launcher.
 
 ``--resume`` continues the run in ``RUN_DIR`` from ``RUN_DIR/checkpoint`` (needs a checkpoint with
 training state, ``trainer.checkpoint_every`` or a finished shorter run): the servers load the
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import importlib.util
 import os
 import pathlib
@@ -39,6 +39,7 @@ import msgspec
 
 from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
                                 load_config, port_in_use)
+from areal_async.file_lock import file_lock
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -131,40 +132,22 @@ def _port_open(host: str, port: int) -> bool:
 @contextlib.contextmanager
 def lock_run(cfg: Config) -> Iterator[None]:
     """Hold ``RUN_ROOT/.<name>.lock`` while the block runs, so two jobs can never share (or
-    overwrite) one run directory, then remove it. Raises ``ValueError`` if another launcher holds it.
-
-    The file is removed while still locked, and only if the path still names the locked file. A
-    launcher that opened the file before it was removed finds, once it has the lock, that the path
-    names another file or none, and opens the path again.
-    """
+    overwrite) one run directory, then remove it (``file_lock``). Raises ``ValueError`` if another
+    launcher holds it, or if ``run_root`` is not a directory this user can write."""
     root = pathlib.Path(cfg.run_root)
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / f".{cfg.name}.lock"
-    while True:
-        lock = open(path, "a+")
+    with contextlib.ExitStack() as held:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            root.mkdir(parents=True, exist_ok=True)
+            held.enter_context(file_lock(root / f".{cfg.name}.lock", wait=False))
         except BlockingIOError:
-            lock.close()
             raise ValueError(f"run '{cfg.name}' in {root} is in use by another launcher; "
                              f"choose another name (name=...)") from None
-        if _names(path, lock):
-            break
-        lock.close()
-    try:
+        except OSError as exc:
+            why = ("it is a file, not a directory" if root.exists() and not root.is_dir()
+                   else f"{exc.filename}: {exc.strerror}")
+            raise ValueError(f"run_root={cfg.run_root} cannot hold runs ({why}); set run_root to a "
+                             f"directory you can write, e.g. run_root=runs") from None
         yield
-    finally:
-        if _names(path, lock):
-            path.unlink()
-        lock.close()
-
-
-def _names(path: pathlib.Path, file) -> bool:
-    """Whether ``path`` is the open ``file`` (not removed, nor replaced by another file)."""
-    try:
-        return os.path.samestat(os.stat(path), os.fstat(file.fileno()))
-    except FileNotFoundError:
-        return False
 
 
 def check_ports(cfg: Config) -> None:
@@ -214,6 +197,10 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     if resume:
         from areal_async.trainer.resume import read_step, recover_checkpoint
 
+        if not run_dir.is_dir():
+            raise ValueError(f"--resume: run_root {cfg.run_root} holds no run '{cfg.name}' ({run_dir} does not "
+                             f"exist); give the name of an existing run (name=...), or start this one "
+                             f"without --resume")
         recover_checkpoint(run_dir / "checkpoint")  # a publish interrupted between its two renames
         read_step(run_dir / "checkpoint")  # FileNotFoundError naming the fix when there is none
         cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, resume=True))
@@ -278,11 +265,6 @@ def launch(cfg: Config) -> int:
     """Run the prepared job under a ``Supervisor``; the launcher's exit status."""
     print(f"[launcher] run '{cfg.name}' in {cfg.run_dir} (mode {cfg.mode}, "
           f"η = {cfg.queue.max_staleness}, model {cfg.model.path})", flush=True)
-
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
     sup = Supervisor(cfg.run_dir / "logs")
     try:
         run_job(cfg, sup)
@@ -290,12 +272,34 @@ def launch(cfg: Config) -> int:
         print(f"[launcher] job failed: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        print("[launcher] interrupted; stopping every process", file=sys.stderr, flush=True)
-        return 130
+        return _interrupted()  # printed before the children are stopped, which takes a while
     finally:
         sup.stop_all()
     print(f"[launcher] done: {cfg.run_dir}", flush=True)
     return 0
+
+
+def _interrupted() -> int:
+    print("[launcher] interrupted; stopping every process", file=sys.stderr, flush=True)
+    return 130
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT raise ``KeyboardInterrupt`` in the main thread, so
+    the launcher unwinds wherever it is (``finally`` blocks remove the run lock and a half-converted
+    model). SIGINT too when it was inherited ignored, as a job started with ``&`` from a script
+    inherits it. The previous handlers are put back afterwards."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not set from Python, nothing to put back
+                signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,15 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # flags before, between or after the overrides
     if args.config is None:
         parser.error("the config is required: an experiment YAML, e.g. configs/quickstart_cpu.yaml")
-    with contextlib.ExitStack() as held:  # the run lock, removed however the launcher exits
+    with interrupt_on_signals(), contextlib.ExitStack() as held:  # held: the run lock, removed however it exits
         try:
-            cfg = load_config(args.config, args.overrides)
-            held.enter_context(lock_run(cfg))
-            cfg = prepare_run(cfg, args.overwrite, args.resume)
-        except (ValueError, FileNotFoundError) as exc:
-            print(f"[launcher] error: {exc}", file=sys.stderr)
-            return 2
-        return launch(cfg)
+            try:
+                cfg = load_config(args.config, args.overrides)
+                held.enter_context(lock_run(cfg))
+                cfg = prepare_run(cfg, args.overwrite, args.resume)  # may convert the model: minutes
+            except (ValueError, FileNotFoundError) as exc:
+                print(f"[launcher] error: {exc}", file=sys.stderr)
+                return 2
+            return launch(cfg)
+        except KeyboardInterrupt:  # during start-up; launch() handles its own
+            return _interrupted()
 
 
 if __name__ == "__main__":

