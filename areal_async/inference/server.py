@@ -323,6 +323,8 @@ class InferenceServer:
             raise ValueError("stream=true is not supported by this server; send stream=false")
         logprob = _field(body, "return_logprob", "bool", False)
         ids = body.get("input_ids")
+        if ids is not None and body.get("text") is not None:  # SGLang refuses both as well
+            raise ValueError("send either 'input_ids' or 'text', not both")
         if ids is None and body.get("text") is not None:
             ids = self._tokenize(_field(body, "text", "text"))
         if not isinstance(ids, list):
@@ -458,6 +460,9 @@ class InferenceServer:
             if not len(names) == len(dtypes) == len(shapes):
                 raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}; "
                                  f"send one dtype and one shape per name")
+            repeated = next((n for n, count in collections.Counter(names).items() if count > 1), None)
+            if repeated is not None:  # two broadcasts into one weight: which one lands is arbitrary
+                raise ValueError(f"names lists {repeated!r} more than once; send each weight once per bucket")
             _field(body, "flush_cache", "bool", True)  # nothing to flush (no prefix cache), but a bool
             abort_all = _field(body, "abort_all_requests", "bool", False)
             name = _field(body, "group_name", "str", _DEFAULT_GROUP)
