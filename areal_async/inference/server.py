@@ -146,11 +146,16 @@ def _rids(raw, n: int, batch: bool) -> list[str]:
     if not isinstance(raw, list) or len(raw) != n or not all(isinstance(r, str) and r for r in raw):
         raise ValueError(f"rid {raw!r} is not a list of {n} non-empty strings; send a list of {n} string "
                          f"request ids, one per prompt (or leave rid out)")
-    repeated = [r for r, count in collections.Counter(raw).items() if count > 1]
-    if repeated:
-        raise ValueError(f"rid {repeated[0]!r} is given to {raw.count(repeated[0])} prompts of the batch; send "
+    repeated = _first_repeated(raw)
+    if repeated is not None:
+        raise ValueError(f"rid {repeated!r} is given to {raw.count(repeated)} prompts of the batch; send "
                          f"a distinct request id for each prompt (or leave rid out)")
     return raw
+
+
+def _first_repeated(items: list[str]) -> str | None:
+    """The first item of ``items`` that appears more than once, or ``None``."""
+    return next((item for item, count in collections.Counter(items).items() if count > 1), None)
 
 
 def _non_finite(done: list[Completion], rids: list[str]) -> str | None:
@@ -460,7 +465,7 @@ class InferenceServer:
             if not len(names) == len(dtypes) == len(shapes):
                 raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}; "
                                  f"send one dtype and one shape per name")
-            repeated = next((n for n, count in collections.Counter(names).items() if count > 1), None)
+            repeated = _first_repeated(names)
             if repeated is not None:  # two broadcasts into one weight: which one lands is arbitrary
                 raise ValueError(f"names lists {repeated!r} more than once; send each weight once per bucket")
             _field(body, "flush_cache", "bool", True)  # nothing to flush (no prefix cache), but a bool
