@@ -171,16 +171,24 @@ def tree_attention_kwargs(cu_trees: Tensor, max_tree_len: int, subtree_end: Tens
     return kwargs
 
 
-def tree_block_mask(subtree_end: Tensor):
-    """FlexAttention ``BlockMask`` of ``kv <= q < subtree_end[kv]`` over ``N`` nodes (blocks of
-    128 × 128 that no query of the block reads are skipped, the rest masked inside)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def tree_mask_mod(subtree_end: Tensor):
+    """FlexAttention ``mask_mod`` of a forest in pre-order: query node ``q`` reads key node ``kv``
+    iff ``kv <= q < subtree_end[kv]`` (no tree boundary needed: no subtree crosses one)."""
 
     def ancestor_or_self(b, h, q, kv):
         return (kv <= q) & (q < subtree_end[kv])
 
+    return ancestor_or_self
+
+
+def tree_block_mask(subtree_end: Tensor):
+    """FlexAttention ``BlockMask`` of ``tree_mask_mod`` over ``N`` nodes, built by a compiled
+    kernel (blocks of 128 × 128 that no query of the block reads are skipped, the rest masked
+    inside)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     n = subtree_end.numel()
-    return create_block_mask(ancestor_or_self, None, None, n, n, device=subtree_end.device, _compile=True)
+    return create_block_mask(tree_mask_mod(subtree_end), None, None, n, n, device=subtree_end.device, _compile=True)
 
 
 _COMPILED_FLEX = None
