@@ -20,11 +20,12 @@ Batch shapes (``--shape``):
 
 Each step runs ``train_step`` (packing, decoupled-PPO forward/backward, AdamW) once with the
 savings off (``trainer.skip_zero_advantage=false``, ``trainer.share_prefixes=false``) and once on,
-on the same batch, alternating (A/B interleaved, so machine load hits both alike), then one
-full-parameter gather as the weight sync does. The learning rate is 0, so the two variants see
-the same weights and print the same loss and gradient norm up to fp32 rounding. The first step is warm-up and left out of the
-ratio. Prints per step and variant the seconds, the tokens forwarded and the loss, then the
-median seconds and the ratio.
+on the same batch, alternating (A/B interleaved, so machine load hits both alike; ``--breakdown``
+adds each saving alone), then one full-parameter gather as the weight sync does. The learning
+rate is 0, so all variants see the same weights and print the same loss and gradient norm up to
+fp32 rounding. "Off" still has the balanced allocator and the LM head at loss positions only. The
+first step is warm-up and left out of the medians. Prints per step and variant the seconds, the
+tokens forwarded, the loss and the gradient norm, then the median seconds and the ratios.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--parallel", default="fsdp2", choices=["fsdp2", "ddp"])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
+    ap.add_argument("--breakdown", action="store_true", help="also each saving alone (variants skip, share)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from areal_async.model.hub import resolve_model_path
@@ -116,6 +118,9 @@ def main() -> None:
     base = TrainerConfig(max_tokens_per_mb=args.max_tokens_per_mb, dtype=args.dtype, parallel=args.parallel, lr=1e-6)
     variants = {"off": msgspec.structs.replace(base, skip_zero_advantage=False, share_prefixes=False),
                 "on": msgspec.structs.replace(base, skip_zero_advantage=True, share_prefixes=True)}
+    if args.breakdown:
+        variants.update(skip=msgspec.structs.replace(base, skip_zero_advantage=True, share_prefixes=False),
+                        share=msgspec.structs.replace(base, skip_zero_advantage=False, share_prefixes=True))
     policy = build_policy(model_dir, base, device)
     # lr 0: the weights stay put (AdamW's work is still done), so both variants see the same
     # policy and their loss and gradient norm must agree, a check of the savings' exactness
@@ -149,15 +154,17 @@ def main() -> None:
             if step > 0:
                 times[name].append(t1 - t0)
             if rank == 0:
-                print(f"step {step} savings {name:3s}: train {t1 - t0:7.2f} s, {int(m['train/tokens'])} sequence "
+                print(f"step {step} savings {name:5s}: train {t1 - t0:7.2f} s, {int(m['train/tokens'])} sequence "
                       f"tokens, {int(m['train/forward_tokens'])} forwarded, {int(m['train/skipped_seqs'])} "
                       f"sequences skipped, loss {m['train/loss']:+.6f}, grad_norm {m['train/grad_norm']:.4f}"
                       f"{' (warm-up)' if step == 0 else ''}", flush=True)
     if rank == 0:
         if args.steps > 1:
-            off, on = statistics.median(times["off"]), statistics.median(times["on"])
-            print(f"median s/step: off {off:.2f}, on {on:.2f}; ratio off/on {off / on:.2f}x "
-                  f"({args.shape} shape, {args.dtype}, {device.type}, {torch.get_num_threads()} threads)")
+            median = {k: statistics.median(v) for k, v in times.items()}
+            print("median s/step: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items())
+                  + "; ratio off/on " + f"{median['off'] / median['on']:.2f}x"
+                  + "".join(f", off/{k} {median['off'] / median[k]:.2f}x" for k in ("skip", "share") if k in median)
+                  + f" ({args.shape} shape, {args.dtype}, {device.type}, {torch.get_num_threads()} threads)")
         print(f"peak RSS rank 0: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB "
               f"(world size {dist.get_world_size()})")
     dist.destroy_process_group()
