@@ -191,3 +191,26 @@ def test_cut_units_under_budgets_that_cut_a_tree():
         for members, cost in units:
             assert cost == unique_tokens([seqs[i] for i in members])
             assert cost <= budget or len(members) == 1
+
+
+def test_tree_with_batch_invariant_linears(tiny_model_dir):
+    # deterministic mode: tiled linears and the checkpointed LM head (not the fused one); the
+    # forest gives the unshared log-probs and gradients, and the same forest twice the same bits
+    from areal_async.batch_invariant import make_linears_batch_invariant
+    from areal_async.trainer.logprobs import _fusable
+
+    policy = _load(tiny_model_dir)
+    make_linears_batch_invariant(policy.lm)
+    assert not _fusable(policy.lm.lm_head)
+    seqs, plen = _forest("partial", np.random.default_rng(7), policy.lm.config.vocab_size)
+    starts = np.cumsum([0] + [len(s) for s in seqs])
+    head = torch.tensor([int(starts[b]) + t for b, s in enumerate(seqs) for t in range(plen[b] - 1, len(s) - 1)])
+    out = []
+    for batch in (pack_sequences(seqs, head), pack_tree(seqs, head), pack_tree(seqs, head)):
+        policy.zero_grad()
+        logp, _ = packed_logprobs(policy, batch, 1.0, chunk_tokens=4)
+        logp.sum().backward()
+        out.append((logp.detach(), policy.lm.model.embed_tokens.weight.grad.clone()))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(out[1][0], out[2][0]) and torch.equal(out[1][1], out[2][1])

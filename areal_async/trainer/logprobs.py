@@ -18,6 +18,12 @@ trainer memory otherwise; docs/performance.md, trainer section). Two implementat
   in deterministic mode: the fused path would bypass the tiled GEMMs, and its chunk GEMM shapes
   depend on the micro-batch size), has a bias, or ``fused_head=False``.
 
+Head rows: the batch (``PackedBatch`` or a shared-prefix ``TreeBatch``, ``trainer/tree.py``) says
+which hidden rows go through the head and where their log-probs land (``head_rows``): with
+``head_index`` (the trainer passes the loss positions) only those rows, gathered from the hidden
+states (a shared node's row once per sequence reading it), and the outputs are scattered into the
+unshared ``[T]`` layout with 0 elsewhere; prompt positions need no logits at all.
+
 Alignment: position ``t`` predicts token ``t+1``. ``logp[t] = log softmax(logits_t / τ)[ids[t+1]]``;
 the last position of every sequence has no next token in that sequence and gets ``logp = 0``.
 The temperature τ is the rollout's (``rollout.temperature``; τ = 0, greedy, uses τ = 1), matching
