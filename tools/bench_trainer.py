@@ -1,7 +1,7 @@
 """Seconds per training step and tokens through the model, exact savings off and on, in one run.
 
     python tools/bench_trainer.py [--shape quickstart] [--model smollm2-135m-instruct] [--steps 3]
-    python tools/bench_trainer.py --shape gpu --device cuda --dtype bfloat16 --max-tokens-per-mb 65536
+    python tools/bench_trainer.py --shape gpu --device cuda --dtype bfloat16 [--max-tokens-per-mb 32768]
     python tools/bench_trainer.py --shape synthetic --groups 8 --n-samples 4 --prompt-len 150 --response-len 200
     torchrun --nproc-per-node 2 tools/bench_trainer.py ...   # 2 ranks (gloo on CPU)
 
@@ -103,13 +103,16 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=200)
     ap.add_argument("--zero-groups", type=float, default=0.5, help="fraction of groups with all-equal rewards")
     ap.add_argument("--steps", type=int, default=3, help="steps per variant; the first is warm-up")
-    ap.add_argument("--max-tokens-per-mb", type=int, default=512, help="the quickstart's budget by default")
+    ap.add_argument("--max-tokens-per-mb", type=int, default=None,
+                    help="default: 512 (the quickstart's) for quickstart, 32768 for gpu, 4096 for synthetic")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--parallel", default="fsdp2", choices=["fsdp2", "ddp"])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     ap.add_argument("--breakdown", action="store_true", help="also each saving alone (variants skip, share)")
     args = ap.parse_args()
+    if args.max_tokens_per_mb is None:
+        args.max_tokens_per_mb = {"quickstart": 512, "gpu": 32768, "synthetic": 4096}[args.shape]
     torch.set_num_threads(args.threads)
     from areal_async.model.hub import resolve_model_path
 
