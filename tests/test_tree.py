@@ -48,6 +48,7 @@ def test_pack_tree_layout_by_hand():
         pack_tree([[1], []])
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_tree_attention_mask_is_the_ancestor_path():
     # the per-tree sdpa equals sdpa over the whole row with mask[i, j] = j is on i's root path
     # (node j's tokens are a prefix of node i's; derived without subtree_end); and FlexAttention under

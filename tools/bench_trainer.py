@@ -159,7 +159,7 @@ def main() -> None:
             if rank == 0:
                 print(f"step {step} savings {name:5s}: train {t1 - t0:7.2f} s, {int(m['train/tokens'])} sequence "
                       f"tokens, {int(m['train/forward_tokens'])} forwarded, {int(m['train/skipped_seqs'])} "
-                      f"sequences skipped, loss {m['train/loss']:+.6f}, grad_norm {m['train/grad_norm']:.4f}"
+                      f"sequences skipped, loss {m['train/loss']:+.8e}, grad_norm {m['train/grad_norm']:.8e}"
                       f"{' (warm-up)' if step == 0 else ''}", flush=True)
     if rank == 0:
         if args.steps > 1:
