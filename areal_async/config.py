@@ -132,6 +132,10 @@ class TrainerConfig(_Cfg):
     # packed attention on CUDA: "flash" (torch's varlen_attn) or "triton" (this project's kernels,
     # trainer/triton_attention.py)
     attention_backend: Literal["flash", "triton"] = "flash"
+    # exact savings (trainer/step.py): sequences whose loss tokens all have advantage 0 are not run;
+    # tokens that sequences of a micro-batch share (a prompt, a few-shot preamble) are forwarded once
+    skip_zero_advantage: bool = True
+    share_prefixes: bool = True
     weight_sync: Literal["distributed", "disk"] = "distributed"
     weight_sync_port: Port = 29700
     weight_bucket_bytes: PosInt = 256 * 1024 * 1024

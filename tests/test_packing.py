@@ -26,18 +26,50 @@ def test_pack_sequences_exact():
         pack_sequences([])
 
 
+def test_allocate_micro_batches_as_few_and_even_as_karmarkar_karp():
+    # [5, 10, 3, 4, 3, 4, 3] under 11: Σ = 32 needs at least ceil(32/11) = 3 micro-batches, and 3
+    # exist ({10}, {5, 3, 3}, {4, 4, 3}); first-fit-decreasing needs 4 (10 | 5 4 | 4 3 3 | 3).
+    # Differencing, largest spread first: 10+5 → (10, 5, 0); +4 → (10, 5, 4); +4 → (10, 8, 5);
+    # +3 → (10, 8, 8); 3+3 → (3, 3, 0); the two merged heaviest-with-lightest → (11, 11, 10).
+    lengths = [5, 10, 3, 4, 3, 4, 3]
+    mbs = allocate_micro_batches(lengths, 11)
+    assert mbs == [[0, 2, 4], [3, 5, 6], [1]]
+    assert [sum(lengths[i] for i in mb) for mb in mbs] == [11, 11, 10]
+    # [2, 5, 4, 4, 3] under 10: 9/9 (first-fit-decreasing: 5 4 | 4 3 2 → 9/9 too, greedy 10/8).
+    # 5+4 → (5, 4); 4+3 → (4, 3); 2 with (5, 4) → (6, 5); (4, 3) with (6, 5) → (9, 9).
+    lengths = [2, 5, 4, 4, 3]
+    mbs = allocate_micro_batches(lengths, 10)
+    assert mbs == [[0, 2, 4], [1, 3]]
+    assert [sum(lengths[i] for i in mb) for mb in mbs] == [9, 9]
+
+
 def test_allocate_micro_batches_balanced_under_the_budget():
-    # First-fit-decreasing needs 3 micro-batches of budget 10 for these: [0, 2] 10, [1, 3, 5] 10,
-    # [4] 4. Balanced into 3, longest first into the least loaded: 0(7)→b0, 3(5)→b1, 1(4)→b2,
-    # 4(4)→b2 (8), 2(3)→b1 (8), 5(1)→b0 (8).
-    assert allocate_micro_batches([7, 4, 3, 5, 4, 1], 10) == [[0, 5], [2, 3], [1, 4]]
-    # Ties are broken by index: equal lengths and equal loads keep index order.
-    assert allocate_micro_batches([2, 2, 2, 2, 2], 4) == [[0, 3], [1, 4], [2]]
+    # 3 micro-batches of 8 (Σ = 24 under 10: at least 3): 7+1, 4+4, 3+5.
+    assert allocate_micro_batches([7, 4, 3, 5, 4, 1], 10) == [[0, 5], [1, 4], [2, 3]]
+    # Ties are broken by index: equal lengths keep index order, equal loads by lowest index.
+    assert allocate_micro_batches([2, 2, 2, 2, 2], 4) == [[0, 2], [1, 3], [4]]
     # A sequence over the budget gets a micro-batch of its own; nothing joins it.
     assert allocate_micro_batches([3, 12, 1], 4) == [[1], [0, 2]]
     assert allocate_micro_batches([], 4) == []
     with pytest.raises(ValueError, match="max_tokens_per_mb"):
         allocate_micro_batches([1], 0)
+    with pytest.raises(ValueError, match=">= 1"):
+        allocate_micro_batches([3, 0], 4)
+
+
+def test_allocate_micro_batches_is_a_function_of_the_lengths():
+    # the same lengths give the same plan, whatever was allocated before (no hidden state), and a
+    # permutation of the lengths permutes the plan's loads only
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 40) for _ in range(60)]
+    first = allocate_micro_batches(lengths, 100)
+    allocate_micro_batches([5, 6, 7], 10)
+    assert allocate_micro_batches(list(lengths), 100) == first
+    assert all(sum(lengths[i] for i in mb) <= 100 for mb in first)
+    assert sorted(i for mb in first for i in mb) == list(range(60))
+    assert len(first) == -(-sum(lengths) // 100)  # as few as the total allows, here
 
 
 def test_allocate_micro_batches_splits_evenly_not_full_then_a_remainder():
@@ -50,9 +82,12 @@ def test_allocate_micro_batches_splits_evenly_not_full_then_a_remainder():
 
 
 def test_allocate_micro_batches_falls_back_to_first_fit_decreasing():
-    # balancing into first-fit-decreasing's 2 micro-batches fails (5→b0, 5→b1, 4→b0 9, 3→b1 8,
-    # and the last 3 fits in neither), so its micro-batches are kept: never one more than it needs
+    # Σ = 20 under 10: only an exact 10/10 split fits; differencing finds 5+5 | 4+3+3
+    # (first-fit-decreasing's too). With [6, 6, 5, 3] under 10 differencing into 3 gives
+    # (6, 6+?, …) … any 3 parts fit; into the lower bound 2 (Σ = 20) nothing fits (6+? ≠ 10 twice).
     assert allocate_micro_batches([5, 5, 4, 3, 3], 10) == [[0, 1], [2, 3, 4]]
+    mbs = allocate_micro_batches([6, 6, 5, 3], 10)
+    assert len(mbs) == 3 and all(sum([6, 6, 5, 3][i] for i in mb) <= 10 for mb in mbs)
 
 
 def test_assign_to_ranks_pads_with_empty():

@@ -110,3 +110,68 @@ def test_triton_backend_matches_flash_in_the_model(tiny_qwen3_dir):
           f"||Δ grad|| / ||grad|| {float((grad_t - grad_f).norm() / grad_f.norm()):.3g}")
     torch.testing.assert_close(logp_t, logp_f, rtol=0, atol=5e-2)
     assert float((grad_t - grad_f).norm() / grad_f.norm()) < 2e-2
+
+
+def _forest_seqs(seed: int = 0, n_prompts: int = 3) -> tuple[list[list[int]], torch.Tensor]:
+    """A quickstart-like forest over several 128-node blocks: a 150-token preamble shared by
+    ``n_prompts`` prompts, 4 responses each (one empty, one a prefix of another), and one unrelated sequence;
+    plus the loss positions (the response-predicting ones)."""
+    g = torch.Generator().manual_seed(seed)
+    tok = lambda n: torch.randint(3, 380, (n,), generator=g).tolist()  # noqa: E731
+    pre = tok(150)
+    seqs, head, start = [], [], 0
+    for p in range(n_prompts):
+        prompt = pre + tok(20 + 10 * p)
+        responses = [tok(60 + 30 * r) for r in range(4)]
+        responses[1] = []
+        responses[3] = responses[2][:25]
+        for r in responses:
+            seqs.append(prompt + r)
+            head += list(range(start + len(prompt) - 1, start + len(prompt) - 1 + len(r)))
+            start += len(prompt) + len(r)
+    seqs.append(tok(90))
+    head += list(range(start + 10, start + 89))
+    return seqs, torch.tensor(head)
+
+
+@pytest.mark.parametrize("n_prompts", [3, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tree_packing_matches_unshared_on_cuda(tiny_qwen3_dir, dtype, n_prompts, monkeypatch):
+    # bf16: FlexAttention under the forest's block mask (the CUDA tree path) against varlen_attn
+    # on the unshared packing; both compared with the fp32 unshared result, the tree's error may
+    # be no larger than about the unshared bf16 error. fp32: the per-tree sdpa path, tight. Two
+    # forest sizes: the second runs the compiled flex kernel at a new node count (dynamic shapes;
+    # on the CPU, inductor's C++ flex template failed to build for the second size, torch 2.13).
+    from areal_async.trainer import attention
+    from areal_async.trainer.tree import pack_tree
+
+    flex_calls = []
+    real_flex = attention._flex_tree
+    monkeypatch.setattr(attention, "_flex_tree", lambda *a: flex_calls.append(1) or real_flex(*a))
+    seqs, head = _forest_seqs(n_prompts=n_prompts)
+    results = {}
+    for name, dt, pack in (("ref", torch.float32, pack_sequences), ("flat", dtype, pack_sequences),
+                           ("tree", dtype, pack_tree)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=dt).cuda()
+        use_packed_attention(model)
+        policy = PackedPolicy(model)
+        batch = pack(seqs, head).to("cuda")
+        logp, _ = packed_logprobs(policy, batch, temperature=1.0, chunk_tokens=64)
+        weight = torch.linspace(-1, 1, logp.numel(), device="cuda")
+        (logp.float() * weight).sum().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        results[name] = (logp.detach().float(), grads, batch.num_tokens)
+    assert results["tree"][2] < results["flat"][2]
+    (ref_lp, ref_g, _), (flat_lp, flat_g, _), (tree_lp, tree_g, _) = results["ref"], results["flat"], results["tree"]
+    flat_err, tree_err = (flat_lp - ref_lp).abs().max().item(), (tree_lp - ref_lp).abs().max().item()
+    flat_gerr = ((flat_g - ref_g).norm() / ref_g.norm()).item()
+    tree_gerr = ((tree_g - ref_g).norm() / ref_g.norm()).item()
+    print(f"{dtype}: log-prob error flat {flat_err:.3g} tree {tree_err:.3g}; gradient rel. error flat "
+          f"{flat_gerr:.3g} tree {tree_gerr:.3g}; flex calls {len(flex_calls)}")
+    if dtype == torch.float32:
+        assert not flex_calls
+        torch.testing.assert_close(tree_lp, ref_lp, rtol=0, atol=1e-5)
+        assert tree_gerr < 1e-5
+    else:
+        assert len(flex_calls) == 2  # once per layer of the tree's forward (the flat one runs varlen_attn)
+        assert tree_err <= 2 * flat_err + 1e-2 and tree_gerr <= 2 * flat_gerr + 1e-2

@@ -48,7 +48,7 @@ def make_trajectories(vocab: int, seed: int = 0) -> list[Trajectory]:
 
 
 def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, parallel: str,
-              device_type: str = "cpu", dtype: str = "float32") -> None:
+              device_type: str = "cpu", dtype: str = "float32", all_equal: bool = False) -> None:
     import torch.distributed as dist
 
     from areal_async.trainer.parallel import build_policy, full_state_dict, hf_model
@@ -66,7 +66,11 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, p
         policy = build_policy(model_dir, cfg, device)
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
         vocab = int(hf_model(policy).config.vocab_size)
-        metrics = train_step(policy, optimizer, make_trajectories(vocab), AlgoConfig(), cfg, 1.0, device)
+        trajs = make_trajectories(vocab)
+        if all_equal:  # every group's rewards equal: every sequence is skipped, each rank runs a dummy pass
+            trajs = [msgspec.structs.replace(t, samples=[msgspec.structs.replace(x, reward=5.0) for x in t.samples])
+                     for t in trajs]
+        metrics = train_step(policy, optimizer, trajs, AlgoConfig(), cfg, 1.0, device)
         state = full_state_dict(policy)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, out_path)
@@ -81,9 +85,10 @@ def _free_port() -> int:
 
 
 def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2", device_type: str = "cpu",
-           dtype: str = "float32") -> dict:
-    out = tmp_path / f"out-{world}-{parallel}-{device_type}-{dtype}.pt"
-    mp.start_processes(_run_rank, args=(world, _free_port(), str(model_dir), str(out), parallel, device_type, dtype),
+           dtype: str = "float32", all_equal: bool = False) -> dict:
+    out = tmp_path / f"out-{world}-{parallel}-{device_type}-{dtype}-{all_equal}.pt"
+    mp.start_processes(_run_rank, args=(world, _free_port(), str(model_dir), str(out), parallel, device_type, dtype,
+                                        all_equal),
                        nprocs=world, join=True, start_method="spawn")
     return torch.load(out)
 
@@ -201,3 +206,123 @@ def test_a_non_finite_gradient_skips_the_update(tiny_model_dir):
     assert good["train/skipped_updates"] == 0.0
     assert not all(torch.equal(p, before[n]) for n, p in lm.named_parameters())
     assert all(torch.isfinite(p).all() for p in lm.parameters())
+
+
+def test_two_ranks_with_every_sequence_skipped(tiny_model_dir, tmp_path):
+    # All advantages 0: no sequence runs, yet both ranks run one dummy pass each (the same FSDP2
+    # collectives), the gradient is exactly 0 and SGD leaves every weight as it was.
+    from safetensors.torch import load_file
+
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    two = _train(2, tiny_model_dir, tmp_path, all_equal=True)
+    m = two["metrics"]
+    assert m["train/skipped_seqs"] == 8 and m["train/forward_tokens"] == 0
+    assert m["train/loss"] == 0 and m["train/grad_norm"] == 0 and m["train/tokens"] > 0
+    for k, v in before.items():
+        assert torch.equal(two["state"][k], v), k
+
+
+def _tiny_policy(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from areal_async.trainer.attention import use_packed_attention
+    from areal_async.trainer.logprobs import PackedPolicy
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    use_packed_attention(lm)
+    return PackedPolicy(lm)
+
+
+def shared_prefix_trajectories(vocab: int, seed: int = 0) -> list[Trajectory]:
+    """5 groups × 4 samples whose prompts share a 7-token preamble (as few-shot prompts do).
+
+    Group 1 and 3 have all-equal rewards (advantages 0: skipped). Group 2 has an empty response
+    (no loss token: skipped) and a response that is a prefix of another; group 4 two identical
+    responses. Behaviour log-probs near the tiny model's (≈ -6), so few weights hit the cap.
+    """
+    rng = np.random.default_rng(seed)
+    preamble = rng.integers(3, vocab, size=7)
+    trajs = []
+    for g in range(5):
+        prompt = np.concatenate([preamble, rng.integers(3, vocab, size=int(rng.integers(2, 5)))])
+        responses = [rng.integers(3, vocab, size=int(rng.integers(1, 9))) for _ in range(4)]
+        if g == 2:
+            responses[0] = responses[1][:0]
+            responses[2] = responses[3][: max(1, len(responses[3]) // 2)]
+        if g == 4:
+            responses[1] = responses[0]
+        rewards = [5.0] * 4 if g in (1, 3) else [5.0, -5.0, 5.0 if g == 0 else -5.0, -5.0 if g == 4 else 5.0]
+        samples = [Sample(index=i, seed=g * 4 + i, output_ids=Array.of(r, "int32"),
+                          behav_logprobs=Array.of(-rng.uniform(5.5, 6.5, size=len(r)), "float32"),
+                          versions=Array.of(np.zeros(len(r)), "int32"), finish_reason="stop", reward=rewards[i])
+                   for i, r in enumerate(responses)]
+        trajs.append(Trajectory(group_id=g, prompt_ids=Array.of(prompt, "int32"), samples=samples, data_index=g))
+    return trajs
+
+
+def _step(model_dir, trajs, n_mini: int = 1, **trainer_kwargs) -> tuple[dict, dict]:
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    policy = _tiny_policy(model_dir)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    cfg = TrainerConfig(grad_clip=1e6, **trainer_kwargs)
+    metrics = train_step(policy, optimizer, trajs, AlgoConfig(ppo_minibatches=n_mini), cfg, 1.0, torch.device("cpu"))
+    return metrics, {n: p.detach().clone() for n, p in policy.lm.named_parameters()}
+
+
+@pytest.mark.parametrize("n_mini", [1, 2])
+def test_exact_savings_give_the_same_update(tiny_model_dir, n_mini):
+    # SGD, no clipping: the update is lr · gradient, so a wrong denominator or a missing/extra
+    # gradient share is a visible difference (updates ~1e-4–1e-2; tolerance 1e-6). Budgets: 4096
+    # (one tree of all prompts) and 30 tokens (the tree cut into sub-trees, the preamble repeated).
+    # All variants must give the baseline's weights, loss and clip fraction.
+    trajs = shared_prefix_trajectories(384)
+    base, base_w = _step(tiny_model_dir, trajs, n_mini, skip_zero_advantage=False, share_prefixes=False)
+    assert base["train/forward_tokens"] == base["train/tokens"] and base["train/skipped_seqs"] == 0
+    for budget in (4096, 30):
+        for skip, share in ((True, False), (False, True), (True, True)):
+            m, w = _step(tiny_model_dir, trajs, n_mini, max_tokens_per_mb=budget, skip_zero_advantage=skip,
+                         share_prefixes=share)
+            tag = f"budget {budget} skip {skip} share {share}"
+            for name, v in base_w.items():
+                torch.testing.assert_close(w[name], v, rtol=0, atol=1e-6, msg=f"{tag}: {name}")
+            for k in ("train/loss", "train/clip_ratio", "train/tokens", "train/grad_norm"):
+                assert m[k] == pytest.approx(base[k], rel=1e-5, abs=1e-9), f"{tag}: {k}"
+            assert m["train/forward_tokens"] < base["train/forward_tokens"], tag
+            assert m["train/skipped_seqs"] == (9 if skip else 0), tag
+            if not skip:  # nothing skipped: the log-prob statistics are those of the baseline too
+                for k in ("train/entropy", "train/importance_weight", "train/ratio", "train/approx_kl"):
+                    assert m[k] == pytest.approx(base[k], rel=1e-5, abs=1e-9), f"{tag}: {k}"
+            if n_mini == 1:  # π_prox = π_θ: the mean ratio over the tokens run is exactly 1
+                assert m["train/ratio"] == pytest.approx(1.0, abs=1e-6), tag
+
+
+def test_zero_advantage_skip_off_for_a_kl_term_and_by_switch(tiny_model_dir):
+    # the switch turns the skip off; with it on, the 8 sequences of groups 1 and 3 and the empty
+    # response of group 2 are not run
+    trajs = shared_prefix_trajectories(384)
+    on, _ = _step(tiny_model_dir, trajs, share_prefixes=False)
+    off, _ = _step(tiny_model_dir, trajs, share_prefixes=False, skip_zero_advantage=False)
+    assert on["train/skipped_seqs"] == 9 and off["train/skipped_seqs"] == 0
+    assert on["train/forward_tokens"] < off["train/forward_tokens"] == off["train/tokens"]
+
+
+def test_the_plan_is_a_function_of_the_batch(tiny_model_dir):
+    # Same batch, trajectories and samples handed over in another order: the same sequences are
+    # skipped, the same micro-batches made, and the update is bitwise the same.
+    from areal_async.trainer.step import _plan, build_sequences, runs_forward
+
+    trajs = shared_prefix_trajectories(384)
+    shuffled = [msgspec.structs.replace(t, samples=t.samples[::-1]) for t in trajs[::-1]]
+    plans = []
+    for batch in (trajs, shuffled):
+        seqs = build_sequences(batch, AlgoConfig())
+        run = [i for i in range(len(seqs)) if runs_forward(seqs[i])]
+        plans.append((run, _plan(seqs, run, 30, 2, True), [seqs[i].ids for i in run]))
+    assert plans[0] == plans[1]
+    assert len(plans[0][1][0]) == len(plans[0][1][1])  # both ranks run as many passes
+    (m1, w1), (m2, w2) = _step(tiny_model_dir, trajs, max_tokens_per_mb=30), _step(tiny_model_dir, shuffled,
+                                                                                   max_tokens_per_mb=30)
+    assert m1 == m2
+    assert all(torch.equal(w1[n], w2[n]) for n in w1)

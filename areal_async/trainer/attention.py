@@ -20,6 +20,12 @@ Attention never crosses a sequence boundary:
   mask, but it costs Σ L_b² instead of T², which on a CPU is the difference between a cheap and
   an unusable training step for a 4k-token micro-batch.
 
+Prefix trees (``trainer/tree.py``, shared-prefix packing): with ``tree_attention_kwargs`` the
+row is a forest of token tries in pre-order and node ``i`` attends to node ``j`` iff
+``j <= i < subtree_end[j]`` (its ancestors and itself). CUDA bf16/fp16: compiled FlexAttention
+(``torch.nn.attention.flex_attention``) with a block mask built once per micro-batch; otherwise
+(CPU, fp32, or deterministic algorithms on) ``sdpa`` per tree with the boolean ``[n, n]`` mask.
+
 Grouped-query attention: on the ``varlen_attn`` path K/V keep their ``H_kv`` heads (the flash
 kernel maps query head ``h`` to K/V head ``h // (H / H_kv)``, and its backward sums the group's
 dK/dV); ``use_packed_attention(model, native_gqa=False)`` selects ``"packed_repeat_kv"``, which
@@ -106,6 +112,13 @@ def packed_attention(
     assert query.shape[0] == 1, f"packed attention takes one packed row, got batch {query.shape[0]}"
     assert attention_mask is None, "packed attention takes no attention_mask"
     n_rep = query.shape[1] // key.shape[1]
+    subtree_end = kwargs.get("tree_subtree_end")
+    if subtree_end is not None:
+        block_mask = kwargs.get("tree_block_mask")
+        if block_mask is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+            return _flex_tree(query, key, value, block_mask, scaling, n_rep), None
+        return _sdpa_per_tree(query, _repeat_kv(key, n_rep, 1), _repeat_kv(value, n_rep, 1), cu, subtree_end,
+                              scaling), None
     if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         q = query[0].transpose(0, 1)  # [T, H, D]
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, H_kv, D]
@@ -135,6 +148,78 @@ def _sdpa_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, sc
         )
         for s, e in zip(bounds[:-1], bounds[1:])
     ]
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2)
+
+
+def tree_attention_kwargs(cu_trees: Tensor, max_tree_len: int, subtree_end: Tensor) -> dict:
+    """Keyword arguments that carry a forest of token tries (``trainer/tree.py``) through
+    ``model(...)``: node ``i`` attends to node ``j`` iff ``j <= i < subtree_end[j]`` (its
+    ancestors and itself; nodes in pre-order).
+
+    Args:
+        cu_trees: ``[K+1] int32`` tree boundaries, on the model's device.
+        max_tree_len: nodes of the largest tree.
+        subtree_end: ``[N] int64`` one past the last node of each node's subtree (global index).
+
+    On CUDA, unless deterministic algorithms are on, this also builds the FlexAttention block
+    mask of the forest once per micro-batch (``tree_block_mask``), shared by every layer.
+    """
+    kwargs = {**packed_kwargs(cu_trees, max_tree_len), "tree_subtree_end": subtree_end}
+    if subtree_end.is_cuda and not torch.are_deterministic_algorithms_enabled():
+        kwargs["tree_block_mask"] = tree_block_mask(subtree_end)
+    return kwargs
+
+
+def tree_mask_mod(subtree_end: Tensor):
+    """FlexAttention ``mask_mod`` of a forest in pre-order: query node ``q`` reads key node ``kv``
+    iff ``kv <= q < subtree_end[kv]`` (no tree boundary needed: no subtree crosses one)."""
+
+    def ancestor_or_self(b, h, q, kv):
+        return (kv <= q) & (q < subtree_end[kv])
+
+    return ancestor_or_self
+
+
+def tree_block_mask(subtree_end: Tensor):
+    """FlexAttention ``BlockMask`` of ``tree_mask_mod`` over ``N`` nodes, built by a compiled
+    kernel (blocks of 128 × 128 that no query of the block reads are skipped, the rest masked
+    inside)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = subtree_end.numel()
+    return create_block_mask(tree_mask_mod(subtree_end), None, None, n, n, device=subtree_end.device, _compile=True)
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_tree(query: Tensor, key: Tensor, value: Tensor, block_mask, scaling: float | None, n_rep: int) -> Tensor:
+    """``query [1, H, N, D]``, ``key, value [1, H_kv, N, D]`` → ``[1, N, H, D]``: compiled
+    FlexAttention under the forest's block mask (native grouped-query attention)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:  # compiled on first use: flex attention's eager path is a slow reference
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+    out = _COMPILED_FLEX(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=n_rep > 1)
+    return out.transpose(1, 2)
+
+
+@torch.compiler.disable
+def _sdpa_per_tree(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, subtree_end: Tensor,
+                   scaling: float | None) -> Tensor:
+    """``query, key, value [1, H, N, D]`` → ``[1, N, H, D]``: ``sdpa`` on each tree's nodes with
+    the boolean ancestor-or-self mask ``j <= i < subtree_end[j]`` (``[n, n]`` per tree, so the
+    cost is Σ n_k², not N²)."""
+    bounds = cu.tolist()
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        idx = torch.arange(e - s, device=query.device)
+        end = subtree_end[s:e] - s
+        mask = (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :])
+        outs.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                                   attn_mask=mask, scale=scaling))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2)
 

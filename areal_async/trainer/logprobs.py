@@ -18,6 +18,12 @@ trainer memory otherwise; docs/performance.md, trainer section). Two implementat
   in deterministic mode: the fused path would bypass the tiled GEMMs, and its chunk GEMM shapes
   depend on the micro-batch size), has a bias, or ``fused_head=False``.
 
+Head rows: the batch (``PackedBatch`` or a shared-prefix ``TreeBatch``, ``trainer/tree.py``) says
+which hidden rows go through the head and where their log-probs land (``head_rows``): with
+``head_index`` (the trainer passes the loss positions) only those rows, gathered from the hidden
+states (a shared node's row once per sequence reading it), and the outputs are scattered into the
+unshared ``[T]`` layout with 0 elsewhere; prompt positions need no logits at all.
+
 Alignment: position ``t`` predicts token ``t+1``. ``logp[t] = log softmax(logits_t / τ)[ids[t+1]]``;
 the last position of every sequence has no next token in that sequence and gets ``logp = 0``.
 The temperature τ is the rollout's (``rollout.temperature``; τ = 0, greedy, uses τ = 1), matching
@@ -34,8 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from areal_async.trainer.attention import packed_kwargs
 from areal_async.trainer.packing import PackedBatch
+from areal_async.trainer.tree import TreeBatch
 
 
 def _head_logp(lm_head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -166,25 +172,21 @@ class PackedPolicy(torch.nn.Module):
         if compile_head:
             self.head_kernels = _HeadKernels(torch.compile(_chunk_stats), torch.compile(_chunk_grad_logits))
 
-    def forward(self, batch: PackedBatch, temperature: float = 1.0, chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
+    def forward(self, batch: PackedBatch | TreeBatch, temperature: float = 1.0, chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
         """See ``packed_logprobs``."""
         if self.autocast_dtype is not None:
             with torch.autocast(batch.input_ids.device.type, dtype=self.autocast_dtype):
                 return self._forward(batch, temperature, chunk_tokens)
         return self._forward(batch, temperature, chunk_tokens)
 
-    def _forward(self, batch: PackedBatch, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    def _forward(self, batch: PackedBatch | TreeBatch, temperature: float, chunk_tokens: int) -> tuple[Tensor, Tensor]:
         assert temperature >= 0, f"temperature must be >= 0, got {temperature}"
         assert chunk_tokens >= 1, f"chunk_tokens must be >= 1, got {chunk_tokens}"
         temperature = temperature if temperature > 0 else 1.0
-        out = self.lm.model(
-            input_ids=batch.input_ids[None],
-            position_ids=batch.position_ids[None],
-            use_cache=False,
-            **packed_kwargs(batch.cu_seqlens, batch.max_seqlen),
-        )
-        hidden = out.last_hidden_state[0]  # [T, hidden]
-        labels, valid = next_token_labels(batch)
+        hidden = self.lm.model(use_cache=False, **batch.model_inputs()).last_hidden_state[0]  # [N, hidden]
+        rows, labels, out_index, out_len = batch.head_rows()
+        if rows is not None:  # only the rows that carry a loss token go through the head
+            hidden = hidden.index_select(0, rows)
         head = self.lm.lm_head
         if self.fused_head and _fusable(head):
             device_type = hidden.device.type
@@ -193,8 +195,12 @@ class PackedPolicy(torch.nn.Module):
                                                  self.head_kernels)
         else:
             logp, entropy = self._checkpointed_head(hidden, labels, temperature, chunk_tokens)
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
+        if out_index is None:
+            _, valid = next_token_labels(batch)
+            zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+            return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
+        full = logp.new_zeros(out_len)
+        return full.index_copy(0, out_index, logp), full.index_copy(0, out_index, entropy)
 
     def _checkpointed_head(self, hidden: Tensor, labels: Tensor, temperature: float,
                            chunk_tokens: int) -> tuple[Tensor, Tensor]:
@@ -212,7 +218,7 @@ class PackedPolicy(torch.nn.Module):
 
 def packed_logprobs(
     policy: PackedPolicy,
-    batch: PackedBatch,
+    batch: PackedBatch | TreeBatch,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
 ) -> tuple[Tensor, Tensor]:
@@ -221,13 +227,18 @@ def packed_logprobs(
     Args:
         policy: a ``PackedPolicy`` (possibly FSDP-sharded) whose HF model uses the ``"packed"``
             attention (``use_packed_attention``).
-        batch: the packed micro-batch, on the model's device.
+        batch: the packed micro-batch, on the model's device: a ``PackedBatch`` (sequences back
+            to back) or a ``TreeBatch`` (shared prefixes forwarded once, ``trainer/tree.py``).
+            Either may name the positions whose log-prob is wanted (``head_index``): only those
+            rows go through the LM head.
         temperature: sampling temperature τ ≥ 0 of the rollout (0 ⇒ 1).
         chunk_tokens: rows of the ``[T, vocab]`` logits materialised at once.
 
     Returns:
         ``(logp, entropy)``, both ``[T] float32``; ``logp`` carries gradients when grad is
-        enabled, ``entropy`` (of the temperature-scaled distribution, nats) never does. Both are
-        0 at the last position of each sequence.
+        enabled, ``entropy`` (of the temperature-scaled distribution, nats) never does. ``T`` is
+        the unshared layout's length (Σ sequence lengths, also for a ``TreeBatch``). Both are 0
+        at the last position of each sequence and, with ``head_index``, at every position not in
+        it.
     """
     return policy(batch, temperature, chunk_tokens)

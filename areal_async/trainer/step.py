@@ -1,9 +1,25 @@
 """One decoupled-PPO training step over a batch of trajectories, on every data-parallel rank.
 
 Every rank receives the whole batch (the same list of ``Trajectory``s) and builds the same
-token tensors; the sequences are then split into micro-batches by first-fit-decreasing under
-``trainer.max_tokens_per_mb`` and dealt round-robin to ranks (``packing.assign_to_ranks``), so
-the allocation is a function of the lengths only.
+token tensors; the sequences are then split into balanced micro-batches under
+``trainer.max_tokens_per_mb`` (``packing.allocate_micro_batches``) and dealt round-robin to ranks
+(``packing.assign_to_ranks``), so the allocation is a function of the batch only.
+
+Two exact savings (``trainer.skip_zero_advantage``, ``trainer.share_prefixes``, both on by
+default):
+
+- **Zero-advantage skip.** A sequence whose every loss token has advantage exactly 0 (a group
+  with all-equal rewards; an empty response) is not run. Its per-token loss is
+  ``-w·max(-0·r, -0·clip(r)) = 0`` with gradient 0 for any log-probs, so the loss, its gradient
+  and the clip fraction are unchanged, and the denominator still counts its loss tokens. Only
+  while no term is non-zero at A = 0 (``algo.kl_coef = 0``; there is no entropy bonus). The
+  statistics that need its log-probs (``LOGP_STAT_KEYS``) cannot be had without its forward:
+  they are means over the loss tokens that were run. One difference: a non-finite behaviour
+  log-prob in a skipped sequence no longer makes the update's gradient NaN (nothing reads it).
+- **Shared-prefix packing** (``trainer/tree.py``): each micro-batch's sequences are forwarded as
+  a forest of token tries, shared prefixes once; the allocation units are the trees (cut where
+  over the budget) costing their unique tokens. The LM head runs only at loss positions (also
+  without sharing).
 
 Per token, position ``t`` of a sequence ``prompt + response`` predicts token ``t+1``; the loss
 mask is true on the positions that predict response tokens, and the behaviour log-prob and the
@@ -34,9 +50,12 @@ from areal_async.algo.loss import decoupled_ppo_loss
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.logprobs import packed_logprobs
 from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences, to_device
+from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
 from areal_async.types import Trajectory
 
 STAT_KEYS = ("loss", "clip_ratio", "importance_weight", "behav_capped_ratio", "ratio", "approx_kl", "behav_kl")
+# statistics that need the policy's log-probs: with sequences skipped, means over the tokens run
+LOGP_STAT_KEYS = ("importance_weight", "behav_capped_ratio", "ratio", "approx_kl", "behav_kl", "entropy")
 
 
 @dataclasses.dataclass
@@ -78,15 +97,26 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
     return out
 
 
-def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device) -> tuple[PackedBatch, dict[str, Tensor]]:
-    """Pack sequences ``idx`` (a dummy 1-token, all-masked row when ``idx`` is empty)."""
+def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device,
+          share_prefixes: bool) -> tuple[PackedBatch | TreeBatch, dict[str, Tensor]]:
+    """Pack sequences ``idx`` as a prefix forest (``share_prefixes``) or back to back, with the LM
+    head at their loss positions only (a dummy 1-token, all-masked row when ``idx`` is empty)."""
     if not idx:
         one = torch.zeros(1, device=device)
         return pack_sequences([[0]]).to(device), {"behav_logp": one, "loss_mask": one.bool(), "advantages": one}
-    batch = pack_sequences([seqs[i].ids for i in idx]).to(device)
     keys = ("behav_logp", "loss_mask", "advantages")
-    fields = {k: to_device(torch.cat([getattr(seqs[i], k) for i in idx]), device) for k in keys}
-    return batch, fields
+    fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]) for k in keys}
+    head_index = fields["loss_mask"].nonzero()[:, 0]
+    ids = [seqs[i].ids for i in idx]
+    batch = pack_tree(ids, head_index) if share_prefixes else pack_sequences(ids, head_index)
+    return batch.to(device), {k: to_device(v, device) for k, v in fields.items()}
+
+
+def runs_forward(seq: SeqTensors) -> bool:
+    """Whether a sequence must be forwarded: some loss token has a non-zero advantage (NaN counts
+    as non-zero). One with none adds exactly 0 to the loss and the gradient (see the module
+    docstring) and is skipped when ``trainer.skip_zero_advantage`` is on."""
+    return bool((seq.advantages[seq.loss_mask] != 0).any())
 
 
 def train_step(
@@ -105,9 +135,14 @@ def train_step(
     Returns:
         ``train/*`` metrics (global token means over all ranks), identical on every rank:
         loss, clip_ratio, importance_weight, behav_capped_ratio, ratio, approx_kl, behav_kl,
-        entropy, grad_norm (before clipping, last update), lr, tokens (sequence tokens processed),
-        skipped_updates (optimizer updates of this step skipped because the gradient norm was
-        inf or NaN; the weights then stay as they were).
+        entropy, grad_norm (before clipping, last update), lr, tokens (sequence tokens of the
+        batch, Σ prompt + response, as if every sequence ran unshared), forward_tokens (tokens
+        actually put through the model, dummy passes excluded), skipped_seqs (sequences not
+        run for all-zero advantages), skipped_updates (optimizer updates of this step skipped
+        because the gradient norm was inf or NaN; the weights then stay as they were).
+        loss and clip_ratio are over every loss token of the batch; the statistics that need
+        log-probs (``LOGP_STAT_KEYS``: importance_weight, behav_capped_ratio, ratio, approx_kl,
+        behav_kl, entropy) are means over the loss tokens of the sequences that were run.
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     seqs = build_sequences(trajs, algo)
@@ -117,25 +152,33 @@ def train_step(
     per_group = len(seqs) // n_groups
     bounds = [round(i * n_groups / n_mini) * per_group for i in range(n_mini + 1)]
     minibatches = [list(range(bounds[i], bounds[i + 1])) for i in range(n_mini)]
-    plans = [_plan(seqs, mb, trainer.max_tokens_per_mb, world)[rank] for mb in minibatches]
+    # skipping is exact only while nothing in the loss is non-zero at A = 0 (config rejects kl_coef ≠ 0)
+    skip = trainer.skip_zero_advantage and algo.kl_coef == 0.0
+    runs = [[i for i in mb if not skip or runs_forward(seqs[i])] for mb in minibatches]
+    share = trainer.share_prefixes
+    plans = [_plan(seqs, run, trainer.max_tokens_per_mb, world, share)[rank] for run in runs]
 
     prox: dict[int, Tensor] = {}  # micro-batch key → π_prox log-probs, when recomputed
     if n_mini > 1:
         with torch.no_grad():
             for m, plan in enumerate(plans):
                 for j, idx in enumerate(plan):
-                    batch, _ = _pack(seqs, idx, device)
+                    batch, _ = _pack(seqs, idx, device, share)
                     prox[(m, j)] = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)[0]
 
     params = [p for p in policy.parameters() if p.requires_grad]
     skipped = 0  # optimizer updates skipped for a non-finite gradient norm
     # summed on the device and read once at the end: a read per micro-batch would stall the host
     # until the GPU finished it, and the next micro-batch would start with the GPU idle
-    sums = torch.zeros(len(STAT_KEYS) + 1, dtype=torch.float64, device=device)
+    sums = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64, device=device)  # + entropy, forward tokens
     for m, plan in enumerate(plans):
         num_tokens = sum(int(seqs[i].loss_mask.sum()) for i in minibatches[m])
+        run_tokens = sum(int(seqs[i].loss_mask.sum()) for i in runs[m])
+        # shares of num_tokens → means over the tokens run, for the statistics that need log-probs
+        scale = torch.tensor([1.0 if k not in LOGP_STAT_KEYS else num_tokens / max(run_tokens, 1)
+                              for k in STAT_KEYS + ("entropy",)], dtype=torch.float64, device=device) / n_mini
         for j, idx in enumerate(plan):
-            batch, f = _pack(seqs, idx, device)
+            batch, f = _pack(seqs, idx, device, share)
             theta, entropy = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)
             prox_logp = prox[(m, j)] if n_mini > 1 else theta.detach()
             loss, st = decoupled_ppo_loss(
@@ -144,7 +187,8 @@ def train_step(
             )
             (loss * world).backward()  # ranks' gradients are averaged; the loss is a global share
             ent = (entropy * f["loss_mask"]).sum() / max(num_tokens, 1)
-            sums += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) / n_mini
+            sums[:-1] += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) * scale
+            sums[-1] += batch.num_tokens if idx else 0
         grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # A non-finite gradient (one inf/NaN log-prob is enough) would make every weight NaN and
@@ -157,14 +201,24 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
     if world > 1:
         dist.all_reduce(sums)
-    stats = dict(zip(STAT_KEYS + ("entropy",), sums.cpu().tolist()))
+    values = sums.cpu().tolist()
+    stats = dict(zip(STAT_KEYS + ("entropy",), values[:-1]))
     tokens = float(sum(len(s.ids) for s in seqs))
     stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=tokens,
+                 forward_tokens=values[-1], skipped_seqs=float(len(seqs) - sum(len(r) for r in runs)),
                  skipped_updates=float(skipped))
     return {f"train/{k}": v for k, v in stats.items()}
 
 
-def _plan(seqs: list[SeqTensors], idx: list[int], max_tokens_per_mb: int, world: int) -> list[list[list[int]]]:
-    """Micro-batches of the sequences ``idx`` (global indices), dealt to ``world`` ranks."""
-    mbs = allocate_micro_batches([len(seqs[i].ids) for i in idx], max_tokens_per_mb)
-    return assign_to_ranks([[idx[k] for k in mb] for mb in mbs], world)
+def _plan(seqs: list[SeqTensors], idx: list[int], max_tokens_per_mb: int, world: int,
+          share_prefixes: bool) -> list[list[list[int]]]:
+    """Micro-batches of the sequences ``idx`` (global indices, ascending in each), dealt to
+    ``world`` ranks. The allocation units are the sequences (cost: length) or, with
+    ``share_prefixes``, their prefix trees, cut where over the budget (cost: unique tokens)."""
+    if share_prefixes:
+        units = [([idx[k] for k in members], cost)
+                 for members, cost in cut_units([seqs[i].ids for i in idx], max_tokens_per_mb)]
+    else:
+        units = [([i], len(seqs[i].ids)) for i in idx]
+    mbs = allocate_micro_batches([cost for _, cost in units], max_tokens_per_mb)
+    return assign_to_ranks([sorted(i for u in mb for i in units[u][0]) for mb in mbs], world)

@@ -1,0 +1,245 @@
+"""Shared-prefix ("tree") packing: the sequences of a micro-batch as a forest of token tries.
+
+Sequences that share a prefix (the samples of one group share their prompt; every prompt of a
+few-shot task shares the chat header and the demonstrations) are forwarded once per shared token.
+The tokens of a micro-batch become the nodes of a trie: one node per distinct prefix, its token
+the prefix's last token, its position id its depth (0-based), so rotary embeddings see every
+node where it sits in each sequence that contains it. Node ``i`` attends exactly to its
+ancestors and itself (its root-to-node path), which is the causal attention of every sequence
+through it; the hidden state of a node is therefore the hidden state of that position in each of
+those sequences, and autograd sums the gradient flowing into a shared node from every sequence
+that reads its keys and values. (Tree attention as in AReaL's tree training, which builds a
+FlexAttention block mask from the trie; the same idea as SpecInfer's token-tree verification,
+Miao et al. 2024.)
+
+Layout (``pack_tree``): sequences are sorted lexicographically by their tokens (equal sequences
+by index). In that order, sequence ``r`` shares its first ``lcp(r-1, r)`` tokens (longest common
+prefix) with the previous one and adds one new node for each later token, so the nodes come out
+in depth-first pre-order, and
+
+    node j is an ancestor-or-self of node i   ⇔   j ≤ i < subtree_end[j]
+
+where ``subtree_end[j]`` is one past the last node of j's subtree. Roots (sequences that share
+not even their first token) start separate trees; ``cu_trees`` marks them, and no node's subtree
+crosses a tree boundary. The unique-token count of sorted sequences is
+``Σ_r len_r − Σ_r lcp(r-1, r)`` (``unique_tokens``), which is what the allocator is charged.
+
+Log-probs: position ``t`` of sequence ``s`` predicts its token ``t+1``; its hidden state is that
+of the node of the ``t``-th token, and its label is the sequence's own token ``t+1``. A node
+where sequences branch is read once per sequence through it (each with that sequence's label), so
+every sequence gets exactly its own log-probs (AReaL's bug #1308 was an extra, mismatched
+log-prob at each leaf). Only the positions in ``head_index`` (the loss positions) go through the
+LM head.
+
+Cutting (``cut_units``): a tree whose unique tokens exceed the micro-batch budget is split into
+consecutive runs of its sorted sequences, each run a sub-tree that repeats the shared prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from areal_async.trainer.attention import tree_attention_kwargs
+from areal_async.trainer.packing import to_device
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBatch:
+    """A micro-batch of sequences as a forest of tries (see the module docstring).
+
+    Fields (``N`` nodes, ``K`` trees, ``T`` = Σ sequence lengths, ``M`` log-prob rows):
+        input_ids: ``[N] int64`` token of each node, trees back to back, each in pre-order.
+        position_ids: ``[N] int64`` depth of each node (its position in every sequence through it).
+        subtree_end: ``[N] int64`` one past the last node of each node's subtree (global index).
+        cu_trees: ``[K+1] int32`` tree k is nodes ``[cu_trees[k], cu_trees[k+1])``.
+        max_tree_len: node count of the largest tree (int).
+        head_nodes: ``[M] int64`` node whose hidden state predicts each log-prob row.
+        head_labels: ``[M] int64`` the token it predicts.
+        head_index: ``[M] int64`` where the row lands in the unshared layout (the sequences in the
+            given order, back to back, ``T`` positions).
+        num_seq_tokens: ``T`` (int).
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    subtree_end: Tensor
+    cu_trees: Tensor
+    max_tree_len: int
+    head_nodes: Tensor
+    head_labels: Tensor
+    head_index: Tensor
+    num_seq_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens through the model (nodes)."""
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> "TreeBatch":
+        """The batch on ``device`` (see ``packing.to_device``)."""
+        moved = {f.name: to_device(getattr(self, f.name), device, non_blocking)
+                 for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, **moved)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments of the decoder: ``input_ids``/``position_ids`` ``[1, N]`` and the
+        tree attention's boundaries (``attention.tree_attention_kwargs``)."""
+        return {"input_ids": self.input_ids[None], "position_ids": self.position_ids[None],
+                **tree_attention_kwargs(self.cu_trees, self.max_tree_len, self.subtree_end)}
+
+    def head_rows(self) -> tuple[Tensor, Tensor, Tensor, int]:
+        """``(rows [M], labels [M], out_index [M], out_len)``: hidden rows to put through the LM
+        head, their labels, and where their log-probs go in the ``[T]`` output."""
+        return self.head_nodes, self.head_labels, self.head_index, self.num_seq_tokens
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D int arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def _sorted_with_lcp(seqs: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Lexicographic order of ``seqs`` (ties by index) and ``lcp[r]`` of each with the previous
+    one in that order (``lcp[0] = 0``)."""
+    order = sorted(range(len(seqs)), key=lambda i: (seqs[i], i))
+    arrays = [np.asarray(seqs[i], dtype=np.int64) for i in order]
+    lcp = [0] + [_lcp(arrays[r - 1], arrays[r]) for r in range(1, len(order))]
+    return order, lcp
+
+
+def unique_tokens(seqs: list[list[int]]) -> int:
+    """Nodes of the forest of ``seqs``: ``Σ len − Σ lcp`` over the sorted sequences."""
+    order, lcp = _sorted_with_lcp(seqs)
+    return sum(len(s) for s in seqs) - sum(lcp)
+
+
+def cut_units(seqs: list[list[int]], max_tokens_per_mb: int) -> list[tuple[list[int], int]]:
+    """Allocation units: the trees of ``seqs``, those over the budget cut into sub-trees.
+
+    A tree is a maximal run of sorted sequences sharing at least their first token. One whose
+    unique tokens exceed ``max_tokens_per_mb`` is cut into the fewest consecutive runs a greedy
+    pass fills under the budget, and these as even as that count allows (the smallest run cap,
+    by bisection, that still needs no more runs); every run repeats the prefix it shares. A
+    single sequence longer than the budget is a unit of its own.
+
+    Args:
+        seqs: ``[B]`` token-id lists, each non-empty.
+        max_tokens_per_mb: token budget of one micro-batch, ``>= 1``.
+
+    Returns:
+        ``(indices into seqs, unique-token cost)`` per unit, in sorted-sequence order. A function
+        of the token ids only.
+    """
+    order, lcp = _sorted_with_lcp(seqs)
+    lengths = [len(seqs[i]) for i in order]
+    trees, start = [], 0
+    for r in range(1, len(order) + 1):
+        if r == len(order) or lcp[r] == 0:
+            trees.append((start, r))
+            start = r
+    units = []
+    for a, b in trees:
+        cost = sum(lengths[a:b]) - sum(lcp[a + 1 : b])
+        if cost <= max_tokens_per_mb:
+            units.append((a, b, cost))
+            continue
+        runs = _greedy_runs(lengths, lcp, a, b, max_tokens_per_mb)
+        lo, hi = -(-cost // len(runs)), max_tokens_per_mb
+        while lo < hi:  # smallest cap with as few runs: the runs' costs as even as greedy makes them
+            mid = (lo + hi) // 2
+            if len(_greedy_runs(lengths, lcp, a, b, mid)) <= len(runs):
+                hi = mid
+            else:
+                lo = mid + 1
+        units += _greedy_runs(lengths, lcp, a, b, lo)
+    return [(sorted(order[a:b]), cost) for a, b, cost in units]
+
+
+def _greedy_runs(lengths: list[int], lcp: list[int], a: int, b: int, cap: int) -> list[tuple[int, int, int]]:
+    """Consecutive runs ``(start, end, cost)`` of sorted sequences ``[a, b)``, each extended
+    while its unique tokens stay ``<= cap`` (a sequence longer than ``cap`` alone)."""
+    runs, start, cost = [], a, lengths[a]
+    for r in range(a + 1, b):
+        extra = lengths[r] - lcp[r]
+        if cost + extra > cap:
+            runs.append((start, r, cost))
+            start, cost = r, lengths[r]
+        else:
+            cost += extra
+    runs.append((start, b, cost))
+    return runs
+
+
+def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None) -> TreeBatch:
+    """Build the forest of ``seqs`` (see the module docstring).
+
+    Args:
+        seqs: ``B`` non-empty token-id lists; the unshared layout is them back to back, in this
+            order (``T`` = Σ len).
+        head_index: ``[M] int64`` positions of the unshared layout whose next-token log-prob is
+            wanted (the loss positions); ``None`` = every position that has a next token in its
+            sequence.
+
+    Returns:
+        ``TreeBatch``.
+
+    Raises:
+        ValueError: ``seqs`` is empty, a sequence is empty, or a ``head_index`` entry is not a
+            position with a next token in its sequence.
+    """
+    if not seqs:
+        raise ValueError("pack_tree needs at least one sequence")
+    lengths = [len(s) for s in seqs]
+    if min(lengths) == 0:
+        raise ValueError(f"sequence {lengths.index(0)} is empty; every sequence holds at least its prompt")
+    order, lcp = _sorted_with_lcp(seqs)
+    node_of: list[np.ndarray | None] = [None] * len(seqs)
+    tokens, depths, tree_starts = [], [], []
+    subtree_end = np.zeros(sum(lengths) - sum(lcp), dtype=np.int64)
+    path = np.zeros(0, dtype=np.int64)  # nodes of the previous sequence, root first
+    n = 0
+    for r, i in enumerate(order):
+        keep = lcp[r]
+        subtree_end[path[keep:]] = n  # the previous path's nodes below the shared prefix end here
+        if keep == 0:
+            tree_starts.append(n)
+        new = lengths[i] - keep
+        seq = np.asarray(seqs[i], dtype=np.int64)
+        tokens.append(seq[keep:])
+        depths.append(np.arange(keep, lengths[i], dtype=np.int64))
+        path = np.concatenate([path[:keep], np.arange(n, n + new, dtype=np.int64)])
+        node_of[i] = path
+        n += new
+    subtree_end[path] = n
+    flat_nodes = np.concatenate(node_of)
+    flat_ids = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
+    ends = np.cumsum(lengths)
+    valid = np.ones(len(flat_ids), dtype=bool)
+    valid[ends - 1] = False
+    if head_index is None:
+        rows = np.flatnonzero(valid)
+    else:
+        rows = head_index.cpu().numpy().astype(np.int64)
+        bad = rows[(rows < 0) | (rows >= len(flat_ids))]
+        bad = bad if bad.size else rows[~valid[rows]]
+        if bad.size:
+            raise ValueError(f"head_index {int(bad[0])} is not a position with a next token in its sequence "
+                             f"(sequence ends: {ends.tolist()}); give loss positions only")
+    cu_trees = torch.tensor(tree_starts + [n], dtype=torch.int32)
+    return TreeBatch(
+        input_ids=torch.from_numpy(np.concatenate(tokens)),
+        position_ids=torch.from_numpy(np.concatenate(depths)),
+        subtree_end=torch.from_numpy(subtree_end),
+        cu_trees=cu_trees,
+        max_tree_len=int(cu_trees.diff().max()),
+        head_nodes=torch.from_numpy(flat_nodes[rows]),
+        head_labels=torch.from_numpy(flat_ids[rows + 1]),
+        head_index=torch.from_numpy(rows),
+        num_seq_tokens=len(flat_ids),
+    )
