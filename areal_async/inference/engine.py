@@ -47,6 +47,26 @@ a request's logits can differ from its solo run in the last bits (the matmul blo
 B) unless the forward is batch-invariant (``BatchedForward(..., batch_invariant=True)``,
 deterministic mode); its sampling noise never does (see ``sampling.py``). ``jitter`` (tests only)
 sleeps a random delay before each plan, so which requests share a step changes from run to run.
+
+**Prompt reuse** (``prefix_cache=True``, the default; ``_admit``). Anchors: SGLang's parallel
+sampling, which prefills a prompt once for its ``n`` samples, and its radix cache. Two mechanisms:
+
+- *twins*: requests admitted in one step with the same prompt (a group's samples) compute it
+  once; the others get its keys and values by a slot copy after the forward and sample (each with
+  its own seed) from the same logits row. A prefill row's result is a function of its own prompt
+  in batch-invariant mode, so this is bitwise exact there, and it is on in every mode.
+- *cached prefixes* (throughput mode only): every computed prompt is stored in a prefix cache
+  row (``prefix_cache.py``); a later prompt copies the longest prefix it shares with an entry
+  (capped one short of its length: the last prompt token always runs, for the logits) and
+  computes only the rest. Within a step, prompts that share a prefix only with a prompt computed
+  in the same step run in a second prefill forward after the first has filled the entry, so a
+  step of 8 few-shot prompts computes the preamble once. The cache is flushed on every weight
+  update (before the swap) and on ``flush_cache``.
+
+Deterministic mode keeps only twins: a suffix attending to copied keys and values runs with other
+shapes than a whole prompt (the attention's blocking), so its last bits, and so a sampled token,
+could depend on whether the prefix happened to be cached, i.e. on timing. ``max_prefill_tokens``
+counts computed tokens; copied ones are free.
 """
 
 from __future__ import annotations
@@ -506,7 +526,8 @@ class Engine:
         if computed:
             computed = torch.cat(computed) if len(computed) > 1 else computed[0]
             if plan.logit_rows != list(range(computed.shape[0])):
-                computed = computed[torch.tensor(plan.logit_rows, device=computed.device)]
+                index = torch.tensor(plan.logit_rows).to(computed.device, non_blocking=True)  # no wait on CUDA
+                computed = computed[index]
             logits.append(computed)
         rows = n + len(plan.prefill)
         tokens, logprobs = sample(
