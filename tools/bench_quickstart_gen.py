@@ -7,8 +7,9 @@ them (``rollout.worker.GenerationWorker._run_sample``'s requests: 8 groups × 4 
 1, seeds ``sample_seed(seed, g, i)``, one HTTP request per sample) and the start-of-run evaluation
 (``rollout.eval.evaluate``: 60 greedy prompts). Each is preceded by ``/flush_cache``, as the
 weight update before every step and a fresh server before the first evaluation leave the cache.
-Prints seconds per phase, the prompt tokens computed and the prompts per prefill forward, and
-whether both servers gave the same rollout tokens and the same evaluation pass@1 and mean length.
+Prints per phase the seconds, the time in prefill and decode forwards, the prompt tokens computed
+and the prompts per prefill forward, and whether both servers gave the same rollout tokens and the
+same evaluation pass@1 and mean length.
 
     python tools/bench_quickstart_gen.py [--config configs/quickstart_cpu.yaml] [--dtype float32]
         [--threads 1] [--rounds 2]
@@ -38,18 +39,36 @@ from areal_async.types import sample_seed
 
 
 class Counted:
-    """Wraps an engine's prefill to count computed and copied prompt tokens."""
+    """Wraps an engine's forward calls: prompt tokens computed, prompts per prefill forward, and
+    seconds in prefill and in decode forwards (on CPU each call returns when its work is done)."""
 
     def __init__(self, engine):
-        self.computed, self.calls = 0, []
-        prefill = engine.forward.prefill
+        self.reset()
+        prefill, decode = engine.forward.prefill, engine.forward.decode_batch
 
-        def counted(seqs, slots, starts=None):
+        def counted_prefill(seqs, slots, starts=None):
+            start = time.perf_counter()
+            out = prefill(seqs, slots, starts)
+            self.prefill_s += time.perf_counter() - start
             self.computed += sum(map(len, seqs)) - sum(starts or [])
             self.calls.append(len(seqs))
-            return prefill(seqs, slots, starts)
+            return out
 
-        engine.forward.prefill = counted
+        def counted_decode(tokens, positions):
+            start = time.perf_counter()
+            out = decode(tokens, positions)
+            self.decode_s += time.perf_counter() - start
+            self.decode_steps += 1
+            return out
+
+        engine.forward.prefill, engine.forward.decode_batch = counted_prefill, counted_decode
+
+    def reset(self) -> None:
+        self.computed, self.calls, self.prefill_s, self.decode_s, self.decode_steps = 0, [], 0.0, 0.0, 0
+
+    def __str__(self) -> str:
+        return (f"prefill {self.prefill_s:.1f} s ({self.computed} prompt tokens computed, prompts per forward "
+                f"{self.calls}), decode {self.decode_s:.1f} s ({self.decode_steps} steps)")
 
 
 async def rollout_step(client, prompts: PromptSet, cfg, step: int):
@@ -87,8 +106,8 @@ async def bench(args) -> None:
                     async with InferenceClient([urls[name]], timeout_s=inf.request_timeout_s) as client:
                         for phase in ("rollout", "eval"):
                             await client.flush_cache()
-                            counters[name].calls = []
-                            before, start = counters[name].computed, time.perf_counter()
+                            counters[name].reset()
+                            start = time.perf_counter()
                             if phase == "rollout":
                                 out = await rollout_step(client, train, cfg, rnd)
                                 tokens = [o.output_ids for o in out]
@@ -98,15 +117,13 @@ async def bench(args) -> None:
                                 tokens = (out["eval/pass@1"], out["eval/response_len"])
                             seconds = time.perf_counter() - start
                             outputs[(rnd, name, phase)] = tokens
-                            rows.append((rnd, name, phase, seconds, counters[name].computed - before))
-                            print(f"round {rnd} {name:<9} {phase:<7} {seconds:7.1f} s, "
-                                  f"{counters[name].computed - before} prompt tokens computed, prompts per "
-                                  f"prefill forward {counters[name].calls}", flush=True)
+                            rows.append((rnd, name, phase, seconds))
+                            print(f"round {rnd} {name:<9} {phase:<7} {seconds:6.1f} s: {counters[name]}", flush=True)
     print(f"\n{path} {args.dtype}, {args.threads} thread(s), {args.rounds} rounds")
     print(f"{'phase':<8} {'reuse on s':>11} {'reuse off s':>12} {'off / on':>9} {'same output':>12}")
     for phase in ("rollout", "eval"):
-        on = [s for _, n, p, s, _ in rows if n == "reuse on" and p == phase]
-        off = [s for _, n, p, s, _ in rows if n == "reuse off" and p == phase]
+        on = [s for _, n, p, s in rows if n == "reuse on" and p == phase]
+        off = [s for _, n, p, s in rows if n == "reuse off" and p == phase]
         same = all(outputs[(r, "reuse on", phase)] == outputs[(r, "reuse off", phase)] for r in range(args.rounds))
         print(f"{phase:<8} {np.mean(on):>11.1f} {np.mean(off):>12.1f} {np.mean(off) / np.mean(on):>9.2f} {str(same):>12}")
 
