@@ -69,6 +69,10 @@ class InferenceConfig(_Cfg):
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every server)
     threads: NonNegInt = 0
     cuda_graph: bool = True  # CUDA: replay captured decode steps (False: SGLang's --disable-cuda-graph)
+    # reuse prompts' keys and values: a group's prompt computed once, a few-shot preamble once per
+    # weight version (embedded engine: docs/engine.md; False: SGLang's --disable-radix-cache)
+    prefix_cache: bool = True
+    prefix_cache_entries: PosInt = 8  # embedded: prompts held, one KV row of max_seq_len positions each
     request_timeout_s: PosFloat = 600.0
     startup_timeout_s: PosFloat = 300.0
     sglang_args: list[str] = []

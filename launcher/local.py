@@ -54,11 +54,13 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
             "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
             "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
             "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads),
-            "--weight-version", str(weight_version)]
+            "--weight-version", str(weight_version), "--prefix-cache-entries", str(cfg.prefix_cache_entries)]
     if mode == "deterministic":
         argv.append("--enable-deterministic-inference")
     if not cfg.cuda_graph:
         argv.append("--disable-cuda-graph")
+    if not cfg.prefix_cache:
+        argv.append("--disable-radix-cache")
     if debug.jitter_ms > 0:
         argv += ["--debug-jitter-ms", str(debug.jitter_ms), "--debug-jitter-seed",
                  str(debug.jitter_seed), "--debug-jitter-stream", str(port)]
@@ -80,6 +82,8 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
         argv.append("--enable-deterministic-inference")
     if not cfg.cuda_graph:
         argv.append("--disable-cuda-graph")
+    if not cfg.prefix_cache:
+        argv.append("--disable-radix-cache")
     return argv + list(cfg.sglang_args)
 
 

@@ -1,5 +1,5 @@
 """The embedded engine on CUDA (marker ``gpu``, deselected by default): greedy tokens and log-probs
-against HF's own forward on the same weights, in fp32 and bf16."""
+against HF's own forward on the same weights, in fp32 and bf16, with and without prompt reuse."""
 
 from __future__ import annotations
 
@@ -25,16 +25,12 @@ async def _generate(engine, params: SamplingParams):
         await asyncio.gather(task, return_exceptions=True)
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
-def test_engine_matches_hf_forward_on_cuda(tiny_qwen3_dir, dtype, tol):
-    # Greedy output of the batched engine, then HF's forward on prompt + output (teacher forcing):
-    # each engine token must be HF's argmax unless HF's top-2 margin is within the tolerance (a
-    # near-tie that rounding may break either way), and the log-probs must agree within ``tol``.
-    engine, _ = load_engine(str(tiny_qwen3_dir), dtype, "cuda", max_running_requests=8, max_seq_len=128)
-    model = engine.forward.model
-    outs = asyncio.run(_generate(engine, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)))
-    for prompt, out in zip(PROMPTS, outs):
-        assert len(out.output_ids) == 24
+def _check_against_hf(model, prompts, outs, new_tokens: int, tol: float) -> None:
+    """HF's forward on prompt + output (teacher forcing): each engine token must be HF's argmax
+    unless HF's top-2 margin is within ``tol`` (a near-tie that rounding may break either way),
+    and the log-probs must agree within ``tol``."""
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.output_ids) == new_tokens
         ids = torch.tensor([prompt + out.output_ids], device="cuda")
         with torch.inference_mode():
             logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
@@ -44,6 +40,41 @@ def test_engine_matches_hf_forward_on_cuda(tiny_qwen3_dir, dtype, tol):
         ref = torch.log_softmax(logits, -1).gather(-1, chosen[:, None])[:, 0]
         diff = (torch.tensor(out.logprobs, device="cuda") - ref).abs().max().item()
         assert diff <= tol, f"log-prob differs from HF by {diff}"
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_engine_matches_hf_forward_on_cuda(tiny_qwen3_dir, dtype, tol):
+    # Greedy output of the batched engine against HF's forward on the same weights.
+    engine, _ = load_engine(str(tiny_qwen3_dir), dtype, "cuda", max_running_requests=8, max_seq_len=128)
+    outs = asyncio.run(_generate(engine, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)))
+    _check_against_hf(engine.forward.model, PROMPTS, outs, 24, tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_prompt_reuse_on_cuda_matches_hf_forward(tiny_qwen3_dir, dtype, tol):
+    # Prompts sharing a 40-token preamble, each sent twice, in two waves: twins in one step, a
+    # second prefill forward reading a prefix the first stored, then prefixes cached by an earlier
+    # step (the fused layers' cache store and the prefix attention over cached keys and values).
+    preamble = list(range(100, 140))
+    prompts = [preamble + q for q in ([5, 17, 42], [99, 7, 250, 11], [8, 9], [77, 21, 30])] * 2
+    engine, _ = load_engine(str(tiny_qwen3_dir), dtype, "cuda", max_running_requests=16, max_seq_len=128)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        task = asyncio.create_task(engine.run())
+        try:
+            outs = []
+            for wave in (prompts, prompts):
+                outs += await asyncio.gather(*(engine.generate(p, greedy, f"w{len(outs)}-{i}")
+                                               for i, p in enumerate(wave)))
+            return outs
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    outs = asyncio.run(main())
+    assert sum(o.cached_tokens for o in outs) >= 12 * len(preamble)
+    _check_against_hf(engine.forward.model, prompts * 2, outs, 16, tol)
 
 
 def test_cuda_graph_decode_matches_eager_decode(tiny_qwen3_dir):

@@ -52,9 +52,9 @@ class Trace:
                 assert self.release.wait(30), "the test never released the blocked decode"
             return decode(tokens, positions)
 
-        def traced_prefill(seqs, slots):
+        def traced_prefill(*args):
             self.forward_calls.append(("prefill", len(self.commits)))
-            return prefill(seqs, slots)
+            return prefill(*args)
 
         def traced_commit(plan, tokens, logprobs):
             self.commits.append([(r.rid, r.finished) for r in plan.decode + plan.prefill])

@@ -99,6 +99,12 @@ def test_server_command_lines():
     det = SERVER_ARGV["sglang"](cfg.inference, cfg.model, 31000, "deterministic", 1)
     assert "--enable-deterministic-inference" in det
     assert sgl[sgl.index("--model-path") + 1] == cfg.model.path
+    # the prefix cache: on by default (both backends), its size passed to the embedded server
+    assert "--disable-radix-cache" not in emb + sgl and emb[emb.index("--prefix-cache-entries") + 1] == "8"
+    off = load_config(None, ["inference.prefix_cache=false", "inference.prefix_cache_entries=3"]).inference
+    emb_off = SERVER_ARGV["embedded"](off, cfg.model, 31001, "throughput", 1)
+    assert "--disable-radix-cache" in emb_off and emb_off[emb_off.index("--prefix-cache-entries") + 1] == "3"
+    assert "--disable-radix-cache" in SERVER_ARGV["sglang"](off, cfg.model, 31000, "throughput", 1)
 
 
 def test_jitter_flags_and_deterministic_env():

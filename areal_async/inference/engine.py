@@ -47,6 +47,26 @@ a request's logits can differ from its solo run in the last bits (the matmul blo
 B) unless the forward is batch-invariant (``BatchedForward(..., batch_invariant=True)``,
 deterministic mode); its sampling noise never does (see ``sampling.py``). ``jitter`` (tests only)
 sleeps a random delay before each plan, so which requests share a step changes from run to run.
+
+**Prompt reuse** (``prefix_cache=True``, the default; ``_admit``). Anchors: SGLang's parallel
+sampling, which prefills a prompt once for its ``n`` samples, and its radix cache. Two mechanisms:
+
+- *twins*: requests admitted in one step with the same prompt (a group's samples) compute it
+  once; the others get its keys and values by a slot copy after the forward and sample (each with
+  its own seed) from the same logits row. A prefill row's result is a function of its own prompt
+  in batch-invariant mode, so this is bitwise exact there, and it is on in every mode.
+- *cached prefixes* (throughput mode only): every computed prompt is stored in a prefix cache
+  row (``prefix_cache.py``); a later prompt copies the longest prefix it shares with an entry
+  (capped one short of its length: the last prompt token always runs, for the logits) and
+  computes only the rest. Within a step, prompts that share a prefix only with a prompt computed
+  in the same step run in a second prefill forward after the first has filled the entry, so a
+  step of 8 few-shot prompts computes the preamble once. The cache is flushed on every weight
+  update (before the swap) and on ``flush_cache``.
+
+Deterministic mode keeps only twins: a suffix attending to copied keys and values runs with other
+shapes than a whole prompt (the attention's blocking), so its last bits, and so a sampled token,
+could depend on whether the prefix happened to be cached, i.e. on timing. ``max_prefill_tokens``
+counts computed tokens; copied ones are free.
 """
 
 from __future__ import annotations
@@ -65,6 +85,7 @@ import torch
 from ..jitter import Jitter
 from ..weight_group import in_daemon_thread
 from .forward import BatchedForward
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
 
 
@@ -78,6 +99,7 @@ class Completion:
     matched: int | None
     prompt_tokens: int
     weight_version: int
+    cached_tokens: int = 0  # prompt tokens whose keys and values were copied, not computed
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,6 +114,7 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     slot: int = -1
     issued: int = 0  # tokens sampled for it by launched steps, committed or still in flight
+    cached_tokens: int = 0  # prompt positions copied into its slot instead of computed
 
     @property
     def finished(self) -> bool:
@@ -105,6 +128,17 @@ class _Request:
 
 
 @dataclasses.dataclass(eq=False)
+class _PrefillPass:
+    """One prefill forward of a step: copy cached prefixes into the slots, run the rest of each
+    prompt, then copy prompts into the prefix cache rows reserved for them."""
+
+    copies: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (prefix row, slot, positions)
+    requests: list[_Request] = dataclasses.field(default_factory=list)  # in slot order
+    starts: list[int] = dataclasses.field(default_factory=list)  # positions each slot already holds
+    inserts: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (slot, prefix row, positions)
+
+
+@dataclasses.dataclass(eq=False)
 class _Plan:
     """One step: decided by ``_plan`` (loop), launched by ``_launch`` (executor), committed by
     ``_commit`` (loop). Its rows are ``decode + prefill``, in slots ``0..len(rows)-1``."""
@@ -114,6 +148,12 @@ class _Plan:
     decode: list[_Request]  # ordered by slot, slots 0..len-1
     positions: list[int]  # each decode row's input position
     sample_positions: list[int]  # each row's position of the token it draws
+    # the prefill forwards (at most 2: the second reads prefixes the first stored), the copies of a
+    # whole prompt into the slot of each later request of the step with the same prompt (after
+    # the forwards), and each prefill request's row of the forwards' concatenated logits
+    passes: list[_PrefillPass] = dataclasses.field(default_factory=list)
+    twins: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (src slot, dst slot, positions)
+    logit_rows: list[int] = dataclasses.field(default_factory=list)
     tokens: torch.Tensor | None = None  # set by _launch: [rows] int64 on the host (pinned on CUDA)
     logprobs: torch.Tensor | None = None  # [rows] float32, same
     ready: torch.cuda.Event | None = None  # CUDA: fires when tokens / logprobs hold the results
@@ -129,9 +169,12 @@ class Engine:
     Args:
         forward: the model's batched forward (owns the KV cache).
         eos_token_ids: the model's end-of-sequence ids (stop unless ``ignore_eos``).
-        max_prefill_tokens: prompt tokens admitted per step (at least one request is always admitted).
+        max_prefill_tokens: prompt tokens computed per step (copied ones do not count; at least one
+            request is always admitted).
         weight_version: initial policy version.
         jitter: random delay before each plan (``debug.jitter_ms``); ``None``: none.
+        prefix_cache: reuse prompts' keys and values (see "Prompt reuse" in the module docstring);
+            ``False``: every prompt is computed in full (SGLang's ``--disable-radix-cache``).
     """
 
     def __init__(
@@ -141,8 +184,17 @@ class Engine:
         max_prefill_tokens: int = 4096,
         weight_version: int = 0,
         jitter: Jitter | None = None,
+        prefix_cache: bool = True,
     ):
         self.forward = forward
+        # one prompt in several requests of a step is computed once: exact in every mode (a
+        # prefill row's result depends only on its own prompt in batch-invariant mode)
+        self.share_prompts = prefix_cache
+        # a cached prefix changes the prefill's shapes, so in batch-invariant mode a result would
+        # depend on what happened to be cached: there, no reuse across steps or across prompts
+        rows = forward.cache.prefix_rows
+        self.prefix = PrefixCache(rows) if prefix_cache and rows and not forward.batch_invariant else None
+        self._clock = 0  # plans made so far: the prefix cache's clock
         self._jitter = jitter
         self.max_running = forward.cache.num_slots
         self.max_seq_len = forward.cache.max_seq_len
@@ -216,7 +268,7 @@ class Engine:
     def _finish(self, req: _Request, reason: str, matched: int | None = None) -> None:
         if not req.finished:
             req.done.set_result(Completion(list(req.output_ids), list(req.logprobs), reason, matched,
-                                           len(req.input_ids), self.weight_version))
+                                           len(req.input_ids), self.weight_version, req.cached_tokens))
 
     def _unfinished(self) -> list[_Request]:
         """Every request not yet finished: waiting, running, or with its last token in flight."""
@@ -289,6 +341,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         tensors = await in_daemon_thread(receive)
         async with self._quiet():
+            # cached keys and values are the old weights' (nothing is planned until this is done)
+            self.flush_cache()
             await loop.run_in_executor(self._pool, self.forward.load_weights, tensors)
             self.weight_version = version
 
@@ -350,19 +404,7 @@ class Engine:
             req.slot = dst
         if moves:  # otherwise still in slot order, as the previous plan left them
             alive.sort(key=lambda r: r.slot)
-        prefill, budget = [], self.max_prefill_tokens
-        while self._waiting and n + len(prefill) < self.max_running:
-            req = self._waiting[0]
-            if req.finished:
-                self._waiting.popleft()
-                continue
-            if prefill and len(req.input_ids) > budget:
-                break
-            self._waiting.popleft()
-            budget -= len(req.input_ids)
-            req.slot = n + len(prefill)
-            self._put_slot_params(req)
-            prefill.append(req)
+        prefill, shared = self._admit(n)
         self._running = alive + prefill
         if not self._running:
             return None
@@ -373,7 +415,79 @@ class Engine:
         for req in prefill:
             req.issued += 1
         sample_positions = [p + 1 for p in positions] + [len(r.input_ids) for r in prefill]
-        return _Plan(moves, prefill, alive, positions, sample_positions)
+        return _Plan(moves, prefill, alive, positions, sample_positions, *shared)
+
+    def _admit(self, n: int) -> tuple[list[_Request], tuple]:
+        """Move waiting requests into slots ``n..``, up to ``max_prefill_tokens`` computed prompt
+        tokens; returns them and the plan's ``(passes, twins, logit_rows)``.
+
+        Each admitted request is, in this order of preference: the twin of one admitted before it
+        in this step with the same prompt (nothing computed: its keys and values are copied after
+        the forwards, it samples from the same logits row); a follower of the prefix cache entry
+        sharing its longest prefix (that prefix copied, the rest computed; in the second forward
+        when the entry is filled by this step's first); or computed in full. Every prompt computed
+        and not already held whole by an entry is inserted into the cache."""
+        self._clock += 1
+        passes = (_PrefillPass(), _PrefillPass())
+        computing: dict[tuple[int, ...], _Request] = {}  # prompt → the request of this step computing it
+        source: dict[_Request, tuple[int, int]] = {}  # request → (pass, index in the pass)
+        twins, deferred, prefill, budget = [], [], [], self.max_prefill_tokens
+        while self._waiting and n + len(prefill) < self.max_running:
+            req = self._waiting[0]
+            if req.finished:
+                self._waiting.popleft()
+                continue
+            key = tuple(req.input_ids) if self.share_prompts else None
+            twin = computing.get(key)
+            entry, shared = None, 0
+            if twin is None and self.prefix is not None:
+                tokens = np.asarray(req.input_ids, dtype=np.int64)
+                entry, shared = self.prefix.match(tokens)
+            start = len(req.input_ids) if twin is not None else min(shared, len(req.input_ids) - 1)
+            if prefill and len(req.input_ids) - start > budget:
+                break
+            self._waiting.popleft()
+            budget -= len(req.input_ids) - start
+            req.slot = n + len(prefill)
+            req.cached_tokens = start
+            self._put_slot_params(req)
+            prefill.append(req)
+            if twin is not None:
+                twins.append((twin, req))
+                continue
+            if key is not None:
+                computing[key] = req
+            step = 1 if start and entry.plan == self._clock else 0  # its prefix is filled by pass 0
+            p = passes[step]
+            if start:
+                entry.used = self._clock
+                p.copies.append((entry.row, req.slot, start))
+            source[req] = (step, len(p.requests))
+            p.requests.append(req)
+            p.starts.append(start)
+            if self.prefix is not None and shared < len(req.input_ids):
+                if step == 0:  # usable by pass 1 of this step
+                    self._insert(p, req, tokens)
+                else:  # filled by pass 1: usable from the next step on
+                    deferred.append((req, tokens))
+        for req, tokens in deferred:
+            self._insert(passes[1], req, tokens)
+        offset = (0, len(passes[0].requests))
+        rows = {req: offset[step] + i for req, (step, i) in source.items()}
+        twin_of = {req: twin for twin, req in twins}
+        logit_rows = [rows[twin_of.get(req, req)] for req in prefill]
+        copies = [(twin.slot, req.slot, len(req.input_ids)) for twin, req in twins]
+        return prefill, ([p for p in passes if p.requests], copies, logit_rows)
+
+    def _insert(self, step: _PrefillPass, req: _Request, tokens: np.ndarray) -> None:
+        entry = self.prefix.insert(tokens, self._clock)
+        if entry is not None:
+            step.inserts.append((req.slot, entry.row, len(tokens)))
+
+    def flush_cache(self) -> None:
+        """Forget every cached prefix (``/flush_cache``; weight updates do it themselves)."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def _put_slot_params(self, req: _Request) -> None:
         """Write ``req``'s sampling parameters into the per-slot tables at its slot."""
@@ -398,8 +512,23 @@ class Engine:
         n = len(plan.decode)
         if n:
             logits.append(forward.decode_batch(self._slot_tokens[:n], plan.positions))
-        if plan.prefill:
-            logits.append(forward.prefill([r.input_ids for r in plan.prefill], [r.slot for r in plan.prefill]))
+        computed = []
+        for step in plan.passes:
+            for row, slot, length in step.copies:
+                forward.cache.move(row, slot, length)
+            seqs, slots = [r.input_ids for r in step.requests], [r.slot for r in step.requests]
+            computed.append(forward.prefill(seqs, slots, step.starts) if any(step.starts) else
+                            forward.prefill(seqs, slots))
+            for slot, row, length in step.inserts:
+                forward.cache.move(slot, row, length)
+        for src, dst, length in plan.twins:
+            forward.cache.move(src, dst, length)
+        if computed:
+            computed = torch.cat(computed) if len(computed) > 1 else computed[0]
+            if plan.logit_rows != list(range(computed.shape[0])):
+                index = torch.tensor(plan.logit_rows).to(computed.device, non_blocking=True)  # no wait on CUDA
+                computed = computed[index]
+            logits.append(computed)
         rows = n + len(plan.prefill)
         tokens, logprobs = sample(
             torch.cat(logits) if len(logits) > 1 else logits[0],

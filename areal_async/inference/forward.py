@@ -8,7 +8,9 @@ their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module on
   one tensor and the HF parameters are re-pointed to views of it, so one matmul per projection
   group serves the whole batch and an in-place update of an HF parameter updates the fused copy;
 - **prefill**: new requests' prompts are packed into one token row (positions restart at 0), the
-  projections run once over all of them, attention runs per sequence (causal SDPA);
+  projections run once over all of them, attention runs per sequence (causal SDPA); a prompt whose
+  first ``start`` positions were copied into its slot from the prefix cache runs only the rest
+  (positions from ``start``), attending to the slot's cached keys and values (SDPA, explicit mask);
 - **decode**: one token per running slot; attention over the packed cache view up to the longest
   running sequence, shorter rows masked; on CUDA each step replays a captured CUDA graph
   (``cuda_graph.py``) of a padded batch size, so a step costs a few launches instead of ~1,000;
@@ -41,6 +43,8 @@ zeros) instead of over the longest running row, whose length depends on the othe
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -117,10 +121,11 @@ class BatchedForward:
         batch_invariant: compute so that each request's logits do not depend on the batch (slower).
         cuda_graph: on CUDA, replay captured decode graphs (``False``: eager decode, SGLang's
             ``--disable-cuda-graph``); ignored on CPU.
+        prefix_rows: extra KV rows for the prefix cache (``KVCache.prefix_rows``).
     """
 
     def __init__(self, model: nn.Module, max_slots: int, max_seq_len: int, batch_invariant: bool = False,
-                 cuda_graph: bool = True):
+                 cuda_graph: bool = True, prefix_rows: int = 0):
         cfg = model.config
         if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "num_experts", 0):
             raise ValueError(f"model type '{cfg.model_type}' uses sliding windows or experts; not supported")
@@ -149,7 +154,7 @@ class BatchedForward:
                              and all(n is None or n.eps is not None for n in norms)
                              and self.cos.shape[-1] == self.head_dim)
         self.cache = KVCache(len(self.layers), max_slots, self.num_kv_heads, max_seq_len, self.head_dim, self.dtype,
-                             self.device, keys_transposed=not self.fused_attention)
+                             self.device, keys_transposed=not self.fused_attention, prefix_rows=prefix_rows)
         self.tiled = batch_invariant and not on_cuda
         self.fixed_shape = batch_invariant and on_cuda
         self._tiled_now = self.tiled
@@ -185,10 +190,14 @@ class BatchedForward:
         logits = self._linear(h, self.lm_head.weight, self.lm_head.bias)
         return logits.float() if out is None else out.copy_(logits)
 
-    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                           cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        """Causal attention within each packed prompt: ``q [T, H, D]``, ``k, v [T, Hkv, D]`` → ``[T, H*D]``."""
-        if cu_seqlens is not None:  # CUDA half precision: one flash varlen call
+    def _prefill_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                           starts: list[int], slots: list[int], cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention within each packed prompt: ``q [T, H, D]``, ``k, v [T, Hkv, D]`` → ``[T, H*D]``.
+
+        Sequence i's ``lengths[i]`` rows are its positions ``starts[i] ..``; a sequence with
+        ``starts[i] > 0`` attends to its slot's cached keys and values of positions
+        ``[0, starts[i] + lengths[i])`` (the reused prefix and its own, already stored)."""
+        if cu_seqlens is not None:  # CUDA half precision, no cached prefix: one flash varlen call
             from torch.nn.attention.varlen import varlen_attn
 
             groups = self.num_heads // self.num_kv_heads
@@ -197,42 +206,59 @@ class BatchedForward:
             n = max(lengths)
             o = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, n, n, scale=self.scaling, window_size=(-1, 0))
             return o.reshape(q.shape[0], -1)
-        outs, start = [], 0
-        for n in lengths:  # attention never crosses sequences
-            qi, ki, vi = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scaling, enable_gqa=True)
+        outs, row = [], 0
+        for n, start, slot in zip(lengths, starts, slots):  # attention never crosses sequences
+            qi = q[row : row + n].transpose(0, 1)[None]
+            if start == 0:
+                ki, vi = (t[row : row + n].transpose(0, 1)[None] for t in (k, v))
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scaling, enable_gqa=True)
+            else:  # query j (position start + j) sees cached positions 0 .. start + j
+                ki, vi = (t.contiguous()[None] for t in self.cache.row(layer, slot, start + n))
+                visible = (torch.arange(start + n, device=q.device)[None, :]
+                           <= torch.arange(start, start + n, device=q.device)[:, None])
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=visible, scale=self.scaling, enable_gqa=True)
             outs.append(o[0].transpose(0, 1).reshape(n, -1))
-            start += n
+            row += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Run whole prompts, fill their KV slots, return last-position logits ``[n, V] float32``.
+    def prefill(self, seqs: list[list[int]], slots: list[int], starts: list[int] | None = None) -> torch.Tensor:
+        """Run prompts, fill their KV slots, return last-position logits ``[n, V] float32``.
 
         Args:
             seqs: n token lists (each non-empty, ≤ ``max_seq_len``).
             slots: the KV slot of each sequence.
+            starts: per sequence, how many of its first positions its slot already holds (a
+                prefix copied from the prefix cache, ``0 <= start < len``): only the rest runs.
+                ``None``: all 0. Not in batch-invariant mode (a cached prefix changes the
+                attention's shapes, so a result would depend on what happened to be cached).
         """
+        starts = [0] * len(seqs) if starts is None else starts
+        assert all(0 <= st < len(s) for s, st in zip(seqs, starts)), f"bad prefill starts {starts}"
+        assert not (self.batch_invariant and any(starts)), "a cached prefix in batch-invariant mode"
         self._tiled_now = self.tiled or self.fixed_shape  # deterministic: fixed-row GEMM blocks
-        lengths = [len(s) for s in seqs]
+        lengths = [len(s) - st for s, st in zip(seqs, starts)]
         # built on the host, copied without waiting for the device (a decode step may be running)
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
         host = torch.stack([
-            torch.tensor([t for s in seqs for t in s], dtype=torch.int64),
-            torch.cat([torch.arange(n) for n in lengths]),
+            torch.tensor([t for s, st in zip(seqs, starts) for t in s[st:]], dtype=torch.int64),
+            torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lengths)]),
             torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(lengths)),
         ])
         tokens, positions, slot_of = host.to(self.device, non_blocking=True)
-        cu_seqlens = cu.to(torch.int32).to(self.device, non_blocking=True) if self.varlen_prefill else None
+        varlen = self.varlen_prefill and not any(starts)
+        cu_seqlens = cu.to(torch.int32).to(self.device, non_blocking=True) if varlen else None
         last = (cu[1:] - 1).to(self.device, non_blocking=True)
+        attend = functools.partial(self._prefill_attention, lengths=lengths, starts=starts, slots=slots,
+                                   cu_seqlens=cu_seqlens)
         if self.fused_layers:
-            return self._prefill_fused(tokens, positions, slot_of, lengths, cu_seqlens, last)
+            return self._prefill_fused(tokens, positions, slot_of, attend, last)
         index = self.cache.token_index(slot_of, positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_norm(x), positions)
             self.cache.write(i, index, k, v)
-            x = x + self._linear(self._prefill_attention(q, k, v, lengths, cu_seqlens), layer.o_proj.weight)
+            x = x + self._linear(attend(i, q, k, v), layer.o_proj.weight)
             x = self._mlp(layer, x)
         return self._logits(x[last])
 
@@ -250,13 +276,13 @@ class BatchedForward:
         down = layer.down_proj
         return self._linear(silu_mul(self._linear(h, layer.gate_up_w, layer.gate_up_b)), down.weight, down.bias)
 
-    def _prefill_fused(self, tokens, positions, slot_of, lengths, cu_seqlens, last) -> torch.Tensor:
+    def _prefill_fused(self, tokens, positions, slot_of, attend, last) -> torch.Tensor:
         """``prefill`` on CUDA with the fused element-wise kernels (same inputs, same result up to rounding)."""
         x, delta = self.embed(tokens), None
         for i, layer in enumerate(self.layers):
             h = add_rms_norm(x, delta, *layer.input_norm.params)
             q, k, v = self._qkv_fused(layer, i, h, positions, slot_of, kv_out=True)
-            attn = self._linear(self._prefill_attention(q, k, v, lengths, cu_seqlens), layer.o_proj.weight)
+            attn = self._linear(attend(i, q, k, v), layer.o_proj.weight)
             delta = self._mlp_fused(layer, add_rms_norm(x, attn, *layer.post_norm.params))
         return self._head(add_rms_norm(x[last], delta[last], *self.final_norm.params))
 

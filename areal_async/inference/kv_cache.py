@@ -8,10 +8,12 @@ filled by moving the last one in), so decode attends over the plain views of slo
 without gathering. Transposed keys let both attention matmuls read row-major operands (a sliced
 ``[len, D]`` key block would be copied by CPU bf16 ``bmm``); the fused kernel instead wants each
 token's key as one contiguous ``D``-element row, so a token's K and V are written as two
-contiguous rows rather than ``D`` scattered elements. There is no paging and no prefix sharing: memory is
-``2 * layers * (S + 1) * Hkv * L * D * bytes`` up front (SmolLM2-135M, 32 × 1024, bf16: 778 MB).
-Slot ``S`` (``scratch_slot``) belongs to no request: the padding rows of a fixed-shape decode step
-(CUDA graphs, deterministic mode) write their keys and values there.
+contiguous rows rather than ``D`` scattered elements. There is no paging: memory is
+``2 * layers * (S + 1 + E) * Hkv * L * D * bytes`` up front (SmolLM2-135M, 32 × 1024, bf16, E = 0:
+778 MB; each prefix row adds 23.6 MB). Slot ``S`` (``scratch_slot``) belongs to no request: the
+padding rows of a fixed-shape decode step (CUDA graphs, deterministic mode) write their keys and
+values there. Rows ``S + 1 .. S + E`` (``prefix_rows``) belong to the prefix cache
+(``prefix_cache.py``): a cached prompt's keys and values, copied into a slot with ``move``.
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         keys_transposed: bool = True,
+        prefix_rows: int = 0,
     ):
-        rows = num_slots + 1  # + the scratch slot
+        rows = num_slots + 1 + prefix_rows  # + the scratch slot + the prefix cache's rows
         key_shape = (head_dim, max_seq_len) if keys_transposed else (max_seq_len, head_dim)
         self.k = torch.zeros((num_layers, rows, num_kv_heads, *key_shape), dtype=dtype, device=device)
         self.keys_transposed = keys_transposed
         self.v = torch.zeros((num_layers, rows, num_kv_heads, max_seq_len, head_dim), dtype=dtype, device=device)
         self.num_slots = num_slots
         self.scratch_slot = num_slots
+        self.prefix_rows = list(range(num_slots + 1, rows))
         self.max_seq_len = max_seq_len
 
     def token_index(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +79,16 @@ class KVCache:
             self.k[layer, :batch, :, :length].transpose(-1, -2)
         return keys, self.v[layer, :batch, :, :length]
 
+    def row(self, layer: int, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[Hkv, length, D]`` of positions ``[0, length)`` of one row, as views
+        (the keys strided when they are cached transposed)."""
+        keys = self.k[layer, row, :, :, :length].transpose(-1, -2) if self.keys_transposed else \
+            self.k[layer, row, :, :length]
+        return keys, self.v[layer, row, :, :length]
+
     def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (all layers)."""
+        """Copy the first ``length`` positions of row ``src`` into row ``dst`` (all layers): a slot
+        compaction, or a cached prefix into (or out of) a slot."""
         assert src != dst and 0 <= length <= self.max_seq_len, f"bad slot move {src}->{dst} ({length})"
         if self.keys_transposed:
             self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]

@@ -2,16 +2,20 @@
 
 Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--dtype bfloat16]
 [--device cpu] [--max-running-requests 32] [--max-seq-len 1024] [--threads N] [--weight-version 0]
-[--enable-deterministic-inference] [--debug-jitter-ms MS --debug-jitter-seed S]``.
+[--enable-deterministic-inference] [--disable-radix-cache] [--prefix-cache-entries 8]
+[--debug-jitter-ms MS --debug-jitter-seed S]``.
 
 ``--enable-deterministic-inference`` (as SGLang's flag) makes the forward batch-invariant: a
 request's tokens and log-probs do not depend on which other requests share its decode steps.
+``--disable-radix-cache`` (SGLang's flag) turns prompt reuse off: every prompt is computed in full;
+``--prefix-cache-entries`` is how many prompts the prefix cache holds (one KV row each).
+``meta_info.cached_tokens`` is how many prompt tokens a request copied instead of computing.
 ``--debug-jitter-ms`` sleeps a seeded random delay before each engine step (determinism tests).
 
 Implemented subset (see docs/sglang_api.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
 no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
-``/get_weight_version``, ``/flush_cache`` (nothing to flush: there is no prefix cache; 400 while
-requests run, as SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
+``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
+SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
 directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
@@ -71,15 +75,22 @@ def load_engine(
     deterministic: bool = False,
     jitter: Jitter | None = None,
     cuda_graph: bool = True,
+    prefix_cache: bool = True,
+    prefix_cache_entries: int = 8,
 ):
     """Load an HF causal-LM directory into an ``Engine``; returns ``(engine, tokenizer)``.
 
     ``deterministic``: batch-invariant forward (see ``forward.py``); ``jitter``: per-step delays;
-    ``cuda_graph``: replay captured decode steps on CUDA (``cuda_graph.py``).
+    ``cuda_graph``: replay captured decode steps on CUDA (``cuda_graph.py``); ``prefix_cache``:
+    reuse prompts' keys and values (``engine.py``), in ``prefix_cache_entries`` extra KV rows.
 
     Raises:
-        ValueError: unknown dtype, or an unsupported architecture.
+        ValueError: unknown dtype, ``prefix_cache_entries < 1`` with the prefix cache on, or an
+            unsupported architecture.
     """
+    if prefix_cache and prefix_cache_entries < 1:
+        raise ValueError(f"prefix_cache_entries {prefix_cache_entries}: the prefix cache needs at least one "
+                         f"entry; give prefix_cache_entries >= 1, or turn the prefix cache off")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -100,9 +111,11 @@ def load_engine(
         pass
     for ids in sources:
         eos.update([ids] if isinstance(ids, int) else (ids or []))
+    # deterministic mode reuses only a prompt repeated within a step, which needs no rows (engine.py)
+    rows = prefix_cache_entries if prefix_cache and not deterministic else 0
     forward = BatchedForward(model, max_running_requests, max_seq_len, batch_invariant=deterministic,
-                             cuda_graph=cuda_graph)
-    return Engine(forward, eos, max_prefill_tokens, weight_version, jitter), tokenizer
+                             cuda_graph=cuda_graph, prefix_rows=rows)
+    return Engine(forward, eos, max_prefill_tokens, weight_version, jitter, prefix_cache), tokenizer
 
 
 def _error_json(message: str) -> str:
@@ -369,7 +382,7 @@ class InferenceServer:
             "finish_reason": finish,
             "prompt_tokens": c.prompt_tokens,
             "completion_tokens": len(c.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": c.cached_tokens,
             "weight_version": str(c.weight_version),
         }
         if logprob:
@@ -407,6 +420,7 @@ class InferenceServer:
     async def flush_cache(self, request: web.Request) -> web.Response:
         if self.engine.num_running:
             return web.Response(status=400, text="Cache not flushed: requests are running.")
+        self.engine.flush_cache()
         return web.Response(text="Cache flushed.")
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -468,7 +482,9 @@ class InferenceServer:
             repeated = _first_repeated(names)
             if repeated is not None:  # two broadcasts into one weight: which one lands is arbitrary
                 raise ValueError(f"names lists {repeated!r} more than once; send each weight once per bucket")
-            _field(body, "flush_cache", "bool", True)  # nothing to flush (no prefix cache), but a bool
+            # a bool; the prefix cache is flushed by every weight update whatever it says (stale keys
+            # and values are never right)
+            _field(body, "flush_cache", "bool", True)
             abort_all = _field(body, "abort_all_requests", "bool", False)
             name = _field(body, "group_name", "str", _DEFAULT_GROUP)
             group = self.groups.get(name)
@@ -584,13 +600,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant forward: results independent of the other requests")
     p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: eager decode steps")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="compute every prompt in full (no reuse of cached prompts' keys and values)")
+    p.add_argument("--prefix-cache-entries", type=int, default=8,
+                   help="prompts the prefix cache holds, one KV row of --max-seq-len positions each")
     p.add_argument("--debug-jitter-ms", type=float, default=0.0, help="random delay before each step")
     p.add_argument("--debug-jitter-seed", type=int, default=0)
     p.add_argument("--debug-jitter-stream", type=int, default=0, help="e.g. the server index")
     args = p.parse_args(argv)
     # bad values exit here with argparse's usage line (code 2), before the model loads
     for flag, value in (("--max-running-requests", args.max_running_requests), ("--max-seq-len", args.max_seq_len),
-                        ("--max-prefill-tokens", args.max_prefill_tokens)):
+                        ("--max-prefill-tokens", args.max_prefill_tokens),
+                        ("--prefix-cache-entries", args.prefix_cache_entries)):
         if value < 1:
             p.error(f"{flag} {value}: must be >= 1")
     if not 0 <= args.port <= 65535:
@@ -620,7 +641,9 @@ async def main(argv: list[str] | None = None) -> None:
     engine, tokenizer = load_engine(args.model_path, args.dtype, args.device, args.max_running_requests,
                                     args.max_seq_len, args.max_prefill_tokens, args.weight_version,
                                     args.enable_deterministic_inference, jitter if jitter.enabled else None,
-                                    cuda_graph=not args.disable_cuda_graph)
+                                    cuda_graph=not args.disable_cuda_graph,
+                                    prefix_cache=not args.disable_radix_cache,
+                                    prefix_cache_entries=args.prefix_cache_entries)
     server = InferenceServer(engine, tokenizer, args.model_path)
     async with serve(server, args.host, args.port) as url:
         mode = "deterministic" if args.enable_deterministic_inference else "throughput"
