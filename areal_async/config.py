@@ -138,6 +138,11 @@ class TrainerConfig(_Cfg):
     checkpoint_every: NonNegInt = 0
     resume: bool = False  # start from RUN_DIR/checkpoint (set by ``launcher.local --resume``)
     master_port: Port = 29500
+    # learning-rate schedule, advanced once per training step (trainer/schedule.py): linear warm-up
+    # over warmup_steps, then constant | linear | cosine decay towards lr * min_lr_ratio
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: NonNegInt = 0
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
 
 
 class RewardConfig(_Cfg):
@@ -389,6 +394,10 @@ def check_config(cfg: Config) -> None:
     if not all(0.0 <= b < 1.0 for b in cfg.trainer.adam_betas):
         raise ValueError(f"trainer.adam_betas={list(cfg.trainer.adam_betas)} must both be in [0, 1), "
                          f"e.g. [0.9, 0.999]")
+    if cfg.trainer.warmup_steps > cfg.trainer.total_steps:
+        raise ValueError(f"trainer.warmup_steps={cfg.trainer.warmup_steps} is more than trainer.total_steps="
+                         f"{cfg.trainer.total_steps}: the run would end before reaching trainer.lr; lower "
+                         f"trainer.warmup_steps (e.g. to {max(1, cfg.trainer.total_steps // 10)})")
     if cfg.trainer.compile and cfg.mode == "deterministic":
         raise ValueError("trainer.compile=true is not supported with mode: deterministic (batch-invariant "
                          "kernels are checked eagerly only); set trainer.compile=false")

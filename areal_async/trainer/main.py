@@ -43,6 +43,7 @@ from areal_async.trainer.parallel import build_policy, full_state_dict, init_dis
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
 from areal_async.trainer.resume import (drop_superseded_rows, load_training_state, publish_checkpoint,
                                         save_training_state)
+from areal_async.trainer.schedule import make_scheduler
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 from areal_async.types import Trajectory
@@ -107,7 +108,7 @@ async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
     return msgspec.msgpack.decode(payload[0], type=list[Trajectory])
 
 
-def save_checkpoint(cfg: Config, policy, optimizer, run_dir: pathlib.Path, step: int,
+def save_checkpoint(cfg: Config, policy, optimizer, scheduler, run_dir: pathlib.Path, step: int,
                     buffer: list[Trajectory]) -> None:
     """Collective: rank 0 writes ``RUN_DIR/checkpoint``: the fp32 master weights (HF directory),
     then the training state of ``step`` and the queue's saved ``buffer`` (``resume.py``), all into
@@ -116,7 +117,7 @@ def save_checkpoint(cfg: Config, policy, optimizer, run_dir: pathlib.Path, step:
     state = full_state_dict(policy)
     if state is not None:
         save_hf_checkpoint(state, cfg.model.path, new_staging_dir(ckpt), torch.float32)
-    save_training_state(policy, optimizer, staging_dir(ckpt), step, buffer)
+    save_training_state(policy, optimizer, scheduler, staging_dir(ckpt), step, buffer)
     if state is not None:
         publish_checkpoint(ckpt)
 
@@ -135,7 +136,8 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     ckpt_dir = run_dir / "checkpoint"
     policy = build_policy(str(ckpt_dir) if t.resume else cfg.model.path, t, device, batch_invariant=deterministic)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
-    start = load_training_state(policy, optimizer, ckpt_dir) if t.resume else 0
+    scheduler = make_scheduler(optimizer, t)  # stepped once per training step
+    start = load_training_state(policy, optimizer, scheduler, ckpt_dir) if t.resume else 0
     if t.resume and rank == 0:  # the steps a stopped job logged after its checkpoint are run again
         for log in ("metrics.jsonl", "trajectories.jsonl"):
             drop_superseded_rows(run_dir / log, start)
@@ -162,6 +164,7 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                     dump_batch(dump, k, trajs)
                 with timer("train_s"):
                     metrics = train_step(policy, optimizer, trajs, cfg.algo, t, cfg.rollout.temperature, device)
+                    scheduler.step()
                 if services and deterministic:
                     with timer("gen_s"):
                         await services.queue.wait_drained(k)
@@ -179,7 +182,7 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                 metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version()}
                 services.logger.log(k, metrics)
             if save:
-                save_checkpoint(cfg, policy, optimizer, run_dir, k + 1, buffer)
+                save_checkpoint(cfg, policy, optimizer, scheduler, run_dir, k + 1, buffer)
         if services and cfg.eval.at_end:
             await services.evaluate(t.total_steps)
         if services:
