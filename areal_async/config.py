@@ -162,12 +162,17 @@ class RewardConfig(_Cfg):
 
 
 class EvalConfig(_Cfg):
-    """Greedy pass@1 on a test subset, at the start and the end of training."""
+    """Greedy pass@1 on a test subset, at the start and the end of training.
+
+    ``every_steps`` = n > 0 also evaluates version k after every n-th step (k = n, 2n, ...; at
+    ``total_steps`` only when ``at_end`` is off, which covers it), logged at step k; 0: off.
+    """
 
     num_prompts: PosInt = 64
     max_new_tokens: PosInt = 256
     at_start: bool = True
     at_end: bool = True
+    every_steps: NonNegInt = 0
 
 
 class LoggingConfig(_Cfg):

@@ -3,8 +3,10 @@
 Every rank holds a shard (FSDP2) or replica (DDP) of the policy; rank 0 alone talks to the
 replay queue, the inference servers, the metrics logger and the evaluator, and hands each batch
 to the other ranks over the default group. Per step k: take batch k → one decoupled-PPO step →
-[deterministic: wait until every group of version ≤ k has finished] → make version k+1 live on
-the servers → announce it to the queue → log → checkpoint (every ``trainer.checkpoint_every``
+[deterministic: wait until every group of version ≤ k has finished] → [wait for a running
+evaluation] → make version k+1 live on the servers → announce it to the queue → [every
+``eval.every_steps``: start evaluating version k+1 in the background, overlapping step k+1's wait
+for data and its training] → log → checkpoint (every ``trainer.checkpoint_every``
 steps and at the end; ``trainer.resume`` restarts from it, see ``resume.py``). The run directory
 is the directory of the config file.
 
@@ -21,6 +23,7 @@ non-zero status (torchrun then stops the other ranks, the launcher the job).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -56,6 +59,7 @@ class Services:
 
     def __init__(self, cfg: Config, run_dir: pathlib.Path, stack: contextlib.AsyncExitStack):
         self.cfg, self.run_dir, self.stack = cfg, run_dir, stack
+        self._evaluation: asyncio.Task | None = None  # of start_evaluation
 
     async def start(self) -> "Services":
         from areal_async.data import load_task
@@ -79,12 +83,27 @@ class Services:
                                       cfg.data.max_prompt_len, cfg.seed)
         return self
 
-    async def evaluate(self, step: int) -> None:
+    async def evaluate(self, version: int) -> None:
+        """Evaluate policy ``version`` (live on every server) and log it at step ``version``."""
         from areal_async.rollout.eval import evaluate
 
         e = self.cfg.eval
-        result = await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts, e.max_new_tokens)
-        self.logger.log(step, result)
+        result = await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts, e.max_new_tokens,
+                                version)
+        self.logger.log(version, result)
+
+    def start_evaluation(self, version: int) -> None:
+        """Evaluate ``version`` in the background (``eval.every_steps``) while the next step takes
+        its batch and trains; ``finish_evaluation`` must be awaited before the next weight send."""
+        if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0 and not (
+                version == self.cfg.trainer.total_steps and self.cfg.eval.at_end):
+            self._evaluation = asyncio.create_task(self.evaluate(version))
+
+    async def finish_evaluation(self) -> None:
+        """Wait for the evaluation ``start_evaluation`` began, if any (its error is raised here)."""
+        task, self._evaluation = self._evaluation, None
+        if task is not None:
+            await task
 
     async def server_version(self) -> int:
         return min([await self.client.get_weight_version(i) for i in range(self.cfg.inference.num_servers)])
@@ -170,11 +189,15 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                         await services.queue.wait_drained(k)
                     if save:  # every group of v(g) <= k is finished: the unconsumed ones resume as is
                         buffer = await services.queue.peek_ready(group_id_limit(k, q.batch_size, q.max_staleness))
+                if services:
+                    with timer("eval_wait_s"):  # an evaluation measures one version: no update while it runs
+                        await services.finish_evaluation()
                 with timer("weight_sync_s"):
                     await sender.send(k + 1)
                 if services:
                     await jitter()
                     await services.queue.set_version(k + 1)
+                    services.start_evaluation(k + 1)
             if services:
                 metrics |= batch_metrics(trajs, k, timer.seconds["step_s"])
                 metrics |= queue_metrics(await services.queue.stats())
@@ -183,6 +206,8 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                 services.logger.log(k, metrics)
             if save:
                 save_checkpoint(cfg, policy, optimizer, scheduler, run_dir, k + 1, buffer)
+        if services:
+            await services.finish_evaluation()
         if services and cfg.eval.at_end:
             await services.evaluate(t.total_steps)
         if services:
