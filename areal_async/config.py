@@ -135,7 +135,10 @@ class TrainerConfig(_Cfg):
     weight_sync: Literal["distributed", "disk"] = "distributed"
     weight_sync_port: Port = 29700
     weight_bucket_bytes: PosInt = 256 * 1024 * 1024
-    checkpoint_every: NonNegInt = 0
+    # a checkpoint every N steps (0: only at the end), so that a stopped run can be resumed; each
+    # replaces the previous one (SmolLM2-135M with fp32 AdamW: 1.62 GB, written in 3.3-5.4 s on a
+    # shared 2-core CPU machine)
+    checkpoint_every: NonNegInt = 10
     resume: bool = False  # start from RUN_DIR/checkpoint (set by ``launcher.local --resume``)
     master_port: Port = 29500
     # learning-rate schedule, advanced once per training step (trainer/schedule.py): linear warm-up

@@ -395,3 +395,53 @@ def test_a_signal_during_start_up_unwinds_and_exits_130(tmp_path, sig, inherited
     assert text.endswith("[launcher] interrupted; stopping every process\n") and "Traceback" not in text, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no lock, no run directory
     assert list(cache.iterdir()) == []  # no temporary model, no lock
+
+
+def test_ctrl_c_leaves_a_clean_trainer_log_and_resume_appends_to_the_logs(tmp_path, tiny_model_dir):
+    # A clean Ctrl-C ended trainer.log with torchrun's SignalException traceback, and --resume
+    # replaced every logs/*.log with the resumed job's
+    import json
+    import pathlib
+    import signal
+    import subprocess
+
+    from tests.test_e2e import _free_ports
+
+    server_port, queue_port, master_port, sync_port = _free_ports(4)
+    argv = [PY, "-m", "launcher.local", "configs/gsm8k_smollm2.yaml", "name=c", f"run_root={tmp_path}",
+            f"model.path={tiny_model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
+            f"inference.base_port={server_port}", "inference.max_seq_len=512", "inference.threads=1",
+            "rollout.n_samples=2", "rollout.max_new_tokens=8", "queue.batch_size=2", f"queue.port={queue_port}",
+            f"trainer.master_port={master_port}", f"trainer.weight_sync_port={sync_port}",
+            "trainer.checkpoint_every=1", "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
+            "reward.fn=tests.parity_reward:even_length", "logging.wandb_mode=disabled"]
+    repo = pathlib.Path(__file__).parents[1]
+    proc = subprocess.Popen([*argv, "trainer.total_steps=1000"], cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    ckpt = tmp_path / "c" / "checkpoint" / "trainer_state.json"
+    try:
+        deadline = time.monotonic() + 180
+        while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ckpt.exists(), "no checkpoint was written: " + (proc.stdout.read() if proc.poll() is not None else "")
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    logs = tmp_path / "c" / "logs"
+    stopped = {f.name: f.read_text() for f in logs.iterdir()}
+    trainer = stopped["trainer.log"]
+    assert "Traceback" not in trainer and "death signal" not in trainer, trainer[-3000:]
+    assert trainer.endswith("[trainer] stopped by SIGTERM; ranks shut down\n"), trainer[-3000:]
+
+    step = json.loads(ckpt.read_text())["step"]
+    done = subprocess.run([*argv, f"trainer.total_steps={step + 1}", "--resume"], cwd=repo,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name, before in stopped.items():
+        after = (logs / name).read_text()
+        assert after.startswith(before), name  # appended to, not replaced
+        separator = after[len(before):].splitlines()[0]
+        assert separator.startswith(f"===== --resume at step {step}, ") and separator.endswith(" ====="), separator
+    assert f"step {step:>4}/{step + 1}" in (logs / "trainer.log").read_text()
