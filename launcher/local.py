@@ -42,6 +42,7 @@ import msgspec
 from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
                                 load_config, port_in_use)
 from areal_async.file_lock import file_lock
+from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -252,6 +253,8 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
          "--master-port", str(cfg.trainer.master_port), "-m", "areal_async.trainer.main",
          "--config", config_path],
         env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(trainer_threads)),
+             # its output reaches this terminal through a pipe: tell it whether bars can be drawn
+             PROGRESS_ENV: os.environ.get(PROGRESS_ENV) or ("bar" if sys.stdout.isatty() else "lines"),
              **_nccl_env(cfg)},
         echo=True, expect_exit=True, stop_leader_first=True,  # torchrun stops its ranks itself
     )

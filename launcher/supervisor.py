@@ -4,13 +4,17 @@ Each child runs in its own session (process group), so stopping it also stops wh
 started (torchrun's ranks, a server's helpers). Output goes line by line to
 ``RUN_DIR/logs/<name>.log`` (replaced by a new job; a resumed job appends after a separator line,
 ``Supervisor(log_header=...)``), into a ring buffer of the last lines (printed when the child fails)
-and, for children started with ``echo=True``, to the console. On Linux each child also gets
+and, for children started with ``echo=True``, to the console. The console gets the child's bytes
+as they come, so a progress bar redrawn with ``\r`` (``areal_async.progress``) moves in place; the
+log and the ring buffer get finished lines only, each as a terminal would leave it (the text after
+its last ``\r``; a line a bar cleared is dropped). On Linux each child also gets
 ``PR_SET_PDEATHSIG = SIGKILL`` so that it dies with the launcher even if the launcher is killed
 with SIGKILL and cannot clean up.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import ctypes
 import os
@@ -46,19 +50,30 @@ class Child:
         self._log.write("$ " + " ".join(argv) + "\n")
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True, preexec_fn=_die_with_parent, text=True, bufsize=1,
+            env=env, start_new_session=True, preexec_fn=_die_with_parent, bufsize=0,
         )
         self.echo = echo
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self._log.write(line)
-            self.tail.append(line.rstrip("\n"))
-            if self.echo:
-                sys.stdout.write(line)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        fd, pending, final = self.proc.stdout.fileno(), "", False
+        while not final:
+            chunk = os.read(fd, 1 << 16)
+            final = not chunk
+            text = decoder.decode(chunk, final=final)
+            if self.echo and text:
+                sys.stdout.write(text)
                 sys.stdout.flush()
+            *lines, pending = (pending + text).split("\n")
+            if final and pending:
+                lines.append(pending)
+            for line in lines:
+                shown = line.rpartition("\r")[2]  # what a terminal shows of a line redrawn with \r
+                if shown.strip() or "\r" not in line:
+                    self._log.write(shown + "\n")
+                    self.tail.append(shown)
         self._log.flush()
 
     def poll(self) -> int | None:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from areal_async.atomic_dir import new_staging_dir, staging_dir
 from areal_async.config import Config, load_config, to_dict
 from areal_async.jitter import Jitter
+from areal_async.progress import Progress, progress_mode
 from areal_async.trainer.contract import check_batch, dump_batch
 from areal_async.queue.staleness import group_id_limit
 from areal_async.trainer.checkpoint import save_hf_checkpoint
@@ -83,21 +84,37 @@ class Services:
                                       cfg.data.max_prompt_len, cfg.seed)
         return self
 
-    async def evaluate(self, version: int) -> None:
-        """Evaluate policy ``version`` (live on every server) and log it at step ``version``."""
+    async def evaluate(self, version: int, background: bool = False) -> None:
+        """Evaluate policy ``version`` (live on every server) and log it at step ``version``,
+        showing prompts done (``background``: not as a bar, which the step's bar would garble)."""
         from areal_async.rollout.eval import evaluate
 
         e = self.cfg.eval
-        result = await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts, e.max_new_tokens,
-                                version)
+        n = min(e.num_prompts, len(self.eval_prompts))
+        mode = "off" if background and progress_mode() == "bar" else None
+        with Progress(f"eval of version {version}", n, "prompts", mode=mode) as prog:
+            async with _following(prog):
+                result = await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts,
+                                        e.max_new_tokens, version, on_done=prog.update)
         self.logger.log(version, result)
+
+    async def get_batch(self, step: int) -> list[Trajectory]:
+        """Batch ``step`` from the queue, showing how many of its groups are ready meanwhile."""
+        size = self.cfg.queue.batch_size
+
+        async def ready() -> int:  # ready groups in the queue, up to a batch
+            return min((await self.queue.stats()).ready, size)
+
+        with Progress(f"step {step}/{self.cfg.trainer.total_steps}: rollouts", size, "groups") as prog:
+            async with _following(prog, ready):
+                return await self.queue.get_batch(step)
 
     def start_evaluation(self, version: int) -> None:
         """Evaluate ``version`` in the background (``eval.every_steps``) while the next step takes
         its batch and trains; ``finish_evaluation`` must be awaited before the next weight send."""
         if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0 and not (
                 version == self.cfg.trainer.total_steps and self.cfg.eval.at_end):
-            self._evaluation = asyncio.create_task(self.evaluate(version))
+            self._evaluation = asyncio.create_task(self.evaluate(version, background=True))
 
     async def finish_evaluation(self) -> None:
         """Wait for the evaluation ``start_evaluation`` began, if any (its error is raised here)."""
@@ -119,9 +136,32 @@ def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torc
                                    cfg.trainer.weight_bucket_bytes, dtype, device)
 
 
+@contextlib.asynccontextmanager
+async def _following(prog: Progress, poll=None):
+    """Run ``prog.follow(poll)`` while the block runs."""
+    task = asyncio.create_task(prog.follow(poll))
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+@contextlib.contextmanager
+def micro_batch_progress(policy: torch.nn.Module, what: str):
+    """Count the micro-batches trained while the block runs (the policy's forwards with grad; the
+    no-grad log-prob passes are not counted): a forward hook adds 1 on the host, nothing else."""
+    with Progress(what, None, "micro-batches trained") as prog:
+        handle = policy.register_forward_hook(lambda module, args, out: prog.update() if torch.is_grad_enabled()
+                                              else None)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
 async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
     """Batch ``step`` from the queue (rank 0), given to every rank over the default group."""
-    payload = [msgspec.msgpack.encode(await services.queue.get_batch(step)) if services else None]
+    payload = [msgspec.msgpack.encode(await services.get_batch(step)) if services else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
     return msgspec.msgpack.decode(payload[0], type=list[Trajectory])
@@ -181,7 +221,9 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                     check_batch(trajs, k, q.batch_size, q.max_staleness, cfg.seed, cfg.rollout.n_samples)
                 if dump:
                     dump_batch(dump, k, trajs)
-                with timer("train_s"):
+                progress = micro_batch_progress(policy, f"step {k}/{t.total_steps}: training") if services \
+                    else contextlib.nullcontext()
+                with timer("train_s"), progress:
                     metrics = train_step(policy, optimizer, trajs, cfg.algo, t, cfg.rollout.temperature, device)
                     scheduler.step()
                 if services and deterministic:
