@@ -42,7 +42,9 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
         f"queue.port={queue_port}",
         "trainer.nproc=2", "trainer.total_steps=3", "trainer.lr=1e-3",
         f"trainer.master_port={master_port}", f"trainer.weight_sync_port={sync_port}",
-        "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.every_steps=1",
+        # evaluations long enough to overlap a step: without the wait before the next weight send
+        # this run fails with MixedVersionError (tokens of versions [1, 2] in the evaluation of 1)
+        "eval.num_prompts=8", "eval.max_new_tokens=48", "eval.every_steps=1",
         # Mixed rewards from a random model, and no weight decay: parameters move only through
         # policy-gradient updates.
         "reward.fn=tests.parity_reward:even_length", "trainer.weight_decay=0",
