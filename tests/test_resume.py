@@ -145,3 +145,18 @@ def test_a_resume_drops_the_rows_a_stopped_job_logged_after_its_checkpoint(tmp_p
     assert kept == rows[:5]
     assert [json.loads(x)["step"] for x in trajectories.read_text().splitlines()] == [0, 1, 2]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_resume_knows_whether_the_checkpoint_step_was_evaluated(tmp_path):
+    # eval.every_steps: the evaluation of version 4 runs after step 3, overlapping step 4; a job
+    # stopped then has a checkpoint at 4 but no eval row at 4, and the resumed run evaluates first
+    from areal_async.trainer.resume import has_eval_row
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert not has_eval_row(metrics, 4)
+    rows = [{"step": 0, "eval/pass@1": 0.1}, {"step": 3, "train/loss": 0.0}, {"step": 4, "train/loss": 0.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert has_eval_row(metrics, 0) and not has_eval_row(metrics, 4)
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 4, "eval/pass@1": 0.2}) + "\n")
+    assert has_eval_row(metrics, 4)

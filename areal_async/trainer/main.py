@@ -45,8 +45,8 @@ from areal_async.queue.staleness import group_id_limit
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
-from areal_async.trainer.resume import (drop_superseded_rows, load_training_state, publish_checkpoint,
-                                        save_training_state)
+from areal_async.trainer.resume import (drop_superseded_rows, has_eval_row, load_training_state,
+                                        publish_checkpoint, save_training_state)
 from areal_async.trainer.schedule import make_scheduler
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
@@ -207,6 +207,9 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
         await sender.setup()
         if services and cfg.eval.at_start and start == 0:
             await services.evaluate(0)
+        elif services and start and cfg.eval.every_steps and start % cfg.eval.every_steps == 0 and \
+                start < t.total_steps and not has_eval_row(run_dir / "metrics.jsonl", start):
+            await services.evaluate(start)  # the stopped job's evaluation of its checkpoint never finished
         dump = None
         if services and cfg.logging.dump_trajectories:
             dump = stack.enter_context((run_dir / "trajectories.jsonl").open("a" if t.resume else "w"))

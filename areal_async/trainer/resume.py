@@ -156,3 +156,13 @@ def _kept(row: dict, step: int) -> bool:
         return True
     keys = [k for k in row if k not in ("step", "time")]
     return row["step"] == step and bool(keys) and all(k.startswith("eval/") for k in keys)
+
+
+def has_eval_row(path: pathlib.Path, step: int) -> bool:
+    """Whether the metrics log ``path`` holds an evaluation row (``eval/pass@1``) at ``step``. A job
+    stopped after its checkpoint at ``step`` but before that step's evaluation finished has none,
+    and the resumed run evaluates the checkpoint's weights first. A missing file holds none."""
+    if not path.exists():
+        return False
+    return any((row := json.loads(line))["step"] == step and "eval/pass@1" in row
+               for line in path.read_text().splitlines())
