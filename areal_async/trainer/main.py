@@ -4,9 +4,9 @@ Every rank holds a shard (FSDP2) or replica (DDP) of the policy; rank 0 alone ta
 replay queue, the inference servers, the metrics logger and the evaluator, and hands each batch
 to the other ranks over the default group. Per step k: take batch k → one decoupled-PPO step →
 [deterministic: wait until every group of version ≤ k has finished] → [wait for a running
-evaluation] → make version k+1 live on the servers → announce it to the queue → [every
+evaluation] → make version k+1 live on the servers → announce it to the queue → log → [every
 ``eval.every_steps``: start evaluating version k+1 in the background, overlapping step k+1's wait
-for data and its training] → log → checkpoint (every ``trainer.checkpoint_every``
+for data and its training] → checkpoint (every ``trainer.checkpoint_every``
 steps and at the end; ``trainer.resume`` restarts from it, see ``resume.py``). The run directory
 is the directory of the config file.
 
@@ -109,6 +109,17 @@ class Services:
             async with _following(prog, ready):
                 return await self.queue.get_batch(step)
 
+    async def first_evaluation(self, start: int) -> None:
+        """Before step ``start``: evaluate version 0 (``eval.at_start``, a fresh run), or, resumed,
+        the checkpoint's version if ``eval.every_steps`` was due there and the stopped job did not
+        log it (it was still running in the background)."""
+        e = self.cfg.eval
+        if start == 0 and e.at_start:
+            await self.evaluate(0)
+        elif start and e.every_steps and start % e.every_steps == 0 and start < self.cfg.trainer.total_steps \
+                and not has_eval_row(self.run_dir / "metrics.jsonl", start):
+            await self.evaluate(start)
+
     def start_evaluation(self, version: int) -> None:
         """Evaluate ``version`` in the background (``eval.every_steps``) while the next step takes
         its batch and trains; ``finish_evaluation`` must be awaited before the next weight send."""
@@ -205,11 +216,8 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
         services = await Services(cfg, run_dir, stack).start() if rank == 0 else None
         sender = make_sender(cfg, policy, services.client if services else None, run_dir, device)
         await sender.setup()
-        if services and cfg.eval.at_start and start == 0:
-            await services.evaluate(0)
-        elif services and start and cfg.eval.every_steps and start % cfg.eval.every_steps == 0 and \
-                start < t.total_steps and not has_eval_row(run_dir / "metrics.jsonl", start):
-            await services.evaluate(start)  # the stopped job's evaluation of its checkpoint never finished
+        if services:
+            await services.first_evaluation(start)
         dump = None
         if services and cfg.logging.dump_trajectories:
             dump = stack.enter_context((run_dir / "trajectories.jsonl").open("a" if t.resume else "w"))
@@ -242,13 +250,13 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                 if services:
                     await jitter()
                     await services.queue.set_version(k + 1)
-                    services.start_evaluation(k + 1)
             if services:
                 metrics |= batch_metrics(trajs, k, timer.seconds["step_s"])
                 metrics |= queue_metrics(await services.queue.stats())
                 metrics |= perf_metrics(timer.seconds, metrics["train/tokens"])
                 metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version()}
                 services.logger.log(k, metrics)
+                services.start_evaluation(k + 1)  # after step k's row: wandb's steps only increase
             if save:
                 save_checkpoint(cfg, policy, optimizer, scheduler, run_dir, k + 1, buffer)
         if services:
