@@ -83,3 +83,25 @@ def test_the_supervisor_echoes_bars_as_they_come_and_logs_finished_lines(tmp_pat
     log = ["start", *log]  # after the command line (the script spans lines)
     assert log == ["start", "step 0 | 1.0 s", "\u2588 kept", ""]
     assert list(child.tail) == log
+
+
+def test_micro_batches_trained_are_counted_by_a_forward_hook_that_skips_no_grad_passes(monkeypatch):
+    import torch
+
+    import areal_async.trainer.main as trainer_main
+
+    counted = []
+
+    class Recording(trainer_main.Progress):
+        def update(self, n: int = 1) -> None:
+            counted.append(n)
+
+    monkeypatch.setattr(trainer_main, "Progress", Recording)
+    model = torch.nn.Linear(2, 1)
+    with trainer_main.micro_batch_progress(model, "step 0/1: training"):
+        with torch.no_grad():
+            model(torch.ones(1, 2))  # a proximal log-prob pass: not a trained micro-batch
+        model(torch.ones(1, 2)).sum().backward()
+        model(torch.ones(1, 2)).sum().backward()
+    model(torch.ones(1, 2))  # after the block: the hook is gone
+    assert counted == [1, 1]
