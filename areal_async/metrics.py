@@ -31,7 +31,12 @@ def _wandb_env(run_dir: pathlib.Path) -> None:
 
 
 def format_line(step: int, total_steps: int, m: dict) -> str:
-    """The one-line console summary of a step (missing metrics are left out)."""
+    """The one-line console summary of a step (missing metrics are left out).
+
+    ``rollout N tok/step-s`` is ``rollout/tokens_per_s``: the batch's output tokens over the step's
+    wall time, the rate at which generation fed training, not the servers' decoding speed (which
+    they do not report; with η ≥ 1 they also generate the next batches meanwhile).
+    """
     parts = [f"step {step:>4}/{total_steps}"]
     fmt = [
         ("rollout/reward", "reward {:+.2f}"),
@@ -39,8 +44,10 @@ def format_line(step: int, total_steps: int, m: dict) -> str:
         ("staleness/mean", "staleness {:.2f}"),
         ("rollout/response_len", "len {:.0f}"),
         ("train/loss", "loss {:+.4f}"),
+        ("train/entropy", "entropy {:.3f}"),
+        ("train/lr", "lr {:.2e}"),
         ("perf/trained_tokens_per_s", "train {:.0f} tok/s"),
-        ("rollout/tokens_per_s", "gen {:.0f} tok/s"),
+        ("rollout/tokens_per_s", "rollout {:.0f} tok/step-s"),
         ("perf/step_s", "{:.1f} s"),
         ("eval/pass@1", "eval pass@1 {:.3f}"),
     ]

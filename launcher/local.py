@@ -15,8 +15,10 @@ child runs in its own process group and dies with the launcher.
 ``--resume`` continues the run in ``RUN_DIR`` from ``RUN_DIR/checkpoint`` (needs a checkpoint with
 training state, ``trainer.checkpoint_every`` or a finished shorter run): the servers load the
 checkpoint's weights as version s (steps done), the queue starts at version s with the saved
-buffer, and the trainer restores the optimizer and continues at step s up to
-``trainer.total_steps``, appending to ``metrics.jsonl``.
+buffer, and the trainer restores the optimizer and the learning-rate schedule and continues at
+step s up to ``trainer.total_steps``, appending to ``metrics.jsonl`` and to ``logs/*.log`` (after
+a ``===== --resume at step s, <time> =====`` line). The trainer runs under ``launcher.torchrun``,
+so stopping the job ends ``trainer.log`` with one line, not torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import msgspec
 from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
                                 load_config, port_in_use)
 from areal_async.file_lock import file_lock
+from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -250,12 +253,14 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     trainer_threads = max(1, cpus // (inf.num_servers + cfg.trainer.nproc))
     trainer = sup.start(
         "trainer",
-        [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.trainer.nproc),
+        [PY, "-m", "launcher.torchrun", "--nproc-per-node", str(cfg.trainer.nproc),
          "--master-port", str(cfg.trainer.master_port), "-m", "areal_async.trainer.main",
          "--config", config_path],
         env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(trainer_threads)),
+             # its output reaches this terminal through a pipe: tell it whether bars can be drawn
+             PROGRESS_ENV: os.environ.get(PROGRESS_ENV) or ("bar" if sys.stdout.isatty() else "lines"),
              **_nccl_env(cfg)},
-        echo=True, expect_exit=True,
+        echo=True, expect_exit=True, stop_leader_first=True,  # torchrun stops its ranks itself
     )
     for w in range(cfg.rollout.num_workers):
         sup.start(f"worker{w}", [PY, "-m", "areal_async.rollout.worker", "--config", config_path,
@@ -269,7 +274,13 @@ def launch(cfg: Config) -> int:
     """Run the prepared job under a ``Supervisor``; the launcher's exit status."""
     print(f"[launcher] run '{cfg.name}' in {cfg.run_dir} (mode {cfg.mode}, "
           f"η = {cfg.queue.max_staleness}, model {cfg.model.path})", flush=True)
-    sup = Supervisor(cfg.run_dir / "logs")
+    header = None
+    if cfg.trainer.resume:  # the logs of the stopped job stay, above this line
+        from areal_async.trainer.resume import read_step
+
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        header = f"===== --resume at step {read_step(cfg.run_dir / 'checkpoint')}, {stamp} ====="
+    sup = Supervisor(cfg.run_dir / "logs", log_header=header)
     try:
         run_job(cfg, sup)
     except JobFailed as exc:

@@ -2,14 +2,19 @@
 
 Each child runs in its own session (process group), so stopping it also stops whatever it
 started (torchrun's ranks, a server's helpers). Output goes line by line to
-``RUN_DIR/logs/<name>.log``, into a ring buffer of the last lines (printed when the child fails)
-and, for children started with ``echo=True``, to the console. On Linux each child also gets
+``RUN_DIR/logs/<name>.log`` (replaced by a new job; a resumed job appends after a separator line,
+``Supervisor(log_header=...)``), into a ring buffer of the last lines (printed when the child fails)
+and, for children started with ``echo=True``, to the console. The console gets the child's bytes
+as they come, so a progress bar redrawn with ``\r`` (``areal_async.progress``) moves in place; the
+log and the ring buffer get finished lines only, each as a terminal would leave it (the text after
+its last ``\r``; a line a bar cleared is dropped). On Linux each child also gets
 ``PR_SET_PDEATHSIG = SIGKILL`` so that it dies with the launcher even if the launcher is killed
 with SIGKILL and cannot clean up.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import ctypes
 import os
@@ -32,37 +37,57 @@ class Child:
     """One supervised process. ``expect_exit``: its exit (status 0) is part of a normal run."""
 
     def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict,
-                 echo: bool = False, expect_exit: bool = False, tail_lines: int = 40):
+                 echo: bool = False, expect_exit: bool = False, tail_lines: int = 40,
+                 log_header: str | None = None, stop_leader_first: bool = False):
         self.name = name
         self.argv = argv
         self.expect_exit = expect_exit
+        self.stop_leader_first = stop_leader_first
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        self._log = open(log_dir / f"{name}.log", "w", buffering=1)
+        self._log = open(log_dir / f"{name}.log", "w" if log_header is None else "a", buffering=1)
+        if log_header is not None:
+            self._log.write(log_header + "\n")
         self._log.write("$ " + " ".join(argv) + "\n")
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True, preexec_fn=_die_with_parent, text=True, bufsize=1,
+            env=env, start_new_session=True, preexec_fn=_die_with_parent, bufsize=0,
         )
         self.echo = echo
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self._log.write(line)
-            self.tail.append(line.rstrip("\n"))
-            if self.echo:
-                sys.stdout.write(line)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        fd, pending, final = self.proc.stdout.fileno(), "", False
+        while not final:
+            chunk = os.read(fd, 1 << 16)
+            final = not chunk
+            text = decoder.decode(chunk, final=final)
+            if self.echo and text:
+                sys.stdout.write(text)
                 sys.stdout.flush()
+            *lines, pending = (pending + text).split("\n")
+            if final and pending:
+                lines.append(pending)
+            for line in lines:
+                shown = line.rpartition("\r")[2]  # what a terminal shows of a line redrawn with \r
+                if shown.strip() or "\r" not in line:
+                    self._log.write(shown + "\n")
+                    self.tail.append(shown)
         self._log.flush()
 
     def poll(self) -> int | None:
         return self.proc.poll()
 
     def stop(self, grace_s: float) -> None:
-        """SIGTERM the child's process group, then SIGKILL it after ``grace_s`` seconds."""
+        """SIGTERM the child's process group (``stop_leader_first``: the child alone, which stops
+        its own children, as torchrun does its ranks), then SIGKILL the group after ``grace_s``
+        seconds or once the child has exited."""
         if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
+            if self.stop_leader_first:
+                self.proc.send_signal(signal.SIGTERM)
+            else:
+                _signal_group(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -88,15 +113,19 @@ class JobFailed(RuntimeError):
 class Supervisor:
     """Owns every child of a job; ``stop_all`` leaves nothing running."""
 
-    def __init__(self, log_dir: pathlib.Path, env: dict | None = None):
+    def __init__(self, log_dir: pathlib.Path, env: dict | None = None, log_header: str | None = None):
+        """``log_header``: append to existing logs, each after this line (a resumed job);
+        ``None``: start every log afresh."""
         self.log_dir = pathlib.Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_header = log_header
         self.children: list[Child] = []
 
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
-              expect_exit: bool = False) -> Child:
-        child = Child(name, argv, self.log_dir, {**self.env, **(env or {})}, echo, expect_exit)
+              expect_exit: bool = False, stop_leader_first: bool = False) -> Child:
+        child = Child(name, argv, self.log_dir, {**self.env, **(env or {})}, echo, expect_exit,
+                      log_header=self.log_header, stop_leader_first=stop_leader_first)
         self.children.append(child)
         return child
 

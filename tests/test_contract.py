@@ -78,12 +78,15 @@ def test_training_state_roundtrip(tmp_path):
         return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
     model, opt = make()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-    save_training_state(model, opt, tmp_path, 3, _batch(1))
+    sched.step()
+    save_training_state(model, opt, sched, tmp_path, 3, _batch(1))
     model2, opt2 = make()
     model2.load_state_dict(model.state_dict())
-    assert read_step(tmp_path) == 3 and load_training_state(model2, opt2, tmp_path) == 3
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda k: 1.0)
+    assert read_step(tmp_path) == 3 and load_training_state(model2, opt2, sched2, tmp_path) == 3
     for a, b in zip(opt.state.values(), opt2.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     restored = msgspec.msgpack.decode((tmp_path / "buffer.msgpack").read_bytes(), type=list[Trajectory])

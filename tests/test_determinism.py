@@ -44,9 +44,11 @@ def _free_base_port(n: int) -> int:
 
 
 def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
-            steps: int = STEPS, resume: bool = False, jitter_ms: float = 20) -> pathlib.Path:
+            steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
+            extra: tuple[str, ...] = ()) -> pathlib.Path:
     """Run one job of ``steps`` steps through ``launcher.local`` (``resume``: continue the run
-    ``name`` from its checkpoint); returns its run directory (asserts exit 0)."""
+    ``name`` from its checkpoint; ``extra``: more overrides); returns its run directory (asserts
+    exit 0)."""
     server_port = _free_base_port(2)
     queue_port, master_port, sync_port = _free_ports(3)
     overrides = [
@@ -63,7 +65,7 @@ def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: st
         "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
         "reward.fn=tests.parity_reward:even_length",
         "logging.wandb_mode=disabled", "logging.dump_trajectories=true",
-        f"debug.jitter_ms={jitter_ms}", f"debug.jitter_seed={jitter_seed}",
+        f"debug.jitter_ms={jitter_ms}", f"debug.jitter_seed={jitter_seed}", *extra,
     ]
     flags = ["--resume"] if resume else []
     proc = subprocess.run([sys.executable, "-m", "launcher.local", "configs/gsm8k_smollm2.yaml", *overrides, *flags],

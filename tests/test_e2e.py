@@ -42,7 +42,9 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
         f"queue.port={queue_port}",
         "trainer.nproc=2", "trainer.total_steps=3", "trainer.lr=1e-3",
         f"trainer.master_port={master_port}", f"trainer.weight_sync_port={sync_port}",
-        "eval.num_prompts=2", "eval.max_new_tokens=8",
+        # evaluations long enough to overlap a step: without the wait before the next weight send
+        # this run fails with MixedVersionError (tokens of versions [1, 2] in the evaluation of 1)
+        "eval.num_prompts=8", "eval.max_new_tokens=48", "eval.every_steps=1",
         # Mixed rewards from a random model, and no weight decay: parameters move only through
         # policy-gradient updates.
         "reward.fn=tests.parity_reward:even_length", "trainer.weight_decay=0",
@@ -76,6 +78,18 @@ def test_versions_staleness_and_accounting(e2e_run):
     assert acct["consumed"] == 3 * 2
     assert acct["leased"] == acct["consumed"] + acct["ready"] + acct["running"] + acct["rejected"]
     assert "eval/pass@1" in rows[0] and "eval/pass@1" in rows[-1]
+
+
+def test_evaluations_every_step_each_of_one_version(e2e_run):
+    # eval.every_steps=1: at the start (version 0), after steps 0 and 1 (versions 1, 2, overlapping
+    # the next step) and at the end (3, covering every_steps' own at 3); each logged at the step
+    # of its version, and every token of it came from that version (evaluate raises otherwise)
+    proc, run_dir = e2e_run
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [(r["step"], r["eval/version"]) for r in evals] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    steps = {r["step"]: r for r in rows if "train/loss" in r}
+    assert all("perf/eval_wait_s" in r for r in steps.values())
 
 
 def test_parameters_changed(e2e_run, tiny_model_dir):

@@ -401,3 +401,69 @@ def test_a_signal_during_start_up_unwinds_and_exits_130(tmp_path, sig, inherited
     assert text.endswith("[launcher] interrupted; stopping every process\n") and "Traceback" not in text, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no lock, no run directory
     assert list(cache.iterdir()) == []  # no temporary model, no lock
+
+
+def test_ctrl_c_leaves_a_clean_trainer_log(tmp_path, tiny_model_dir):
+    # A clean Ctrl-C ended trainer.log with torchrun's SignalException traceback
+    import pathlib
+    import signal
+    import subprocess
+
+    from tests.test_e2e import _free_ports
+
+    server_port, queue_port, master_port, sync_port = _free_ports(4)
+    argv = [PY, "-m", "launcher.local", "configs/gsm8k_smollm2.yaml", "name=c", f"run_root={tmp_path}",
+            f"model.path={tiny_model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
+            f"inference.base_port={server_port}", "inference.max_seq_len=512", "inference.threads=1",
+            "rollout.n_samples=2", "rollout.max_new_tokens=8", "queue.batch_size=2", f"queue.port={queue_port}",
+            f"trainer.master_port={master_port}", f"trainer.weight_sync_port={sync_port}",
+            "trainer.total_steps=1000", "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
+            "reward.fn=tests.parity_reward:even_length", "logging.wandb_mode=disabled"]
+    proc = subprocess.Popen(argv, cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "c" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metrics.exists(), "no step was logged: " + (proc.stdout.read() if proc.poll() is not None else "")
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    trainer = (tmp_path / "c" / "logs" / "trainer.log").read_text()
+    assert "Traceback" not in trainer and "death signal" not in trainer, trainer[-3000:]
+    assert trainer.endswith("[trainer] stopped by SIGTERM; ranks shut down\n"), trainer[-3000:]
+
+
+def test_a_resumed_job_appends_to_the_logs_after_a_separator_line(tmp_path, monkeypatch):
+    # --resume replaced every logs/*.log with the resumed job's
+    import json
+
+    import launcher.local
+    from launcher.local import launch
+
+    cfg = load_config(None, [f"run_root={tmp_path}", "name=r", "trainer.resume=true"])
+    (tmp_path / "r" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "r" / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    logs = tmp_path / "r" / "logs"
+    logs.mkdir()
+    (logs / "trainer.log").write_text("$ torchrun ...\nstep    3/10 | ...\n")
+
+    def job(cfg, sup):
+        child = sup.start("trainer", [PY, "-c", "print('step    4/10')"], expect_exit=True)
+        sup.wait_for(child, poll_s=0.05)
+
+    monkeypatch.setattr(launcher.local, "run_job", job)
+    assert launch(cfg) == 0
+    lines = (logs / "trainer.log").read_text().splitlines()
+    assert lines[:2] == ["$ torchrun ...", "step    3/10 | ..."]  # the stopped job's, kept
+    assert re.fullmatch(r"===== --resume at step 4, \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \w+ =====", lines[2]), lines[2]
+    assert lines[3].startswith("$ ") and lines[4:] == ["step    4/10"]
+    fresh = Supervisor(tmp_path / "fresh")  # a new job's logs start afresh
+    (tmp_path / "fresh" / "x.log").write_text("old\n")
+    child = fresh.start("x", [PY, "-c", "print('new')"], expect_exit=True)
+    fresh.wait_for(child, poll_s=0.05)
+    fresh.stop_all()
+    assert (tmp_path / "fresh" / "x.log").read_text().splitlines()[1:] == ["new"]

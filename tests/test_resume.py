@@ -17,13 +17,18 @@ from tests.test_determinism import fingerprint, run_job
 
 @pytest.mark.slow
 def test_resumed_run_matches_unbroken_run(tiny_model_dir, tmp_path):
-    unbroken = fingerprint(run_job(tiny_model_dir, tmp_path, "unbroken", "deterministic", 1, steps=6))
-    stopped = run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 2, steps=3)
+    # a 3-step warm-up (lr/3, 2lr/3, lr, then lr: the same for 3 and 6 total steps): the resumed
+    # steps' train/lr must be the unbroken run's (the scheduler's state is in the checkpoint), not a
+    # warm-up restarted at lr/3
+    schedule = ("trainer.warmup_steps=3",)
+    unbroken = fingerprint(run_job(tiny_model_dir, tmp_path, "unbroken", "deterministic", 1, steps=6, extra=schedule))
+    stopped = run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 2, steps=3, extra=schedule)
     for log in ("metrics.jsonl", "trajectories.jsonl"):  # as if it had run on past its checkpoint
         last = json.loads((stopped / log).read_text().splitlines()[-1])
         with (stopped / log).open("a") as f:
             f.write(json.dumps({**last, "step": 3}) + "\n" + json.dumps({**last, "step": 4}) + "\n")
-    resumed = fingerprint(run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 3, steps=6, resume=True))
+    resumed = fingerprint(run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 3, steps=6, resume=True,
+                                  extra=schedule))
     print(f"\nweights sha256: unbroken {unbroken['weights']} / resumed {resumed['weights']}")
     assert [r["step"] for r in resumed["metrics"]] == list(range(6))
     assert resumed["metrics"] == unbroken["metrics"]
@@ -74,15 +79,17 @@ def test_a_checkpoint_is_written_into_its_staging_directory_and_swapped_in(tiny_
     from areal_async.trainer.logprobs import PackedPolicy
     from areal_async.trainer.main import save_checkpoint
     from areal_async.trainer.resume import read_step
+    from areal_async.trainer.schedule import make_scheduler
 
     policy = PackedPolicy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
     optimizer = torch.optim.AdamW(policy.parameters())
     cfg = load_config(None, [f"model.path={tiny_model_dir}"])
+    scheduler = make_scheduler(optimizer, cfg.trainer)
     renames, rename = [], pathlib.Path.rename
     monkeypatch.setattr(pathlib.Path, "rename",
                         lambda self, target: renames.append((self.name, pathlib.Path(target).name)) or rename(self, target))
     for step in (1, 2):
-        save_checkpoint(cfg, policy, optimizer, tmp_path, step, [])
+        save_checkpoint(cfg, policy, optimizer, scheduler, tmp_path, step, [])
     assert renames == [("checkpoint.partial", "checkpoint"),
                        ("checkpoint", "checkpoint.old"), ("checkpoint.partial", "checkpoint")]
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"] and read_step(tmp_path / "checkpoint") == 2
@@ -103,9 +110,12 @@ def test_checkpoint_and_weight_update_files_get_the_users_file_mode(tiny_model_d
     from areal_async.trainer.logprobs import PackedPolicy
     from areal_async.trainer.main import save_checkpoint
 
+    from areal_async.trainer.schedule import make_scheduler
+
     policy = PackedPolicy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
-    save_checkpoint(load_config(None, [f"model.path={tiny_model_dir}"]), policy,
-                    torch.optim.AdamW(policy.parameters()), tmp_path, 1, [])
+    cfg = load_config(None, [f"model.path={tiny_model_dir}"])
+    optimizer = torch.optim.AdamW(policy.parameters())
+    save_checkpoint(cfg, policy, optimizer, make_scheduler(optimizer, cfg.trainer), tmp_path, 1, [])
     tensors = {name: p.detach().clone() for name, p in policy.lm.named_parameters()}
     write_hf_directory(tmp_path / "v1", tensors, hf_metadata_files(tiny_model_dir, torch.float32))
     files = [*(tmp_path / "checkpoint").iterdir(), *(tmp_path / "v1").iterdir()]
@@ -135,3 +145,18 @@ def test_a_resume_drops_the_rows_a_stopped_job_logged_after_its_checkpoint(tmp_p
     assert kept == rows[:5]
     assert [json.loads(x)["step"] for x in trajectories.read_text().splitlines()] == [0, 1, 2]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_resume_knows_whether_the_checkpoint_step_was_evaluated(tmp_path):
+    # eval.every_steps: the evaluation of version 4 runs after step 3, overlapping step 4; a job
+    # stopped then has a checkpoint at 4 but no eval row at 4, and the resumed run evaluates first
+    from areal_async.trainer.resume import has_eval_row
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert not has_eval_row(metrics, 4)
+    rows = [{"step": 0, "eval/pass@1": 0.1}, {"step": 3, "train/loss": 0.0}, {"step": 4, "train/loss": 0.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert has_eval_row(metrics, 0) and not has_eval_row(metrics, 4)
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 4, "eval/pass@1": 0.2}) + "\n")
+    assert has_eval_row(metrics, 4)

@@ -226,7 +226,10 @@ def test_evaluate_greedy_pass_at_1(tokenizer, rewards):
         fake = FakeSGLang(tokenizer)
         runners, urls = await start_fakes(fake, 2)
         async with InferenceClient(urls, timeout_s=30) as client:
-            metrics = await evaluate(client, prompts, rewards, num_prompts=5, max_new_tokens=64)
+            done = []
+            metrics = await evaluate(client, prompts, rewards, num_prompts=5, max_new_tokens=64, version=0,
+                                     on_done=lambda: done.append(1))
+            assert len(done) == 5
         for r in runners:
             await r.cleanup()
         return fake, metrics
@@ -237,10 +240,36 @@ def test_evaluate_greedy_pass_at_1(tokenizer, rewards):
     assert 0 < sum(even) < 5, "pick prompts so that the expected pass@1 is not 0 or 1"
     lengths = [len(fake.right if e else fake.wrong) for e in even]
     assert metrics == {"eval/pass@1": sum(even) / 5, "eval/response_len": sum(lengths) / 5,
-                       "eval/boxed_ratio": sum(even) / 5, "eval/num_prompts": 5.0}
+                       "eval/boxed_ratio": sum(even) / 5, "eval/num_prompts": 5.0, "eval/version": 0.0}
     assert sorted(req["rid"] for _, req in fake.requests) == [f"eval-{j}" for j in range(5)]
     assert all(req["sampling_params"]["temperature"] == 0.0 for _, req in fake.requests)
     assert all(server == int(req["rid"][5:]) % 2 for server, req in fake.requests)
+
+
+def test_an_evaluation_answered_by_another_weight_version_raises(tokenizer, rewards):
+    # Two servers, one still at version 0 while the evaluation is of version 1 (a weight update
+    # that reached only part of the servers, or landed mid-evaluation): the result is refused.
+    from areal_async.rollout.eval import MixedVersionError
+
+    prompts = PromptSet(FourTask(), tokenizer, max_prompt_len=256, seed=SEED)
+
+    async def body():
+        fakes = [FakeSGLang(tokenizer), FakeSGLang(tokenizer)]
+        fakes[0].version = 1
+        runners, urls = [], []
+        for fake in fakes:
+            rs, us = await start_fakes(fake, 1)
+            runners += rs
+            urls += us
+        try:
+            async with InferenceClient(urls, timeout_s=30) as client:
+                await evaluate(client, prompts, rewards, num_prompts=4, max_new_tokens=64, version=1)
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    with pytest.raises(MixedVersionError, match=r"version 1 got tokens of weight versions \[0, 1\]"):
+        asyncio.run(asyncio.wait_for(body(), timeout=120))
 
 
 def test_worker_cli_exit_codes(tiny_model_dir, tokenizer, tmp_path):

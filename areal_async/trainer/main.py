@@ -3,8 +3,10 @@
 Every rank holds a shard (FSDP2) or replica (DDP) of the policy; rank 0 alone talks to the
 replay queue, the inference servers, the metrics logger and the evaluator, and hands each batch
 to the other ranks over the default group. Per step k: take batch k → one decoupled-PPO step →
-[deterministic: wait until every group of version ≤ k has finished] → make version k+1 live on
-the servers → announce it to the queue → log → checkpoint (every ``trainer.checkpoint_every``
+[deterministic: wait until every group of version ≤ k has finished] → [wait for a running
+evaluation] → make version k+1 live on the servers → announce it to the queue → log → [every
+``eval.every_steps``: start evaluating version k+1 in the background, overlapping step k+1's wait
+for data and its training] → checkpoint (every ``trainer.checkpoint_every``
 steps and at the end; ``trainer.resume`` restarts from it, see ``resume.py``). The run directory
 is the directory of the config file.
 
@@ -21,6 +23,7 @@ non-zero status (torchrun then stops the other ranks, the launcher the job).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -36,13 +39,15 @@ import torch.distributed as dist
 from areal_async.atomic_dir import new_staging_dir, staging_dir
 from areal_async.config import Config, load_config, to_dict
 from areal_async.jitter import Jitter
+from areal_async.progress import Progress, progress_mode
 from areal_async.trainer.contract import check_batch, dump_batch
 from areal_async.queue.staleness import group_id_limit
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
-from areal_async.trainer.resume import (drop_superseded_rows, load_training_state, publish_checkpoint,
-                                        save_training_state)
+from areal_async.trainer.resume import (drop_superseded_rows, has_eval_row, load_training_state,
+                                        publish_checkpoint, save_training_state)
+from areal_async.trainer.schedule import make_scheduler
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 from areal_async.types import Trajectory
@@ -55,6 +60,7 @@ class Services:
 
     def __init__(self, cfg: Config, run_dir: pathlib.Path, stack: contextlib.AsyncExitStack):
         self.cfg, self.run_dir, self.stack = cfg, run_dir, stack
+        self._evaluation: asyncio.Task | None = None  # of start_evaluation
 
     async def start(self) -> "Services":
         from areal_async.data import load_task
@@ -78,12 +84,54 @@ class Services:
                                       cfg.data.max_prompt_len, cfg.seed)
         return self
 
-    async def evaluate(self, step: int) -> None:
+    async def evaluate(self, version: int, background: bool = False) -> None:
+        """Evaluate policy ``version`` (live on every server) and log it at step ``version``,
+        showing prompts done (``background``: not as a bar, which the step's bar would garble)."""
         from areal_async.rollout.eval import evaluate
 
         e = self.cfg.eval
-        result = await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts, e.max_new_tokens)
-        self.logger.log(step, result)
+        n = min(e.num_prompts, len(self.eval_prompts))
+        mode = "off" if background and progress_mode() == "bar" else None
+        with Progress(f"eval of version {version}", n, "prompts", mode=mode) as prog:
+            async with _following(prog):
+                result = await evaluate(self.client, self.eval_prompts, self.rewards, e.num_prompts,
+                                        e.max_new_tokens, version, on_done=prog.update)
+        self.logger.log(version, result)
+
+    async def get_batch(self, step: int) -> list[Trajectory]:
+        """Batch ``step`` from the queue, showing how many of its groups are ready meanwhile."""
+        size = self.cfg.queue.batch_size
+
+        async def ready() -> int:  # ready groups in the queue, up to a batch
+            return min((await self.queue.stats()).ready, size)
+
+        with Progress(f"step {step}/{self.cfg.trainer.total_steps}: rollouts", size, "groups") as prog:
+            async with _following(prog, ready):
+                return await self.queue.get_batch(step)
+
+    async def first_evaluation(self, start: int) -> None:
+        """Before step ``start``: evaluate version 0 (``eval.at_start``, a fresh run), or, resumed,
+        the checkpoint's version if ``eval.every_steps`` was due there and the stopped job did not
+        log it (it was still running in the background)."""
+        e = self.cfg.eval
+        if start == 0 and e.at_start:
+            await self.evaluate(0)
+        elif start and e.every_steps and start % e.every_steps == 0 and start < self.cfg.trainer.total_steps \
+                and not has_eval_row(self.run_dir / "metrics.jsonl", start):
+            await self.evaluate(start)
+
+    def start_evaluation(self, version: int) -> None:
+        """Evaluate ``version`` in the background (``eval.every_steps``) while the next step takes
+        its batch and trains; ``finish_evaluation`` must be awaited before the next weight send."""
+        if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0 and not (
+                version == self.cfg.trainer.total_steps and self.cfg.eval.at_end):
+            self._evaluation = asyncio.create_task(self.evaluate(version, background=True))
+
+    async def finish_evaluation(self) -> None:
+        """Wait for the evaluation ``start_evaluation`` began, if any (its error is raised here)."""
+        task, self._evaluation = self._evaluation, None
+        if task is not None:
+            await task
 
     async def server_version(self) -> int:
         return min([await self.client.get_weight_version(i) for i in range(self.cfg.inference.num_servers)])
@@ -99,15 +147,38 @@ def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torc
                                    cfg.trainer.weight_bucket_bytes, dtype, device)
 
 
+@contextlib.asynccontextmanager
+async def _following(prog: Progress, poll=None):
+    """Run ``prog.follow(poll)`` while the block runs."""
+    task = asyncio.create_task(prog.follow(poll))
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+@contextlib.contextmanager
+def micro_batch_progress(policy: torch.nn.Module, what: str):
+    """Count the micro-batches trained while the block runs (the policy's forwards with grad; the
+    no-grad log-prob passes are not counted): a forward hook adds 1 on the host, nothing else."""
+    with Progress(what, None, "micro-batches trained") as prog:
+        handle = policy.register_forward_hook(lambda module, args, out: prog.update() if torch.is_grad_enabled()
+                                              else None)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
 async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
     """Batch ``step`` from the queue (rank 0), given to every rank over the default group."""
-    payload = [msgspec.msgpack.encode(await services.queue.get_batch(step)) if services else None]
+    payload = [msgspec.msgpack.encode(await services.get_batch(step)) if services else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
     return msgspec.msgpack.decode(payload[0], type=list[Trajectory])
 
 
-def save_checkpoint(cfg: Config, policy, optimizer, run_dir: pathlib.Path, step: int,
+def save_checkpoint(cfg: Config, policy, optimizer, scheduler, run_dir: pathlib.Path, step: int,
                     buffer: list[Trajectory]) -> None:
     """Collective: rank 0 writes ``RUN_DIR/checkpoint``: the fp32 master weights (HF directory),
     then the training state of ``step`` and the queue's saved ``buffer`` (``resume.py``), all into
@@ -116,7 +187,7 @@ def save_checkpoint(cfg: Config, policy, optimizer, run_dir: pathlib.Path, step:
     state = full_state_dict(policy)
     if state is not None:
         save_hf_checkpoint(state, cfg.model.path, new_staging_dir(ckpt), torch.float32)
-    save_training_state(policy, optimizer, staging_dir(ckpt), step, buffer)
+    save_training_state(policy, optimizer, scheduler, staging_dir(ckpt), step, buffer)
     if state is not None:
         publish_checkpoint(ckpt)
 
@@ -135,7 +206,8 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     ckpt_dir = run_dir / "checkpoint"
     policy = build_policy(str(ckpt_dir) if t.resume else cfg.model.path, t, device, batch_invariant=deterministic)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
-    start = load_training_state(policy, optimizer, ckpt_dir) if t.resume else 0
+    scheduler = make_scheduler(optimizer, t)  # stepped once per training step
+    start = load_training_state(policy, optimizer, scheduler, ckpt_dir) if t.resume else 0
     if t.resume and rank == 0:  # the steps a stopped job logged after its checkpoint are run again
         for log in ("metrics.jsonl", "trajectories.jsonl"):
             drop_superseded_rows(run_dir / log, start)
@@ -144,8 +216,8 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
         services = await Services(cfg, run_dir, stack).start() if rank == 0 else None
         sender = make_sender(cfg, policy, services.client if services else None, run_dir, device)
         await sender.setup()
-        if services and cfg.eval.at_start and start == 0:
-            await services.evaluate(0)
+        if services:
+            await services.first_evaluation(start)
         dump = None
         if services and cfg.logging.dump_trajectories:
             dump = stack.enter_context((run_dir / "trajectories.jsonl").open("a" if t.resume else "w"))
@@ -160,13 +232,19 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                     check_batch(trajs, k, q.batch_size, q.max_staleness, cfg.seed, cfg.rollout.n_samples)
                 if dump:
                     dump_batch(dump, k, trajs)
-                with timer("train_s"):
+                progress = micro_batch_progress(policy, f"step {k}/{t.total_steps}: training") if services \
+                    else contextlib.nullcontext()
+                with timer("train_s"), progress:
                     metrics = train_step(policy, optimizer, trajs, cfg.algo, t, cfg.rollout.temperature, device)
+                    scheduler.step()
                 if services and deterministic:
                     with timer("gen_s"):
                         await services.queue.wait_drained(k)
                     if save:  # every group of v(g) <= k is finished: the unconsumed ones resume as is
                         buffer = await services.queue.peek_ready(group_id_limit(k, q.batch_size, q.max_staleness))
+                if services:
+                    with timer("eval_wait_s"):  # an evaluation measures one version: no update while it runs
+                        await services.finish_evaluation()
                 with timer("weight_sync_s"):
                     await sender.send(k + 1)
                 if services:
@@ -178,8 +256,11 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                 metrics |= perf_metrics(timer.seconds, metrics["train/tokens"])
                 metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version()}
                 services.logger.log(k, metrics)
+                services.start_evaluation(k + 1)  # after step k's row: wandb's steps only increase
             if save:
-                save_checkpoint(cfg, policy, optimizer, run_dir, k + 1, buffer)
+                save_checkpoint(cfg, policy, optimizer, scheduler, run_dir, k + 1, buffer)
+        if services:
+            await services.finish_evaluation()
         if services and cfg.eval.at_end:
             await services.evaluate(t.total_steps)
         if services:

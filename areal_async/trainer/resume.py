@@ -3,8 +3,9 @@
 ``RUN_DIR/checkpoint/`` holds the HF weights (``checkpoint.save_hf_checkpoint``, fp32 master
 weights) and, written after them by ``save_training_state``:
 
-- ``trainer_state.pt``: ``{"step": s, "optimizer": <full optimizer state dict>, "rng": <torch CPU
-  RNG state>}`` where ``s`` = steps done = the policy version of the weights;
+- ``trainer_state.pt``: ``{"step": s, "optimizer": <full optimizer state dict>, "scheduler":
+  <the learning-rate scheduler's state dict>, "rng": <torch CPU RNG state>}`` where ``s`` = steps
+  done = the policy version of the weights;
 - ``buffer.msgpack``: the finished, unconsumed groups the queue held (``list[Trajectory]``), which
   the resumed queue restores (``ReplayQueue(restored=...)``);
 - ``trainer_state.json``: ``{"step": s}``, written last, so its presence marks a complete state
@@ -37,12 +38,15 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: pathlib.Path,
+def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        scheduler: torch.optim.lr_scheduler.LRScheduler, ckpt_dir: pathlib.Path,
                         step: int, buffer: list[Trajectory]) -> None:
     """Collective: gather the optimizer state; rank 0 writes the files listed in the module doc.
 
     Args:
         policy: the (FSDP2/DDP-wrapped) policy the optimizer steps.
+        scheduler: the learning-rate scheduler (``schedule.make_scheduler``), already stepped past
+            step ``step - 1``.
         ckpt_dir: the checkpoint directory (already holding the weights).
         step: steps done (``s``).
         buffer: ready groups to restore (``[]`` when nothing is saved, e.g. throughput mode).
@@ -52,7 +56,8 @@ def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     if _rank() != 0:
         return
     ckpt_dir = pathlib.Path(ckpt_dir)
-    torch.save({"step": step, "optimizer": optim, "rng": torch.get_rng_state()}, ckpt_dir / "trainer_state.pt")
+    torch.save({"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
+               ckpt_dir / "trainer_state.pt")
     (ckpt_dir / "buffer.msgpack").write_bytes(msgspec.msgpack.encode(buffer))
     (ckpt_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
 
@@ -102,14 +107,25 @@ def read_step(ckpt_dir: pathlib.Path) -> int:
 
 
 def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        ckpt_dir: pathlib.Path) -> int:
-    """Collective: restore the optimizer state (each rank its shard) and the RNG; returns the step.
+                        scheduler: torch.optim.lr_scheduler.LRScheduler, ckpt_dir: pathlib.Path) -> int:
+    """Collective: restore the optimizer state (each rank its shard), the learning-rate scheduler
+    and the RNG; returns the step.
 
-    The weights are loaded separately (``build_policy`` from ``ckpt_dir``).
+    The weights are loaded separately (``build_policy`` from ``ckpt_dir``). A checkpoint written
+    before the scheduler was saved resumes its schedule at the step (``last_epoch = step``), which
+    is where an unbroken run's scheduler would be.
     """
     state = torch.load(pathlib.Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
     set_optimizer_state_dict(policy, optimizer, optim_state_dict=state["optimizer"],
                              options=StateDictOptions(full_state_dict=True))
+    if "scheduler" in state:
+        scheduler.load_state_dict(state["scheduler"])
+    else:
+        step = int(state["step"])
+        scheduler.last_epoch = step
+        scheduler._last_lr = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(optimizer.param_groups, scheduler._last_lr):
+            group["lr"] = lr
     torch.set_rng_state(state["rng"])
     return int(state["step"])
 
@@ -140,3 +156,13 @@ def _kept(row: dict, step: int) -> bool:
         return True
     keys = [k for k in row if k not in ("step", "time")]
     return row["step"] == step and bool(keys) and all(k.startswith("eval/") for k in keys)
+
+
+def has_eval_row(path: pathlib.Path, step: int) -> bool:
+    """Whether the metrics log ``path`` holds an evaluation row (``eval/pass@1``) at ``step``. A job
+    stopped after its checkpoint at ``step`` but before that step's evaluation finished has none,
+    and the resumed run evaluates the checkpoint's weights first. A missing file holds none."""
+    if not path.exists():
+        return False
+    return any((row := json.loads(line))["step"] == step and "eval/pass@1" in row
+               for line in path.read_text().splitlines())

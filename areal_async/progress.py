@@ -1,0 +1,114 @@
+"""Progress of the waits a user sits through (an evaluation, a step's rollouts and training).
+
+Two renderings, chosen once per process by ``AREAL_ASYNC_PROGRESS`` (``bar`` | ``lines`` | ``off``),
+which the launcher sets to ``bar`` when its own output is a terminal and ``lines`` otherwise (its
+children write into pipes, so they cannot tell); unset, a process whose stdout is a terminal uses
+``bar``, any other ``lines``:
+
+- ``bar``: a ``tqdm`` bar on stdout, redrawn in place with ``\\r``, shown only once a phase has
+  lasted ``delay_s`` (fast GPU steps never draw one) and cleared when it closes. The launcher
+  passes the trainer's bytes to the terminal unchanged and writes only finished lines to
+  ``logs/trainer.log`` (``launcher.supervisor``), so bars never reach the log.
+- ``lines``: a plain line ``[trainer] <what>: <n>/<total> <unit> (<s> s)`` at most every
+  ``interval_s`` seconds while a phase lasts, nothing for a phase shorter than that: a log file
+  (``logs/trainer.log``, or the launcher's output redirected) shows life without filling up.
+
+Updates cost a counter increment and a clock read; nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+ENV = "AREAL_ASYNC_PROGRESS"
+MODES = ("bar", "lines", "off")
+
+
+def progress_mode() -> str:
+    """The rendering of this process (see the module doc).
+
+    Raises:
+        ValueError: ``AREAL_ASYNC_PROGRESS`` is set to something else than ``bar``, ``lines``, ``off``.
+    """
+    mode = os.environ.get(ENV) or ("bar" if sys.stdout.isatty() else "lines")
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r} is not a progress mode; set it to one of {list(MODES)} or unset it")
+    return mode
+
+
+class Progress:
+    """Progress of one phase: ``with Progress("eval", 60, "prompts") as p: ... p.update()``.
+
+    Args:
+        what: what is being waited for (``"step 3/30: rollouts"``).
+        total: units the phase needs, or ``None`` when not known (a count is shown).
+        unit: what is counted, plural (``"prompts"``).
+        mode: ``bar`` | ``lines`` | ``off``; ``None``: ``progress_mode()``.
+        interval_s: ``lines``: the least seconds between two lines.
+        delay_s: ``bar``: seconds before the bar first appears.
+        file: where to write (stdout).
+    """
+
+    def __init__(self, what: str, total: int | None, unit: str, mode: str | None = None,
+                 interval_s: float = 30.0, delay_s: float = 2.0, file=None):
+        self.what, self.total, self.unit = what, total, unit
+        self.mode = progress_mode() if mode is None else mode
+        self.interval_s, self.delay_s, self.file = interval_s, delay_s, file or sys.stdout
+        self.n = 0
+        self._start = self._last_line = time.monotonic()
+        self._bar = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=what, unit=unit, file=self.file, leave=False,
+                             delay=delay_s, mininterval=0.5, dynamic_ncols=True)
+
+    def update(self, n: int = 1) -> None:
+        """``n`` more units done."""
+        self.set(self.n + n)
+
+    def set(self, n: int) -> None:
+        """``n`` units done in all (a count polled from elsewhere)."""
+        if n == self.n:
+            return
+        if self._bar is not None:
+            self._bar.update(n - self.n)
+        self.n = n
+        if self.mode == "lines":
+            self.tick()
+
+    def tick(self) -> None:
+        """``lines``: write the line if ``interval_s`` has passed since the last (or the start);
+        ``bar``: redraw it (its clock), once it is shown."""
+        now = time.monotonic()
+        if self._bar is not None and now - self._start >= self.delay_s:
+            self._bar.refresh()
+        if self.mode == "lines" and now - self._last_line >= self.interval_s:
+            self._last_line = now
+            of = f"/{self.total}" if self.total is not None else ""
+            print(f"[trainer] {self.what}: {self.n}{of} {self.unit} ({now - self._start:.0f} s)",
+                  file=self.file, flush=True)
+
+    async def follow(self, poll: Callable[[], Awaitable[int]] | None = None, every_s: float = 1.0) -> None:
+        """Until cancelled: every ``every_s`` seconds ``set(await poll())`` (when given) and ``tick()``,
+        so a phase without updates of its own (a wait) still shows its clock. Run it as a task."""
+        while True:
+            await asyncio.sleep(every_s)
+            if poll is not None:
+                self.set(await poll())
+            self.tick()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
