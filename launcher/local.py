@@ -189,8 +189,11 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     from areal_async.data import TASKS, load_task
     from areal_async.reward.pool import resolve_reward_fn
 
+    from areal_async.progress import progress_mode
+
     check_backend(cfg.inference)
     check_devices(cfg, torch.cuda.is_available())
+    progress_mode()  # a bad AREAL_ASYNC_PROGRESS is a ValueError naming the choices, before any process starts
     if cfg.data.task not in TASKS:
         raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")
     for split in ("train", "test"):  # what the workers and the trainer read: a missing or bad file fails here
@@ -209,7 +212,11 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
                              f"exist); give the name of an existing run (name=...), or start this one "
                              f"without --resume")
         recover_checkpoint(run_dir / "checkpoint")  # a publish interrupted between its two renames
-        read_step(run_dir / "checkpoint")  # FileNotFoundError naming the fix when there is none
+        done = read_step(run_dir / "checkpoint")  # FileNotFoundError naming the fix when there is none
+        if done >= cfg.trainer.total_steps:
+            raise ValueError(f"--resume: the checkpoint of run '{cfg.name}' is at step {done}, and "
+                             f"trainer.total_steps={cfg.trainer.total_steps} leaves nothing to run; give "
+                             f"trainer.total_steps=N with N > {done} to train further")
         cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, resume=True))
     elif replace and not overwrite:
         raise ValueError(f"{run_dir} already holds a run; choose another name (name=...), "

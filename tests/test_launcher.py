@@ -467,3 +467,28 @@ def test_a_resumed_job_appends_to_the_logs_after_a_separator_line(tmp_path, monk
     fresh.wait_for(child, poll_s=0.05)
     fresh.stop_all()
     assert (tmp_path / "fresh" / "x.log").read_text().splitlines()[1:] == ["new"]
+
+
+def test_resume_with_no_steps_left_and_a_bad_progress_mode_are_launch_errors(tmp_path, tiny_model_dir,
+                                                                             monkeypatch, capsys):
+    # Both started every process first: a resume at total_steps <= the checkpoint's step died in the
+    # trainer with a misleading MixedVersionError, a bad AREAL_ASYNC_PROGRESS 22 s later in a traceback
+    import json
+
+    import launcher.local
+    from launcher.local import main
+
+    monkeypatch.setattr(launcher.local.signal, "signal", lambda *args: None)  # keep pytest's SIGTERM
+    monkeypatch.setattr(launcher.local, "run_job", lambda cfg, sup: pytest.fail("the job must not start"))
+    argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp", f"model.path={tiny_model_dir}",
+            "trainer.total_steps=3", *_free_port_overrides()]
+    (tmp_path / "exp" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "exp" / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "is at step 3, and trainer.total_steps=3 leaves nothing to run" in err
+    assert "trainer.total_steps=N with N > 3" in err
+    monkeypatch.setenv("AREAL_ASYNC_PROGRESS", "Bar")
+    assert main([*argv, "name=fresh"]) == 2
+    assert "AREAL_ASYNC_PROGRESS='Bar' is not a progress mode" in capsys.readouterr().err
+    assert not (tmp_path / "fresh").exists()

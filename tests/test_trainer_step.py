@@ -217,6 +217,7 @@ def test_two_ranks_with_every_sequence_skipped(tiny_model_dir, tmp_path):
     two = _train(2, tiny_model_dir, tmp_path, all_equal=True)
     m = two["metrics"]
     assert m["train/skipped_seqs"] == 8 and m["train/forward_tokens"] == 0
+    assert "train/entropy" not in m and "train/importance_weight" not in m  # no tokens to average (not 0)
     assert m["train/loss"] == 0 and m["train/grad_norm"] == 0 and m["train/tokens"] > 0
     for k, v in before.items():
         assert torch.equal(two["state"][k], v), k

@@ -142,7 +142,8 @@ def train_step(
         because the gradient norm was inf or NaN; the weights then stay as they were).
         loss and clip_ratio are over every loss token of the batch; the statistics that need
         log-probs (``LOGP_STAT_KEYS``: importance_weight, behav_capped_ratio, ratio, approx_kl,
-        behav_kl, entropy) are means over the loss tokens of the sequences that were run.
+        behav_kl, entropy) are means over the loss tokens of the sequences that were run, and
+        are left out when no loss token was run (every sequence skipped).
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     seqs = build_sequences(trajs, algo)
@@ -203,6 +204,10 @@ def train_step(
         dist.all_reduce(sums)
     values = sums.cpu().tolist()
     stats = dict(zip(STAT_KEYS + ("entropy",), values[:-1]))
+    if not any(seqs[i].loss_mask.any() for run in runs for i in run):
+        # no loss token was run: the log-prob statistics have no tokens to average (0 would read
+        # as, e.g., an entropy collapse), so they are left out of this step's metrics
+        stats = {k: v for k, v in stats.items() if k not in LOGP_STAT_KEYS}
     tokens = float(sum(len(s.ids) for s in seqs))
     stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=tokens,
                  forward_tokens=values[-1], skipped_seqs=float(len(seqs) - sum(len(r) for r in runs)),
