@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Build .venv-sglang: SGLang 0.5.23's own Python package (no CUDA kernels) and the modules its
+# request schemas, weight-update helper, OpenAI protocol and bench_serving import, so that the
+# tests marked sglang_ref can run this project against SGLang's code.  ~3 minutes, ~5.5 GB.
+#     bash tools/sglang_ref/install.sh            # from the project's root
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+venv=.venv-sglang
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q -r tools/sglang_ref/requirements.txt
+"$venv/bin/pip" install -q --no-deps sglang==0.5.23
+"$venv/bin/python" - <<'PY'
+import sglang.srt.utils.common, sglang.bench_serving, sglang.srt.entrypoints.openai.protocol
+from sglang.api.v1.api_types import GenerateRequest
+from sglang.srt.sampling.sampling_params import SamplingParams
+import sglang
+print(f"[sglang_ref] sglang {sglang.__version__} importable in .venv-sglang")
+PY
