@@ -65,7 +65,23 @@ class Progress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=what, unit=unit, file=self.file, leave=False,
-                             delay=delay_s, mininterval=0.5, dynamic_ncols=True)
+                             delay=delay_s, mininterval=0.5, dynamic_ncols=True, bar_format=self._format())
+
+    def _format(self) -> str:
+        """tqdm's bar format with the unit as a word after the count (tqdm's own glues it to the
+        number and the rate: ``1micro-batches``)."""
+        if self.total is None:
+            return "{desc}: {n_fmt} " + self.unit + " [{elapsed}]"
+        return "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " + self.unit + " [{elapsed}<{remaining}]"
+
+    def set_total(self, total: int) -> None:
+        """The units the phase needs, once known (e.g. the micro-batches of a step's plan)."""
+        if total == self.total:
+            return
+        self.total = total
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.bar_format = self._format()
 
     def update(self, n: int = 1) -> None:
         """``n`` more units done."""

@@ -85,23 +85,47 @@ def test_the_supervisor_echoes_bars_as_they_come_and_logs_finished_lines(tmp_pat
     assert list(child.tail) == log
 
 
-def test_micro_batches_trained_are_counted_by_a_forward_hook_that_skips_no_grad_passes(monkeypatch):
+def test_micro_batches_trained_are_counted_of_the_plans_total(tiny_model_dir):
+    # train_step reports each micro-batch's backward as (done, total) of this rank's plan; the
+    # no-grad proximal passes of ppo_minibatches=2 are not counted
     import torch
+    from transformers import AutoModelForCausalLM
 
-    import areal_async.trainer.main as trainer_main
+    from areal_async.config import AlgoConfig, TrainerConfig
+    from areal_async.trainer.attention import use_packed_attention
+    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.step import train_step
+    from tests.test_trainer_step import make_trajectories
 
-    counted = []
+    torch.set_num_threads(1)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    use_packed_attention(lm)
+    policy = PackedPolicy(lm)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    seen = {}
+    for n_mini, budget in ((1, 24), (2, 24), (1, 4096)):
+        calls = []
+        forwards = []
+        hook = policy.register_forward_hook(lambda *a: forwards.append(torch.is_grad_enabled()))
+        train_step(policy, optimizer, make_trajectories(lm.config.vocab_size), AlgoConfig(ppo_minibatches=n_mini),
+                   TrainerConfig(max_tokens_per_mb=budget), 1.0, torch.device("cpu"),
+                   on_micro_batch=lambda done, total: calls.append((done, total)))
+        hook.remove()
+        total = forwards.count(True)
+        assert calls == [(k, total) for k in range(1, total + 1)], (n_mini, budget)
+        seen[(n_mini, budget)] = (total, forwards.count(False))
+    assert seen[(1, 24)][0] > seen[(1, 4096)][0] == 1  # a small budget makes several micro-batches
+    assert seen[(2, 24)][1] > 0  # the proximal passes ran and were not counted
 
-    class Recording(trainer_main.Progress):
-        def update(self, n: int = 1) -> None:
-            counted.append(n)
 
-    monkeypatch.setattr(trainer_main, "Progress", Recording)
-    model = torch.nn.Linear(2, 1)
-    with trainer_main.micro_batch_progress(model, "step 0/1: training"):
-        with torch.no_grad():
-            model(torch.ones(1, 2))  # a proximal log-prob pass: not a trained micro-batch
-        model(torch.ones(1, 2)).sum().backward()
-        model(torch.ones(1, 2)).sum().backward()
-    model(torch.ones(1, 2))  # after the block: the hook is gone
-    assert counted == [1, 1]
+def test_a_bar_names_its_unit_as_a_word_and_learns_its_total():
+    out = io.StringIO()
+    with Progress("step 1/30: training", None, "micro-batches trained", mode="bar", delay_s=0, file=out) as p:
+        p.update()
+        p.tick()
+        p.set_total(5)
+        p.update(2)
+        p.tick()
+    text = out.getvalue()
+    assert "1 micro-batches trained" in text and "3/5 micro-batches trained" in text
+    assert "1micro-batches" not in text

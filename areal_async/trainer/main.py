@@ -158,16 +158,14 @@ async def _following(prog: Progress, poll=None):
 
 
 @contextlib.contextmanager
-def micro_batch_progress(policy: torch.nn.Module, what: str):
-    """Count the micro-batches trained while the block runs (the policy's forwards with grad; the
-    no-grad log-prob passes are not counted): a forward hook adds 1 on the host, nothing else."""
+def micro_batch_progress(what: str):
+    """A ``train_step`` ``on_micro_batch`` callback that shows the step's micro-batches trained of
+    its plan's total while the block runs (host counters only)."""
     with Progress(what, None, "micro-batches trained") as prog:
-        handle = policy.register_forward_hook(lambda module, args, out: prog.update() if torch.is_grad_enabled()
-                                              else None)
-        try:
-            yield
-        finally:
-            handle.remove()
+        def on_micro_batch(done: int, total: int) -> None:
+            prog.set_total(total)
+            prog.set(done)
+        yield on_micro_batch
 
 
 async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
@@ -232,10 +230,11 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                     check_batch(trajs, k, q.batch_size, q.max_staleness, cfg.seed, cfg.rollout.n_samples)
                 if dump:
                     dump_batch(dump, k, trajs)
-                progress = micro_batch_progress(policy, f"step {k}/{t.total_steps}: training") if services \
+                progress = micro_batch_progress(f"step {k}/{t.total_steps}: training") if services \
                     else contextlib.nullcontext()
-                with timer("train_s"), progress:
-                    metrics = train_step(policy, optimizer, trajs, cfg.algo, t, cfg.rollout.temperature, device)
+                with timer("train_s"), progress as on_micro_batch:
+                    metrics = train_step(policy, optimizer, trajs, cfg.algo, t, cfg.rollout.temperature, device,
+                                         on_micro_batch=on_micro_batch)
                     scheduler.step()
                 if services and deterministic:
                     with timer("gen_s"):

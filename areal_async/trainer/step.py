@@ -40,6 +40,7 @@ recomputed in a no-grad pass over the whole batch before the first update.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -127,10 +128,14 @@ def train_step(
     trainer: TrainerConfig,
     temperature: float,
     device: torch.device,
+    on_micro_batch: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Run one step (``algo.ppo_minibatches`` optimizer updates) on this rank's share.
 
     Collective: every rank of the default group must call it with the same ``trajs``.
+    ``on_micro_batch(done, total)``, when given, is called on the host after each micro-batch's
+    backward of this rank (``total``: its micro-batches over all updates of the step; the no-grad
+    proximal passes are not counted): progress only, it must not touch a device.
 
     Returns:
         ``train/*`` metrics (global token means over all ranks), identical on every rank:
@@ -159,6 +164,7 @@ def train_step(
     share = trainer.share_prefixes
     plans = [_plan(seqs, run, trainer.max_tokens_per_mb, world, share)[rank] for run in runs]
 
+    total_mbs, done_mbs = sum(len(plan) for plan in plans), 0
     prox: dict[int, Tensor] = {}  # micro-batch key → π_prox log-probs, when recomputed
     if n_mini > 1:
         with torch.no_grad():
@@ -190,6 +196,9 @@ def train_step(
             ent = (entropy * f["loss_mask"]).sum() / max(num_tokens, 1)
             sums[:-1] += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) * scale
             sums[-1] += batch.num_tokens if idx else 0
+            done_mbs += 1
+            if on_micro_batch is not None:
+                on_micro_batch(done_mbs, total_mbs)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # A non-finite gradient (one inf/NaN log-prob is enough) would make every weight NaN and
