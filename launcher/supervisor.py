@@ -67,7 +67,7 @@ class Child:
                 sys.stdout.write(text)
                 sys.stdout.flush()
             *lines, pending = (pending + text).split("\n")
-            if final and pending:
+            if final and pending and "\r" not in pending:  # a bar a stopped child never ended is dropped
                 lines.append(pending)
             for line in lines:
                 shown = line.rpartition("\r")[2]  # what a terminal shows of a line redrawn with \r

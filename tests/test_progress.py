@@ -85,6 +85,20 @@ def test_the_supervisor_echoes_bars_as_they_come_and_logs_finished_lines(tmp_pat
     assert list(child.tail) == log
 
 
+def test_a_bar_left_unfinished_by_a_stopped_child_stays_out_of_the_log(tmp_path, capfd):
+    from launcher.supervisor import Supervisor
+
+    sup = Supervisor(tmp_path / "logs")
+    script = "import sys\nsys.stdout.write('step 3 | 1.0 s\\n\\rstep 4/60: training: 1/3 mb'); sys.stdout.flush()\n"
+    child = sup.start("trainer", [sys.executable, "-c", script], echo=True, expect_exit=True)
+    assert sup.wait_for(child, poll_s=0.05) == 0
+    sup.stop_all()
+    assert "\rstep 4/60: training: 1/3 mb" in capfd.readouterr().out  # the terminal saw it
+    log = (tmp_path / "logs" / "trainer.log").read_text()
+    assert log.splitlines()[-1] == "step 3 | 1.0 s"  # the command line above holds the script's text
+    assert list(child.tail)[-1] == "step 3 | 1.0 s"
+
+
 def test_micro_batches_trained_are_counted_of_the_plans_total(tiny_model_dir):
     # train_step reports each micro-batch's backward as (done, total) of this rank's plan; the
     # no-grad proximal passes of ppo_minibatches=2 are not counted
