@@ -197,7 +197,11 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     if cfg.data.task not in TASKS:
         raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")
     for split in ("train", "test"):  # what the workers and the trainer read: a missing or bad file fails here
-        load_task(cfg.data, split)
+        examples = load_task(cfg.data, split)
+    e = cfg.eval
+    if (e.at_start or e.at_end or e.every_steps) and e.num_prompts > len(examples):
+        raise ValueError(f"eval.num_prompts={e.num_prompts} but the test split of data.task={cfg.data.task!r} has "
+                         f"{len(examples)} prompts; set eval.num_prompts={len(examples)} or fewer")
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     cfg = resolve_dtypes(cfg, torch.cuda.is_available())

@@ -270,6 +270,8 @@ def test_flags_go_anywhere_among_the_overrides_and_a_directory_is_not_a_config(t
 @pytest.mark.parametrize("overrides, error, words", [
     (["inference.backend=sglang"], ValueError, "inference.backend=sglang but SGLang is not installed"),
     (["data.task=gsm8k", "data.train_path=nosuch.jsonl"], FileNotFoundError, "data file 'nosuch.jsonl' not found"),
+    (["eval.num_prompts=301"], ValueError, r"eval.num_prompts=301 but the test split of data.task='arith' has 300 "
+                                           r"prompts; set eval.num_prompts=300 or fewer"),
 ])
 def test_a_launch_refused_before_start_leaves_no_run_directory(tmp_path, tiny_model_dir, monkeypatch,
                                                                overrides, error, words):
