@@ -304,7 +304,8 @@ def run_variant(var: Variant, qn: Tensor, kn: Tensor, vn: Tensor, d_out: Tensor,
     grads = [x.grad.detach() for x in leaves]
     if not var.per_node:
         out_pos = out
-        grads = [g.new_zeros(lay.num_nodes, *g.shape[1:]).index_add_(0, node_of, g) for g in grads]
+        grads = [g.new_zeros(lay.num_nodes, *g.shape[1:], dtype=torch.float32).index_add_(0, node_of, g.float())
+                 for g in grads]  # summed over each node's positions in fp32, not in the input dtype
     else:
         out_pos = out[node_of]
     fm, bm = statistics.median(fwd), statistics.median(bwd)
