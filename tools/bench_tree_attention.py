@@ -8,7 +8,8 @@
 Batch: the GPU GRPO shape of ``tools/bench_trainer.py --shape gpu`` (``--groups`` 32 × ``--samples``
 8, prompts of 512–1024 random tokens, responses of 256–1024, lengths and tokens from ``--seed``).
 The sequences are cut and allocated the way the trainer cuts them with ``trainer.share_prefixes``
-(``tree.cut_units`` under ``--max-tokens``, then ``packing.allocate_micro_batches``), and the
+(``tree.cut_units`` under ``--max-tokens``, then ``packing.allocate_micro_batches``; every
+sequence, none skipped for a zero advantage), and the
 **first micro-batch** of that plan is measured (one micro-batch, not the whole batch). Its
 sequences' unshared packing (variant a) is the same sequences back to back, so it holds more
 tokens than the budget: it is what the trainer would forward for them without sharing.
