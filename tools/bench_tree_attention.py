@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if h % h_kv:
         raise ValueError(f"--heads {args.heads}: query heads {h} must be a multiple of K/V heads {h_kv}")
     if len(p_len) != 2 or len(r_len) != 2 or not (1 <= p_len[0] <= p_len[1]) or not (1 <= r_len[0] <= r_len[1]):
-        raise ValueError(f"--prompt-len {args.prompt_len} / --response-len {args.response_len}: give MIN,MAX with 1 <= MIN <= MAX")
+        raise ValueError(f"--prompt-len {args.prompt_len} / --response-len {args.response_len}: "
+                         "give MIN,MAX with 1 <= MIN <= MAX")
     which = args.variants.split(",")
     if "a" not in which or not set(which) <= {"a", "b", "c", "d", "ref"}:
         raise ValueError(f"--variants {args.variants}: a subset of a,b,c,d,ref that includes a (the ratios' base)")
@@ -371,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{r_len[0]}-{r_len[1]}, seed {args.seed}; micro-batch 1 of {n_mb} under {args.max_tokens} tokens: "
           f"{len(mb)} sequences, {t} tokens unshared, {n} nodes ({t / n:.2f}x), {lay.cu_trees.numel() - 1} trees, "
           f"{lay.cu_q.numel() - 1} chains; plan + layout {plan_s:.2f} s", flush=True)
-    print(f"heads {h}/{h_kv}/{dim}, {dtype}, {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+    name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    print(f"heads {h}/{h_kv}/{dim}, {dtype}, {device}{name}",
           flush=True)
 
     g = torch.Generator(device="cpu").manual_seed(args.seed)
