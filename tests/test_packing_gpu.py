@@ -175,3 +175,116 @@ def test_tree_packing_matches_unshared_on_cuda(tiny_qwen3_dir, dtype, n_prompts,
     else:
         assert len(flex_calls) == 2  # once per layer of the tree's forward (the flat one runs varlen_attn)
         assert tree_err <= 2 * flat_err + 1e-2 and tree_gerr <= 2 * flat_gerr + 1e-2
+
+
+def _deterministic_tree_run(rank: int, port: int, model_dir: str, dtype: str, out_path: str,
+                            device_type: str = "cuda") -> None:
+    """Deterministic mode's settings (``trainer/main.py``: ``CUBLAS_WORKSPACE_CONFIG`` before CUDA
+    starts, ``torch.use_deterministic_algorithms(True)``, batch-invariant linears), one rank of
+    FSDP2, ``trainer.share_prefixes=true``: two runs of two ``train_step`` s each from the same
+    weights, on the shared-prefix batch of ``tests/test_trainer_step.py`` at a budget of one tree
+    (4096) and one that cuts trees (30). Saves the losses, gradients (as the optimizer saw them)
+    and weights of every run, the masked ``sdpa`` calls, the determinism warnings, and the error
+    text if a step raised. Also: a masked ``sdpa`` forward + backward with only the memory-efficient
+    backend allowed, twice at a shape where its backward would split the keys (4 heads, 4096
+    keys), compared bit for bit."""
+    import os
+    import traceback
+    import warnings
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    import torch.distributed as dist
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from areal_async.config import AlgoConfig, TrainerConfig
+    from areal_async.trainer import attention
+    from areal_async.trainer.parallel import build_policy, full_state_dict, hf_model
+    from areal_async.trainer.step import train_step
+    from tests.test_trainer_step import shared_prefix_trajectories
+
+    torch.use_deterministic_algorithms(True)
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=0, world_size=1)
+    result = {"runs": {}, "sdpa_tree_calls": 0, "warnings": [], "error": None, "efficient_equal": None}
+    real_tree = attention._sdpa_per_tree
+
+    def counting(*args, **kwargs):
+        result["sdpa_tree_calls"] += 1
+        return real_tree(*args, **kwargs)
+
+    attention._sdpa_per_tree = counting
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            self.grads.append([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu().clone()
+                               for group in self.param_groups for p in group["params"] if p.grad is not None])
+            return super().step(closure)
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for budget in (4096, 30):
+                for run in range(2):
+                    cfg = TrainerConfig(max_tokens_per_mb=budget, dtype=dtype, share_prefixes=True,
+                                        skip_zero_advantage=True)
+                    policy = build_policy(model_dir, cfg, device, batch_invariant=True)
+                    optimizer = Recording(policy.parameters(), lr=1e-3)
+                    optimizer.grads = []
+                    trajs = shared_prefix_trajectories(int(hf_model(policy).config.vocab_size))
+                    metrics = [train_step(policy, optimizer, trajs, AlgoConfig(), cfg, 1.0, device) for _ in range(2)]
+                    result["runs"][(budget, run)] = {"metrics": metrics, "grads": optimizer.grads,
+                                                     "weights": full_state_dict(policy)}
+            if device_type == "cuda":
+                g = torch.Generator(device="cpu").manual_seed(0)
+                q, k, v = (torch.randn(1, 4, 4096, 64, generator=g).to(device, torch.bfloat16) for _ in range(3))
+                grad_out = torch.randn(1, 4, 4096, 64, generator=g).to(device, torch.bfloat16)
+                idx = torch.arange(4096, device=device)
+                mask = (idx[None, :] <= idx[:, None]) & ((idx[:, None] // 1000) == (idx[None, :] // 1000))
+                outs = []
+                for _ in range(2):
+                    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+                    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                        o = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask)
+                        outs.append([o.detach(), *torch.autograd.grad(o, leaves, grad_out)])
+                result["efficient_equal"] = all(torch.equal(a, b) for a, b in zip(*outs))
+        result["warnings"] = [str(w.message) for w in caught if "determinis" in str(w.message)]
+    except Exception:  # noqa: BLE001 - the parent asserts on the text
+        result["error"] = traceback.format_exc()
+    finally:
+        attention._sdpa_per_tree = real_tree
+        torch.save(result, out_path)
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deterministic_tree_steps_are_bit_identical_on_cuda(tiny_qwen3_dir, dtype, tmp_path):
+    # Deterministic mode on a GPU with shared-prefix packing: the tree takes the per-tree masked
+    # sdpa (no FlexAttention under deterministic algorithms); torch must raise no "does not have a
+    # deterministic implementation" error, and two identical runs must agree bit for bit in loss,
+    # gradients and updated weights (after each of two steps, AdamW). Run in a fresh process so
+    # that CUBLAS_WORKSPACE_CONFIG is set before cuBLAS starts, as trainer/main.py does.
+    import torch.multiprocessing as mp
+
+    from tests.test_trainer_step import _free_port
+
+    out = tmp_path / f"det-{dtype}.pt"
+    mp.start_processes(_deterministic_tree_run, args=(_free_port(), str(tiny_qwen3_dir), dtype, str(out)),
+                       nprocs=1, join=True, start_method="spawn")
+    result = torch.load(out, weights_only=False)
+    assert result["error"] is None, result["error"]
+    print(f"{dtype}: masked sdpa tree calls {result['sdpa_tree_calls']}, determinism warnings {result['warnings']}, "
+          f"memory-efficient sdpa fwd+bwd bit-identical: {result['efficient_equal']}")
+    assert result["sdpa_tree_calls"] > 0
+    assert not result["warnings"], result["warnings"]
+    assert result["efficient_equal"]
+    for budget in (4096, 30):
+        one, two = result["runs"][(budget, 0)], result["runs"][(budget, 1)]
+        for s, (m1, m2) in enumerate(zip(one["metrics"], two["metrics"])):
+            assert m1["train/loss"] == m2["train/loss"] and m1["train/grad_norm"] == m2["train/grad_norm"], (budget, s)
+            assert m1["train/forward_tokens"] < m1["train/tokens"], (budget, s)  # sharing and skipping ran
+        assert len(one["grads"]) == len(two["grads"]) == 2
+        for s, (g1, g2) in enumerate(zip(one["grads"], two["grads"])):
+            assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True)), f"budget {budget}: gradients of step {s}"
+        for name, w in one["weights"].items():
+            assert torch.equal(w, two["weights"][name]), f"budget {budget}: {name}"
