@@ -35,7 +35,8 @@ commit and the slot is freed at the next plan (a waiting request may thus be adm
 later than without the pipeline). A request that has been issued ``max_new_tokens`` tokens is
 never decoded again, so length-limited requests cost no extra step. Aborts (``abort``, or a
 cancelled ``generate`` caller) return at once with the tokens committed so far (the in-flight token
-is dropped).
+is dropped). A streamed response passes ``generate`` a ``TokenSink``: the scheduler tells it of the
+request's admission, of each token as step 3 commits it, and of the request's end.
 
 Weight swaps and pause need a quiet engine: no step in flight and every launched step committed,
 so a request finished by the steps before a swap reports the version that made its tokens (one

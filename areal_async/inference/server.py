@@ -3,7 +3,7 @@
 Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--dtype bfloat16]
 [--device cpu] [--max-running-requests 32] [--max-seq-len 1024] [--threads N] [--weight-version 0]
 [--enable-deterministic-inference] [--disable-radix-cache] [--prefix-cache-entries 8]
-[--debug-jitter-ms MS --debug-jitter-seed S]``.
+[--stream-interval 1] [--served-model-name NAME] [--debug-jitter-ms MS --debug-jitter-seed S]``.
 
 ``--enable-deterministic-inference`` (as SGLang's flag) makes the forward batch-invariant: a
 request's tokens and log-probs do not depend on which other requests share its decode steps.
@@ -13,12 +13,15 @@ request's tokens and log-probs do not depend on which other requests share its d
 ``--debug-jitter-ms`` sleeps a seeded random delay before each engine step (determinism tests).
 
 Implemented subset (see docs/sglang_api.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
-no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
+``stream: true`` sends SGLang's server-sent events, one cumulative chunk per request every
+``--stream-interval`` tokens, see ``_generate_stream``; no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
-directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
+directory), and the OpenAI-compatible ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
+(``openai_api.py``; the model id is ``--served-model-name``, by default ``--model-path``, as on
+SGLang). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
 SGLang's ``{"success": false, "message": ...}``), naming the field; fields have exact JSON types
 (``return_logprob`` is ``true``/``false``, never ``"false"``; ports, ranks and sizes are integers;
 ``text`` a string or a list of strings; a missing or null field takes SGLang's default, e.g.
@@ -30,8 +33,9 @@ bucket of a distributed update carries it). A generation whose
 log-probs are not all finite (broken weights) is HTTP 500 with that body, naming the rid and the
 weight version, whether or not log-probs were asked for; ``/health_generate`` is then 503.
 
-A ``/generate`` whose client disconnects is cancelled (aiohttp's ``handler_cancellation``), which
-aborts its requests in the engine; weight updates run in their own task, so a disconnect never
+A ``/generate`` (streamed or not, or a ``/v1`` request) whose client disconnects is cancelled
+(aiohttp's ``handler_cancellation``; a streamed one also stops at its first write to the closed
+connection), which aborts its requests in the engine; weight updates run in their own task, so a disconnect never
 leaves one half-applied. ``/init_weights_update_group`` joins the group in a daemon thread: on
 SIGTERM the server answers a join still waiting for peers with 503 and exits without waiting for it.
 """
