@@ -134,6 +134,38 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_slot(tiny_model_dir):
     assert status == 200 and len(after["output_ids"]) <= 2
 
 
+def test_broken_weights_end_a_stream_with_an_error_event(tiny_model_dir, tmp_path):
+    # a NaN norm makes every logit NaN: a stream must not send the NaN (JSON has none) nor its tokens
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(tmp_path / "nan")
+
+    async def main():
+        async with running(tiny_model_dir) as (url, http, engine):
+            status, loaded = await post(http, url + "/update_weights_from_disk",
+                                        {"model_path": str(tmp_path / "nan"), "weight_version": "3"})
+            assert status == 200, loaded
+            body = {"input_ids": [1, 2], "rid": "b1", "stream": True, "sampling_params": {"max_new_tokens": 4}}
+            generate = await events(http, url + "/generate", body)
+            chat = await events(http, url + "/v1/chat/completions", {"messages": PROMPT, "stream": True})
+            plain = await post(http, url + "/v1/completions", {"prompt": [1, 2], "max_tokens": 4})
+            return generate, chat, plain, engine.num_running
+
+    generate, chat, (status, plain), running_after = asyncio.run(main())
+    assert generate == [{"error": {"message": generate[0]["error"]["message"], "type": "server_error", "code": 500,
+                                   "retryable": False}}]
+    assert "non-finite log-probs (NaN or inf) for rid 'b1'" in generate[0]["error"]["message"]
+    assert "under weight version 3" in generate[0]["error"]["message"]
+    # the chat stream opens no choice: its first chunk already had a NaN log-prob
+    assert len(chat) == 1 and chat[0]["error"]["code"] == 500 and "non-finite" in chat[0]["error"]["message"]
+    assert status == 500 and plain["error"]["type"] == "server_error" and "non-finite" in plain["error"]["message"]
+    assert running_after == 0
+
+
 def test_v1_models_and_completions(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = "Natalia sold clips to"

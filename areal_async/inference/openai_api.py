@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
@@ -48,8 +49,7 @@ from aiohttp import web
 from ..types import sample_seed
 from .engine import Completion, Engine
 from .sampling import SamplingParams
-from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, running_text, sse_event,
-                        start_sse)
+from .streaming import SSE_DONE, NonFiniteLogprobs, run_requests, running_text, sse_event, start_sse
 
 # OpenAI field → SGLang sampling_params key, for the sampling fields both endpoints map alike
 _SAMPLING = {
@@ -252,11 +252,10 @@ class _Call:
         if not self.stream:
             try:
                 done = await run_requests(engine, self.prompts, self.params, self.rids, None, _ignore)
+            except NonFiniteLogprobs as exc:  # broken weights (the other requests are aborted)
+                return OpenAIError(str(exc), status=500).response()
             except ValueError as exc:  # a rid taken since validation (not one a client chose: cannot happen)
                 return OpenAIError(str(exc)).response()
-            broken = non_finite(done, self.rids)
-            if broken:
-                return OpenAIError(broken, status=500).response()
             choices = [fmt.choice(i, self.text(i, c), c) for i, c in enumerate(done)]
             return web.json_response({"id": self.id, "object": fmt.object, "created": self.created, "model": self.model,
                                       "choices": choices, "usage": self.usage(dict(enumerate(done))),
@@ -290,20 +289,22 @@ class _Call:
         return response
 
 
-class _Format:
-    """How one endpoint shapes its choices (a plain answer's and a stream's)."""
+class _Format(Protocol):
+    """How one endpoint shapes its answer: ``object`` / ``chunk_object`` name a plain answer and a
+    stream's chunk."""
 
     object: str
     chunk_object: str
 
     def choice(self, index: int, text: str, c: Completion) -> dict:
-        raise NotImplementedError
+        """Choice ``index`` of a plain answer: the finished ``c``, decoded as ``text``."""
 
     def stream_events(self, index: int, first: bool, delta: str, c: Completion) -> list[dict]:
-        raise NotImplementedError
+        """The stream choices for an update of choice ``index`` (``first``: its first), ``delta``
+        its text since the last one; ``c.finish_reason`` is set on its last update."""
 
 
-class _CompletionFormat(_Format):
+class _CompletionFormat:
     object = chunk_object = "text_completion"
 
     def choice(self, index: int, text: str, c: Completion) -> dict:
@@ -314,7 +315,7 @@ class _CompletionFormat(_Format):
         return [self.choice(index, delta, c)]  # one chunk per engine chunk, as SGLang sends them
 
 
-class _ChatFormat(_Format):
+class _ChatFormat:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def choice(self, index: int, text: str, c: Completion) -> dict:
