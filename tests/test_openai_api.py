@@ -134,6 +134,29 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_slot(tiny_model_dir):
     assert status == 200 and len(after["output_ids"]) <= 2
 
 
+def test_an_aborted_stream_ends_with_its_abort_chunk(tiny_model_dir):
+    prompt = chat_ids(tiny_model_dir, PROMPT)
+
+    async def main():
+        async with running(tiny_model_dir, max_seq_len=2048) as (url, http, engine):
+            body = {"input_ids": prompt, "rid": "a1", "stream": True,
+                    "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+            async with http.post(url + "/generate", json=body) as resp:
+                first = await resp.content.readuntil(b"\n\n")
+                aborted = await post(http, url + "/abort_request", {"rid": "a1"})
+                rest = (await resp.read()).decode().split("\n\n")
+            return first, aborted, rest, engine.num_running
+
+    first, aborted, rest, running_after = asyncio.run(main())
+    assert aborted == (200, {"success": True, "message": "aborted 1 request(s)"})
+    *chunks, done, tail = rest
+    assert (done, tail) == ("data: [DONE]", "")
+    last = json.loads(chunks[-1][len("data: "):])
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted"}
+    assert len(last["output_ids"]) < 1500 and last["output_ids"][:1] == json.loads(first[6:])["output_ids"]
+    assert running_after == 0
+
+
 def test_broken_weights_end_a_stream_with_an_error_event(tiny_model_dir, tmp_path):
     # a NaN norm makes every logit NaN: a stream must not send the NaN (JSON has none) nor its tokens
     import torch
