@@ -265,14 +265,14 @@ class _Call:
         done: dict[int, Completion] = {}
 
         async def emit(i: int, c: Completion) -> None:
-            text = self.text(i, c)
-            before = sent.get(i)
-            # a running text is a prefix of every later one (streaming.running_text)
-            delta = text[len(before or ""):] if text.startswith(before or "") else ""
-            sent[i] = text if text.startswith(before or "") else before
+            first, text, before = i not in sent, self.text(i, c), sent.get(i, "")
+            # a running text is a prefix of every later one (streaming.running_text); were one not,
+            # its new part would wait for a text that extends what was sent
+            delta = text[len(before):] if text.startswith(before) else ""
+            sent[i] = before + delta
             if c.finish_reason is not None:
                 done[i] = c
-            for event in fmt.stream_events(i, before is None, delta, c):
+            for event in fmt.stream_events(i, first, delta, c):
                 await response.write(self.chunk(fmt, [event]))
 
         try:
