@@ -107,8 +107,9 @@ class Completion:
 class TokenSink(Protocol):
     """Receives one request's progress as the scheduler commits it (a streamed response).
 
-    Both methods are called on the event loop, inside the scheduler's commit, so they must only
-    record and signal (e.g. set an ``asyncio.Event``), never block or await.
+    Its methods are called on the event loop, by the scheduler (admission, commit) or by an abort,
+    so they must only record and signal (e.g. set an ``asyncio.Event``), never block or await. An
+    engine that fails tells no sink: the request's ``generate`` raises instead.
     """
 
     def admitted(self, cached_tokens: int) -> None:
