@@ -610,12 +610,12 @@ def test_unreadable_weights_and_non_json_bodies_get_json_400s(tiny_model_dir, tm
 
 
 def test_raised_and_returned_bad_input_answers_have_the_same_shape(tiny_model_dir):
-    # a body that is not JSON is refused where the handler raises (_body); stream=true where it
-    # returns: both are SGLang's {"error": {"message": ...}} with a JSON content type
+    # a body that is not JSON is refused where the handler raises (_body); both input_ids and text
+    # where it returns: both are SGLang's {"error": {"message": ...}} with a JSON content type
     async def main():
         async with running(tiny_model_dir, slots=2, max_seq_len=64) as (api, _):
             answers = []
-            for data in (b"{not json", json.dumps({"input_ids": [1, 2], "stream": True}).encode()):
+            for data in (b"{not json", json.dumps({"input_ids": [1, 2], "text": "a"}).encode()):
                 async with api.http.post(api.url + "/generate", data=data,
                                          headers={"Content-Type": "application/json"}) as resp:
                     answers.append((resp.status, resp.content_type, resp.charset, json.loads(await resp.text())))
@@ -626,7 +626,7 @@ def test_raised_and_returned_bad_input_answers_have_the_same_shape(tiny_model_di
         assert (status, content_type, charset) == (400, "application/json", "utf-8")
         assert list(body) == ["error"] and list(body["error"]) == ["message"], body
     assert "not JSON" in raised[3]["error"]["message"]
-    assert "stream=true is not supported" in returned[3]["error"]["message"]
+    assert "send either 'input_ids' or 'text', not both" in returned[3]["error"]["message"]
 
 
 def test_weight_update_behind_the_current_version_or_past_int64_is_refused_before_reading(tiny_model_dir, tmp_path):

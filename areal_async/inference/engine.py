@@ -35,7 +35,8 @@ commit and the slot is freed at the next plan (a waiting request may thus be adm
 later than without the pipeline). A request that has been issued ``max_new_tokens`` tokens is
 never decoded again, so length-limited requests cost no extra step. Aborts (``abort``, or a
 cancelled ``generate`` caller) return at once with the tokens committed so far (the in-flight token
-is dropped).
+is dropped). A streamed response passes ``generate`` a ``TokenSink``: the scheduler tells it of the
+request's admission, of each token as step 3 commits it, and of the request's end.
 
 Weight swaps and pause need a quiet engine: no step in flight and every launched step committed,
 so a request finished by the steps before a swap reports the version that made its tokens (one
@@ -77,7 +78,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import secrets
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -91,15 +92,34 @@ from .sampling import SamplingParams, sample
 
 @dataclasses.dataclass
 class Completion:
-    """What a finished request returns (``finish_reason``: ``stop`` | ``length`` | ``abort``)."""
+    """What a finished request returns (``finish_reason``: ``stop`` | ``length`` | ``abort``; ``None``
+    in a snapshot of a request still running, as a stream's intermediate chunk reports it)."""
 
     output_ids: list[int]
     logprobs: list[float]
-    finish_reason: str
+    finish_reason: str | None
     matched: int | None
     prompt_tokens: int
     weight_version: int
     cached_tokens: int = 0  # prompt tokens whose keys and values were copied, not computed
+
+
+class TokenSink(Protocol):
+    """Receives one request's progress as the scheduler commits it (a streamed response).
+
+    Its methods are called on the event loop, by the scheduler (admission, commit) or by an abort,
+    so they must only record and signal (e.g. set an ``asyncio.Event``), never block or await. An
+    engine that fails tells no sink: the request's ``generate`` raises instead.
+    """
+
+    def admitted(self, cached_tokens: int) -> None:
+        """Called once, when the request takes a KV slot: ``cached_tokens`` prompt tokens were copied."""
+
+    def token(self, token_id: int, logprob: float) -> None:
+        """Called for each committed output token, in order (before the request finishes on it)."""
+
+    def finished(self, completion: Completion) -> None:
+        """Called once, when the request finishes (stop, length or abort), with what it returns."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,6 +130,7 @@ class _Request:
     seed: int
     stop_ids: frozenset[int]
     done: asyncio.Future
+    sink: TokenSink | None = None  # told of its admission, each committed token and its end
     output_ids: list[int] = dataclasses.field(default_factory=list)  # committed tokens
     logprobs: list[float] = dataclasses.field(default_factory=list)
     slot: int = -1
@@ -245,17 +266,19 @@ class Engine:
                 f"exceeds the server's max_seq_len {self.max_seq_len}; shorten one or raise --max-seq-len"
             )
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Completion:
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str,
+                       sink: TokenSink | None = None) -> Completion:
         """Queue a request and wait for it to finish (or be aborted). Raises ``ValueError`` on bad
         input or a ``rid`` already running (``validate``). Cancelling the caller (e.g. its HTTP
-        client went away) aborts the request, so its slot is free at the next step."""
+        client went away) aborts the request, so its slot is free at the next step. ``sink``, if
+        given, is told of the request's admission, of each token as it is committed, and of its end."""
         self.validate(input_ids, params, rid)
         if self._error is not None:
             raise self._error
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         req = _Request(rid, list(input_ids), params, seed, frozenset(stop),
-                       asyncio.get_running_loop().create_future())
+                       asyncio.get_running_loop().create_future(), sink)
         self._waiting.append(req)
         self._wake.set()
         try:
@@ -269,6 +292,8 @@ class Engine:
         if not req.finished:
             req.done.set_result(Completion(list(req.output_ids), list(req.logprobs), reason, matched,
                                            len(req.input_ids), self.weight_version, req.cached_tokens))
+            if req.sink is not None:
+                req.sink.finished(req.done.result())
 
     def _unfinished(self) -> list[_Request]:
         """Every request not yet finished: waiting, running, or with its last token in flight."""
@@ -450,6 +475,8 @@ class Engine:
             budget -= len(req.input_ids) - start
             req.slot = n + len(prefill)
             req.cached_tokens = start
+            if req.sink is not None:
+                req.sink.admitted(start)
             self._put_slot_params(req)
             prefill.append(req)
             if twin is not None:
@@ -569,6 +596,8 @@ class Engine:
             assert len(req.output_ids) < req.issued, f"request {req.rid} commits more tokens than were issued"
             req.output_ids.append(token)
             req.logprobs.append(logprob)
+            if req.sink is not None:
+                req.sink.token(token, logprob)
             if token in req.stop_ids:
                 self._finish(req, "stop", token)
             elif len(req.output_ids) >= req.params.max_new_tokens:

@@ -3,7 +3,7 @@
 Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--dtype bfloat16]
 [--device cpu] [--max-running-requests 32] [--max-seq-len 1024] [--threads N] [--weight-version 0]
 [--enable-deterministic-inference] [--disable-radix-cache] [--prefix-cache-entries 8]
-[--debug-jitter-ms MS --debug-jitter-seed S]``.
+[--stream-interval 1] [--served-model-name NAME] [--debug-jitter-ms MS --debug-jitter-seed S]``.
 
 ``--enable-deterministic-inference`` (as SGLang's flag) makes the forward batch-invariant: a
 request's tokens and log-probs do not depend on which other requests share its decode steps.
@@ -13,12 +13,15 @@ request's tokens and log-probs do not depend on which other requests share its d
 ``--debug-jitter-ms`` sleeps a seeded random delay before each engine step (determinism tests).
 
 Implemented subset (see docs/sglang_api.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
-no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
+``stream: true`` sends SGLang's server-sent events, one cumulative chunk per request every
+``--stream-interval`` tokens, see ``_generate_stream``; no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
-directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
+directory), and the OpenAI-compatible ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
+(``openai_api.py``; the model id is ``--served-model-name``, by default ``--model-path``, as on
+SGLang). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
 SGLang's ``{"success": false, "message": ...}``), naming the field; fields have exact JSON types
 (``return_logprob`` is ``true``/``false``, never ``"false"``; ports, ranks and sizes are integers;
 ``text`` a string or a list of strings; a missing or null field takes SGLang's default, e.g.
@@ -30,8 +33,9 @@ bucket of a distributed update carries it). A generation whose
 log-probs are not all finite (broken weights) is HTTP 500 with that body, naming the rid and the
 weight version, whether or not log-probs were asked for; ``/health_generate`` is then 503.
 
-A ``/generate`` whose client disconnects is cancelled (aiohttp's ``handler_cancellation``), which
-aborts its requests in the engine; weight updates run in their own task, so a disconnect never
+A ``/generate`` (streamed or not, or a ``/v1`` request) whose client disconnects is cancelled
+(aiohttp's ``handler_cancellation``; a streamed one also stops at its first write to the closed
+connection), which aborts its requests in the engine; weight updates run in their own task, so a disconnect never
 leaves one half-applied. ``/init_weights_update_group`` joins the group in a daemon thread: on
 SIGTERM the server answers a join still waiting for peers with 503 and exits without waiting for it.
 """
@@ -57,7 +61,10 @@ from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
 from .engine import Completion, Engine
 from .forward import BatchedForward, check_weight_names
+from .openai_api import OpenAIApi
 from .sampling import SamplingParams
+from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, running_text, sse_error, sse_event,
+                        start_sse)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
@@ -171,19 +178,6 @@ def _first_repeated(items: list[str]) -> str | None:
     return next((item for item, count in collections.Counter(items).items() if count > 1), None)
 
 
-def _non_finite(done: list[Completion], rids: list[str]) -> str | None:
-    """The error message for completions with a non-finite log-prob (NaN or inf: the weights in
-    service are broken), naming the first one's rid and weight version; ``None`` when all are
-    finite. JSON has no NaN, and tokens drawn from such logits are noise."""
-    bad = [(rid, c) for c, rid in zip(done, rids) if not all(map(math.isfinite, c.logprobs))]
-    if not bad:
-        return None
-    (rid, c), more = bad[0], f" (and {len(bad) - 1} more of the batch)" if len(bad) > 1 else ""
-    return (f"the model produced non-finite log-probs (NaN or inf) for rid {rid!r}{more} under weight "
-            f"version {c.weight_version}: those weights are broken (e.g. a diverged training step); "
-            f"load good weights, e.g. a version from before the divergence")
-
-
 def _weight_version(raw, current: int) -> int:
     """SGLang's ``weight_version`` field as an int: ``None`` keeps ``current``; an int or its decimal
     string (``"3"``, the form SGLang's clients send) in ``[current, _MAX_WEIGHT_VERSION)`` is the new
@@ -261,8 +255,13 @@ async def _body(request: web.Request) -> dict:
 class InferenceServer:
     """HTTP handlers around one ``Engine``; ``app()`` builds the aiohttp application."""
 
-    def __init__(self, engine: Engine, tokenizer, model_path: str):
+    def __init__(self, engine: Engine, tokenizer, model_path: str, stream_interval: int = 1,
+                 served_model_name: str | None = None):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval {stream_interval}: must be >= 1 (tokens per streamed chunk)")
         self.engine, self.tokenizer, self.model_path = engine, tokenizer, model_path
+        self.stream_interval = stream_interval
+        self.openai = OpenAIApi(engine, tokenizer, served_model_name or model_path, stream_interval)
         self.groups: dict = {}
         self._task: asyncio.Task | None = None
         self._closing = asyncio.Event()  # set when the application starts shutting down
@@ -287,6 +286,10 @@ class InferenceServer:
             ("POST", "/init_weights_update_group", self.init_weights_update_group),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
+            ("GET", "/v1/models", self.openai.models),
+            ("GET", "/v1/models/{model:.+}", self.openai.model),
+            ("POST", "/v1/completions", self.openai.completions),
+            ("POST", "/v1/chat/completions", self.openai.chat_completions),
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
@@ -312,11 +315,15 @@ class InferenceServer:
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
         try:
-            prompts, batch, rids, params, logprob = self._parse_generate(await _body(request))
+            stream = _field(body, "stream", "bool", False)
+            prompts, batch, rids, params, logprob = self._parse_generate(body)
         except ValueError as exc:
             return _error(str(exc))
+        if stream:
+            return await self._generate_stream(request, prompts, batch, rids, params, logprob)
         # Cancelled when the client disconnects, and if one prompt fails: the task group then
         # cancels every other generate, which aborts its request (no slot is left to nobody).
         try:
@@ -328,17 +335,44 @@ class InferenceServer:
                 return _error(str(first))
             raise first from None
         done = [t.result() for t in running]
-        broken = _non_finite(done, rids)
+        broken = non_finite(done, rids)
         if broken:
             return _error(broken, status=500)
         out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
         return web.json_response(out if batch else out[0])
 
+    async def _generate_stream(self, request: web.Request, prompts: list[list[int]], batch: bool, rids: list[str],
+                               params: SamplingParams, logprob: bool) -> web.StreamResponse:
+        """SGLang's streamed ``/generate``: one server-sent event ``data: {chunk}`` per request per
+        stream interval, then ``data: [DONE]``. A chunk is cumulative, as SGLang's default (not
+        ``--incremental-streaming-output``): the request's ``text``, ``output_ids`` and ``meta_info``
+        so far (``finish_reason`` null until its last chunk, which is the answer a request that is
+        not streamed gets); a batch's chunks carry the prompt's ``index``. An error once streaming
+        has begun is an event ``{"error": {...}}`` before ``[DONE]``, as SGLang sends it."""
+        response = await start_sse(request)
+
+        async def emit(i: int, c: Completion) -> None:
+            out = self._response(c, rids[i], params, logprob)
+            if c.finish_reason is None:
+                out["meta_info"]["finish_reason"] = None
+                out["text"] = running_text(out["text"])
+            if batch:
+                out["index"] = i
+            await response.write(sse_event(out))
+
+        try:
+            await run_requests(self.engine, prompts, [params] * len(prompts), rids, self.stream_interval, emit)
+        except ConnectionResetError:  # the client went away; its requests were aborted
+            return response
+        except (ValueError, NonFiniteLogprobs) as exc:
+            await response.write(sse_error(str(exc), 500 if isinstance(exc, NonFiniteLogprobs) else 400))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
     def _parse_generate(self, body: dict) -> tuple[list[list[int]], bool, list[str], SamplingParams, bool]:
         """A ``/generate`` body's prompts (token ids), whether it is a batch, the rids, the sampling
         params and ``return_logprob``; raises ``ValueError`` naming the field that is wrong."""
-        if _field(body, "stream", "bool", False):
-            raise ValueError("stream=true is not supported by this server; send stream=false")
         logprob = _field(body, "return_logprob", "bool", False)
         ids = body.get("input_ids")
         if ids is not None and body.get("text") is not None:  # SGLang refuses both as well
@@ -397,7 +431,7 @@ class InferenceServer:
         start = next(iter(self.engine.eos_token_ids), 0)
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         rid = f"health-{uuid.uuid4().hex}"
-        broken = _non_finite([await self.engine.generate([start], params, rid)], [rid])
+        broken = non_finite([await self.engine.generate([start], params, rid)], [rid])
         if broken:  # SGLang answers 503 when its health generation fails
             return _error(broken, status=503)
         return web.Response(text="")
@@ -604,6 +638,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compute every prompt in full (no reuse of cached prompts' keys and values)")
     p.add_argument("--prefix-cache-entries", type=int, default=8,
                    help="prompts the prefix cache holds, one KV row of --max-seq-len positions each")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="output tokens per streamed chunk (SGLang's flag; the first token is sent at once)")
+    p.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: --model-path)")
     p.add_argument("--debug-jitter-ms", type=float, default=0.0, help="random delay before each step")
     p.add_argument("--debug-jitter-seed", type=int, default=0)
     p.add_argument("--debug-jitter-stream", type=int, default=0, help="e.g. the server index")
@@ -611,7 +648,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # bad values exit here with argparse's usage line (code 2), before the model loads
     for flag, value in (("--max-running-requests", args.max_running_requests), ("--max-seq-len", args.max_seq_len),
                         ("--max-prefill-tokens", args.max_prefill_tokens),
-                        ("--prefix-cache-entries", args.prefix_cache_entries)):
+                        ("--prefix-cache-entries", args.prefix_cache_entries),
+                        ("--stream-interval", args.stream_interval)):
         if value < 1:
             p.error(f"{flag} {value}: must be >= 1")
     if not 0 <= args.port <= 65535:
@@ -644,7 +682,7 @@ async def main(argv: list[str] | None = None) -> None:
                                     cuda_graph=not args.disable_cuda_graph,
                                     prefix_cache=not args.disable_radix_cache,
                                     prefix_cache_entries=args.prefix_cache_entries)
-    server = InferenceServer(engine, tokenizer, args.model_path)
+    server = InferenceServer(engine, tokenizer, args.model_path, args.stream_interval, args.served_model_name)
     async with serve(server, args.host, args.port) as url:
         mode = "deterministic" if args.enable_deterministic_inference else "throughput"
         print(f"inference server on {url} ({args.model_path}, {args.dtype}, {args.device}, {mode})", flush=True)

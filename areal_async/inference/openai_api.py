@@ -1,0 +1,420 @@
+"""The OpenAI-compatible endpoints of the embedded server, as SGLang serves them over its engine.
+
+``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``, ``POST
+/v1/chat/completions``, plain and streamed, with the shapes of SGLang 0.5.23's
+``entrypoints/openai`` (``protocol.py``, ``serving_completions.py``, ``serving_chat.py``). Each
+request is mapped onto SGLang's ``sampling_params`` (``max_tokens`` → ``max_new_tokens``, ``seed``
+→ ``sampling_seed``, ``min_tokens`` → ``min_new_tokens``, the rest by their own names) and decoded
+by ``SamplingParams.parse``, so it means what a ``/generate`` with those params means, and is
+refused where ``/generate`` would refuse it.
+
+- **Prompts**: ``/v1/completions`` takes a string, a list of strings, a list of token ids or a list
+  of such lists, tokenized as ``/generate``'s ``text`` (no special tokens added). Chat messages go
+  through the tokenizer's ``apply_chat_template(..., add_generation_prompt=True)`` (plus the
+  request's ``chat_template_kwargs``); a message's ``content`` is a string or a list of ``text``
+  parts.
+- **Defaults**: ``/v1/completions`` ``max_tokens`` 16 (OpenAI's, SGLang's); chat ``max_tokens`` /
+  ``max_completion_tokens`` absent means up to the server's ``max_seq_len``, as SGLang clamps it to
+  the context. ``temperature`` and ``top_p`` absent are 1.0 (OpenAI's defaults; SGLang would take
+  the model's ``generation_config.json`` first, which this server does not read).
+- **n**: ``n`` engine requests per prompt (the engine computes their common prompt once); choice
+  ``i`` of a prompt is seeded ``seed`` for ``i = 0`` and ``types.sample_seed(seed, 0, i)`` after,
+  so ``n = 1`` is the ``/generate`` with ``sampling_seed = seed``. Choices are indexed
+  ``prompt * n + i``, as SGLang does.
+- **Streaming** (``stream: true``): server-sent events, one chunk per request per stream interval
+  (``streaming.py``); a completions chunk carries the text added since the last one, a chat
+  stream opens each choice with a ``role`` chunk, sends ``content`` deltas, and closes it with a
+  chunk holding ``finish_reason`` (when the choice finishes; SGLang sends these after every choice
+  has finished). ``stream_options.include_usage`` adds a last chunk with ``choices: []`` and the
+  ``usage``; then ``data: [DONE]``.
+- **Fields**: fields this server does not know are ignored (SGLang's pydantic models ignore them
+  too). Known fields it cannot honour are accepted at their neutral value (what clients send by
+  default: ``logprobs: false``, ``n: 1``, ``echo: false``, ``tools: []``, ``response_format:
+  {"type": "text"}``, ...) and otherwise refused with HTTP 400 and OpenAI's error body ``{"error":
+  {"message", "type", "param", "code"}}`` naming the field (SGLang answers the same fields in a
+  flat ``{"object": "error", ...}``; OpenAI's clients read either). Not supported: log-probs,
+  ``echo``, ``suffix``, ``best_of > n``, ``logit_bias``, tools and tool calls, structured output,
+  reasoning parsers, images and audio.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Protocol
+
+import msgspec
+from aiohttp import web
+
+from ..types import sample_seed
+from .engine import Completion, Engine
+from .sampling import SamplingParams
+from .streaming import SSE_DONE, NonFiniteLogprobs, run_requests, running_text, sse_event, start_sse
+
+# OpenAI field → SGLang sampling_params key, for the sampling fields both endpoints map alike
+_SAMPLING = {
+    "temperature": "temperature", "top_p": "top_p", "seed": "sampling_seed", "stop": "stop",
+    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    # SGLang's extensions of the OpenAI requests
+    "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_new_tokens", "repetition_penalty": "repetition_penalty",
+    "stop_token_ids": "stop_token_ids", "stop_regex": "stop_regex", "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim", "regex": "regex",
+    "ebnf": "ebnf", "json_schema": "json_schema",
+}
+# fields accepted only at one of these values: the neutral ones clients send by default
+_NEUTRAL = {
+    "logit_bias": (None, {}),
+    "user": None,  # any value: an end-user id, only for the provider's records
+    "stream_options.continuous_usage_stats": (None, False),
+    "response_format": (None, {"type": "text"}),
+}
+_COMPLETION_NEUTRAL = {**_NEUTRAL, "echo": (None, False), "logprobs": (None,), "suffix": (None, ""), "best_of": (None, 1)}
+_CHAT_NEUTRAL = {**_NEUTRAL, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+                 "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+                 "continue_final_message": (None, False), "separate_reasoning": (None, True)}
+
+
+class OpenAIError(ValueError):
+    """A request refused with OpenAI's error body; ``param`` is the offending field, if one."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+class OpenAIApi:
+    """Handlers of the ``/v1`` endpoints over ``engine``; ``model`` is the id ``/v1/models`` lists."""
+
+    def __init__(self, engine: Engine, tokenizer, model: str, stream_interval: int = 1):
+        self.engine, self.tokenizer, self.model_id, self.stream_interval = engine, tokenizer, model, stream_interval
+
+    # ---- models ---------------------------------------------------------------------------------
+
+    def _card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+                "root": self.model_id, "parent": None, "max_model_len": self.engine.max_seq_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model_id:
+            return web.json_response({"error": {"message": f"The model '{name}' does not exist", "type":
+                                                "invalid_request_error", "param": "model", "code": "model_not_found"}},
+                                     status=404)
+        return web.json_response(self._card())
+
+    # ---- completions ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await _json_object(request)
+            prompts = self._completion_prompts(body.get("prompt"))
+            sampling = _sampling(body, _COMPLETION_NEUTRAL, {"max_new_tokens": _get(body, "max_tokens", 16)})
+            call = self._call(body, prompts, sampling, "cmpl")
+        except OpenAIError as exc:
+            return exc.response()
+        return await call.run(request, _CompletionFormat())
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise OpenAIError(f"prompt {prompt!r} is not a prompt; send a string, a list of strings, a list of "
+                              f"token ids or a list of such lists", "prompt")
+        if all(isinstance(p, str) for p in prompt):
+            ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompt]
+        elif all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+            ids = prompt
+        else:
+            raise OpenAIError("prompt mixes strings and token ids; send a list of strings or a list of token-id "
+                              "lists", "prompt")
+        if not all(ids):
+            raise OpenAIError("prompt has an empty prompt (no tokens); send at least one token per prompt", "prompt")
+        return ids
+
+    # ---- chat -----------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await _json_object(request)
+            prompt = self._chat_prompt(body.get("messages"), _get(body, "chat_template_kwargs", {}, dict))
+            limit = _get(body, "max_completion_tokens", None)
+            limit = _get(body, "max_tokens", None) if limit is None else limit
+            if limit is None and len(prompt) >= self.engine.max_seq_len:
+                raise OpenAIError(f"the prompt ({len(prompt)} tokens) leaves no room under the server's max_seq_len "
+                                  f"{self.engine.max_seq_len}; shorten the messages", "messages")
+            # absent: as many as fit the context, as SGLang clamps an absent limit to it
+            sampling = _sampling(body, _CHAT_NEUTRAL,
+                                 {"max_new_tokens": limit if limit is not None else self.engine.max_seq_len - len(prompt)})
+            call = self._call(body, [prompt], sampling, "chatcmpl")
+        except OpenAIError as exc:
+            return exc.response()
+        return await call.run(request, _ChatFormat())
+
+    def _chat_prompt(self, messages, template_kwargs: dict) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise OpenAIError(f"messages {messages!r} is not a non-empty list of messages; send e.g. "
+                              f'[{{"role": "user", "content": "Hi"}}]', "messages")
+        turns = []
+        for k, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise OpenAIError(f"messages[{k}] {message!r} is not a message; send an object with a 'role' "
+                                  f"string and a 'content'", "messages")
+            turns.append({**message, "content": _message_text(message.get("content"), k)})
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise OpenAIError("this model's tokenizer has no chat template; send a formatted prompt to "
+                              "/v1/completions instead", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True,
+                                                      **template_kwargs)
+        except Exception as exc:  # jinja2's TemplateError, or a template raising on the messages
+            raise OpenAIError(f"the chat template failed on these messages ({type(exc).__name__}: {exc}); "
+                              f"send messages the model's template accepts", "messages") from None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise OpenAIError("the chat template gave an empty prompt; send at least one message with text",
+                              "messages")
+        return ids
+
+    # ---- shared ---------------------------------------------------------------------------------
+
+    def _call(self, body: dict, prompts: list[list[int]], sampling: dict, prefix: str) -> "_Call":
+        """The engine requests of one OpenAI request (``n`` per prompt, choice ``i`` of a prompt
+        seeded as the module docstring says), validated.
+
+        Raises:
+            OpenAIError: a sampling field the engine refuses (``param`` names it), or a prompt
+                the engine cannot run (too long, a token id outside the vocabulary).
+        """
+        n = _get(body, "n", 1)
+        if n < 1:
+            raise OpenAIError(f"n {n}: must be >= 1 (choices per prompt)", "n")
+        params = _parse_sampling(sampling)
+        seed = params.sampling_seed
+        per_choice = [params if i == 0 or seed is None else
+                      msgspec.structs.replace(params, sampling_seed=sample_seed(seed, 0, i)) for i in range(n)]
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        rids = [rid] if len(prompts) * n == 1 else [f"{rid}-{k}" for k in range(len(prompts) * n)]
+        all_prompts = [p for p in prompts for _ in range(n)]
+        all_params = per_choice * len(prompts)
+        try:
+            for p, sp, r in zip(all_prompts, all_params, rids):
+                self.engine.validate(p, sp, r)
+        except ValueError as exc:  # too long (naming max_new_tokens, SGLang's max_tokens), or a bad token id
+            param = "max_tokens" if "max_new_tokens" in str(exc) else "prompt" if "input_ids" in str(exc) else None
+            raise OpenAIError(f"{param}: {exc}" if param else str(exc), param) from None
+        stream = _get(body, "stream", False, bool)
+        usage = _get(body, "stream_options", {}, dict).get("include_usage") or False
+        if type(usage) is not bool:
+            raise OpenAIError(f"stream_options.include_usage {usage!r} is not a boolean; send true or false",
+                              "stream_options")
+        model = _get(body, "model", self.model_id, str)
+        return _Call(self, rid, model, all_prompts, all_params, rids, n, stream, usage)
+
+
+class _Call:
+    """One OpenAI request's engine requests and how its answer is sent (plain or streamed)."""
+
+    def __init__(self, api: OpenAIApi, rid: str, model: str, prompts: list[list[int]], params: list[SamplingParams],
+                 rids: list[str], n: int, stream: bool, include_usage: bool):
+        self.api, self.id, self.model, self.prompts, self.params, self.rids = api, rid, model, prompts, params, rids
+        self.n, self.stream, self.include_usage = n, stream, include_usage
+        self.created = int(time.time())
+
+    def text(self, i: int, c: Completion) -> str:
+        text = self.api.tokenizer.decode(c.output_ids, skip_special_tokens=self.params[i].skip_special_tokens)
+        return text if c.finish_reason is not None else running_text(text)
+
+    def usage(self, done: dict[int, Completion]) -> dict:
+        """OpenAI's ``usage``: each prompt counted once (choice 0 of each), every choice's output."""
+        prompt = sum(c.prompt_tokens for i, c in done.items() if i % self.n == 0)
+        completion = sum(len(c.output_ids) for c in done.values())
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+                "prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}
+
+    def chunk(self, fmt: "_Format", choices: list[dict], **extra) -> bytes:
+        return sse_event({"id": self.id, "object": fmt.chunk_object, "created": self.created, "model": self.model,
+                          "choices": choices, **extra})
+
+    async def run(self, request: web.Request, fmt: "_Format") -> web.StreamResponse:
+        engine, interval = self.api.engine, self.api.stream_interval
+        if not self.stream:
+            try:
+                done = await run_requests(engine, self.prompts, self.params, self.rids, None, _ignore)
+            except NonFiniteLogprobs as exc:  # broken weights (the other requests are aborted)
+                return OpenAIError(str(exc), status=500).response()
+            except ValueError as exc:  # a rid taken since validation (not one a client chose: cannot happen)
+                return OpenAIError(str(exc)).response()
+            choices = [fmt.choice(i, self.text(i, c), c) for i, c in enumerate(done)]
+            return web.json_response({"id": self.id, "object": fmt.object, "created": self.created, "model": self.model,
+                                      "choices": choices, "usage": self.usage(dict(enumerate(done))),
+                                      "metadata": {"weight_version": str(done[0].weight_version)}})
+        response = await start_sse(request)
+        sent: dict[int, str] = {}  # each choice's text streamed so far
+        done: dict[int, Completion] = {}
+
+        async def emit(i: int, c: Completion) -> None:
+            first, text, before = i not in sent, self.text(i, c), sent.get(i, "")
+            # a running text is a prefix of every later one (streaming.running_text); were one not,
+            # its new part would wait for a text that extends what was sent
+            delta = text[len(before):] if text.startswith(before) else ""
+            sent[i] = before + delta
+            if c.finish_reason is not None:
+                done[i] = c
+            for event in fmt.stream_events(i, first, delta, c):
+                await response.write(self.chunk(fmt, [event]))
+
+        try:
+            await run_requests(engine, self.prompts, self.params, self.rids, interval, emit)
+            if self.include_usage:
+                await response.write(self.chunk(fmt, [], usage=self.usage(done)))
+        except ConnectionResetError:  # the client went away; its requests were aborted
+            return response
+        except (ValueError, NonFiniteLogprobs) as exc:
+            status = 500 if isinstance(exc, NonFiniteLogprobs) else 400
+            await response.write(sse_event(OpenAIError(str(exc), status=status).body()))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+
+class _Format(Protocol):
+    """How one endpoint shapes its answer: ``object`` / ``chunk_object`` name a plain answer and a
+    stream's chunk."""
+
+    object: str
+    chunk_object: str
+
+    def choice(self, index: int, text: str, c: Completion) -> dict:
+        """Choice ``index`` of a plain answer: the finished ``c``, decoded as ``text``."""
+
+    def stream_events(self, index: int, first: bool, delta: str, c: Completion) -> list[dict]:
+        """The stream choices for an update of choice ``index`` (``first``: its first), ``delta``
+        its text since the last one; ``c.finish_reason`` is set on its last update."""
+
+
+class _CompletionFormat:
+    object = chunk_object = "text_completion"
+
+    def choice(self, index: int, text: str, c: Completion) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish_reason,
+                "matched_stop": _matched(c)}
+
+    def stream_events(self, index: int, first: bool, delta: str, c: Completion) -> list[dict]:
+        return [self.choice(index, delta, c)]  # one chunk per engine chunk, as SGLang sends them
+
+
+class _ChatFormat:
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def choice(self, index: int, text: str, c: Completion) -> dict:
+        message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": c.finish_reason,
+                "matched_stop": _matched(c)}
+
+    def stream_events(self, index: int, first: bool, delta: str, c: Completion) -> list[dict]:
+        def event(delta: dict, finish: str | None = None, matched=None) -> dict:
+            return {"index": index, "delta": {"reasoning_content": None, **delta}, "logprobs": None,
+                    "finish_reason": finish, "matched_stop": matched}
+
+        events = [event({"role": "assistant", "content": ""})] if first else []
+        if delta:
+            events.append(event({"content": delta}))
+        if c.finish_reason is not None:
+            events.append(event({}, c.finish_reason, _matched(c)))
+        return events
+
+
+def _matched(c: Completion):
+    return c.matched if c.finish_reason == "stop" else None
+
+
+async def _ignore(index: int, completion: Completion) -> None:
+    """``run_requests``' emit for an answer that is not streamed (it only collects the completions)."""
+
+
+async def _json_object(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise OpenAIError(f"request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError("request body must be a JSON object")
+    return body
+
+
+_TYPES = {int: "an integer", bool: "a boolean", str: "a string", dict: "a JSON object"}
+
+
+def _get(body: dict, key: str, default, kind: type = int):
+    """``body[key]`` of JSON type ``kind`` (``true`` is not an integer); absent or null: ``default``.
+
+    Raises:
+        OpenAIError: another type, naming the field.
+    """
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is not kind:
+        raise OpenAIError(f"{key} {value!r} is not {_TYPES[kind]}; send {_TYPES[kind]} (or leave {key} out)", key)
+    return value
+
+
+def _sampling(body: dict, neutral: dict, extra: dict) -> dict:
+    """SGLang's ``sampling_params`` for an OpenAI request: ``extra`` plus the ``_SAMPLING`` fields
+    present (absent and null ones keep SGLang's defaults).
+
+    Raises:
+        OpenAIError: a field of ``neutral`` at a value this server cannot honour, naming it.
+    """
+    for key, allowed in neutral.items():
+        head, _, tail = key.partition(".")
+        value = body.get(head)
+        if tail:
+            value = value.get(tail) if isinstance(value, dict) else None
+        if allowed is not None and value not in allowed:
+            neutral_values = " or ".join("null" if a is None else repr(a) for a in allowed)
+            raise OpenAIError(f"{key} {value!r} is not supported by this server; leave it out (or send "
+                              f"{neutral_values})", key)
+    sampling = {sgl: body[key] for key, sgl in _SAMPLING.items() if body.get(key) is not None}
+    return {**sampling, **extra}
+
+
+def _parse_sampling(sampling: dict) -> SamplingParams:
+    """``SamplingParams.parse(sampling)``; its refusal becomes an ``OpenAIError`` naming the OpenAI
+    field that caused it (found by parsing each field alone)."""
+    try:
+        return SamplingParams.parse(sampling)
+    except ValueError as exc:
+        message = str(exc)
+    names = {sgl: key for key, sgl in _SAMPLING.items()} | {"max_new_tokens": "max_tokens"}
+    for sgl, value in sampling.items():
+        try:
+            SamplingParams.parse({sgl: value})
+        except ValueError:
+            raise OpenAIError(f"{names.get(sgl, sgl)}: {message}", names.get(sgl, sgl)) from None
+    raise OpenAIError(message)
+
+
+def _message_text(content, k: int) -> str:
+    """A chat message's ``content`` as text: a string, null (""), or a list of ``text`` parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = {part.get("type") for part in content}
+        if kinds <= {"text"} and all(isinstance(part.get("text"), str) for part in content):
+            return "".join(part["text"] for part in content)
+        raise OpenAIError(f"messages[{k}].content has parts of type {sorted(map(str, kinds - {'text'}))}; this "
+                          f"server takes text only: send the content as a string or as text parts", "messages")
+    raise OpenAIError(f"messages[{k}].content {content!r} is not a string or a list of content parts", "messages")

@@ -1,0 +1,164 @@
+"""Running a response's requests with their progress streamed: what SGLang's ``stream: true`` needs.
+
+``run_requests`` queues one engine request per prompt (a batch, or an OpenAI request's prompts x
+``n``) and calls ``emit(index, completion)`` as they progress: once a request has ``interval`` new
+committed tokens (and for its first token at once), with a snapshot ``Completion`` whose
+``finish_reason`` is ``None``, and exactly once when it finishes, with its final ``Completion``.
+This is SGLang's rule for ``--stream-interval`` (``output_streamer.py``): every step at interval 1,
+otherwise the first token at once and then whenever ``interval`` tokens are unsent; a request that
+finishes is sent then, whatever is unsent. ``interval=None`` emits only the finished requests (a
+response that is not streamed).
+
+The engine tells each request's ``_Progress`` (an ``engine.TokenSink``) of each committed token;
+nothing here polls. Cancelling ``run_requests`` (the HTTP client went away, so aiohttp cancels the
+handler) or an ``emit`` that raises (a write to a closed connection) cancels every request's
+``Engine.generate``, which aborts it: no KV slot is left to a response nobody reads.
+
+A snapshot or final completion with a log-prob that is not finite (broken weights) stops the
+response with ``NonFiniteLogprobs``: JSON has no NaN, and tokens drawn from such logits are noise.
+
+Text: ``running_text`` is the text a stream may show while a request runs, its decoded output with
+a trailing replacement character dropped (an incomplete UTF-8 sequence whose next bytes are still
+to come, as SGLang's detokenizer holds it back), so each chunk's text is a prefix of the next one's
+and of the finished text, which is decoded as a response that is not streamed decodes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from .engine import Completion, Engine
+from .sampling import SamplingParams
+
+Emit = Callable[[int, Completion], Awaitable[None]]
+
+
+class NonFiniteLogprobs(RuntimeError):
+    """A request of the response produced a log-prob that is NaN or inf; the message says which."""
+
+
+def non_finite(done: list[Completion], rids: list[str]) -> str | None:
+    """The error message for completions with a non-finite log-prob (NaN or inf: the weights in
+    service are broken), naming the first one's rid and weight version; ``None`` when all are
+    finite. JSON has no NaN, and tokens drawn from such logits are noise."""
+    bad = [(rid, c) for c, rid in zip(done, rids) if not all(map(math.isfinite, c.logprobs))]
+    if not bad:
+        return None
+    (rid, c), more = bad[0], f" (and {len(bad) - 1} more of the batch)" if len(bad) > 1 else ""
+    return (f"the model produced non-finite log-probs (NaN or inf) for rid {rid!r}{more} under weight "
+            f"version {c.weight_version}: those weights are broken (e.g. a diverged training step); "
+            f"load good weights, e.g. a version from before the divergence")
+
+
+def running_text(text: str) -> str:
+    """The decoded output of a running request as a stream shows it: less a trailing U+FFFD (the
+    bytes of an incomplete UTF-8 character so far), so it is a prefix of the finished text."""
+    return text.rstrip("\ufffd")
+
+
+SSE_DONE = b"data: [DONE]\n\n"  # a stream's last event, as SGLang and OpenAI end one
+
+
+async def start_sse(request: web.Request) -> web.StreamResponse:
+    """Send the headers of a server-sent-event stream (HTTP 200, ``text/event-stream``)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+def sse_event(payload) -> bytes:
+    """One server-sent event, ``data: <JSON>`` and a blank line."""
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def sse_error(message: str, status: int) -> bytes:
+    """The event of an error once a stream has begun (SGLang's ``/generate`` stream shape)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return sse_event({"error": {"message": message, "type": kind, "code": status, "retryable": False}})
+
+
+class _Progress:
+    """One request's progress (an ``engine.TokenSink``): its committed tokens, then its final
+    ``Completion``; sets ``changed`` on each."""
+
+    def __init__(self, changed: asyncio.Event, prompt_tokens: int):
+        self.changed, self.prompt_tokens = changed, prompt_tokens
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.cached_tokens = 0
+        self.sent = 0  # tokens in the last chunk emitted
+        self.final: Completion | None = None
+
+    def admitted(self, cached_tokens: int) -> None:
+        self.cached_tokens = cached_tokens
+
+    def token(self, token_id: int, logprob: float) -> None:
+        self.output_ids.append(token_id)
+        self.logprobs.append(logprob)
+        self.changed.set()
+
+    def finished(self, completion: Completion) -> None:
+        self.final = completion
+        self.changed.set()
+
+    def snapshot(self, weight_version: int) -> Completion:
+        return Completion(list(self.output_ids), list(self.logprobs), None, None, self.prompt_tokens,
+                          weight_version, self.cached_tokens)
+
+    def due(self, interval: int) -> bool:
+        """Whether a running request's progress is to be emitted now (SGLang's stream interval)."""
+        unsent = len(self.output_ids) - self.sent
+        return unsent > 0 and (interval == 1 or unsent >= interval or self.sent == 0)
+
+
+async def run_requests(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
+                       interval: int | None, emit: Emit) -> list[Completion]:
+    """Run ``prompts[i]`` with ``params[i]`` as request ``rids[i]``, calling ``emit`` as the module
+    docstring says; returns the final completions, in prompt order.
+
+    Raises:
+        ValueError: a request the engine refuses (e.g. its rid was taken since it was validated).
+        NonFiniteLogprobs: a request produced a NaN or inf log-prob; the others are aborted.
+        RuntimeError: the engine failed.
+        Whatever ``emit`` raises (the others are aborted).
+    """
+    if interval is not None and interval < 1:
+        raise ValueError(f"stream interval {interval}: must be >= 1 (tokens per streamed chunk)")
+    changed = asyncio.Event()
+    progress = [_Progress(changed, len(p)) for p in prompts]
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            running = [tasks.create_task(engine.generate(p, sp, rid, sink))
+                       for p, sp, rid, sink in zip(prompts, params, rids, progress)]
+            for task in running:  # a request that fails (engine error, refused) ends without a final
+                task.add_done_callback(lambda _: changed.set())
+            pending = set(range(len(prompts)))
+            while pending:
+                await changed.wait()  # a token was committed, or a request finished or failed
+                changed.clear()
+                for i in sorted(pending):
+                    p = progress[i]
+                    if p.final is not None:
+                        pending.discard(i)
+                        await _emit_checked(emit, i, p.final, rids[i])
+                    elif running[i].done():
+                        running[i].result()  # raises its error (the task group then aborts the rest)
+                        raise AssertionError(f"request {rids[i]} returned without finishing")
+                    elif interval is not None and p.due(interval):
+                        p.sent = len(p.output_ids)
+                        await _emit_checked(emit, i, p.snapshot(engine.weight_version), rids[i])
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None  # the first failure, as a single request raises it
+    return [task.result() for task in running]
+
+
+async def _emit_checked(emit: Emit, index: int, completion: Completion, rid: str) -> None:
+    broken = non_finite([completion], [rid])
+    if broken:
+        raise NonFiniteLogprobs(broken)
+    await emit(index, completion)
