@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import importlib.metadata
 import json
 import math
 import pathlib
@@ -64,6 +65,7 @@ from .request import field as _field
 from .sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP API (and request schema) this server follows
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
 _DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name of both weight-group endpoints
 
@@ -120,6 +122,15 @@ def load_engine(
     forward = BatchedForward(model, max_running_requests, max_seq_len, batch_invariant=deterministic,
                              cuda_graph=cuda_graph, prefix_rows=rows)
     return Engine(forward, eos, max_prefill_tokens, weight_version, jitter, prefix_cache, tokenizer), tokenizer
+
+
+def _project_version() -> str:
+    """This project's installed version (``/server_info``), or ``"unknown"`` when run from a checkout
+    that is not installed."""
+    try:
+        return importlib.metadata.version("areal-async")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _error_json(message: str) -> str:
@@ -248,6 +259,8 @@ class InferenceServer:
             ("GET", "/health", self.health),
             ("GET", "/health_generate", self.health_generate),
             ("GET", "/get_model_info", self.get_model_info),
+            ("GET", "/get_server_info", self.get_server_info),
+            ("GET", "/server_info", self.get_server_info),
             ("GET", "/get_weight_version", self.get_weight_version),
             ("GET", "/flush_cache", self.flush_cache),
             ("POST", "/flush_cache", self.flush_cache),
@@ -437,6 +450,36 @@ class InferenceServer:
             "weight_version": str(self.engine.weight_version),
             "max_running_requests": self.engine.max_running,
             "max_seq_len": self.engine.max_seq_len,
+        })
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``/server_info`` (and its deprecated alias ``/get_server_info``): the keys of its
+        ``ServerArgs`` and scheduler info that apply to this server, under SGLang's names;
+        ``version`` is this project's (``sglang_api_version`` the SGLang release whose API it
+        follows)."""
+        engine, forward = self.engine, self.engine.forward
+        return web.json_response({
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "served_model_name": self.model_path,
+            "dtype": str(forward.dtype).removeprefix("torch."),
+            "device": forward.device.type,
+            "context_length": engine.max_seq_len,
+            "max_context_length": engine.max_seq_len,
+            "max_req_input_len": engine.max_seq_len - 1,
+            "max_running_requests": engine.max_running,
+            "max_prefill_tokens": engine.max_prefill_tokens,
+            "max_total_num_tokens": engine.max_running * engine.max_seq_len,
+            "disable_radix_cache": not engine.share_prompts,
+            "enable_deterministic_inference": forward.batch_invariant,
+            "disable_cuda_graph": forward.graphs is None,
+            "skip_tokenizer_init": False,
+            "is_embedding": False,
+            "weight_version": str(engine.weight_version),
+            "internal_states": [{"num_running_reqs": engine.num_running}],
+            "version": _project_version(),
+            "sglang_api_version": SGLANG_API_VERSION,
+            "frontend": "areal-async-embedded",
         })
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
