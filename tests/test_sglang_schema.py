@@ -31,7 +31,7 @@ from tests.sglang_ref import needs_sglang, run_sglang
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-MAX_SEQ_LEN = 128
+MAX_SEQ_LEN = 256
 
 
 @contextlib.asynccontextmanager
@@ -296,3 +296,252 @@ def test_unknown_and_unsupported_sampling_fields_are_a_400_naming_them(tiny_mode
 def test_unsupported_top_level_fields_are_a_400_naming_them(tiny_model_dir, body, words):
     [(status, out)] = generate(tiny_model_dir, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, **body})
     assert status == 400 and words in out["error"]["message"], out
+
+
+# ---- against SGLang's own code ----------------------------------------------------------------------
+
+# Runs in .venv-sglang. For each body: FastAPI's parse (pydantic over GenerateReqInput), the
+# contract gate (api_types.GenerateRequest), normalize_batch_and_arguments, and per prompt
+# srt SamplingParams(**) / normalize(tokenizer) / verify(vocab): refused, or its normalised meaning.
+# For each stop case: SGLang's Req finish logic (update_finish_state and what it calls, bound to a
+# stand-in request) replayed token by token over a token stream, and the detokenizer's
+# trim_matched_stop (taken from detokenizer_manager.py's source: importing that module needs
+# fastapi and setproctitle, which .venv-sglang does not hold).
+_SGLANG_SIDE = r'''
+import ast, json, sys, types, typing
+import pydantic
+from transformers import AutoTokenizer
+from sglang.api.v1.api_types import GenerateRequest, JsonContractError
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers import schedule_batch
+from sglang.srt.sampling.sampling_params import SamplingParams, TOP_K_ALL
+
+job = json.load(sys.stdin)
+tok = AutoTokenizer.from_pretrained(job["tokenizer"])
+tok.additional_stop_token_ids = None  # what SGLang's get_tokenizer adds to an HF tokenizer
+vocab = job["vocab_size"]
+adapter = pydantic.TypeAdapter(GenerateReqInput)
+
+def meaning(sub):
+    sp = SamplingParams(**(sub.sampling_params or {}))
+    sp.normalize(tok)
+    sp.verify(vocab)
+    return {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_k": sp.top_k,
+            "top_p": sp.top_p, "min_new_tokens": sp.min_new_tokens, "ignore_eos": sp.ignore_eos,
+            "no_stop_trim": sp.no_stop_trim, "skip_special_tokens": sp.skip_special_tokens,
+            "spaces_between_special_tokens": sp.spaces_between_special_tokens,
+            "sampling_seed": sp.sampling_seed, "stop": list(sp.stop_strs),
+            "stop_token_ids": sorted(sp.stop_token_ids or ()),
+            "return_logprob": bool(sub.return_logprob), "logprob_start_len": sub.logprob_start_len,
+            "return_text_in_logprobs": bool(sub.return_text_in_logprobs)}
+
+decoded = []
+for body in job["bodies"]:
+    try:
+        obj = adapter.validate_python(body)
+        GenerateRequest.from_json_value(body)
+        obj.normalize_batch_and_arguments()
+        subs = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+        decoded.append({"accepted": True, "prompts": [meaning(s) for s in subs]})
+    except (pydantic.ValidationError, JsonContractError, ValueError, TypeError) as exc:
+        decoded.append({"accepted": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
+
+Req = schedule_batch.Req
+source = open(schedule_batch.__file__.replace("schedule_batch.py", "detokenizer_manager.py")).read()
+trim_def = next(n for c in ast.parse(source).body if isinstance(c, ast.ClassDef) and c.name == "DetokenizerManager"
+                for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "trim_matched_stop")
+namespace = {"Union": typing.Union, "List": typing.List, "Dict": typing.Dict}
+exec(compile(ast.Module([trim_def], []), "detokenizer_manager.py", "exec"), namespace)
+detok = types.SimpleNamespace(is_tool_call_parser_gpt_oss=False, tool_close_token_ids=set())
+
+replayed = []
+for case in job["stop_cases"]:
+    sp = SamplingParams(**case["sampling_params"])
+    sp.normalize(tok)
+    req = types.SimpleNamespace(sampling_params=sp, output_ids=[], tokenizer=tok, eos_token_ids={tok.eos_token_id},
+                                vocab_size=vocab, decoded_text="", finished_reason=None, finished_len=None,
+                                to_finish=None, grammar=None)
+    for name in ("finished", "update_finish_state", "_check_vocab_boundary_finish", "_check_str_based_finish",
+                 "_check_token_based_finish", "_cap_finished_len_at_max_new_tokens", "tail_str",
+                 "_stop_match_tail_len", "_locate_str_stop_finished_len"):
+        setattr(req, name, types.MethodType(getattr(Req, name), req))
+    for token in case["stream"]:
+        req.output_ids.append(token)
+        req.update_finish_state(1)
+        if req.finished():
+            break
+    kept = req.output_ids[: req.finished_len] if req.finished_len is not None else req.output_ids
+    reason = req.finished_reason.to_json() if req.finished_reason is not None else None
+    ids = namespace["trim_matched_stop"](detok, list(kept), reason, sp.no_stop_trim)
+    text = tok.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+    text = namespace["trim_matched_stop"](detok, text, reason, sp.no_stop_trim)
+    replayed.append({"output_ids": kept, "finish_reason": reason, "text": text})
+
+print(json.dumps({"decoded": decoded, "replayed": replayed}))
+'''
+
+
+def _bodies(p: list[int], q: list[int]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(accepted by both with one meaning, refused by both, accepted by SGLang and refused here by
+    design) ``/generate`` bodies over prompts ``p`` and ``q``."""
+    same = [
+        {"input_ids": p, "sampling_params": {"max_new_tokens": 8, "stop_token_ids": None}},  # slime's default
+        {"input_ids": p, "sampling_params": {"max_new_tokens": 8, "stop_regex": []}},  # SGLang's frontend sgl.gen
+        {"input_ids": p, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+         "logprob_start_len": 0},  # the frontend's select / cache_prefix
+        {"input_ids": p, "sampling_params": {"stop": ["\n"], "max_new_tokens": 16}},  # slime --rollout-stop
+        {"input_ids": p, "sampling_params": {"stop": "\n", "max_new_tokens": 16}},  # AReaL's stop
+        {"input_ids": p, "sampling_params": {"stop": None, "stop_token_ids": [], "stop_regex": None}},
+        {"input_ids": p, "sampling_params": {"stop": ["a", "b", "a"], "stop_token_ids": [5, 5, 3]}},
+        {"input_ids": p, "sampling_params": {"ignore_eos": True, "min_new_tokens": 2, "max_new_tokens": 8,
+                                             "no_stop_trim": True, "skip_special_tokens": False,
+                                             "spaces_between_special_tokens": False}},
+        {"input_ids": p, "sampling_params": {"temperature": 0}},
+        {"input_ids": p, "sampling_params": {"temperature": 5e-7, "top_k": -1}},
+        {"input_ids": p, "sampling_params": {"temperature": 1, "top_k": None, "top_p": None}},
+        {"input_ids": p, "sampling_params": {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "sampling_seed": 42}},
+        {"input_ids": p, "sampling_params": {"max_new_tokens": None}},
+        {"input_ids": p, "sampling_params": None},
+        {"input_ids": p},
+        {"input_ids": p, "sampling_params": {"min_p": 0.0, "frequency_penalty": 0, "presence_penalty": 0.0,
+                                             "repetition_penalty": 1, "n": 1, "json_schema": None, "regex": "",
+                                             "ebnf": None, "logit_bias": {}, "custom_params": None,
+                                             "stream_interval": 1, "beam_width": None}},
+        {"input_ids": p, "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": 3,
+         "top_logprobs_num": 0, "stream": False, "an_unknown_top_level_key": 1},
+        {"input_ids": [p, q], "rid": ["a", "b"], "return_logprob": [True, False], "logprob_start_len": [0, -1],
+         "sampling_params": [{"max_new_tokens": 4, "stop": "x"}, {"max_new_tokens": 6, "temperature": 0}]},
+        {"input_ids": [p, q], "sampling_params": {"max_new_tokens": 5}, "return_logprob": True},
+    ]
+    refused = [
+        {"input_ids": p, "sampling_params": {"temprature": 1.0}},
+        {"input_ids": p, "return_logprob": "false"},
+        {"input_ids": p, "stream": "false"},
+        {"input_ids": p, "logprob_start_len": "0"},
+        {"input_ids": p, "sampling_params": {"max_new_tokens": "16"}},
+        {"input_ids": p, "sampling_params": {"max_new_tokens": 1.5}},
+        {"input_ids": p, "sampling_params": {"max_new_tokens": True}},
+        {"input_ids": p, "sampling_params": {"max_new_tokens": -1}},
+        {"input_ids": p, "sampling_params": {"temperature": "0.5"}},
+        {"input_ids": p, "sampling_params": {"temperature": -1.0}},
+        {"input_ids": p, "sampling_params": {"top_p": 0}},
+        {"input_ids": p, "sampling_params": {"top_k": 0}},
+        {"input_ids": p, "sampling_params": {"ignore_eos": 1}},
+        {"input_ids": p, "sampling_params": {"stop": 5}},
+        {"input_ids": p, "sampling_params": {"stop": [1]}},
+        {"input_ids": p, "sampling_params": {"stop": ["s"] * 33}},
+        {"input_ids": p, "sampling_params": {"stop_token_ids": ["1"]}},
+        {"input_ids": p, "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 8}},
+        {"input_ids": p, "sampling_params": {"sampling_seed": "7"}},
+        {"input_ids": p, "sampling_params": {"choice": []}},  # schema field, not in SGLang's SamplingParams
+    ]
+    ours_only = [  # SGLang runs these; this server refuses them with a message naming the field
+        ({"input_ids": p, "sampling_params": {"n": 2}}, "sampling_params.n=2"),
+        ({"input_ids": p, "sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
+        ({"input_ids": p, "sampling_params": {"stop_regex": ["\\d"]}}, "sampling_params.stop_regex"),
+        ({"input_ids": p, "sampling_params": {"repetition_penalty": 1.2}}, "sampling_params.repetition_penalty"),
+        ({"input_ids": p, "sampling_params": {"stop": [""]}}, "empty string"),
+        ({"input_ids": p, "top_logprobs_num": 2, "return_logprob": True}, "top_logprobs_num"),
+    ]
+    return same, refused, ours_only
+
+
+def _our_meaning(call, max_seq_len: int) -> list[dict]:
+    """Our decoded prompts in SGLang's normalised terms (greedy is temperature 1 with top_k 1,
+    the whole vocabulary top_k ``1 << 30``, ``max_new_tokens: null`` ``None``)."""
+    out = []
+    for prompt in call.prompts:
+        p = prompt.params
+        rest = p.max_new_tokens == max_seq_len - len(prompt.input_ids) and p.max_new_tokens != 128
+        out.append({
+            "max_new_tokens": None if rest else p.max_new_tokens,
+            "temperature": 1.0 if p.temperature == 0 else p.temperature,
+            "top_k": 1 if p.temperature == 0 else (1 << 30 if p.top_k == -1 else p.top_k),
+            "top_p": p.top_p, "min_new_tokens": p.min_new_tokens, "ignore_eos": p.ignore_eos,
+            "no_stop_trim": p.no_stop_trim, "skip_special_tokens": p.skip_special_tokens,
+            "spaces_between_special_tokens": p.spaces_between_special_tokens, "sampling_seed": p.sampling_seed,
+            "stop": list(p.stop), "stop_token_ids": sorted(p.stop_token_ids),
+            "return_logprob": prompt.return_logprob,
+            "logprob_start_len": prompt.logprob_start_len,
+            "return_text_in_logprobs": call.return_text_in_logprobs,
+        })
+    return out
+
+
+@pytest.fixture(scope="module")
+def sglang_side(tiny_model_dir):
+    """Our server's decodings and generations, and SGLang's own code's verdict on the same bodies and
+    token streams (one ``.venv-sglang`` process)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    p, q = prompt_ids(tiny_model_dir), prompt_ids(tiny_model_dir)[:7]
+    same, refused, ours_only = _bodies(p, q)
+    engine, _ = load_engine(str(tiny_model_dir), "float32", "cpu", 4, MAX_SEQ_LEN)
+    server = InferenceServer(engine, tok, str(tiny_model_dir))
+
+    def ours(body):
+        try:
+            return server._parse_generate(json.loads(json.dumps(body)))
+        except ValueError as exc:
+            return exc
+
+    [(_, full)] = generate(tiny_model_dir, {"input_ids": p, "sampling_params": SAMPLED})
+    stream = full["output_ids"]
+    stop, _ = mid_token_stop(tok, stream)
+    plain = {"temperature": 1.0, "sampling_seed": 11, "max_new_tokens": 24}
+    cases = [
+        {**SAMPLED, "stop": stop},
+        {**SAMPLED, "stop": [stop], "no_stop_trim": True},
+        {**SAMPLED, "stop": ["never said", stop]},
+        {**plain, "stop_token_ids": [stream[5]]},
+        {**plain, "stop_token_ids": [stream[5]], "no_stop_trim": True, "skip_special_tokens": False},
+        {**SAMPLED, "stop_token_ids": [stream[5]]},  # ignore_eos: the stop id is ignored too
+        {**plain, "stop_token_ids": [stream[4]], "stop": tok.decode(stream[4:5])},  # both in one token
+    ]
+    served = generate(tiny_model_dir, *({"input_ids": p, "sampling_params": c} for c in cases))
+    job = {"tokenizer": str(tiny_model_dir), "vocab_size": engine.vocab_size,
+           "bodies": same + refused + [b for b, _ in ours_only], "stop_cases": [
+               {"sampling_params": c, "stream": stream} for c in cases]}
+    theirs = run_sglang(_SGLANG_SIDE, job, timeout=240)
+    decoded = theirs["decoded"]
+    return {
+        "same": list(zip(same, decoded[: len(same)], map(ours, same))),
+        "refused": list(zip(refused, decoded[len(same) : len(same) + len(refused)], map(ours, refused))),
+        "ours_only": list(zip(ours_only, decoded[len(same) + len(refused) :], (ours(b) for b, _ in ours_only))),
+        "stops": list(zip(cases, theirs["replayed"], served)),
+    }
+
+
+@pytest.mark.sglang_ref
+@needs_sglang
+def test_bodies_sglang_accepts_have_the_same_meaning_here(sglang_side):
+    for body, theirs, ours in sglang_side["same"]:
+        assert theirs["accepted"], (body, theirs)
+        assert not isinstance(ours, ValueError), (body, ours)
+        assert _our_meaning(ours, MAX_SEQ_LEN) == theirs["prompts"], body
+
+
+@pytest.mark.sglang_ref
+@needs_sglang
+def test_bodies_sglang_refuses_are_refused_here(sglang_side):
+    for body, theirs, ours in sglang_side["refused"]:
+        assert not theirs["accepted"], (body, theirs)
+        assert isinstance(ours, ValueError), (body, ours)
+
+
+@pytest.mark.sglang_ref
+@needs_sglang
+def test_what_sglang_runs_and_this_server_does_not_is_a_400_naming_the_field(sglang_side):
+    for (body, words), theirs, ours in sglang_side["ours_only"]:
+        assert theirs["accepted"], (body, theirs)  # else it belongs in the refused list
+        assert isinstance(ours, ValueError) and words in str(ours), (body, ours)
+
+
+@pytest.mark.sglang_ref
+@needs_sglang
+def test_stops_finish_keep_tokens_and_trim_text_as_sglangs_own_code(sglang_side):
+    for sampling, theirs, (status, ours) in sglang_side["stops"]:
+        assert status == 200, ours
+        assert ours["output_ids"] == theirs["output_ids"], sampling
+        reason = {k: v for k, v in theirs["finish_reason"].items() if v is not None}
+        assert ours["meta_info"]["finish_reason"] == reason, sampling
+        assert ours["text"] == theirs["text"], sampling

@@ -20,8 +20,9 @@ endpoints, parsed by pydantic alone, do). This module decodes the same way:
 msgspec's own errors (``Expected `int`, got `str` - at `$.max_new_tokens```) name the path and the
 types but not the value or the fix; ``_wire_error`` rewrites them into this project's form.
 Non-neutral values of fields the engine does not implement (penalties, ``min_p``, ``n > 1``,
-grammars, ``stop_regex``, ``logit_bias``, beam search, watermarks, ``choice``) are a 400 naming
-the field and the neutral value.
+grammars, ``stop_regex``, ``logit_bias``, beam search, watermarks) are a 400 naming the field and
+the neutral value; ``choice``, which SGLang's schema lists but its Python server's
+``SamplingParams`` does not take (a ``TypeError`` there), is refused at any value.
 """
 
 from __future__ import annotations
@@ -125,7 +126,6 @@ _NEUTRAL = {
     "logit_bias": (lambda v: not v, "null or {}"),
     "beam_width": (lambda v: v == 1, "null"),
     "watermark": (lambda v: not v or v.get("enabled") is False, "null"),
-    "choice": (lambda v: not v, "null or []"),
 }
 # fields accepted and without effect here: stream_interval (no streaming in this decoder) and
 # custom_params (read only by a custom logit processor, which this server does not run)
@@ -172,6 +172,9 @@ def decode_sampling(raw: dict | None, max_new_tokens_if_null: int | None = None)
         wire = msgspec.convert(raw, _WireSampling)
     except msgspec.ValidationError as exc:
         raise _wire_error(exc, raw) from None
+    if "choice" in raw:  # in SGLang's schema, but its Python server's SamplingParams has no such field
+        raise ValueError("sampling_params.choice is not supported (SGLang's Python server refuses it as well); "
+                         "leave it out")
     for key, (neutral, send) in _NEUTRAL.items():
         value = getattr(wire, key)
         if value is not None and not neutral(value):
@@ -213,7 +216,7 @@ def decode_sampling(raw: dict | None, max_new_tokens_if_null: int | None = None)
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        stop=tuple(dict.fromkeys(stop)),
+        stop=tuple(stop),
         stop_token_ids=sorted(set(wire.stop_token_ids or ())),
         min_new_tokens=min_new,
         ignore_eos=bool(wire.ignore_eos),
