@@ -13,8 +13,12 @@ n+2. One iteration of the pipeline:
 2. **one executor call** (``_advance``): launch step n+1 (``_launch``: slot moves, prefill of the
    admitted requests, one decode step of the others, sampling of one token per request), then wait
    for step n's results and return them as host lists;
-3. **commit** step n (``_commit``): append the tokens, finish requests on a stop token or on
-   ``max_new_tokens``.
+3. **commit** step n (``_commit``): append the tokens, finish requests in SGLang's order: on a stop
+   string (``stop.py``; the token completing it is kept whole), on a stop token (EOS or
+   ``stop_token_ids``; neither with ``ignore_eos``), or on ``max_new_tokens``. A request with
+   ``max_new_tokens == 0`` (prefill only) returns at once with no token; its prompt's log-probs
+   come from ``prompt_logprobs``. Until ``min_new_tokens`` tokens are out, a request's EOS and
+   stop ids are banned from its draws (``sample``'s ``bans``; its log-probs stay unmasked).
 
 Step n+1 needs step n's tokens as decode inputs before the host has seen them: every step writes
 its sampled tokens on the device into ``_slot_tokens`` (``[max_slots + 1] int64``, one entry per KV

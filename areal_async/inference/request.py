@@ -17,8 +17,14 @@ endpoints, parsed by pydantic alone, do). This module decodes the same way:
   vocabulary, ``stop`` a string or a list of up to 32 strings, ``max_new_tokens: null`` the rest
   of the context, ``max_new_tokens: 0`` a prefill-only request.
 
-msgspec's own errors (``Expected `int`, got `str` - at `$.max_new_tokens```) name the path and the
-types but not the value or the fix; ``_wire_error`` rewrites them into this project's form.
+Why two decoders: for ``sampling_params`` (28 typed fields, nulls, unions such as ``stop``) the
+msgspec struct reads better than 28 ``field`` calls and gives the exact schema in one place; its
+errors (``Expected `int | null`, got `str` - at `$.max_new_tokens```) name the path and the types
+but not the value or the fix, so ``_wire_error`` rewrites them into this project's form
+(``sampling_params.max_new_tokens '16' has the wrong JSON type (...); send an integer, unquoted``).
+It decodes in msgspec's default strict mode: ``strict=False`` would turn ``"16"`` into 16 and
+``"true"`` into ``true``, which SGLang's contract refuses. The few top-level fields keep ``field``,
+whose messages already name the value and the fix.
 Non-neutral values of fields the engine does not implement (penalties, ``min_p``, ``n > 1``,
 grammars, ``stop_regex``, ``logit_bias``, beam search, watermarks) are a 400 naming the field and
 the neutral value; ``choice``, which SGLang's schema lists but its Python server's
@@ -131,6 +137,14 @@ _NEUTRAL = {
 # custom_params (read only by a custom logit processor, which this server does not run)
 _WITHOUT_EFFECT = ("stream_interval", "custom_params")
 
+_SEND = {  # what to send, by the JSON type msgspec expected first
+    "int": "an integer, unquoted (SGLang's schema takes no numeric strings)",
+    "float": "a number, unquoted (SGLang's schema takes no numeric strings)",
+    "bool": "true or false (not a string or a number)",
+    "str": "a string",
+    "array": "a list",
+    "object": "a JSON object",
+}
 _PATH = re.compile(r"\s*-\s*at\s*`\$(?:\.(\w+))?.*`$")
 
 
@@ -147,8 +161,10 @@ def _wire_error(exc: msgspec.ValidationError, raw: dict) -> ValueError:
     rule = _PATH.sub("", text)
     if key is None:
         return ValueError(f"sampling_params: {rule}")
-    return ValueError(f"sampling_params.{key} {raw.get(key)!r} has the wrong JSON type ({rule}); send "
-                      f"the type SGLang's schema gives it (numbers unquoted, booleans true/false)")
+    expected = re.match(r"Expected `([^`]*)`", rule)
+    kinds = [k for k in re.findall(r"\w+", expected.group(1)) if k != "null"] if expected else []
+    send = " or ".join(_SEND.get(k, k) for k in kinds) or "a value of the JSON type SGLang's schema gives it"
+    return ValueError(f"sampling_params.{key} {raw.get(key)!r} has the wrong JSON type ({rule}); send {send}")
 
 
 def decode_sampling(raw: dict | None, max_new_tokens_if_null: int | None = None) -> SamplingParams:

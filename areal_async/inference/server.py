@@ -12,8 +12,11 @@ request's tokens and log-probs do not depend on which other requests share its d
 ``meta_info.cached_tokens`` is how many prompt tokens a request copied instead of computing.
 ``--debug-jitter-ms`` sleeps a seeded random delay before each engine step (determinism tests).
 
-Implemented subset (see docs/sglang_api.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
-no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
+Implemented subset (see docs/sglang_api.md): ``/generate`` (``input_ids`` or ``text``, single or batch,
+one ``sampling_params`` for all or one per prompt; no streaming; decoded with SGLang 0.5.23's
+meaning by ``request.py``: stop strings, ``min_new_tokens``, ``ignore_eos``, ``max_new_tokens: 0``
+prefill-only, ``logprob_start_len`` → ``meta_info.input_token_logprobs``, ``e2e_latency``),
+``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info`` (and ``/server_info``),
 ``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
