@@ -130,3 +130,26 @@ def test_temperature_below_epsilon_samples_greedily():
     # logits / 1e-40 overflows to inf/NaN; such temperatures are greedy, as on SGLang
     assert decode_sampling({"temperature": 1e-40}).temperature == 0.0
     assert decode_sampling({"temperature": 0.5}).temperature == 0.5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_banned_tokens_are_never_drawn_and_log_probs_stay_unmasked(device):
+    # rows: greedy, plain (the fused CUDA path when nothing is banned), top-k; each bans its own
+    # favourite tokens. The draw is that of the masked logits (same seed: masking shifts
+    # log_softmax by a per-row constant, so the Gumbel argmax is the same); the log-prob is the
+    # unmasked log_softmax(logits / T) of the drawn token
+    torch.manual_seed(5)
+    logits = torch.randn(3, 50, device=device) * 3
+    temperature, top_p, top_k = torch.tensor([0.0, 1.0, 0.9]), torch.tensor([1.0, 1.0, 1.0]), torch.tensor([-1, -1, 4])
+    seeds, positions = [1, 2, 3], [10, 11, 12]
+    bans = [(b, logits[b].topk(3).indices.tolist()) for b in range(3)]
+    tokens, logprobs = sample(logits, temperature, top_p, top_k, seeds, positions, bans=bans)
+    masked = logits.clone()
+    for b, ids in bans:
+        masked[b, ids] = float("-inf")
+        assert tokens[b].item() not in ids
+    expected, _ = sample(masked, temperature, top_p, top_k, seeds, positions)
+    assert tokens.tolist() == expected.tolist()
+    z = logits / torch.tensor([1.0, 1.0, 0.9], device=device)[:, None]
+    unmasked = torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(logprobs, unmasked, atol=1e-6, rtol=0)
