@@ -268,9 +268,9 @@ class Engine:
         self.validate(input_ids, params, rid)
         if self._error is not None:
             raise self._error
-        future = asyncio.get_running_loop().create_future()
         if params.max_new_tokens == 0:  # prefill only (SGLang's select / cache_prefix): no token drawn
             return Completion([], [], "length", None, len(input_ids), self.weight_version)
+        future = asyncio.get_running_loop().create_future()
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
         # SGLang's token-based finish: stop_token_ids and EOS alike, and neither with ignore_eos;
         # min_new_tokens keeps both from being drawn (its penalizer), whatever ignore_eos says
