@@ -104,6 +104,25 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
     assert p8 == "/get_weight_version"
 
 
+def test_a_resubmission_owes_what_is_left_of_min_new_tokens():
+    seen: list[dict] = []
+    replies = [SGLANG_ABORTED, SGLANG_FINISHED]
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response(replies.pop(0))
+
+    async def main():
+        async with fake_server(record) as url:
+            async with InferenceClient([url]) as client:
+                await client.generate([1, 2, 3], {"max_new_tokens": 10, "min_new_tokens": 5}, "q-0")
+
+    asyncio.run(main())
+    # the aborted segment made 2 tokens: 8 may come, 3 must
+    assert [s["sampling_params"] for s in seen] == [{"max_new_tokens": 10, "min_new_tokens": 5},
+                                                    {"max_new_tokens": 8, "min_new_tokens": 3}]
+
+
 def test_a_null_logprob_from_sglang_is_a_server_error_naming_the_weight_version():
     # SGLang writes a NaN log-prob (weights gone bad) as JSON null; float(None) used to raise a
     # bare TypeError in the rollout worker that said nothing about the weights

@@ -25,7 +25,7 @@ PROMPTS = {"a": [5, 17, 42, 99, 7], "b": [3, 250, 11], "c": [8, 9, 10, 11, 12, 1
 
 
 def params(n: int, seed: int, **kw) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, sampling_seed=seed, **kw)
+    return SamplingParams(**{"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True, "sampling_seed": seed, **kw})
 
 
 class Trace:
@@ -130,7 +130,8 @@ def test_stopped_request_is_decoded_once_more_and_its_extra_token_dropped(tiny_m
         engine._plan = traced_plan
         # 3 slots: "a" stops early in slot 0, "c" (slot 2) moves into its hole, "d" waits for a slot
         together = await asyncio.gather(
-            engine.generate(PROMPTS["a"], params(*specs["a"], stop_token_ids=[stop_token]), "a"),
+            # without ignore_eos, which turns stop_token_ids off too (SGLang's token-based finish)
+            engine.generate(PROMPTS["a"], params(*specs["a"], stop_token_ids=[stop_token], ignore_eos=False), "a"),
             *(engine.generate(PROMPTS[rid], params(*specs[rid]), rid) for rid in "bcd"))
         await stop(task)
         return alone, dict(zip("abcd", together)), stop_token, trace, moves

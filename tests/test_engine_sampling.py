@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from areal_async.inference.sampling import SamplingParams, gumbel_noise, noise_key, noise_uniform, sample
+from areal_async.inference.request import decode_sampling
+from areal_async.inference.sampling import gumbel_noise, noise_key, noise_uniform, sample
 
 
 def _params(b: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1):
@@ -79,7 +80,10 @@ def test_sampling_frequencies_follow_softmax():
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": -1}, "max_new_tokens -1 is negative"),
+        ({"max_new_tokens": "16"}, "max_new_tokens '16' has the wrong JSON type"),
+        ({"ignore_eos": "false"}, "ignore_eos 'false' has the wrong JSON type"),
+        ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens 5 is not in \\[0, max_new_tokens \\(4\\)\\]"),
         ({"temperature": -1}, "temperature"),
         ({"temperature": float("nan")}, "finite"),
         ({"temperature": float("inf")}, "finite"),
@@ -87,16 +91,20 @@ def test_sampling_frequencies_follow_softmax():
         ({"top_k": 0}, "top_k"),
         ({"bogus": 1}, "unknown sampling_params field 'bogus'"),
         ({"min_p": 0.1}, "min_p"),
-        ({"stop": ["\n"]}, "stop"),
+        ({"stop": [""]}, "empty string"),
+        ({"stop": ["a"] * 33}, "at most 32"),
+        ({"stop_regex": ["a+"]}, "stop_regex"),
+        ({"n": 2}, "sampling_params.n=2 is not supported"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ],
 )
 def test_bad_sampling_params_are_rejected(raw, message):
     with pytest.raises(ValueError, match=message):
-        SamplingParams.parse(raw)
+        decode_sampling(raw)
 
 
 def test_sglang_defaults_and_neutral_fields_are_accepted():
-    params = SamplingParams.parse({"top_k": None, "min_p": 0.0, "skip_special_tokens": False, "stop": []})
+    params = decode_sampling({"top_k": None, "min_p": 0.0, "skip_special_tokens": False, "stop": []})
     assert params.max_new_tokens == 128 and params.top_k == -1 and not params.skip_special_tokens
     assert math.isclose(params.temperature, 1.0)
 
@@ -120,5 +128,28 @@ def test_mixed_rows_sample_as_they_would_alone():
 
 def test_temperature_below_epsilon_samples_greedily():
     # logits / 1e-40 overflows to inf/NaN; such temperatures are greedy, as on SGLang
-    assert SamplingParams.parse({"temperature": 1e-40}).temperature == 0.0
-    assert SamplingParams.parse({"temperature": 0.5}).temperature == 0.5
+    assert decode_sampling({"temperature": 1e-40}).temperature == 0.0
+    assert decode_sampling({"temperature": 0.5}).temperature == 0.5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_banned_tokens_are_never_drawn_and_log_probs_stay_unmasked(device):
+    # rows: greedy, plain (the fused CUDA path when nothing is banned), top-k; each bans its own
+    # favourite tokens. The draw is that of the masked logits (same seed: masking shifts
+    # log_softmax by a per-row constant, so the Gumbel argmax is the same); the log-prob is the
+    # unmasked log_softmax(logits / T) of the drawn token
+    torch.manual_seed(5)
+    logits = torch.randn(3, 50, device=device) * 3
+    temperature, top_p, top_k = torch.tensor([0.0, 1.0, 0.9]), torch.tensor([1.0, 1.0, 1.0]), torch.tensor([-1, -1, 4])
+    seeds, positions = [1, 2, 3], [10, 11, 12]
+    bans = [(b, logits[b].topk(3).indices.tolist()) for b in range(3)]
+    tokens, logprobs = sample(logits, temperature, top_p, top_k, seeds, positions, bans=bans)
+    masked = logits.clone()
+    for b, ids in bans:
+        masked[b, ids] = float("-inf")
+        assert tokens[b].item() not in ids
+    expected, _ = sample(masked, temperature, top_p, top_k, seeds, positions)
+    assert tokens.tolist() == expected.tolist()
+    z = logits / torch.tensor([1.0, 1.0, 0.9], device=device)[:, None]
+    unmasked = torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(logprobs, unmasked, atol=1e-6, rtol=0)

@@ -102,9 +102,10 @@ def test_generate_shapes_and_logprobs_match_trainer_recompute(arch, tiny_model_d
         async with running(model_dir) as (api, _):
             full = await api.generate(prompt, "r1", max_new_tokens=24, temperature=0.8, sampling_seed=3, ignore_eos=True)
             # stop at the first occurrence of the 4th token: same seed ⇒ same prefix, then "stop"
+            # (without ignore_eos, which turns stop_token_ids off as well on SGLang)
             stop_at = full["output_ids"].index(full["output_ids"][3])
             stopped = await api.generate(prompt, max_new_tokens=24, temperature=0.8, sampling_seed=3,
-                                         ignore_eos=True, stop_token_ids=[full["output_ids"][3]])
+                                         stop_token_ids=[full["output_ids"][3]])
             return full, stop_at, stopped
 
     full, stop_at, stopped = asyncio.run(main())
@@ -168,7 +169,8 @@ def test_request_alone_equals_request_batched_with_others(tiny_model_dir):
     "body, message",
     [
         ({"input_ids": [], "sampling_params": {"max_new_tokens": 4}}, "input_ids is empty"),
-        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be >= 1"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens -1 is negative"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens '8' has the wrong JSON type"),
         ({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 5}}, "exceeds the server's max_seq_len 64"),
         ({"input_ids": [1, 10**6], "sampling_params": {}}, "outside the vocabulary"),
         ({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}, "unknown sampling_params field 'temprature'"),

@@ -158,11 +158,15 @@ class InferenceClient:
         """
         server = next(self._next_server) if server is None else server
         remaining = int(sampling.get("max_new_tokens", 128))
+        at_least = int(sampling.get("min_new_tokens") or 0)
         out = GenResult([], [], [], "length")
         while True:
+            # a resubmission owes what is left of both budgets (else min_new_tokens could exceed
+            # the remaining max_new_tokens, a 400)
+            owed = {"min_new_tokens": max(0, at_least - len(out.output_ids))} if at_least else {}
             payload = {
                 "input_ids": list(input_ids) + out.output_ids,
-                "sampling_params": {**sampling, "max_new_tokens": remaining},
+                "sampling_params": {**sampling, "max_new_tokens": remaining, **owed},
                 "return_logprob": True,
                 "rid": rid,
             }

@@ -13,8 +13,12 @@ n+2. One iteration of the pipeline:
 2. **one executor call** (``_advance``): launch step n+1 (``_launch``: slot moves, prefill of the
    admitted requests, one decode step of the others, sampling of one token per request), then wait
    for step n's results and return them as host lists;
-3. **commit** step n (``_commit``): append the tokens, finish requests on a stop token or on
-   ``max_new_tokens``.
+3. **commit** step n (``_commit``): append the tokens, finish requests in SGLang's order: on a stop
+   string (``stop.py``; the token completing it is kept whole), on a stop token (EOS or
+   ``stop_token_ids``; neither with ``ignore_eos``), or on ``max_new_tokens``. A request with
+   ``max_new_tokens == 0`` (prefill only) returns at once with no token; its prompt's log-probs
+   come from ``prompt_logprobs``. Until ``min_new_tokens`` tokens are out, a request's EOS and
+   stop ids are banned from its draws (``sample``'s ``bans``; its log-probs stay unmasked).
 
 Step n+1 needs step n's tokens as decode inputs before the host has seen them: every step writes
 its sampled tokens on the device into ``_slot_tokens`` (``[max_slots + 1] int64``, one entry per KV
@@ -88,17 +92,19 @@ from ..weight_group import in_daemon_thread
 from .forward import BatchedForward
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample
+from .stop import StopStrings
 
 
 @dataclasses.dataclass
 class Completion:
     """What a finished request returns (``finish_reason``: ``stop`` | ``length`` | ``abort``; ``None``
-    in a snapshot of a request still running, as a stream's intermediate chunk reports it)."""
+    in a snapshot of a request still running, as a stream's intermediate chunk reports it;
+    ``matched``: the stop token id or stop string of a ``stop``)."""
 
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
-    matched: int | None
+    matched: int | str | None
     prompt_tokens: int
     weight_version: int
     cached_tokens: int = 0  # prompt tokens whose keys and values were copied, not computed
@@ -130,6 +136,8 @@ class _Request:
     seed: int
     stop_ids: frozenset[int]
     done: asyncio.Future
+    stop_strings: StopStrings | None = None
+    banned_ids: list[int] = dataclasses.field(default_factory=list)  # not drawn before min_new_tokens
     sink: TokenSink | None = None  # told of its admission, each committed token and its end
     output_ids: list[int] = dataclasses.field(default_factory=list)  # committed tokens
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -175,6 +183,7 @@ class _Plan:
     passes: list[_PrefillPass] = dataclasses.field(default_factory=list)
     twins: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (src slot, dst slot, positions)
     logit_rows: list[int] = dataclasses.field(default_factory=list)
+    bans: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)  # (row, ids it cannot draw)
     tokens: torch.Tensor | None = None  # set by _launch: [rows] int64 on the host (pinned on CUDA)
     logprobs: torch.Tensor | None = None  # [rows] float32, same
     ready: torch.cuda.Event | None = None  # CUDA: fires when tokens / logprobs hold the results
@@ -196,6 +205,8 @@ class Engine:
         jitter: random delay before each plan (``debug.jitter_ms``); ``None``: none.
         prefix_cache: reuse prompts' keys and values (see "Prompt reuse" in the module docstring);
             ``False``: every prompt is computed in full (SGLang's ``--disable-radix-cache``).
+        tokenizer: the HF tokenizer stop strings are matched with (``stop.py``); ``None``: requests
+            with stop strings are refused.
     """
 
     def __init__(
@@ -206,8 +217,10 @@ class Engine:
         weight_version: int = 0,
         jitter: Jitter | None = None,
         prefix_cache: bool = True,
+        tokenizer=None,
     ):
         self.forward = forward
+        self.tokenizer = tokenizer
         # one prompt in several requests of a step is computed once: exact in every mode (a
         # prefill row's result depends only on its own prompt in batch-invariant mode)
         self.share_prompts = prefix_cache
@@ -255,6 +268,9 @@ class Engine:
         bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids has {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"sampling_params.stop {list(params.stop)!r} needs a tokenizer to match the text, and "
+                             f"this engine has none; send stop_token_ids instead")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"sampling_params.stop_token_ids has {bad[0]!r}, outside the vocabulary "
@@ -275,10 +291,16 @@ class Engine:
         self.validate(input_ids, params, rid)
         if self._error is not None:
             raise self._error
+        if params.max_new_tokens == 0:  # prefill only (SGLang's select / cache_prefix): no token drawn
+            return Completion([], [], "length", None, len(input_ids), self.weight_version)
+        future = asyncio.get_running_loop().create_future()
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        req = _Request(rid, list(input_ids), params, seed, frozenset(stop),
-                       asyncio.get_running_loop().create_future(), sink)
+        # SGLang's token-based finish: stop_token_ids and EOS alike, and neither with ignore_eos;
+        # min_new_tokens keeps both from being drawn (its penalizer), whatever ignore_eos says
+        stop_ids = set(params.stop_token_ids) | set(self.eos_token_ids)
+        req = _Request(rid, list(input_ids), params, seed, frozenset() if params.ignore_eos else frozenset(stop_ids),
+                       future, StopStrings(params.stop, self.tokenizer) if params.stop else None,
+                       sorted(stop_ids) if params.min_new_tokens else [], sink)
         self._waiting.append(req)
         self._wake.set()
         try:
@@ -288,7 +310,30 @@ class Engine:
             self._wake.set()
             raise
 
-    def _finish(self, req: _Request, reason: str, matched: int | None = None) -> None:
+    async def prompt_logprobs(self, input_ids: list[int], start: int) -> list[float | None]:
+        """SGLang's ``input_token_logprobs`` values of a prompt from position ``start``: entry j is
+        ``log_softmax(logits)`` (temperature 1, as SGLang's) of prompt token ``start + j`` given the
+        tokens before it, except entry 0, which SGLang leaves ``None`` whatever ``start`` is
+        (``logprob_result_processor``: ``[None] + logprobs[:-1]``). ``len(input_ids) - start``
+        entries, from one forward of the model's own (HF) module on the forward thread, between
+        steps, under the weights in service then.
+
+        Raises:
+            ValueError: ``start`` outside ``[0, len(input_ids))``.
+        """
+        if not 0 <= start < len(input_ids):
+            raise ValueError(f"logprob_start_len {start} is not in [0, {len(input_ids)}) for a prompt of "
+                             f"{len(input_ids)} tokens; send -1 (output tokens only) or a prompt position")
+
+        @torch.inference_mode()
+        def forward() -> list[float]:
+            ids = torch.tensor([input_ids], device=self.forward.device)
+            logits = self.forward.model(ids).logits[0, start:-1].float()
+            return torch.log_softmax(logits, -1).gather(-1, ids[0, start + 1:, None]).squeeze(-1).tolist()
+
+        return [None, *await asyncio.get_running_loop().run_in_executor(self._pool, forward)]
+
+    def _finish(self, req: _Request, reason: str, matched: int | str | None = None) -> None:
         if not req.finished:
             req.done.set_result(Completion(list(req.output_ids), list(req.logprobs), reason, matched,
                                            len(req.input_ids), self.weight_version, req.cached_tokens))
@@ -440,7 +485,10 @@ class Engine:
         for req in prefill:
             req.issued += 1
         sample_positions = [p + 1 for p in positions] + [len(r.input_ids) for r in prefill]
-        return _Plan(moves, prefill, alive, positions, sample_positions, *shared)
+        # the token this step draws for a request is its issued-th: before min_new_tokens, no stop id
+        bans = [(row, req.banned_ids) for row, req in enumerate(alive + prefill)
+                if req.issued <= req.params.min_new_tokens and req.banned_ids]
+        return _Plan(moves, prefill, alive, positions, sample_positions, *shared, bans=bans)
 
     def _admit(self, n: int) -> tuple[list[_Request], tuple]:
         """Move waiting requests into slots ``n..``, up to ``max_prefill_tokens`` computed prompt
@@ -564,6 +612,7 @@ class Engine:
             top_k=torch.from_numpy(self._slot_top_k[:rows]),
             seeds=self._slot_seed[:rows],
             positions=plan.sample_positions,
+            bans=plan.bans,
         )
         self._slot_tokens[:rows].copy_(tokens)
         if tokens.is_cuda:
@@ -598,7 +647,12 @@ class Engine:
             req.logprobs.append(logprob)
             if req.sink is not None:
                 req.sink.token(token, logprob)
-            if token in req.stop_ids:
+            # SGLang's order: stop strings, then stop tokens, then the length limit. A stop string
+            # ending inside a token keeps that whole token (output_ids / logprobs stay one per token)
+            matched = req.stop_strings.match(req.output_ids) if req.stop_strings is not None else None
+            if matched is not None:
+                self._finish(req, "stop", matched)
+            elif token in req.stop_ids:
                 self._finish(req, "stop", token)
             elif len(req.output_ids) >= req.params.max_new_tokens:
                 self._finish(req, "length")

@@ -5,7 +5,7 @@
 ``entrypoints/openai`` (``protocol.py``, ``serving_completions.py``, ``serving_chat.py``). Each
 request is mapped onto SGLang's ``sampling_params`` (``max_tokens`` → ``max_new_tokens``, ``seed``
 → ``sampling_seed``, ``min_tokens`` → ``min_new_tokens``, the rest by their own names) and decoded
-by ``SamplingParams.parse``, so it means what a ``/generate`` with those params means, and is
+by ``request.decode_sampling``, so it means what a ``/generate`` with those params means, and is
 refused where ``/generate`` would refuse it.
 
 - **Prompts**: ``/v1/completions`` takes a string, a list of strings, a list of token ids or a list
@@ -48,6 +48,7 @@ from aiohttp import web
 
 from ..types import sample_seed
 from .engine import Completion, Engine
+from .request import decode_sampling
 from .sampling import SamplingParams
 from .streaming import SSE_DONE, NonFiniteLogprobs, run_requests, running_text, sse_event, start_sse
 
@@ -392,16 +393,16 @@ def _sampling(body: dict, neutral: dict, extra: dict) -> dict:
 
 
 def _parse_sampling(sampling: dict) -> SamplingParams:
-    """``SamplingParams.parse(sampling)``; its refusal becomes an ``OpenAIError`` naming the OpenAI
+    """``decode_sampling(sampling)``; its refusal becomes an ``OpenAIError`` naming the OpenAI
     field that caused it (found by parsing each field alone)."""
     try:
-        return SamplingParams.parse(sampling)
+        return decode_sampling(sampling)
     except ValueError as exc:
         message = str(exc)
     names = {sgl: key for key, sgl in _SAMPLING.items()} | {"max_new_tokens": "max_tokens"}
     for sgl, value in sampling.items():
         try:
-            SamplingParams.parse({sgl: value})
+            decode_sampling({sgl: value})
         except ValueError:
             raise OpenAIError(f"{names.get(sgl, sgl)}: {message}", names.get(sgl, sgl)) from None
     raise OpenAIError(message)

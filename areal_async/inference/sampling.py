@@ -17,82 +17,38 @@ top-p filtered the draw. ``T == 0`` is greedy and reports ``log_softmax(logits)`
 from __future__ import annotations
 
 import functools
-import math
 
 import msgspec
 import torch
 
 _MASK64 = (1 << 64) - 1
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SGLang's _SAMPLING_EPS)
-
-# SGLang sampling fields this engine accepts only at their neutral value.
-_NEUTRAL = {
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "n": 1,
-    "stop": None,
-    "regex": None,
-    "json_schema": None,
-    "ebnf": None,
-}
-_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params"}
-
+GREEDY_BELOW = 1e-6  # temperatures below this sample greedily (SGLang 0.5.23's _SAMPLING_EPS)
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """The sampling part of a ``/generate`` request (SGLang field names and defaults).
+    """The sampling part of one ``/generate`` request, decoded (``request.decode_sampling``: SGLang
+    field names, defaults and normalisation).
 
-    ``top_k == -1`` means the whole vocabulary; ``sampling_seed`` ``None`` means "pick one at
-    random" (unreproducible, as on SGLang without a seed).
+    ``top_k == -1`` means the whole vocabulary; ``temperature == 0`` is greedy; ``sampling_seed``
+    ``None`` means "pick one at random" (unreproducible, as on SGLang without a seed).
+    ``max_new_tokens == 0`` is a prefill-only request (no token). ``stop``: strings matched on the
+    detokenized output (``stop.py``); ``stop_token_ids``: token ids that stop it, like EOS;
+    ``ignore_eos`` turns both EOS and ``stop_token_ids`` off (SGLang's token-based finish), not
+    ``stop``. ``min_new_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many
+    tokens (SGLang's min-new-tokens penalizer). ``no_stop_trim``: keep the matched stop in ``text``.
     """
 
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    stop: tuple[str, ...] = ()
     stop_token_ids: list[int] = []
+    min_new_tokens: int = 0
     ignore_eos: bool = False
+    no_stop_trim: bool = False
     sampling_seed: int | None = None
     skip_special_tokens: bool = True
-
-    @classmethod
-    def parse(cls, raw: dict | None) -> "SamplingParams":
-        """Validate a JSON ``sampling_params`` dict.
-
-        Raises:
-            ValueError: unknown field, unsupported non-neutral field, or out-of-range value; the
-                message names the field and the accepted range.
-        """
-        raw = dict(raw or {})
-        for key, neutral in _NEUTRAL.items():
-            value = raw.pop(key, neutral)
-            if value not in (neutral, None, [], ""):
-                raise ValueError(f"sampling_params.{key}={value!r} is not supported; leave it at {neutral!r}")
-        known = {f.name for f in msgspec.structs.fields(cls)}
-        for key in list(raw):
-            if key in _IGNORED and key not in known:
-                raw.pop(key)
-            elif key not in known:
-                raise ValueError(f"unknown sampling_params field '{key}'; known fields: {sorted(known)}")
-        if raw.get("top_k") is None:
-            raw.pop("top_k", None)
-        try:
-            params = msgspec.convert(raw, cls, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"invalid sampling_params: {exc}") from None
-        if params.max_new_tokens <= 0:
-            raise ValueError(f"sampling_params.max_new_tokens must be >= 1, got {params.max_new_tokens}")
-        if not math.isfinite(params.temperature) or params.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be a finite number >= 0, got {params.temperature}")
-        if params.temperature < GREEDY_BELOW:  # logits / T would overflow: greedy, as SGLang does
-            params = msgspec.structs.replace(params, temperature=0.0)
-        if not math.isfinite(params.top_p) or not 0.0 < params.top_p <= 1.0:
-            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k == 0 or params.top_k < -1:
-            raise ValueError(f"sampling_params.top_k must be -1 (all) or >= 1, got {params.top_k}")
-        return params
+    spaces_between_special_tokens: bool = True
 
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -240,6 +196,7 @@ def sample(
     top_k: torch.Tensor,
     seeds: list[int],
     positions: list[int],
+    bans: list[tuple[int, list[int]]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and its log-prob under ``log_softmax(logits / T)``.
 
@@ -248,6 +205,9 @@ def sample(
         temperature: ``[B] float32``; 0 ⇒ greedy.
         top_p: ``[B] float32`` in (0, 1]; top_k: ``[B] int64``, -1 ⇒ whole vocabulary.
         seeds, positions: B ints each — see ``gumbel_noise``.
+        bans: ``(row, token ids)`` pairs: those tokens are not drawn in that row (``-inf`` before
+            temperature, top-k and top-p, as SGLang's min-new-tokens penalizer does), while the
+            returned log-prob stays that of the unmasked distribution, like top-k / top-p's.
     Returns:
         tokens ``[B] int64`` and logprobs ``[B] float32``, on ``logits``' device.
 
@@ -260,7 +220,7 @@ def sample(
     assert logits.dim() == 2 and logits.dtype == torch.float32, f"logits must be [B, V] float32, got {logits.shape} {logits.dtype}"
     device = logits.device
     host_t, host_p, host_k = temperature.tolist(), top_p.tolist(), top_k.tolist()
-    if logits.is_cuda and not any(k > 0 or p < 1.0 for k, p in zip(host_k, host_p)):
+    if logits.is_cuda and not bans and not any(k > 0 or p < 1.0 for k, p in zip(host_k, host_p)):
         from .triton_sampling import fused_sample
 
         drawn = fused_sample(logits, _to(temperature, device), _to(noise_keys(seeds, positions), device))
@@ -271,14 +231,22 @@ def sample(
     temperature = _to(temperature, device)
     z = logits / torch.where(temperature <= 0, 1.0, temperature)[:, None]
     logprobs = torch.log_softmax(z, dim=-1)
+    banned = None
+    if bans:
+        banned = torch.zeros(logits.shape, dtype=torch.bool)
+        for row, ids in bans:
+            banned[row, ids] = True
+        banned = _to(banned, device)
     if len(rows) < len(logits):  # some rows are greedy
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = torch.argmax(logits if banned is None else logits.masked_fill(banned, float("-inf")), dim=-1)
     else:
         tokens = torch.empty(len(logits), dtype=torch.int64, device=device)
     if rows:
         every = len(rows) == len(logits)
         index = None if every else _to(torch.tensor(rows), device)
         zs = logprobs if every else logprobs[index]  # log_softmax(z) = z - const: same argmax, finite where z is
+        if banned is not None:
+            zs = zs.masked_fill(banned if every else banned[index], float("-inf"))
         filtered = [i for i, b in enumerate(rows) if host_k[b] > 0 or host_p[b] < 1.0]
         if filtered:
             zs = zs.clone() if every else zs

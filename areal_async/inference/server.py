@@ -12,9 +12,13 @@ request's tokens and log-probs do not depend on which other requests share its d
 ``meta_info.cached_tokens`` is how many prompt tokens a request copied instead of computing.
 ``--debug-jitter-ms`` sleeps a seeded random delay before each engine step (determinism tests).
 
-Implemented subset (see docs/sglang_api.md): ``/generate`` (``input_ids`` or ``text``, single or batch;
-``stream: true`` sends SGLang's server-sent events, one cumulative chunk per request every
-``--stream-interval`` tokens, see ``_generate_stream``; no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_model_info``,
+Implemented subset (see docs/sglang_api.md): ``/generate`` (``input_ids`` or ``text``, single or batch,
+one ``sampling_params`` for all or one per prompt; ``stream: true`` sends SGLang's server-sent
+events, one cumulative chunk per request every ``--stream-interval`` tokens, see
+``_generate_stream``; decoded with SGLang 0.5.23's
+meaning by ``request.py``: stop strings, ``min_new_tokens``, ``ignore_eos``, ``max_new_tokens: 0``
+prefill-only, ``logprob_start_len`` → ``meta_info.input_token_logprobs``, ``e2e_latency``),
+``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info`` (and ``/server_info``),
 ``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
@@ -46,10 +50,12 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import importlib.metadata
 import json
 import math
 import pathlib
 import signal
+import time
 import uuid
 
 import torch
@@ -61,12 +67,16 @@ from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
 from .engine import Completion, Engine
 from .forward import BatchedForward, check_weight_names
+from . import stop
 from .openai_api import OpenAIApi
+from .request import GenerateCall, Prompt, decode_sampling, per_prompt, refuse_unsupported
+from .request import field as _field
 from .sampling import SamplingParams
 from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, running_text, sse_error, sse_event,
                         start_sse)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP API (and request schema) this server follows
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
 _DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name of both weight-group endpoints
 
@@ -122,7 +132,16 @@ def load_engine(
     rows = prefix_cache_entries if prefix_cache and not deterministic else 0
     forward = BatchedForward(model, max_running_requests, max_seq_len, batch_invariant=deterministic,
                              cuda_graph=cuda_graph, prefix_rows=rows)
-    return Engine(forward, eos, max_prefill_tokens, weight_version, jitter, prefix_cache), tokenizer
+    return Engine(forward, eos, max_prefill_tokens, weight_version, jitter, prefix_cache, tokenizer), tokenizer
+
+
+def _project_version() -> str:
+    """This project's installed version (``/server_info``), or ``"unknown"`` when run from a checkout
+    that is not installed."""
+    try:
+        return importlib.metadata.version("areal-async")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _error_json(message: str) -> str:
@@ -206,40 +225,6 @@ def _weight_version(raw, current: int) -> int:
     return version
 
 
-_KINDS = {  # the JSON type a request field must have: (check, what to send)
-    "bool": (lambda v: type(v) is bool, "a JSON boolean (true or false)"),
-    "int": (lambda v: type(v) is int, "an integer"),
-    "port": (lambda v: type(v) is int and 1 <= v <= 65535, "a port number in [1, 65535]"),
-    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-    "strs": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
-             "a list of non-empty strings"),
-    "shapes": (lambda v: isinstance(v, list) and all(isinstance(s, list) and all(type(d) is int and d >= 0 for d in s)
-                                                     for s in v), "a list of shapes, each a list of integers >= 0"),
-    "text": (lambda v: isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(t, str) for t in v)),
-             "a string, or a non-empty list of strings (a batch)"),
-}
-_REQUIRED = object()  # ``_field``'s default for a field the request must carry
-
-
-def _field(body: dict, key: str, kind: str, default=_REQUIRED, send: str | None = None):
-    """``body[key]``, checked to be of ``kind`` (a key of ``_KINDS``: exact JSON types, so ``true``
-    is not an integer and ``"false"`` not a boolean); a missing or null field is ``default``.
-
-    Raises:
-        ValueError: the field is missing and has no default, or is of another type; the message
-            names the value and what to send (``send``, else the kind's description).
-    """
-    value = body.get(key)
-    if value is None and default is not _REQUIRED:
-        return default
-    check, want = _KINDS[kind]
-    if key not in body:
-        raise ValueError(f"{key} is missing; send {send or want}")
-    if not check(value):
-        raise ValueError(f"{key} {value!r} is not {want}; send {send or want}")
-    return value
-
-
 async def _body(request: web.Request) -> dict:
     if not request.can_read_body:
         return {}
@@ -277,6 +262,8 @@ class InferenceServer:
             ("GET", "/health", self.health),
             ("GET", "/health_generate", self.health_generate),
             ("GET", "/get_model_info", self.get_model_info),
+            ("GET", "/get_server_info", self.get_server_info),
+            ("GET", "/server_info", self.get_server_info),
             ("GET", "/get_weight_version", self.get_weight_version),
             ("GET", "/flush_cache", self.flush_cache),
             ("POST", "/flush_cache", self.flush_cache),
@@ -316,33 +303,34 @@ class InferenceServer:
     # ---- generation -----------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        received = time.perf_counter()  # meta_info.e2e_latency counts from here, as SGLang's from receipt
         body = await _body(request)
         try:
-            stream = _field(body, "stream", "bool", False)
-            prompts, batch, rids, params, logprob = self._parse_generate(body)
+            call = self._parse_generate(body)
         except ValueError as exc:
             return _error(str(exc))
-        if stream:
-            return await self._generate_stream(request, prompts, batch, rids, params, logprob)
+        if call.stream:
+            return await self._generate_stream(request, call, received)
         # Cancelled when the client disconnects, and if one prompt fails: the task group then
         # cancels every other generate, which aborts its request (no slot is left to nobody).
         try:
             async with asyncio.TaskGroup() as tasks:
-                running = [tasks.create_task(self.engine.generate(p, params, r)) for p, r in zip(prompts, rids)]
+                running = [tasks.create_task(self._run(p)) for p in call.prompts]
         except ExceptionGroup as failed:
             first = failed.exceptions[0]  # the first prompt's error, as a single call raises it
             if isinstance(first, ValueError):  # its rid was taken by a request queued since the check
                 return _error(str(first))
             raise first from None
         done = [t.result() for t in running]
-        broken = non_finite(done, rids)
+        broken = non_finite([c for c, _ in done], [p.rid for p in call.prompts])
         if broken:
             return _error(broken, status=500)
-        out = [self._response(c, r, params, logprob) for c, r in zip(done, rids)]
-        return web.json_response(out if batch else out[0])
+        latency = time.perf_counter() - received
+        out = [self._response(c, p, inputs, call.return_text_in_logprobs, latency)
+               for (c, inputs), p in zip(done, call.prompts)]
+        return web.json_response(out if call.batch else out[0])
 
-    async def _generate_stream(self, request: web.Request, prompts: list[list[int]], batch: bool, rids: list[str],
-                               params: SamplingParams, logprob: bool) -> web.StreamResponse:
+    async def _generate_stream(self, request: web.Request, call: GenerateCall, received: float) -> web.StreamResponse:
         """SGLang's streamed ``/generate``: one server-sent event ``data: {chunk}`` per request per
         stream interval, then ``data: [DONE]``. A chunk is cumulative, as SGLang's default (not
         ``--incremental-streaming-output``): the request's ``text``, ``output_ids`` and ``meta_info``
@@ -350,18 +338,23 @@ class InferenceServer:
         not streamed gets); a batch's chunks carry the prompt's ``index``. An error once streaming
         has begun is an event ``{"error": {...}}`` before ``[DONE]``, as SGLang sends it."""
         response = await start_sse(request)
+        prompts = call.prompts
 
         async def emit(i: int, c: Completion) -> None:
-            out = self._response(c, rids[i], params, logprob)
+            out = self._response(c, prompts[i], inputs[i], call.return_text_in_logprobs,
+                                 time.perf_counter() - received)
             if c.finish_reason is None:
                 out["meta_info"]["finish_reason"] = None
                 out["text"] = running_text(out["text"])
-            if batch:
+            if call.batch:
                 out["index"] = i
             await response.write(sse_event(out))
 
         try:
-            await run_requests(self.engine, prompts, [params] * len(prompts), rids, self.stream_interval, emit)
+            inputs = [await self.engine.prompt_logprobs(p.input_ids, p.logprob_start_len)
+                      if p.return_logprob and p.logprob_start_len >= 0 else None for p in prompts]
+            await run_requests(self.engine, [p.input_ids for p in prompts], [p.params for p in prompts],
+                               [p.rid for p in prompts], self.stream_interval, emit)
         except ConnectionResetError:  # the client went away; its requests were aborted
             return response
         except (ValueError, NonFiniteLogprobs) as exc:
@@ -370,10 +363,21 @@ class InferenceServer:
         await response.write_eof()
         return response
 
-    def _parse_generate(self, body: dict) -> tuple[list[list[int]], bool, list[str], SamplingParams, bool]:
-        """A ``/generate`` body's prompts (token ids), whether it is a batch, the rids, the sampling
-        params and ``return_logprob``; raises ``ValueError`` naming the field that is wrong."""
-        logprob = _field(body, "return_logprob", "bool", False)
+    async def _run(self, prompt: Prompt) -> tuple[Completion, list[float | None] | None]:
+        """Generate ``prompt``; with ``return_logprob`` and ``logprob_start_len >= 0``, also its
+        prompt log-probs (``Engine.prompt_logprobs``)."""
+        inputs = None
+        if prompt.return_logprob and prompt.logprob_start_len >= 0:
+            inputs = await self.engine.prompt_logprobs(prompt.input_ids, prompt.logprob_start_len)
+        return await self.engine.generate(prompt.input_ids, prompt.params, prompt.rid), inputs
+
+    def _parse_generate(self, body: dict) -> GenerateCall:
+        """A ``/generate`` body decoded with SGLang's meaning (``request.py``): its prompts (token ids,
+        rid, sampling params, log-prob options), whether it is a batch, ``stream`` and
+        ``return_text_in_logprobs``. Raises ``ValueError`` naming the field that is wrong."""
+        stream = _field(body, "stream", "bool", False)
+        text_in_logprobs = _field(body, "return_text_in_logprobs", "bool", False)
+        refuse_unsupported(body)
         ids = body.get("input_ids")
         if ids is not None and body.get("text") is not None:  # SGLang refuses both as well
             raise ValueError("send either 'input_ids' or 'text', not both")
@@ -385,13 +389,31 @@ class InferenceServer:
         prompts = ids if batch else [ids]
         if not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts):
             raise ValueError("'input_ids' must be a list of integer token ids, or a list of such lists")
-        if not isinstance(body.get("sampling_params", {}), (dict, type(None))):
-            raise ValueError("'sampling_params' must be a JSON object, e.g. {\"max_new_tokens\": 16}")
-        rids = _rids(body.get("rid"), len(prompts), batch)
-        params = SamplingParams.parse(body.get("sampling_params"))
-        for prompt, rid in zip(prompts, rids):
+        n = len(prompts)
+        logprob = per_prompt(body, "return_logprob", "bool", False, n, batch)
+        start = per_prompt(body, "logprob_start_len", "int", -1, n, batch)
+        rids = _rids(body.get("rid"), n, batch)
+        raw = body.get("sampling_params")
+        if batch and isinstance(raw, list):  # SGLang: one object for all, or one per prompt
+            if len(raw) != n:
+                raise ValueError(f"sampling_params has {len(raw)} objects for a batch of {n} prompts; send "
+                                 f"one object for all, or one per prompt")
+        elif isinstance(raw, list):
+            raise ValueError("'sampling_params' must be a JSON object for one prompt, e.g. {\"max_new_tokens\": 16}")
+        else:
+            raw = [raw] * n
+        out = []
+        for prompt, rid, sampling, lp, st in zip(prompts, rids, raw, logprob, start):
+            # max_new_tokens: null is "the rest of the context" (SGLang's)
+            params = decode_sampling(sampling, max(self.engine.max_seq_len - len(prompt), 0))
+            if st < -1:
+                raise ValueError(f"logprob_start_len {st} is not -1 (output tokens only) or a prompt position >= 0")
+            if lp and st >= len(prompt):
+                raise ValueError(f"logprob_start_len {st} is not below the prompt's {len(prompt)} tokens; send -1 "
+                                 f"(output tokens only) or a position in [0, {len(prompt)})")
             self.engine.validate(prompt, params, rid)
-        return prompts, batch, rids, params, logprob
+            out.append(Prompt(input_ids=prompt, rid=rid, params=params, return_logprob=lp, logprob_start_len=st))
+        return GenerateCall(prompts=out, batch=batch, stream=stream, return_text_in_logprobs=text_in_logprobs)
 
     def _tokenize(self, text: str | list[str]) -> list[int] | list[list[int]]:
         """``text`` (one prompt, or a list for a batch) as token ids; raises ``ValueError`` for a
@@ -403,7 +425,18 @@ class InferenceServer:
             raise ValueError(f"text {empty[0]!r} has no tokens; send at least one character of prompt")
         return ids[0] if isinstance(text, str) else ids
 
-    def _response(self, c: Completion, rid: str, params: SamplingParams, logprob: bool) -> dict:
+    def _logprob_entries(self, logprobs: list[float | None], ids: list[int], with_text: bool) -> list[list]:
+        """SGLang's ``[logprob, token_id, text]`` entries (``text`` the token's own decoding with
+        ``return_text_in_logprobs``, else ``None``)."""
+        texts = self.tokenizer.batch_decode([[t] for t in ids]) if with_text and ids else [None] * len(ids)
+        return [[lp, t, s] for lp, t, s in zip(logprobs, ids, texts)]
+
+    def _response(self, c: Completion, prompt: Prompt, inputs: list[float | None] | None, with_text: bool,
+                  e2e_latency: float) -> dict:
+        """SGLang's answer for one prompt: ``text`` (stop trimmed as its detokenizer does),
+        ``output_ids`` (every generated token, the stop token or the token completing a stop string
+        included) and ``meta_info`` (SGLang's keys that apply; log-probs with ``return_logprob``)."""
+        params = prompt.params
         finish = {"type": c.finish_reason}
         if c.finish_reason == "stop":
             finish["matched"] = c.matched
@@ -412,16 +445,26 @@ class InferenceServer:
         elif c.finish_reason == "abort":
             finish["message"] = "aborted"
         meta = {
-            "id": rid,
+            "id": prompt.rid,
             "finish_reason": finish,
             "prompt_tokens": c.prompt_tokens,
             "completion_tokens": len(c.output_ids),
             "cached_tokens": c.cached_tokens,
             "weight_version": str(c.weight_version),
+            "e2e_latency": e2e_latency,
         }
-        if logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
-        text = self.tokenizer.decode(c.output_ids, skip_special_tokens=params.skip_special_tokens)
+        if prompt.return_logprob:
+            ids = prompt.input_ids[prompt.logprob_start_len:] if inputs is not None else []
+            meta["input_token_logprobs"] = self._logprob_entries(inputs or [], ids, with_text)
+            meta["output_token_logprobs"] = self._logprob_entries(c.logprobs, c.output_ids, with_text)
+            meta["output_token_logprobs_length"] = len(c.output_ids)
+        # SGLang's detokenizer drops a matched stop token from the text unless no_stop_trim, and
+        # cuts the text at a matched stop string
+        shown = c.output_ids[:-1] if isinstance(c.matched, int) and not params.no_stop_trim else c.output_ids
+        text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens,
+                                     spaces_between_special_tokens=params.spaces_between_special_tokens)
+        if isinstance(c.matched, str):
+            text = stop.trim(text, c.matched, params.no_stop_trim)
         return {"text": text, "output_ids": c.output_ids, "meta_info": meta}
 
     async def health(self, request: web.Request) -> web.Response:
@@ -446,6 +489,36 @@ class InferenceServer:
             "weight_version": str(self.engine.weight_version),
             "max_running_requests": self.engine.max_running,
             "max_seq_len": self.engine.max_seq_len,
+        })
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``/server_info`` (and its deprecated alias ``/get_server_info``): the keys of its
+        ``ServerArgs`` and scheduler info that apply to this server, under SGLang's names;
+        ``version`` is this project's (``sglang_api_version`` the SGLang release whose API it
+        follows)."""
+        engine, forward = self.engine, self.engine.forward
+        return web.json_response({
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "served_model_name": self.model_path,
+            "dtype": str(forward.dtype).removeprefix("torch."),
+            "device": forward.device.type,
+            "context_length": engine.max_seq_len,
+            "max_context_length": engine.max_seq_len,
+            "max_req_input_len": engine.max_seq_len - 1,
+            "max_running_requests": engine.max_running,
+            "max_prefill_tokens": engine.max_prefill_tokens,
+            "max_total_num_tokens": engine.max_running * engine.max_seq_len,
+            "disable_radix_cache": not engine.share_prompts,
+            "enable_deterministic_inference": forward.batch_invariant,
+            "disable_cuda_graph": forward.graphs is None,
+            "skip_tokenizer_init": False,
+            "is_embedding": False,
+            "weight_version": str(engine.weight_version),
+            "internal_states": [{"num_running_reqs": engine.num_running}],
+            "version": _project_version(),
+            "sglang_api_version": SGLANG_API_VERSION,
+            "frontend": "areal-async-embedded",
         })
 
     async def get_weight_version(self, request: web.Request) -> web.Response:

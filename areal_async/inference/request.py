@@ -1,0 +1,304 @@
+"""Decoding of request bodies with SGLang's meaning: the field checker and ``/generate``.
+
+SGLang 0.5.23 admits a ``/generate`` body in two steps: FastAPI parses it into
+``GenerateReqInput`` (pydantic, lax), then ``api_contract.generate_contract_error`` decodes it again
+with the generated ``sglang.api.v1.api_types.GenerateRequest`` decoder, which is strict: exact JSON
+types (``true`` is not an integer, ``"16"`` not an integer, ``"false"`` not a boolean; an integer is
+a float), unknown top-level keys ignored, unknown ``sampling_params`` keys refused, and ``null``
+meaning "absent" for every field. So ``/generate`` coerces no numeric string (the weight
+endpoints, parsed by pydantic alone, do). This module decodes the same way:
+
+- top-level fields through ``field`` (exact JSON types, messages naming the value and the fix);
+- ``sampling_params`` through msgspec typed decoding into ``_WireSampling`` (strict, unknown fields
+  forbidden: the struct is the schema, one line per SGLang field), then mapped onto the engine's
+  ``SamplingParams`` with SGLang's normalisation (``SamplingParams.__post_init__`` / ``normalize`` /
+  ``verify`` in ``sglang/srt/sampling/sampling_params.py``): ``null`` and empty lists are absent,
+  ``temperature`` below ``GREEDY_BELOW`` is greedy, ``top_k`` ``-1`` or ``1 << 30`` is the whole
+  vocabulary, ``stop`` a string or a list of up to 32 strings, ``max_new_tokens: null`` the rest
+  of the context, ``max_new_tokens: 0`` a prefill-only request.
+
+Why two decoders: for ``sampling_params`` (28 typed fields, nulls, unions such as ``stop``) the
+msgspec struct reads better than 28 ``field`` calls and gives the exact schema in one place; its
+errors (``Expected `int | null`, got `str` - at `$.max_new_tokens```) name the path and the types
+but not the value or the fix, so ``_wire_error`` rewrites them into this project's form
+(``sampling_params.max_new_tokens '16' has the wrong JSON type (...); send an integer, unquoted``).
+It decodes in msgspec's default strict mode: ``strict=False`` would turn ``"16"`` into 16 and
+``"true"`` into ``true``, which SGLang's contract refuses. The few top-level fields keep ``field``,
+whose messages already name the value and the fix.
+Non-neutral values of fields the engine does not implement (penalties, ``min_p``, ``n > 1``,
+grammars, ``stop_regex``, ``logit_bias``, beam search, watermarks) are a 400 naming the field and
+the neutral value; ``choice``, which SGLang's schema lists but its Python server's
+``SamplingParams`` does not take (a ``TypeError`` there), is refused at any value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import msgspec
+
+from .sampling import GREEDY_BELOW, SamplingParams
+
+# ---- the field checker (every endpoint) ---------------------------------------------------------
+
+KINDS = {  # the JSON type a request field must have: (check, what to send)
+    "bool": (lambda v: type(v) is bool, "a JSON boolean (true or false)"),
+    "int": (lambda v: type(v) is int, "an integer"),
+    "port": (lambda v: type(v) is int and 1 <= v <= 65535, "a port number in [1, 65535]"),
+    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+             "a list of non-empty strings"),
+    "shapes": (lambda v: isinstance(v, list) and all(isinstance(s, list) and all(type(d) is int and d >= 0 for d in s)
+                                                     for s in v), "a list of shapes, each a list of integers >= 0"),
+    "text": (lambda v: isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(t, str) for t in v)),
+             "a string, or a non-empty list of strings (a batch)"),
+}
+REQUIRED = object()  # ``field``'s default for a field the request must carry
+
+
+def field(body: dict, key: str, kind: str, default=REQUIRED, send: str | None = None):
+    """``body[key]``, checked to be of ``kind`` (a key of ``KINDS``: exact JSON types, so ``true``
+    is not an integer and ``"false"`` not a boolean); a missing or null field is ``default``.
+
+    Raises:
+        ValueError: the field is missing and has no default, or is of another type; the message
+            names the value and what to send (``send``, else the kind's description).
+    """
+    value = body.get(key)
+    if value is None and default is not REQUIRED:
+        return default
+    check, want = KINDS[kind]
+    if key not in body:
+        raise ValueError(f"{key} is missing; send {send or want}")
+    if not check(value):
+        raise ValueError(f"{key} {value!r} is not {want}; send {send or want}")
+    return value
+
+
+# ---- sampling_params ----------------------------------------------------------------------------
+
+TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k (its default); -1 means the same
+MAX_STOP_STRINGS = 32  # SGLang's MAX_STOP_COUNT
+
+
+class _WireSampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``sampling_params`` as SGLang 0.5.23's schema types it (``api_types.SamplingParams``);
+    ``None`` is "absent" for every field (SGLang's decoder maps ``null`` to the default)."""
+
+    max_new_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_new_tokens: int | None = None
+    n: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    custom_params: Any = None
+    beam_width: int | None = None
+    watermark: dict[str, Any] | None = None
+    choice: list[str] | None = None
+
+
+# fields the engine runs only at their neutral value: (is it neutral?, what to send)
+_NEUTRAL = {
+    "min_p": (lambda v: v == 0.0, "0"),
+    "frequency_penalty": (lambda v: v == 0.0, "0"),
+    "presence_penalty": (lambda v: v == 0.0, "0"),
+    "repetition_penalty": (lambda v: v == 1.0, "1"),
+    "n": (lambda v: v == 1, "1 (send one request per sample, each with its own sampling_seed)"),
+    "json_schema": (lambda v: not v, "null"),
+    "regex": (lambda v: not v, "null"),
+    "ebnf": (lambda v: not v, "null"),
+    "structural_tag": (lambda v: not v, "null"),
+    "stop_regex": (lambda v: not v, "null or [] (stop strings are supported: use stop)"),
+    "logit_bias": (lambda v: not v, "null or {}"),
+    "beam_width": (lambda v: v == 1, "null"),
+    "watermark": (lambda v: not v or v.get("enabled") is False, "null"),
+}
+# fields accepted and without effect here: stream_interval (no streaming in this decoder) and
+# custom_params (read only by a custom logit processor, which this server does not run)
+_WITHOUT_EFFECT = ("stream_interval", "custom_params")
+
+_SEND = {  # what to send, by the JSON type msgspec expected first
+    "int": "an integer, unquoted (SGLang's schema takes no numeric strings)",
+    "float": "a number, unquoted (SGLang's schema takes no numeric strings)",
+    "bool": "true or false (not a string or a number)",
+    "str": "a string",
+    "array": "a list",
+    "object": "a JSON object",
+}
+_PATH = re.compile(r"\s*-\s*at\s*`\$(?:\.(\w+))?.*`$")
+
+
+def _wire_error(exc: msgspec.ValidationError, raw: dict) -> ValueError:
+    """msgspec's decode error as this project's: the field, its value, the rule, what to send."""
+    text = str(exc)
+    unknown = re.match(r"Object contains unknown field `(.*)`", text)
+    if unknown:
+        known = [f.name for f in msgspec.structs.fields(_WireSampling)]
+        return ValueError(f"unknown sampling_params field '{unknown.group(1)}'; SGLang's sampling_params "
+                          f"fields are {known}")
+    path = _PATH.search(text)
+    key = path.group(1) if path else None
+    rule = _PATH.sub("", text)
+    if key is None:
+        return ValueError(f"sampling_params: {rule}")
+    expected = re.match(r"Expected `([^`]*)`", rule)
+    kinds = [k for k in re.findall(r"\w+", expected.group(1)) if k != "null"] if expected else []
+    send = " or ".join(_SEND.get(k, k) for k in kinds) or "a value of the JSON type SGLang's schema gives it"
+    return ValueError(f"sampling_params.{key} {raw.get(key)!r} has the wrong JSON type ({rule}); send {send}")
+
+
+def decode_sampling(raw: dict | None, max_new_tokens_if_null: int | None = None) -> SamplingParams:
+    """A JSON ``sampling_params`` object as ``SamplingParams``, with SGLang's meaning.
+
+    Args:
+        raw: the decoded JSON object (``None``: all defaults).
+        max_new_tokens_if_null: what ``"max_new_tokens": null`` means (SGLang: the rest of the
+            context, ``--max-seq-len`` minus the prompt); ``None``: SGLang's default 128.
+
+    Raises:
+        ValueError: not an object, an unknown field, a value of the wrong JSON type, a
+            non-neutral value of a field the engine does not implement, or an out-of-range value
+            (SGLang's ``verify`` ranges); the message names the field and what to send.
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"'sampling_params' {raw!r} must be a JSON object, e.g. {{\"max_new_tokens\": 16}}")
+    try:
+        wire = msgspec.convert(raw, _WireSampling)
+    except msgspec.ValidationError as exc:
+        raise _wire_error(exc, raw) from None
+    if "choice" in raw:  # in SGLang's schema, but its Python server's SamplingParams has no such field
+        raise ValueError("sampling_params.choice is not supported (SGLang's Python server refuses it as well); "
+                         "leave it out")
+    for key, (neutral, send) in _NEUTRAL.items():
+        value = getattr(wire, key)
+        if value is not None and not neutral(value):
+            raise ValueError(f"sampling_params.{key}={value!r} is not supported by this server; send {send}")
+    max_new = wire.max_new_tokens if wire.max_new_tokens is not None else (
+        128 if "max_new_tokens" not in raw or max_new_tokens_if_null is None else max_new_tokens_if_null)
+    temperature = 1.0 if wire.temperature is None else wire.temperature
+    top_p = 1.0 if wire.top_p is None else wire.top_p
+    top_k = -1 if wire.top_k in (None, -1) or wire.top_k >= TOP_K_ALL else wire.top_k
+    min_new = wire.min_new_tokens or 0
+    stop = [wire.stop] if isinstance(wire.stop, str) else list(wire.stop or [])
+    if max_new < 0:
+        raise ValueError(f"sampling_params.max_new_tokens {max_new} is negative; send 0 (prefill only: the "
+                         f"prompt's log-probs, no token) or more")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"sampling_params.temperature {temperature} is not a finite number >= 0; send 0 "
+                         f"(greedy) or a positive temperature")
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"sampling_params.top_p {top_p} is not in (0, 1]; send 1 for the whole distribution")
+    if top_k < 1 and top_k != -1:
+        raise ValueError(f"sampling_params.top_k {top_k} is not -1 (the whole vocabulary) or >= 1")
+    if not 0 <= min_new <= max_new:
+        raise ValueError(f"sampling_params.min_new_tokens {min_new} is not in [0, max_new_tokens ({max_new})]; "
+                         f"send at most max_new_tokens")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"sampling_params.stop has {len(stop)} strings; SGLang allows at most "
+                         f"{MAX_STOP_STRINGS}: send fewer")
+    if "" in stop:
+        raise ValueError("sampling_params.stop has an empty string, which would match before any text; "
+                         "send non-empty stop strings")
+    seed = wire.sampling_seed
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise ValueError(f"sampling_params.sampling_seed {seed} is not a 64-bit signed integer; send one in "
+                         f"[-2**63, 2**63)")
+    if temperature < GREEDY_BELOW:  # logits / T would overflow: greedy, as SGLang does
+        temperature = 0.0
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop=tuple(stop),
+        stop_token_ids=sorted(set(wire.stop_token_ids or ())),
+        min_new_tokens=min_new,
+        ignore_eos=bool(wire.ignore_eos),
+        no_stop_trim=bool(wire.no_stop_trim),
+        sampling_seed=seed,
+        skip_special_tokens=wire.skip_special_tokens is not False,
+        spaces_between_special_tokens=wire.spaces_between_special_tokens is not False,
+    )
+
+
+# ---- /generate ----------------------------------------------------------------------------------
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt of a ``/generate`` call, decoded: its tokens, request id, sampling parameters and
+    log-prob options. ``logprob_start_len`` ``-1``: log-probs of output tokens only; ``k >= 0``
+    (with ``return_logprob``): also ``meta_info.input_token_logprobs`` for prompt positions
+    ``k ..``, as SGLang returns them."""
+
+    input_ids: list[int]
+    rid: str
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+
+
+class GenerateCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A decoded ``/generate`` body: its prompts (one, or a batch), whether it was a batch (the
+    answer is then a list), ``stream`` and ``return_text_in_logprobs`` (each log-prob entry's third
+    element is then the token's text, else ``null``)."""
+
+    prompts: list[Prompt]
+    batch: bool
+    stream: bool = False
+    return_text_in_logprobs: bool = False
+
+
+def per_prompt(body: dict, key: str, kind: str, default, n: int, batch: bool) -> list:
+    """``body[key]`` for each of ``n`` prompts: one value (``kind``, see ``field``) for all, or, in a
+    batch, a list of ``n`` such values (SGLang's ``BoolOrList`` / ``Int64OrList``); missing or null
+    is ``default`` for all.
+
+    Raises:
+        ValueError: a value of another type, or a list of another length.
+    """
+    value = body.get(key)
+    if batch and isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{key} has {len(value)} values for a batch of {n} prompts; send one value "
+                             f"for all, or one per prompt")
+        return [field({key: v}, key, kind, default) for v in value]
+    return [field(body, key, kind, default)] * n
+
+
+def refuse_unsupported(body: dict) -> None:
+    """Raise ``ValueError`` for a top-level ``/generate`` field SGLang honours and this server does
+    not (at a non-neutral value): ``top_logprobs_num > 0``, ``token_ids_logprob``,
+    ``return_hidden_states``, ``input_embeds``, multimodal data, LoRA, ``session_params``."""
+    top = body.get("top_logprobs_num")
+    if any(v not in (None, 0) for v in (top if isinstance(top, list) else [top])):
+        raise ValueError(f"top_logprobs_num {top!r} is not supported by this server (only the chosen "
+                         f"token's log-prob is returned); send 0 or leave it out")
+    for key in ("token_ids_logprob", "input_embeds", "image_data", "video_data", "audio_data", "lora_path",
+                "session_params", "custom_logit_processor"):
+        if body.get(key) not in (None, [], {}):
+            raise ValueError(f"{key} is not supported by this server; leave it out")
+    hidden = body.get("return_hidden_states")
+    if any(v not in (None, False) for v in (hidden if isinstance(hidden, list) else [hidden])):
+        raise ValueError("return_hidden_states is not supported by this server; send false or leave it out")

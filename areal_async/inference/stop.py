@@ -1,0 +1,52 @@
+"""Stop strings: matched on the detokenized output as SGLang's scheduler matches them.
+
+SGLang 0.5.23 (``Req._check_str_based_finish`` / ``tail_str`` in ``managers/schedule_batch.py``),
+after each new token: decode the last ``w`` output tokens, ``w = min(max_len + 1, len(output))``
+where ``max_len`` is the longest stop string's length in tokens
+(``tokenizer.encode(stop, add_special_tokens=False)``, set by ``SamplingParams.normalize``), with
+the tokenizer's default ``decode`` (special tokens kept), and finish when any stop string, in the
+order given, occurs in that text. The finished output keeps every token through the one that
+completed the match, whole, even when the stop string ends inside it; the detokenizer then trims
+``text`` at the first occurrence of the matched string (``DetokenizerManager.trim_matched_stop``:
+``text[:pos]``, or ``text[:pos + len(stop)]`` with ``no_stop_trim``). A stop string that the
+output spells with more tokens than ``w - 1`` is missed, on SGLang and here alike.
+
+Matching is a pure function of the output tokens (no timing enters), so deterministic mode
+replays it. It runs on the event loop at commit, one ``decode`` of at most ``w`` tokens per
+request with stop strings per step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class StopStrings:
+    """The stop strings of one request and the tokenizer that spells them.
+
+    Args:
+        strings: the stop strings, non-empty, in the request's order (the first that occurs wins).
+        tokenizer: an HF tokenizer (``encode`` / ``decode``).
+    """
+
+    def __init__(self, strings: tuple[str, ...], tokenizer):
+        assert strings and all(strings), f"stop strings must be non-empty, got {strings!r}"
+        self.strings = strings
+        self._decode: Callable[[list[int]], str] = tokenizer.decode
+        self.window = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in strings) + 1
+
+    def match(self, output_ids: list[int]) -> str | None:
+        """The first stop string found in the decoded last ``window`` tokens of ``output_ids``
+        (call after each new token), or ``None``."""
+        tail = self._decode(output_ids[-self.window:])
+        return next((s for s in self.strings if s in tail), None)
+
+
+def trim(text: str, matched: str, no_stop_trim: bool) -> str:
+    """``text`` cut at the first occurrence of the stop string ``matched`` (SGLang's
+    ``trim_matched_stop``): before it, or just after it with ``no_stop_trim``; unchanged when
+    ``matched`` does not occur (e.g. it was in special-token text that ``text`` skips)."""
+    pos = text.find(matched)
+    if pos == -1:
+        return text
+    return text[: pos + len(matched)] if no_stop_trim else text[:pos]
