@@ -403,3 +403,44 @@ def test_the_weight_endpoints_read_scalars_as_sglangs_schemas_do():
     # the one difference by design: a null master_port is refused by both, but SGLang also refuses
     # a null of a defaulted field, which is "absent" here (none of those is in the table)
     assert differ == []
+
+
+# ---- NCCL, from a trainer whose default group is bound to its GPU (needs 2 GPUs) -----------------
+
+def _nccl_member(rank: int, port: int, default_port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from areal_async import weight_group
+
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    if rank == 0:  # the trainer: its default group bound to its GPU, as trainer/parallel.py makes it
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{default_port}", rank=0, world_size=1,
+                                device_id=device)
+    group = weight_group.new_weight_group("nccl", "127.0.0.1", port, rank, 2, timeout_s=120)
+    tensor = (torch.arange(6, device=device) - 2.5).to(torch.bfloat16) if rank == 0 else \
+        torch.empty(6, dtype=torch.bfloat16, device=device)
+    weight_group.broadcast_(group, [tensor])
+    torch.cuda.synchronize(device)
+    results.put((rank, tensor.float().cpu().tolist()))
+    weight_group.destroy_weight_group(group)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the trainer's and a server's")
+def test_nccl_group_from_a_trainer_with_a_bound_default_group():
+    # torch's helper would split the trainer's default communicator (a collective the server is not
+    # in) when the default group is bound to a device; the group must be made through the store
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port, default_port = free_port(), free_port()
+    procs = [ctx.Process(target=_nccl_member, args=(rank, port, default_port, results)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=180) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    assert got[0] == got[1] == [-2.5, -1.5, -0.5, 0.5, 1.5, 2.5]

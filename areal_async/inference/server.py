@@ -17,10 +17,12 @@ no streaming, no ``stop`` strings), ``/health``, ``/health_generate``, ``/get_mo
 ``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
-NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
+NCCL broadcast from rank 0 in ``names`` order, or SGLang's ``flattened_bucket``; the group is built
+as SGLang builds it, ``weight_group``), ``/update_weights_from_disk`` (an HF safetensors
 directory). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
 SGLang's ``{"success": false, "message": ...}``), naming the field; fields have exact JSON types
-(``return_logprob`` is ``true``/``false``, never ``"false"``; ports, ranks and sizes are integers;
+(``return_logprob`` is ``true``/``false``, never ``"false"``; the two weight-group endpoints read
+their scalars as SGLang's schemas do, ``"29612"`` as a port: ``weight_requests``;
 ``text`` a string or a list of strings; a missing or null field takes SGLang's default, e.g.
 ``group_name`` ``"weight_update_group"``). ``rid`` is a string (one prompt) or a list of distinct
 strings (a batch, one per prompt), never one an unfinished request holds; ``weight_version`` an
