@@ -2,9 +2,27 @@
 
 The trainer ranks already own the default group (torchrun); the weight-update group joins
 trainer rank 0 (rank 0 here) with every inference server (ranks ``rank_offset + tp_rank``), as
-SGLang's ``/init_weights_update_group`` does. It gets its own ``TCPStore`` rendezvous and a
-``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) built directly from that store, so it
-never touches the default group.
+SGLang's ``/init_weights_update_group`` does. It is built exactly as SGLang's
+``sglang.srt.utils.common.init_custom_process_group`` builds it (what a real SGLang server runs
+for its side, and what slime's and AReaL's trainers use for theirs), so either end can be SGLang:
+
+- the rendezvous is a ``TCPStore`` on ``master_address:master_port`` that rank 0 hosts, opened
+  with the arguments of torch's ``tcp://`` rendezvous (``world_size`` peers, multi-tenant,
+  libuv); it is opened here rather than through ``rendezvous()``, which under torchrun
+  (``TORCHELASTIC_USE_AGENT_STORE``) would make rank 0 a client too, with nobody hosting;
+- the store is wrapped in ``PrefixStore(group_name, store)`` and the group built by torch's
+  ``_new_process_group_helper`` with the same world size, rank, ``global_ranks_in_group=[]``,
+  group name and timeout, so every key of the join lives under
+  ``<group>/<group>//<device>//`` (``cpu`` for gloo, ``cuda`` for NCCL), e.g. gloo's
+  ``weight_update_group/weight_update_group//cpu//0/1``;
+- the group is registered in torch's process-group registry under ``group_name`` (as SGLang's
+  is), so one process holds one group of each name: ``destroy_weight_group`` releases it.
+
+One difference, on CUDA only: when the caller's default group is bound to a device
+(``init_process_group(device_id=...)``, as the trainer does), ``_new_process_group_helper``
+would make the NCCL communicator by splitting the default group's, a collective of the trainer's
+ranks that the servers are not part of; the binding is lifted while the group is built, so the
+communicator is made through the store as on the SGLang side (which binds no device).
 """
 
 from __future__ import annotations
@@ -12,10 +30,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import math
 import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name of both weight endpoints
 
 _DTYPES = {
     "float32": torch.float32,
@@ -46,28 +68,101 @@ def new_weight_group(
     rank: int,
     world_size: int,
     timeout_s: float = 300.0,
+    *,
+    group_name: str = DEFAULT_GROUP_NAME,
 ) -> dist.ProcessGroup:
     """Join (rank > 0) or host (rank 0) a weight-update group. Blocks until all ranks joined.
 
+    Built as SGLang's ``init_custom_process_group`` builds it (see the module docstring), so a
+    peer running SGLang's helper with the same ``group_name`` meets this one.
+
     Args:
-        backend: ``"gloo"`` or ``"nccl"``.
+        backend: ``"gloo"`` or ``"nccl"`` (any case, as torch's ``Backend`` reads it).
         master_address, master_port: the TCPStore that rank 0 (the trainer) listens on.
         rank: this process's rank in the group; 0 is the trainer.
         world_size: 1 + the number of server ranks.
+        timeout_s: seconds to wait for the peers (the store) and for each collective.
+        group_name: SGLang's ``group_name``: the store's key prefix and the group's registered
+            name; every member must use the same one.
     Raises:
-        ValueError: unknown backend or rank outside ``[0, world_size)``.
+        ValueError: unknown backend, rank outside ``[0, world_size)``, an empty group name, or a
+            group of that name already held by this process (``destroy_weight_group`` it first).
+        torch.distributed.DistError: the peers did not all join within ``timeout_s``.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"weight group rank {rank} is outside [0, {world_size}); check rank_offset")
-    if backend not in ("gloo", "nccl"):  # before the store: a bad name must not wait for peers first
+    if str(backend).lower() not in ("gloo", "nccl"):  # before the store: a bad name must not wait for peers first
         raise ValueError(f"weight group backend '{backend}' is not supported; use 'gloo' or 'nccl'")
+    if not isinstance(group_name, str) or not group_name:
+        raise ValueError(f"weight group name {group_name!r} is not a non-empty string; send the group_name "
+                         f"every member uses (SGLang's default is '{DEFAULT_GROUP_NAME}')")
+    if group_name in c10d._world.pg_names.values():  # before the store, as torch's check is after it
+        raise ValueError(f"this process already holds a process group named '{group_name}'; destroy it "
+                         f"first or use another group_name")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    # the store torch's tcp:// rendezvous opens (SGLang's init_method), hosted by rank 0
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
+    store.set_timeout(timeout)
+    with _unbound_default_group(backend):
+        group, _ = c10d._new_process_group_helper(
+            world_size, rank, [], dist.Backend(backend), dist.PrefixStore(group_name, store),
+            group_name=group_name, timeout=timeout)
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as SGLang: group rank == rank
+    return group
+
+
+def destroy_weight_group(group: dist.ProcessGroup) -> None:
+    """Shut ``group`` down and release its name (``torch.distributed.destroy_process_group``)."""
+    dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def _unbound_default_group(backend: str):
+    """Lift the default group's device binding while an NCCL weight group is built (the module
+    docstring says why); a no-op for gloo or without a bound default group."""
+    default = c10d.GroupMember.WORLD if dist.is_initialized() else None
+    bound = default.bound_device_id if default is not None else None
+    if bound is None or str(backend).lower() != "nccl":
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
+
+
+def receive_buffers(dtypes: list[torch.dtype], shapes: list[list[int]], device: torch.device | str,
+                    flattened: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Empty tensors to receive one bucket into: ``(received, tensors)``, the tensors the
+    broadcasts fill (in order) and the bucket's tensors (one per dtype/shape, in that order).
+
+    Per tensor (SGLang's default ``load_format``) both are the same list. ``flattened``
+    (SGLang's ``"flattened_bucket"``, its ``FlattenedTensorBucket``): one ``[total_bytes] uint8``
+    tensor, every tensor's bytes concatenated in order, and the tensors as views into it.
+
+    Raises:
+        ValueError: ``flattened`` with no tensors, or a tensor whose byte offset in the flat
+            buffer is not a multiple of its element size (SGLang refuses both too).
+    """
+    if not flattened:
+        tensors = [torch.empty(s, dtype=d, device=device) for d, s in zip(dtypes, shapes)]
+        return tensors, tensors
+    if not dtypes:
+        raise ValueError("a flattened_bucket of no tensors cannot be received; send at least one name")
+    offsets, offset = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        if offset % dtype.itemsize:
+            raise ValueError(f"tensor {len(offsets)} ({dtype_name(dtype)}) would start at byte {offset} of the "
+                             f"flattened_bucket, not a multiple of its {dtype.itemsize}-byte elements; order "
+                             f"the bucket by element size, largest first")
+        offsets.append(offset)
+        offset += math.prod(shape) * dtype.itemsize
+    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    tensors = [flat[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+               for start, dtype, shape in zip(offsets, dtypes, shapes)]
+    return [flat], tensors
 
 
 def broadcast_(group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int = 0) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -80,6 +81,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def trainer_group(port: int, world_size: int = 2, group_name: str = "weight_update_group",
+                  timeout_s: float = 60.0) -> torch.distributed.ProcessGroup:
+    """Rank 0 (the trainer) of a gloo weight-update group that a server in this test process
+    joins: the store keys ``weight_group.new_weight_group`` writes (SGLang's layout, checked in
+    test_sglang_weight_group.py), built without torch's registry of named groups, which holds one
+    group of a name per process (the server's)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
+    store = torch.distributed.PrefixStore(f"{group_name}/", torch.distributed.PrefixStore(group_name, store))
+    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("cpu/", store), 0, world_size, timeout)
 
 
 def perturbed(model_dir, seed: int):
@@ -256,7 +269,7 @@ def test_weight_update_over_gloo_changes_outputs_and_version(tiny_model_dir):
         async with running(tiny_model_dir) as (api, _):
             before = await api.generate(prompt, **kw)
             # this test process is rank 0 (the trainer); the server joins as rank 1
-            host = loop.run_in_executor(None, weight_group.new_weight_group, "gloo", "127.0.0.1", port, 0, 2)
+            host = loop.run_in_executor(None, trainer_group, port)
             status, out = await api.post("/init_weights_update_group", {
                 "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                 "backend": "gloo", "group_name": "weight_update_group"})
@@ -573,7 +586,7 @@ def test_sigterm_stops_a_server_blocked_receiving_a_weight_broadcast(tiny_model_
         time.sleep(1.0)  # the call reaches the receive; no broadcast follows
         _stops_on_sigterm(proc, "receiving a weight broadcast")
         updater.join(timeout=10)
-        del group
+        weight_group.destroy_weight_group(group)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -690,7 +703,7 @@ def test_a_bucket_behind_the_server_version_fails_the_trainer_side_at_once(tiny_
         loop = asyncio.get_running_loop()
         async with running(tiny_model_dir) as (api, engine), InferenceClient([api.url]) as client:
             await client.update_weights_from_disk(0, str(tiny_model_dir), 2)
-            host = loop.run_in_executor(None, weight_group.new_weight_group, "gloo", "127.0.0.1", port, 0, 2, 60)
+            host = loop.run_in_executor(None, trainer_group, port)
             await client.init_weights_update_group(0, "127.0.0.1", port, 1, 2, "gloo")
             group = await host
             bucket = (["model.norm.weight"], ["float32"], [[64]])
@@ -833,7 +846,7 @@ _SHORT = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}  # runs
     ("/init_weights_update_group", {k: v for k, v in _JOIN.items() if k != "rank_offset"}, "rank_offset is missing"),
     ("/init_weights_update_group", {**_JOIN, "master_port": "x"}, "master_port 'x' is not a port number"),
     ("/init_weights_update_group", {**_JOIN, "master_port": 70000}, "master_port 70000 is not a port number"),
-    ("/init_weights_update_group", {**_JOIN, "world_size": "1"}, "world_size '1' is not an integer"),
+    ("/init_weights_update_group", {**_JOIN, "world_size": "1.5"}, "world_size '1.5' is not an integer"),
     ("/init_weights_update_group", {**_JOIN, "backend": 5}, "backend 5 is not a non-empty string"),
     ("/init_weights_update_group", {**_JOIN, "group_name": [1]}, "group_name [1] is not a non-empty string"),
     ("/init_weights_update_group", {**_JOIN, "master_address": [1]}, "master_address [1] is not a non-empty string"),
@@ -841,7 +854,7 @@ _SHORT = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}  # runs
     ("/update_weights_from_distributed", {**_BUCKET, "names": [5]}, "names [5] is not a list of non-empty strings"),
     ("/update_weights_from_distributed", {**_BUCKET, "dtypes": [5]}, "dtypes [5] is not a list of non-empty strings"),
     ("/update_weights_from_distributed", {**_BUCKET, "shapes": [64]}, "shapes [64] is not a list of shapes"),
-    ("/update_weights_from_distributed", {**_BUCKET, "shapes": [[64.0]]}, "shapes [[64.0]] is not a list of shapes"),
+    ("/update_weights_from_distributed", {**_BUCKET, "shapes": [[64.5]]}, "shapes [[64.5]] is not a list of shapes"),
     ("/update_weights_from_distributed", {**_BUCKET, "shapes": [[-1]]}, "shapes [[-1]] is not a list of shapes"),
     ("/update_weights_from_distributed", {**_BUCKET, "dtypes": "float32"}, "dtypes 'float32' is not a list"),
     ("/update_weights_from_distributed", {**_BUCKET, "names": ["a", "b"]}, "names/dtypes/shapes lengths differ: 2/1/1"),
@@ -849,9 +862,9 @@ _SHORT = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}  # runs
                                           "shapes": [[64]] * 2}, "names lists 'model.norm.weight' more than once"),
     ("/update_weights_from_distributed", {"dtypes": ["float32"], "shapes": [[64]]}, "names is missing"),
     ("/update_weights_from_distributed", {**_BUCKET, "group_name": [1]}, "group_name [1] is not a non-empty string"),
-    ("/update_weights_from_distributed", {**_BUCKET, "flush_cache": "yes"}, "flush_cache 'yes' is not a JSON boolean"),
-    ("/update_weights_from_distributed", {**_BUCKET, "abort_all_requests": "false"},
-     "abort_all_requests 'false' is not a JSON boolean"),
+    ("/update_weights_from_distributed", {**_BUCKET, "flush_cache": "maybe"}, "flush_cache 'maybe' is not a boolean"),
+    ("/update_weights_from_distributed", {**_BUCKET, "abort_all_requests": 2}, "abort_all_requests 2 is not a boolean"),
+    ("/update_weights_from_distributed", {**_BUCKET, "load_format": "direct"}, "load_format 'direct' is not supported"),
     ("/update_weights_from_distributed", _BUCKET, "no weight group 'weight_update_group' (joined: none yet)"),
     ("/update_weights_from_disk", {"model_path": "MODEL", "abort_all_requests": "false"},
      "abort_all_requests 'false' is not a JSON boolean"),
@@ -916,7 +929,7 @@ def test_a_weight_update_without_group_name_names_the_default_and_the_joined_gro
     async def main():
         loop = asyncio.get_running_loop()
         async with running(tiny_model_dir) as (api, _):
-            host = loop.run_in_executor(None, weight_group.new_weight_group, "gloo", "127.0.0.1", port, 0, 2)
+            host = loop.run_in_executor(None, trainer_group, port, 2, "g")
             joined = await api.post("/init_weights_update_group", {**_JOIN, "master_port": port, "world_size": 2,
                                                                    "group_name": "g"})
             await host

@@ -244,7 +244,7 @@ def test_a_refused_join_fails_the_setup_at_once(tiny_model_dir, monkeypatch):
     from areal_async.trainer import weight_sync
 
     released = threading.Event()
-    monkeypatch.setattr(weight_sync, "new_weight_group", lambda *args: released.wait(20))
+    monkeypatch.setattr(weight_sync, "new_weight_group", lambda *args, **kwargs: released.wait(20))
 
     class RefusingClient:
         async def init_weights_update_group(self, server, *args):

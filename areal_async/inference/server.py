@@ -22,12 +22,14 @@ prefill-only, ``logprob_start_len`` → ``meta_info.input_token_logprobs``, ``e2
 ``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
-NCCL broadcast from rank 0 in ``names`` order), ``/update_weights_from_disk`` (an HF safetensors
+NCCL broadcast from rank 0 in ``names`` order, or SGLang's ``flattened_bucket``; the group is built
+as SGLang builds it, ``weight_group``), ``/update_weights_from_disk`` (an HF safetensors
 directory), and the OpenAI-compatible ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
 (``openai_api.py``; the model id is ``--served-model-name``, by default ``--model-path``, as on
 SGLang). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
 SGLang's ``{"success": false, "message": ...}``), naming the field; fields have exact JSON types
-(``return_logprob`` is ``true``/``false``, never ``"false"``; ports, ranks and sizes are integers;
+(``return_logprob`` is ``true``/``false``, never ``"false"``; the two weight-group endpoints read
+their scalars as SGLang's schemas do, ``"29612"`` as a port: ``weight_requests``;
 ``text`` a string or a list of strings; a missing or null field takes SGLang's default, e.g.
 ``group_name`` ``"weight_update_group"``). ``rid`` is a string (one prompt) or a list of distinct
 strings (a batch, one per prompt), never one an unfinished request holds; ``weight_version`` an
@@ -50,8 +52,10 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import functools
 import importlib.metadata
 import json
+import logging
 import math
 import pathlib
 import signal
@@ -66,6 +70,7 @@ from .. import weight_group
 from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
 from .engine import Completion, Engine
+from . import weight_requests
 from .forward import BatchedForward, check_weight_names
 from . import stop
 from .openai_api import OpenAIApi
@@ -78,7 +83,7 @@ from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, r
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP API (and request schema) this server follows
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
-_DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name of both weight-group endpoints
+_log = logging.getLogger(__name__)
 
 
 def load_engine(
@@ -293,6 +298,8 @@ class InferenceServer:
         for update in list(self._updates):  # abandoned by their handlers at shutdown
             update.cancel()
         await asyncio.gather(*self._updates, return_exceptions=True)
+        while self.groups:  # their names are the process's (torch's registry): free them for a next server
+            weight_group.destroy_weight_group(self.groups.popitem()[1])
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
 
@@ -554,62 +561,53 @@ class InferenceServer:
     # ---- weights --------------------------------------------------------------------------------
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _body(request)
         try:
-            rank_offset = _field(body, "rank_offset", "int")
-            if rank_offset < 1:
-                raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer, the broadcast source), "
-                                 f"got {rank_offset}")
-            name = _field(body, "group_name", "str", _DEFAULT_GROUP)
-            joining = weight_group.in_daemon_thread(
-                weight_group.new_weight_group,
-                _field(body, "backend", "str", "nccl"),
-                _field(body, "master_address", "str"),
-                _field(body, "master_port", "port"),
-                rank_offset,
-                _field(body, "world_size", "int"),
-            )
-            if not await self._unless_closing(joining):
-                return _shutting_down("init_weights_update_group")
+            join = weight_requests.parse_join(await _body(request))
+        except ValueError as exc:
+            return _result(False, f"init_weights_update_group failed: ValueError: {exc}")
+        old = self.groups.pop(join.group_name, None)
+        if old is not None:  # a trainer joining again (it restarted): the old group has no sender left
+            weight_group.destroy_weight_group(old)
+        joining = weight_group.in_daemon_thread(functools.partial(
+            weight_group.new_weight_group, join.backend, join.master_address, join.master_port, join.rank_offset,
+            join.world_size, group_name=join.group_name))
+        if not await self._unless_closing(joining):
+            return _shutting_down("init_weights_update_group")
+        try:
             group = joining.result()
-        except (ValueError, RuntimeError) as exc:
-            return _result(False, f"init_weights_update_group failed: {type(exc).__name__}: {exc}")
-        self.groups[name] = group
-        return _result(True, f"joined weight group '{name}'")
+        except (ValueError, RuntimeError) as exc:  # torch's DistError (a peer never came) is a RuntimeError
+            message = f"init_weights_update_group failed: {type(exc).__name__}: {exc}"
+            _log.warning("%s", message)
+            return _result(False, message)
+        self.groups[join.group_name] = group
+        return _result(True, f"joined weight group '{join.group_name}'")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await _body(request)
         try:
-            version = _weight_version(body.get("weight_version"), self.engine.weight_version)
-            names, dtypes = _field(body, "names", "strs"), _field(body, "dtypes", "strs")
-            shapes = _field(body, "shapes", "shapes")
-            if not len(names) == len(dtypes) == len(shapes):
-                raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}; "
-                                 f"send one dtype and one shape per name")
-            repeated = _first_repeated(names)
-            if repeated is not None:  # two broadcasts into one weight: which one lands is arbitrary
-                raise ValueError(f"names lists {repeated!r} more than once; send each weight once per bucket")
-            # a bool; the prefix cache is flushed by every weight update whatever it says (stale keys
-            # and values are never right)
-            _field(body, "flush_cache", "bool", True)
-            abort_all = _field(body, "abort_all_requests", "bool", False)
-            name = _field(body, "group_name", "str", _DEFAULT_GROUP)
-            group = self.groups.get(name)
+            bucket = weight_requests.parse_bucket(body)
+            version = _weight_version(bucket.weight_version, self.engine.weight_version)
+            # flush_cache is read but not obeyed: every weight update flushes the prefix cache (stale
+            # keys and values are never right)
+            group = self.groups.get(bucket.group_name)
             if group is None:
                 joined = ", ".join(f"'{g}'" for g in self.groups) or "none yet"
-                raise ValueError(f"no weight group '{name}' (joined: {joined}); call /init_weights_update_group "
-                                 f"with group_name '{name}' first, or send the group_name of a joined group")
-            check_weight_names(self.engine.forward.named_tensors(), dict(zip(names, map(tuple, shapes))))
-            device = self.engine.forward.device
-            buffers = [torch.empty(s, dtype=weight_group.dtype_from_name(d), device=device) for d, s in zip(dtypes, shapes)]
+                raise ValueError(f"no weight group '{bucket.group_name}' (joined: {joined}); call "
+                                 f"/init_weights_update_group with group_name '{bucket.group_name}' first, or "
+                                 f"send the group_name of a joined group")
+            names = bucket.names
+            check_weight_names(self.engine.forward.named_tensors(), dict(zip(names, map(tuple, bucket.shapes))))
+            received, tensors = weight_group.receive_buffers(
+                [weight_group.dtype_from_name(d) for d in bucket.dtypes], bucket.shapes,
+                self.engine.forward.device, flattened=bucket.load_format == "flattened_bucket")
         except ValueError as exc:
             return _result(False, f"update_weights_from_distributed rejected: {type(exc).__name__}: {exc}")
 
         def receive() -> dict[str, torch.Tensor]:
-            weight_group.broadcast_(group, buffers, src=0)
-            return dict(zip(names, buffers))
+            weight_group.broadcast_(group, received, src=0)
+            return dict(zip(names, tensors))
 
-        return await self._update(receive, version, abort_all)
+        return await self._update(receive, version, bucket.abort_all_requests)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -667,14 +665,24 @@ class InferenceServer:
         cancelled caller (the client went away) does not cancel ``work``: a weight swap is never
         left half-done."""
         closing = asyncio.ensure_future(self._closing.wait())
-        try:
-            await asyncio.wait([asyncio.shield(work), closing], return_when=asyncio.FIRST_COMPLETED)
+        try:  # unlike wait_for, asyncio.wait leaves ``work`` running when this caller is cancelled
+            await asyncio.wait([work, closing], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.add_done_callback(_log_unanswered)  # its outcome is read once, by the log
+            raise
         finally:
             closing.cancel()
         if work.done():
             return True
         work.cancel()
         return False
+
+
+def _log_unanswered(work: asyncio.Future) -> None:
+    """Log how a join or weight update ended after its client went away (nobody else reads it)."""
+    if not work.cancelled() and work.exception() is not None:
+        _log.warning("a weight-group call whose client went away failed: %s: %s",
+                     type(work.exception()).__name__, work.exception())
 
 
 @contextlib.asynccontextmanager

@@ -5,7 +5,8 @@
 - ``DistributedWeightSender`` (default): one torch.distributed group joins trainer rank 0
   (rank 0 of that group) and every server (rank ``1 + i``, world size ``1 + num_servers``), set
   up through each server's ``/init_weights_update_group`` while rank 0 hosts the rendezvous
-  (``weight_group.new_weight_group``). Each update: pause generation (in-flight requests return
+  (``weight_group.new_weight_group``: built as SGLang's ``init_custom_process_group`` builds it, so
+  the servers may be real SGLang ones). Each update: pause generation (in-flight requests return
   partial outputs and are resubmitted by the client), then for each bucket of at most
   ``trainer.weight_bucket_bytes`` the ``/update_weights_from_distributed`` calls are in flight
   while rank 0 broadcasts the bucket's tensors in ``names`` order; every call carries the new
@@ -30,6 +31,7 @@ parameter, ``parallel.full_parameters``); only rank 0 talks to the servers. Tens
 from __future__ import annotations
 
 import asyncio
+import functools
 import pathlib
 import shutil
 from typing import Protocol
@@ -39,9 +41,10 @@ import torch.distributed as dist
 
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
 from areal_async.trainer.parallel import full_parameters
-from areal_async.weight_group import broadcast_, dtype_name, in_daemon_thread, new_weight_group
+from areal_async.weight_group import (DEFAULT_GROUP_NAME, broadcast_, dtype_name, in_daemon_thread,
+                                      new_weight_group)
 
-GROUP_NAME = "weight_update_group"
+GROUP_NAME = DEFAULT_GROUP_NAME
 
 
 class WeightSender(Protocol):
@@ -94,8 +97,8 @@ class DistributedWeightSender:
                 i, self.master_address, self.master_port, 1 + i, world_size, self.backend, GROUP_NAME)
             for i in range(self.num_servers)
         ))
-        group = in_daemon_thread(new_weight_group, self.backend, self.master_address, self.master_port, 0,
-                                 world_size)
+        group = in_daemon_thread(functools.partial(new_weight_group, self.backend, self.master_address,
+                                                   self.master_port, 0, world_size, group_name=GROUP_NAME))
         self.group = await _with_server_calls(
             group, joins, f"a server refused to join the weight group at {self.master_address}:{self.master_port}")
 

@@ -1,0 +1,183 @@
+"""The bodies of ``/init_weights_update_group`` and ``/update_weights_from_distributed``, read as
+SGLang reads them.
+
+SGLang 0.5.23 declares them as ``InitWeightsUpdateGroupReqInput`` and
+``UpdateWeightsFromDistributedReqInput`` (``sglang/srt/managers/io_struct.py``) and FastAPI
+validates them with pydantic in lax mode, which coerces scalars: an integer field takes
+``29612``, ``29612.0``, ``"29612"``, ``" +29612 "``, ``"29_612"`` or ``"29612.00"`` (AReaL sends
+``master_port`` as a string); a boolean field takes ``true``, ``0``/``1``, ``0.0``/``1.0`` or, in
+any case, ``"true"``/``"false"``, ``"yes"``/``"no"``, ``"on"``/``"off"``, ``"t"``/``"f"``,
+``"y"``/``"n"``, ``"1"``/``"0"``. Strings stay strings (``names: [1]`` is refused), lists stay
+lists. The one difference: a JSON boolean is not an integer here (pydantic reads ``true`` as
+``1``: a port or rank of ``true`` is a client's bug, refused with the field's name).
+
+``load_format`` is SGLang's: absent (one broadcast per tensor, in ``names`` order) or
+``"flattened_bucket"`` (one broadcast of every tensor's bytes, concatenated in ``names`` order,
+as SGLang's ``FlattenedTensorBucket``); any other value is refused before the broadcast, which
+would otherwise not match the sender's. Bad input is ``ValueError`` naming the field, the value
+and what to send.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from ..weight_group import DEFAULT_GROUP_NAME
+
+_INT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")  # pydantic's integer string, once stripped
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})  # pydantic's boolean strings, any case
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_MISSING = object()
+LOAD_FORMATS = (None, "flattened_bucket")
+
+
+class JoinRequest(msgspec.Struct, frozen=True):
+    """``/init_weights_update_group``: join ``group_name`` as rank ``rank_offset`` of ``world_size``."""
+
+    master_address: str
+    master_port: int  # [1, 65535]
+    rank_offset: int  # >= 1: rank 0 is the trainer, the broadcast source
+    world_size: int
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class BucketRequest(msgspec.Struct, frozen=True):
+    """``/update_weights_from_distributed``: receive ``names`` (one dtype and shape each) from rank 0."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: object = None  # read by the server against its current version
+    load_format: str | None = None
+
+
+def lax_int(key: str, value) -> int:
+    """``value`` as pydantic's lax ``int`` reads it (see the module docstring).
+
+    Raises:
+        ValueError: a bool, a fractional or non-finite number, a non-numeric string, or another type.
+    """
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and _INT.fullmatch(value.strip()):
+        return int(value.strip().partition(".")[0])  # the fraction is zeros
+    raise ValueError(f"{key} {value!r} is not an integer; send an integer, e.g. 29612 (or its decimal "
+                     f"string, \"29612\")")
+
+
+def lax_bool(key: str, value) -> bool:
+    """``value`` as pydantic's lax ``bool`` reads it (see the module docstring).
+
+    Raises:
+        ValueError: any other number, string or type.
+    """
+    if type(value) is bool:
+        return value
+    if type(value) in (int, float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise ValueError(f"{key} {value!r} is not a boolean; send true or false")
+
+
+def _get(body: dict, key: str, default=_MISSING):
+    """``body[key]``; ``default`` (SGLang's) when absent or null. SGLang refuses a null for a field
+    that is not ``Optional``; here it means "absent" where a default exists, as for every other
+    field of this server, and is refused (by the field's reader) where none does."""
+    if body.get(key) is not None:
+        return body[key]
+    if default is not _MISSING:
+        return default
+    if key not in body:
+        raise ValueError(f"{key} is missing; send it (SGLang's schema requires it)")
+    return None
+
+
+def _text(key: str, value) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} {value!r} is not a non-empty string; send a non-empty string")
+    return value
+
+
+def _texts(key: str, value) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"{key} {value!r} is not a list of non-empty strings; send one string per tensor")
+    return value
+
+
+def _shapes(value) -> list[list[int]]:
+    send = "send one shape per tensor, each a list of integers >= 0"
+    if not isinstance(value, list) or not all(isinstance(s, list) for s in value):
+        raise ValueError(f"shapes {value!r} is not a list of shapes; {send}")
+    try:
+        shapes = [[lax_int("shapes", d) for d in s] for s in value]
+    except ValueError:
+        raise ValueError(f"shapes {value!r} is not a list of shapes; {send}") from None
+    if any(d < 0 for s in shapes for d in s):
+        raise ValueError(f"shapes {value!r} is not a list of shapes: a dimension is negative; {send}")
+    return shapes
+
+
+def parse_join(body: dict) -> JoinRequest:
+    """The ``/init_weights_update_group`` body as a ``JoinRequest``.
+
+    Raises:
+        ValueError: a field missing or of another type, a port outside [1, 65535], rank_offset < 1.
+    """
+    raw = _get(body, "master_port")
+    try:
+        port = lax_int("master_port", raw)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise ValueError(f"master_port {raw!r} is not a port number in [1, 65535]; send the port the "
+                         f"trainer's rank 0 listens on (an integer or its decimal string)")
+    rank_offset = lax_int("rank_offset", _get(body, "rank_offset"))
+    if rank_offset < 1:
+        raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer, the broadcast source), got {rank_offset}")
+    return JoinRequest(
+        master_address=_text("master_address", _get(body, "master_address")),
+        master_port=port,
+        rank_offset=rank_offset,
+        world_size=lax_int("world_size", _get(body, "world_size")),
+        group_name=_text("group_name", _get(body, "group_name", DEFAULT_GROUP_NAME)),
+        backend=_text("backend", _get(body, "backend", "nccl")),
+    )
+
+
+def parse_bucket(body: dict) -> BucketRequest:
+    """The ``/update_weights_from_distributed`` body as a ``BucketRequest`` (``weight_version``
+    unread: the server checks it against its own version).
+
+    Raises:
+        ValueError: a field missing or of another type, lists of different lengths, a name listed
+            twice, or a ``load_format`` other than SGLang's two.
+    """
+    names, dtypes = _texts("names", _get(body, "names")), _texts("dtypes", _get(body, "dtypes"))
+    shapes = _shapes(_get(body, "shapes"))
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}; "
+                         f"send one dtype and one shape per name")
+    repeated = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if repeated is not None:  # two broadcasts into one weight: which one lands is arbitrary
+        raise ValueError(f"names lists {repeated!r} more than once; send each weight once per bucket")
+    load_format = _get(body, "load_format", None)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; send none (one broadcast per "
+                         f"tensor) or 'flattened_bucket' (one broadcast of the bucket's bytes)")
+    return BucketRequest(
+        names=names, dtypes=dtypes, shapes=shapes,
+        group_name=_text("group_name", _get(body, "group_name", DEFAULT_GROUP_NAME)),
+        flush_cache=lax_bool("flush_cache", _get(body, "flush_cache", True)),
+        abort_all_requests=lax_bool("abort_all_requests", _get(body, "abort_all_requests", False)),
+        weight_version=body.get("weight_version"),
+        load_format=load_format,
+    )
