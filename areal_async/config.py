@@ -105,8 +105,14 @@ class QueueConfig(_Cfg):
 
 
 class AlgoConfig(_Cfg):
-    """GRPO advantages and the decoupled-PPO loss (AReaL-boba defaults)."""
+    """GRPO advantages and the decoupled-PPO loss (AReaL-boba defaults).
 
+    ``decoupled: false`` is the naive-PPO control of a staleness study: π_prox = π_behav (PPO's
+    clipped objective on the stale data, no importance weight, so ``behav_imp_weight_cap`` is not
+    used), and the trainer runs no proximal forward (``algo/loss.py``).
+    """
+
+    decoupled: bool = True
     eps_clip: PosFloat = 0.2
     eps_clip_high: PosFloat | None = None
     behav_imp_weight_cap: PosFloat | None = 5.0
