@@ -200,6 +200,8 @@ class LoggingConfig(_Cfg):
 
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "areal-async"
+    wandb_group: str = ""  # the runs overlaid in one dashboard; empty: the run's name
+    wandb_tags: list[str] = []  # e.g. a staleness study's eta=2, objective=naive, seed=1
     log_every: NonNegInt = 1
     dump_trajectories: bool = False
 
