@@ -21,7 +21,8 @@ else run again from scratch (``--overwrite``); an evaluation at the end cut off 
 checkpoint is not re-run. A failed cell is reported (its launcher's error and last lines) and the
 study goes on; the exit status is 1 if any cell failed, 2 for bad input, 130 when interrupted
 (Ctrl-C or SIGTERM stop every running cell). Progress of the whole study: a tqdm bar (cells done
-of N, ETA) on a terminal, else one line per cell started and ended.
+of N, ETA) on a terminal, else a line per cell started and ended with cells done of N and the
+ETA (``AREAL_ASYNC_PROGRESS=bar|lines`` overrides the choice, as for ``launcher.local``).
 
 ``<run_root>/<study>/study.json`` records the study (written when it starts, each cell's state
 updated as it ends); the fields:
@@ -50,6 +51,7 @@ import time
 
 from areal_async.config import load_config
 from areal_async.file_lock import file_lock
+from areal_async.progress import progress_mode
 from launcher.jobs import Job, local_argv, run_jobs
 from launcher.local import interrupt_on_signals
 
@@ -175,7 +177,8 @@ class StudyProgress:
         if bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=skipped, desc=f"study {name}", unit="cell", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=skipped, desc=f"study {name}", unit="cell", file=sys.stdout,
+                            dynamic_ncols=True)
 
     def say(self, text: str) -> None:
         if self.bar is not None:
@@ -248,7 +251,7 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, total: int) ->
         jobs.append(job)
     write_study(root, study)
     grid_text = f"η {study['etas']} × {study['objectives']} × seeds {study['seeds']}"
-    progress = StudyProgress(study["name"], len(grid), skipped, bar=sys.stdout.isatty())
+    progress = StudyProgress(study["name"], len(grid), skipped, bar=progress_mode() == "bar")
     progress.say(f"[ablation] study '{study['name']}' in {root}: {grid_text} = {len(grid)} cells, {skipped} "
                  f"finished before, {len(jobs)} to run, {args.parallel} at a time")
     failed: list[Job] = []
