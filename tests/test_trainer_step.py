@@ -329,17 +329,6 @@ def test_the_plan_is_a_function_of_the_batch(tiny_model_dir):
     assert all(torch.equal(w1[n], w2[n]) for n in w1)
 
 
-def _tiny_policy(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    from areal_async.trainer.attention import use_packed_attention
-    from areal_async.trainer.logprobs import PackedPolicy
-
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    use_packed_attention(lm)
-    return PackedPolicy(lm), lm
-
-
 def test_naive_ppo_runs_no_proximal_forward(tiny_model_dir):
     # algo.decoupled=false takes π_prox = π_behav: with two minibatches the decoupled step runs a
     # no-grad proximal pass over every micro-batch first, the naive step none; both train the same
@@ -349,7 +338,8 @@ def test_naive_ppo_runs_no_proximal_forward(tiny_model_dir):
     torch.set_num_threads(1)
     counts, results = {}, {}
     for decoupled in (True, False):
-        policy, lm = _tiny_policy(tiny_model_dir)
+        policy = _tiny_policy(tiny_model_dir)
+        lm = policy.lm
         seen = {True: 0, False: 0}
         policy.register_forward_hook(lambda m, a, o: seen.__setitem__(torch.is_grad_enabled(),
                                                                       seen[torch.is_grad_enabled()] + 1))
@@ -391,13 +381,15 @@ def test_naive_and_decoupled_steps_coincide_on_fresh_data(tiny_model_dir):
     from areal_async.trainer.step import train_step
 
     torch.set_num_threads(1)
-    policy, lm = _tiny_policy(tiny_model_dir)
+    policy = _tiny_policy(tiny_model_dir)
+    lm = policy.lm
     fresh = _own_logprobs(policy, make_trajectories(lm.config.vocab_size))
     stale = make_trajectories(lm.config.vocab_size)
     out = {}
     for data, trajs in (("fresh", fresh), ("stale", stale)):
         for decoupled in (True, False):
-            policy, lm = _tiny_policy(tiny_model_dir)
+            policy = _tiny_policy(tiny_model_dir)
+            lm = policy.lm
             optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
             m = train_step(policy, optimizer, trajs, AlgoConfig(decoupled=decoupled),
                            TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6), 1.0, torch.device("cpu"))
