@@ -27,7 +27,7 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
-Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: any free port (in-process use)
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: a free one, chosen by the launcher (launcher/ports.py)
 
 
 class _Cfg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -63,7 +63,7 @@ class InferenceConfig(_Cfg):
     backend: Literal["embedded", "sglang"] = "embedded"
     num_servers: PosInt = 1
     host: str = "127.0.0.1"
-    base_port: Port = 30000
+    base_port: Port = 0  # server i on base_port + i; 0: consecutive free ports chosen at start
     max_running_requests: PosInt = 32
     max_seq_len: PosInt = 1024
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every server)
@@ -98,15 +98,21 @@ class QueueConfig(_Cfg):
     """Replay queue: admission by the staleness bound, ``max_staleness`` = η (docs/design.md)."""
 
     host: str = "127.0.0.1"
-    port: Port = 29600
+    port: Port = 0
     batch_size: PosInt = 8
     max_staleness: NonNegInt = 1
     max_concurrent: PosInt = 16
 
 
 class AlgoConfig(_Cfg):
-    """GRPO advantages and the decoupled-PPO loss (AReaL-boba defaults)."""
+    """GRPO advantages and the decoupled-PPO loss (AReaL-boba defaults).
 
+    ``decoupled: false`` is the naive-PPO control of a staleness study: π_prox = π_behav (PPO's
+    clipped objective on the stale data, no importance weight, so ``behav_imp_weight_cap`` is not
+    used), and the trainer runs no proximal forward (``algo/loss.py``).
+    """
+
+    decoupled: bool = True
     eps_clip: PosFloat = 0.2
     eps_clip_high: PosFloat | None = None
     behav_imp_weight_cap: PosFloat | None = 5.0
@@ -141,14 +147,14 @@ class TrainerConfig(_Cfg):
     skip_zero_advantage: bool = True
     share_prefixes: bool = True
     weight_sync: Literal["distributed", "disk"] = "distributed"
-    weight_sync_port: Port = 29700
+    weight_sync_port: Port = 0
     weight_bucket_bytes: PosInt = 256 * 1024 * 1024
     # a checkpoint every N steps (0: only at the end), so that a stopped run can be resumed; each
     # replaces the previous one (SmolLM2-135M with fp32 AdamW: 1.62 GB, written in 3.3-5.4 s on a
     # shared 2-core CPU machine)
     checkpoint_every: NonNegInt = 10
     resume: bool = False  # start from RUN_DIR/checkpoint (set by ``launcher.local --resume``)
-    master_port: Port = 29500
+    master_port: Port = 0  # torchrun rendezvous
     # learning-rate schedule, advanced once per training step (trainer/schedule.py): linear warm-up
     # over warmup_steps, then constant | linear | cosine decay towards lr * min_lr_ratio
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -194,6 +200,8 @@ class LoggingConfig(_Cfg):
 
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "areal-async"
+    wandb_group: str = ""  # the runs overlaid in one dashboard; empty: the run's name
+    wandb_tags: list[str] = []  # e.g. a staleness study's eta=2, objective=naive, seed=1
     log_every: NonNegInt = 1
     dump_trajectories: bool = False
 

@@ -4,7 +4,8 @@ Metric names follow docs/design.md (``rollout/*``, ``staleness/*``, ``queue/*``,
 ``perf/*``, ``version/*``, ``eval/*``). Values are floats, except ``*/hist`` entries, which are
 lists of raw values: they go to ``metrics.jsonl`` as lists and to wandb as histograms. wandb's
 directories (``WANDB_DIR``, cache, data, config) live under the run directory; runs are grouped by
-experiment name so staleness-ablation runs overlay in one dashboard.
+``logging.wandb_group`` (default: the experiment name) and tagged with ``logging.wandb_tags``, so the
+cells of a staleness study (``launcher.ablation``) overlay in one dashboard.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class MetricsLogger:
     Args:
         run_dir: the run directory (``runs/<name>``); created if missing.
         cfg: the logging sub-config.
-        name: experiment name (wandb group and run name).
+        name: experiment name (wandb run name; the group when ``cfg.wandb_group`` is empty).
         config: the resolved root config as a plain dict (given to wandb).
         total_steps: for the console progress line.
     """
@@ -86,7 +87,8 @@ class MetricsLogger:
             if not id_file.exists():
                 id_file.write_text(secrets.token_hex(8))
             self._wandb = wandb.init(
-                project=cfg.wandb_project, group=name, name=name, config=config, id=id_file.read_text().strip(),
+                project=cfg.wandb_project, group=cfg.wandb_group or name, name=name, tags=cfg.wandb_tags,
+                config=config, id=id_file.read_text().strip(),
                 resume="allow", mode=cfg.wandb_mode, dir=os.environ["WANDB_DIR"], reinit="finish_previous",
             )
 

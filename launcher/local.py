@@ -3,12 +3,17 @@
     python -m launcher.local configs/quickstart_cpu.yaml [section.key=value ...] [--overwrite | --resume]
 
 Order: check what fails cheaply (the backend is installed, devices, the task's data, the reward
-function, free ports; a refused launch creates no run directory and exits 2) → resolve the model
-(fetch + convert once) → write ``RUN_DIR/config.yaml`` → start the inference servers and wait
+function; ports: every port key set to 0, the default, gets a free port, and the given ones must
+be free; a refused launch creates no run directory and exits 2) → resolve the model (fetch +
+convert once) → write ``RUN_DIR/config.yaml`` and ``RUN_DIR/run.json`` (the ports, ``launcher/ports.py``)
+→ start the inference servers and wait
 for ``/health`` → start the replay queue and wait for its port → start the trainer
 (``torch.distributed.run``) and the generation workers. The job ends when the trainer exits 0.
 If any process exits non-zero (or a long-lived one exits at all), every process is stopped and
-the launcher exits 1, printing that process's last lines. Ctrl-C or SIGTERM, from start-up on
+the launcher exits 1, printing that process's last lines; except once: when a process could not
+bind a port the launcher chose (another process took it in between), the job is started again
+with newly chosen ports (the logs go on after a ``===== new ports ... =====`` line). Ctrl-C or
+SIGTERM, from start-up on
 (the model's conversion included), stops everything, removes the run lock and exits 130. Every
 child runs in its own process group and dies with the launcher.
 
@@ -17,7 +22,7 @@ training state, ``trainer.checkpoint_every`` or a finished shorter run): the ser
 checkpoint's weights as version s (steps done), the queue starts at version s with the saved
 buffer, and the trainer restores the optimizer and the learning-rate schedule and continues at
 step s up to ``trainer.total_steps``, appending to ``metrics.jsonl`` and to ``logs/*.log`` (after
-a ``===== --resume at step s, <time> =====`` line). The trainer runs under ``launcher.torchrun``,
+a ``===== --resume at step s, <time> =====`` line), on newly chosen ports. The trainer runs under ``launcher.torchrun``,
 so stopping the job ends ``trainer.log`` with one line, not torchrun's traceback.
 """
 
@@ -43,6 +48,7 @@ from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfi
                                 load_config, port_in_use)
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
+from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -159,13 +165,15 @@ def lock_run(cfg: Config) -> Iterator[None]:
 
 def check_ports(cfg: Config) -> None:
     """Raise ``ValueError`` naming the config key if a port the job needs is reused (checked
-    first: a config error, whatever else runs on the machine) or taken."""
+    first: a config error, whatever else runs on the machine) or taken. Port 0 (chosen at start,
+    ``launcher/ports.py``) is not checked."""
     wanted = {f"inference.base_port+{i}" if i else "inference.base_port": (cfg.inference.host, p)
               for i, p in enumerate(range(cfg.inference.base_port,
                                           cfg.inference.base_port + cfg.inference.num_servers))}
     wanted |= {"queue.port": (cfg.queue.host, cfg.queue.port),
                "trainer.master_port": ("127.0.0.1", cfg.trainer.master_port),
                "trainer.weight_sync_port": ("127.0.0.1", cfg.trainer.weight_sync_port)}
+    wanted = {key: where for key, where in wanted.items() if where[1]}
     seen: dict[int, str] = {}
     for key, (_, port) in wanted.items():
         if port in seen:
@@ -205,6 +213,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     cfg = resolve_dtypes(cfg, torch.cuda.is_available())
+    chosen = keys_to_choose(cfg, resume)  # resume: the stopped job's chosen ports may be taken by now
+    cfg, _ = choose_ports(cfg, chosen)
     check_ports(cfg)
     run_dir = cfg.run_dir
     replace = not resume and (run_dir / "metrics.jsonl").exists()
@@ -231,6 +241,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=model_path))
     dump_config(cfg, run_dir / "config.yaml")
+    write_record(cfg, chosen)
     return cfg
 
 
@@ -291,18 +302,47 @@ def launch(cfg: Config) -> int:
 
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         header = f"===== --resume at step {read_step(cfg.run_dir / 'checkpoint')}, {stamp} ====="
-    sup = Supervisor(cfg.run_dir / "logs", log_header=header)
-    try:
-        run_job(cfg, sup)
-    except JobFailed as exc:
-        print(f"[launcher] job failed: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        return _interrupted()  # printed before the children are stopped, which takes a while
-    finally:
-        sup.stop_all()
+    chosen = tuple(read_record(cfg.run_dir).get("chosen", ()))
+    print(f"[launcher] ports: {describe(cfg, chosen)}", flush=True)
+    for attempt in (1, 2):
+        sup = Supervisor(cfg.run_dir / "logs", log_header=header)
+        rows = _metrics_size(cfg)
+        try:
+            run_job(cfg, sup)
+            break
+        except JobFailed as exc:
+            # a port chosen here was taken before its process bound it: once, choose anew; not
+            # after the job logged anything (then it was no start-up race)
+            if attempt == 1 and chosen and is_bind_failure(str(exc)) and _metrics_size(cfg) == rows:
+                sup.stop_all()
+                cfg = _new_ports(cfg, chosen)
+                header = f"===== new ports after a port was taken, {time.strftime('%Y-%m-%d %H:%M:%S %Z')} ====="
+                print(f"[launcher] a chosen port was taken before its process could bind it ({exc}); "
+                      f"starting again on new ports: {describe(cfg, chosen)}", file=sys.stderr, flush=True)
+                continue
+            print(f"[launcher] job failed: {exc}", file=sys.stderr, flush=True)
+            return 1
+        except KeyboardInterrupt:
+            return _interrupted()  # printed before the children are stopped, which takes a while
+        finally:
+            sup.stop_all()
     print(f"[launcher] done: {cfg.run_dir}", flush=True)
     return 0
+
+
+def _metrics_size(cfg: Config) -> int:
+    try:
+        return (cfg.run_dir / "metrics.jsonl").stat().st_size
+    except OSError:
+        return -1
+
+
+def _new_ports(cfg: Config, chosen: tuple[str, ...]) -> Config:
+    """``cfg`` with the ``chosen`` port keys picked again, written to ``config.yaml`` and ``run.json``."""
+    cfg, _ = choose_ports(cfg, chosen)
+    dump_config(cfg, cfg.run_dir / "config.yaml")
+    write_record(cfg, chosen)
+    return cfg
 
 
 def _interrupted() -> int:

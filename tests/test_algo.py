@@ -1,4 +1,4 @@
-"""GRPO advantages and the decoupled-PPO loss against hand-derived values."""
+"""GRPO advantages, the decoupled-PPO loss and its naive-PPO control against hand-derived values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal_async.algo.advantages import batch_normalize, group_advantages
-from areal_async.algo.loss import decoupled_ppo_loss
+from areal_async.algo.loss import decoupled_ppo_loss, naive_ppo_loss
 
 
 def test_group_advantages_hand_values():
@@ -113,3 +113,75 @@ def test_decoupled_ppo_loss_global_denominator_adds_up():
 def test_decoupled_ppo_loss_shape_mismatch():
     with pytest.raises(AssertionError, match="prox_logp"):
         decoupled_ppo_loss(torch.zeros(3), torch.zeros(2), torch.zeros(3), torch.zeros(3), torch.ones(3))
+
+
+def _naive_tokens():
+    # Five tokens, ε = 0.2, naive PPO: r = π_θ/π_behav, no importance weight.
+    #   t0: r = 1.1/1   = 1.1, A = +1: min(1.1, 1.1) = 1.1             (not clipped)
+    #   t1: r = 0.9/0.5 = 1.8, A = -1: min(-1.8, -1.2) = -1.8          (not clipped: A < 0, upper side)
+    #   t2: r = 0.25/0.5 = 0.5, A = +2: min(1.0, 0.8·2 = 1.6) = 1.0   (not clipped: A > 0, lower side)
+    #   t3: r = 0.75/0.5 = 1.5, A = +1: min(1.5, 1.2) = 1.2            (clipped)
+    #   t4: masked out; theta = behav = -inf must not leak a NaN.
+    # L = -(1.1 - 1.8 + 1.0 + 1.2)/4 = -0.375; clip_ratio = 1/4; mean r = 4.9/4.
+    theta = torch.tensor([math.log(1.1), math.log(0.9), math.log(0.25), math.log(0.75), -math.inf],
+                         requires_grad=True)
+    behav = torch.tensor([0.0, math.log(0.5), math.log(0.5), math.log(0.5), -math.inf])
+    adv = torch.tensor([1.0, -1.0, 2.0, 1.0, 3.0])
+    mask = torch.tensor([True, True, True, True, False])
+    return theta, behav, adv, mask
+
+
+def test_naive_ppo_loss_hand_values_and_gradient():
+    theta, behav, adv, mask = _naive_tokens()
+    loss, stats = naive_ppo_loss(theta, behav, adv, mask, eps_clip=0.2)
+    torch.testing.assert_close(loss, torch.tensor(-0.375))
+    torch.testing.assert_close(stats["clip_ratio"], torch.tensor(0.25))
+    torch.testing.assert_close(stats["ratio"], torch.tensor(4.9 / 4))
+    torch.testing.assert_close(stats["importance_weight"], torch.tensor(1.0))
+    assert stats["behav_capped_ratio"].item() == 0.0 and stats["num_tokens"].item() == 4
+    # behav_kl: mean of theta - behav = log(1.1 · 1.8 · 0.5 · 1.5)/4; approx_kl: mean of r - 1 - log r
+    torch.testing.assert_close(stats["behav_kl"], torch.tensor(math.log(1.485) / 4))
+    torch.testing.assert_close(stats["approx_kl"], torch.tensor((0.9 - math.log(1.485)) / 4))
+    loss.backward()
+    # unclipped: d/dθ(-A·r/4) = -A·r/4 (dr/dθ = r); t3 clipped: 0; t4 masked: 0.
+    torch.testing.assert_close(theta.grad, torch.tensor([-1.1 / 4, 1.8 / 4, -1.0 / 4, 0.0, 0.0]))
+
+
+def test_naive_ppo_loss_trust_region_is_around_behav_not_prox():
+    # The same tokens under the decoupled loss with π_prox = π_θ (one update per step): every
+    # r = 1, so nothing is clipped and each token's gradient is -w·A/4 with w = π_θ/π_behav (the
+    # naive ratio; all w ≤ the cap 5), where naive PPO clips t3 (its ratio 1.5 is outside 1 ± 0.2).
+    theta, behav, adv, mask = _naive_tokens()
+    loss, stats = decoupled_ppo_loss(theta, theta.detach(), behav, adv, mask, 0.2, behav_imp_weight_cap=5.0)
+    loss.backward()
+    assert stats["clip_ratio"].item() == 0.0
+    torch.testing.assert_close(theta.grad, torch.tensor([-1.1 / 4, 1.8 / 4, -1.0 / 4, -1.5 / 4, 0.0]))
+    # a cap does not exist for naive PPO: a behaviour policy far behind is not masked
+    theta, _, adv, mask = _naive_tokens()
+    far = torch.full((5,), -20.0)
+    _, stats = naive_ppo_loss(theta, far, adv, mask)
+    assert stats["behav_capped_ratio"].item() == 0.0 and stats["importance_weight"].item() == 1.0
+
+
+def test_naive_and_decoupled_coincide_when_behaviour_is_proximal():
+    # η = 0 / fresh data: π_behav = π_prox makes w = 1, and Eq. 5 becomes PPO's L^CLIP: same loss,
+    # gradient and statistics (behav_kl aside: the decoupled loss reports prox - behav = 0, the
+    # naive one theta - behav, equal once π_θ = π_prox too).
+    theta, behav, adv, mask = _naive_tokens()
+    theta2 = theta.detach().clone().requires_grad_(True)
+    d_loss, d = decoupled_ppo_loss(theta, behav, behav, adv, mask, 0.2, 0.28, behav_imp_weight_cap=5.0,
+                                   num_tokens=6)
+    n_loss, n = naive_ppo_loss(theta2, behav, adv, mask, 0.2, 0.28, num_tokens=6)
+    torch.testing.assert_close(n_loss, d_loss, rtol=0, atol=0)
+    d_loss.backward()
+    n_loss.backward()
+    torch.testing.assert_close(theta2.grad, theta.grad, rtol=0, atol=0)
+    assert {k: v.item() for k, v in n.items() if k != "behav_kl"} == {k: v.item() for k, v in d.items()
+                                                                    if k != "behav_kl"}
+    fresh = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    same = fresh.detach()
+    args = (torch.tensor([1.0, -2.0, 0.5]), torch.ones(3, dtype=torch.bool))
+    _, d = decoupled_ppo_loss(fresh, same, same, *args, behav_imp_weight_cap=5.0)
+    _, n = naive_ppo_loss(fresh, same, *args)
+    assert {k: v.item() for k, v in n.items()} == {k: v.item() for k, v in d.items()}
+    assert n["behav_kl"].item() == 0.0

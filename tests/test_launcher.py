@@ -494,3 +494,131 @@ def test_resume_with_no_steps_left_and_a_bad_progress_mode_are_launch_errors(tmp
     assert main([*argv, "name=fresh"]) == 2
     assert "AREAL_ASYNC_PROGRESS='Bar' is not a progress mode" in capsys.readouterr().err
     assert not (tmp_path / "fresh").exists()
+
+
+def test_ports_set_to_0_are_chosen_free_distinct_and_consecutive_for_the_servers():
+    import socket
+
+    from launcher.ports import PORT_KEYS, choose_ports, port_of
+
+    cfg = load_config(None, ["inference.num_servers=3"])
+    assert all(port_of(cfg, k) == 0 for k in PORT_KEYS)  # the defaults: chosen at start
+    with socket.socket() as given:
+        given.bind(("127.0.0.1", 0))
+        queue_port = given.getsockname()[1]
+    cfg = load_config(None, ["inference.num_servers=3", f"queue.port={queue_port}"])
+    keys = ("inference.base_port", "trainer.master_port", "trainer.weight_sync_port")
+    resolved, chosen = choose_ports(cfg, keys)
+    assert set(chosen) == set(keys) and resolved.queue.port == queue_port
+    base = resolved.inference.base_port
+    ports = [base, base + 1, base + 2, resolved.queue.port, resolved.trainer.master_port,
+             resolved.trainer.weight_sync_port]
+    assert len(set(ports)) == 6 and all(ports), ports
+    assert resolved.inference.urls()[2] == f"http://127.0.0.1:{base + 2}"
+    from launcher.local import check_ports
+
+    check_ports(resolved)  # every port free, none shared
+    check_ports(load_config(None, ["inference.num_servers=2"]))  # 0s are not "both port 0"
+
+
+def test_resume_chooses_again_the_ports_chosen_last_time(tmp_path):
+    import json
+
+    from launcher.ports import keys_to_choose, write_record
+
+    cfg = load_config(None, [f"run_root={tmp_path}", "name=r", "queue.port=31234", "trainer.master_port=31235",
+                             "inference.base_port=31236", "trainer.weight_sync_port=31237"])
+    cfg.run_dir.mkdir()
+    write_record(cfg, ("queue.port", "trainer.master_port"))  # those two were chosen by the stopped job
+    record = json.loads((cfg.run_dir / "run.json").read_text())
+    assert record["ports"]["queue.port"] == 31234 and record["chosen"] == ["queue.port", "trainer.master_port"]
+    assert record["server_urls"] == ["http://127.0.0.1:31236"]
+    # the run's own config.yaml given again: its chosen ports are chosen afresh, the given ones kept
+    assert keys_to_choose(cfg, resume=True) == ("queue.port", "trainer.master_port")
+    assert keys_to_choose(cfg, resume=False) == ()
+    moved = load_config(None, [f"run_root={tmp_path}", "name=r", "queue.port=0", "trainer.master_port=40000",
+                               "inference.base_port=31236", "trainer.weight_sync_port=31237"])
+    assert keys_to_choose(moved, resume=True) == ("queue.port",)
+
+
+def _bind_child(cfg, sup):
+    """A stub job: one process that binds ``queue.port`` (as the queue does) and exits."""
+    code = ("import socket, sys\ns = socket.socket()\ns.bind(('127.0.0.1', int(sys.argv[1])))\n"
+            "print('bound', sys.argv[1])")
+    child = sup.start("queue", [PY, "-c", code, str(cfg.queue.port)], expect_exit=True)
+    sup.wait_for(child, poll_s=0.05)
+
+
+def test_a_chosen_port_taken_before_its_bind_is_chosen_again_once(tmp_path, monkeypatch, capsys):
+    import json
+    import socket
+
+    import launcher.local
+    from areal_async.config import dump_config
+    from launcher.local import launch
+    from launcher.ports import write_record
+
+    monkeypatch.setattr(launcher.local, "run_job", _bind_child)
+    with socket.socket() as thief:  # took the chosen port between its choice and the queue's bind
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        taken = thief.getsockname()[1]
+        cfg = load_config(None, [f"run_root={tmp_path}", "name=race", f"queue.port={taken}"])
+        cfg.run_dir.mkdir()
+        dump_config(cfg, cfg.run_dir / "config.yaml")
+        write_record(cfg, ("queue.port",))
+        assert launch(cfg) == 0
+        out = capsys.readouterr()
+        assert "a chosen port was taken before its process could bind it" in out.err
+        record = json.loads((cfg.run_dir / "run.json").read_text())
+        new = record["ports"]["queue.port"]
+        assert new != taken and load_config(cfg.run_dir / "config.yaml").queue.port == new
+        log = (cfg.run_dir / "logs" / "queue.log").read_text()
+        assert "Address already in use" in log and "===== new ports after a port was taken" in log
+        assert log.rstrip().endswith(f"bound {new}")
+        # a port that was given, not chosen: no second attempt, the job fails naming the cause
+        cfg = load_config(None, [f"run_root={tmp_path}", "name=given", f"queue.port={taken}"])
+        cfg.run_dir.mkdir()
+        write_record(cfg, ())
+        assert launch(cfg) == 1
+        err = capsys.readouterr().err
+        assert "Address already in use" in err and "new ports" not in err
+
+
+TINY_JOB_CONFIG = "configs/quickstart_cpu.yaml"
+
+
+def tiny_job_overrides(model_dir, steps: int = 2) -> list[str]:
+    """Overrides of ``TINY_JOB_CONFIG`` for a job of the tiny model that takes seconds: 2 groups of
+    2 samples of 8 tokens a step, no evaluation, no wandb, and no port: every one is chosen at start."""
+    return [f"model.path={model_dir}", "model.dtype=float32", "trainer.dtype=float32", "inference.threads=1",
+            "inference.max_running_requests=8", "rollout.n_samples=2", "rollout.max_new_tokens=8",
+            "queue.batch_size=2", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
+            "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0", "eval.max_new_tokens=8",
+            "reward.fn=tests.parity_reward:even_length", "logging.wandb_mode=disabled"]
+
+
+def test_two_jobs_started_at_once_need_no_port_overrides(tmp_path, tiny_model_dir):
+    # Every port defaults to 0: two jobs started together on one machine pick distinct free ones
+    # (before, the second needed four overrides and failed on the first port it shared)
+    import json
+    import pathlib
+    import subprocess
+
+    procs = {name: subprocess.Popen([PY, "-m", "launcher.local", TINY_JOB_CONFIG, f"name={name}",
+                                     f"run_root={tmp_path}", *tiny_job_overrides(tiny_model_dir)],
+                                    cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+             for name in ("a", "b")}
+    outs = {name: p.communicate(timeout=300)[0] for name, p in procs.items()}
+    ports = {}
+    for name, p in procs.items():
+        assert p.returncode == 0, outs[name][-3000:]
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows if "train/loss" in r] == [0, 1]
+        record = json.loads((tmp_path / name / "run.json").read_text())
+        assert sorted(record["chosen"]) == sorted(record["ports"]) and all(record["ports"].values())
+        assert load_config(tmp_path / name / "config.yaml").queue.port == record["ports"]["queue.port"]
+        assert f"queue.port={record['ports']['queue.port']} (chosen)" in outs[name]  # printed
+        ports[name] = set(record["ports"].values())
+    assert not ports["a"] & ports["b"], ports

@@ -327,3 +327,80 @@ def test_the_plan_is_a_function_of_the_batch(tiny_model_dir):
                                                                                    max_tokens_per_mb=30)
     assert m1 == m2
     assert all(torch.equal(w1[n], w2[n]) for n in w1)
+
+
+def test_naive_ppo_runs_no_proximal_forward(tiny_model_dir):
+    # algo.decoupled=false takes π_prox = π_behav: with two minibatches the decoupled step runs a
+    # no-grad proximal pass over every micro-batch first, the naive step none; both train the same
+    # micro-batches with grad. The naive statistics: w = 1 on every token, nothing capped.
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    counts, results = {}, {}
+    for decoupled in (True, False):
+        policy = _tiny_policy(tiny_model_dir)
+        lm = policy.lm
+        seen = {True: 0, False: 0}
+        policy.register_forward_hook(lambda m, a, o: seen.__setitem__(torch.is_grad_enabled(),
+                                                                      seen[torch.is_grad_enabled()] + 1))
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+        results[decoupled] = train_step(policy, optimizer, make_trajectories(lm.config.vocab_size),
+                                        AlgoConfig(ppo_minibatches=2, decoupled=decoupled),
+                                        TrainerConfig(max_tokens_per_mb=24), 1.0, torch.device("cpu"))
+        counts[decoupled] = dict(seen)
+    assert counts[True][False] == counts[True][True] > 0, counts
+    assert counts[False] == {True: counts[True][True], False: 0}, counts
+    naive = results[False]
+    assert naive["train/importance_weight"] == pytest.approx(1.0) and naive["train/behav_capped_ratio"] == 0.0
+    assert results[True]["train/behav_capped_ratio"] > 0  # sample (2, 1)'s weights exceed the cap
+    assert set(naive) == set(results[True])  # the same metric names
+
+
+def _own_logprobs(policy, trajs: list[Trajectory]) -> list[Trajectory]:
+    """``trajs`` with every behaviour log-prob replaced by the policy's own (fresh, η = 0 data)."""
+    from areal_async.trainer.logprobs import packed_logprobs
+    from areal_async.trainer.packing import pack_sequences
+
+    out = []
+    with torch.no_grad():
+        for t in trajs:
+            samples = []
+            for s in t.samples:
+                prompt, resp = t.prompt_ids.tolist(), s.output_ids.tolist()
+                logp = packed_logprobs(policy, pack_sequences([prompt + resp]), 1.0)[0]
+                own = logp[len(prompt) - 1: len(prompt) - 1 + len(resp)].numpy()
+                samples.append(msgspec.structs.replace(s, behav_logprobs=Array.of(own, "float32")))
+            out.append(msgspec.structs.replace(t, samples=samples))
+    return out
+
+
+def test_naive_and_decoupled_steps_coincide_on_fresh_data(tiny_model_dir):
+    # Behaviour log-probs = the policy's own (η = 0, one update per step): π_behav = π_prox = π_θ at
+    # the forward, so both objectives give the same update; with the made-up (stale) behaviour
+    # log-probs of make_trajectories they differ. SGD, lr 0.1: a gradient difference shows 1:1.
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    policy = _tiny_policy(tiny_model_dir)
+    lm = policy.lm
+    fresh = _own_logprobs(policy, make_trajectories(lm.config.vocab_size))
+    stale = make_trajectories(lm.config.vocab_size)
+    out = {}
+    for data, trajs in (("fresh", fresh), ("stale", stale)):
+        for decoupled in (True, False):
+            policy = _tiny_policy(tiny_model_dir)
+            lm = policy.lm
+            optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+            m = train_step(policy, optimizer, trajs, AlgoConfig(decoupled=decoupled),
+                           TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6), 1.0, torch.device("cpu"))
+            out[data, decoupled] = m, {n: p.detach().clone() for n, p in lm.named_parameters()}
+    (m_d, w_d), (m_n, w_n) = out["fresh", True], out["fresh", False]
+    for key in ("train/loss", "train/clip_ratio", "train/importance_weight", "train/ratio", "train/behav_kl",
+                "train/grad_norm"):
+        assert m_n[key] == pytest.approx(m_d[key], rel=1e-5, abs=1e-6), key
+    assert m_d["train/importance_weight"] == pytest.approx(1.0, abs=1e-5)
+    for name in w_d:
+        torch.testing.assert_close(w_n[name], w_d[name], rtol=0, atol=1e-6, msg=name)
+    (m_d, w_d), (m_n, w_n) = out["stale", True], out["stale", False]
+    assert m_n["train/clip_ratio"] > 0 and m_d["train/clip_ratio"] == 0.0  # naive r = π_θ/π_behav ≠ 1
+    assert max((w_n[n] - w_d[n]).abs().max().item() for n in w_d) > 1e-4

@@ -21,23 +21,22 @@ holds (docs/recipe.md):
 
 A block of 32 samples per step is noisy by about ±0.05, and one run is an anecdote: compare seeds.
 Each job of ``run`` is ``python -m launcher.local CONFIG name=JOB run_root=RUN_ROOT`` plus the
-common and the job's own overrides, with ports ``inference.base_port``, ``queue.port``,
-``trainer.weight_sync_port`` and ``trainer.master_port`` offset by the job's index so that the jobs
-do not collide; its console output goes to ``RUN_ROOT/JOB.out``. A failed job is reported in the
-table (``failed``, with its last line) and the others go on.
+common and the job's own overrides, all started side by side (``launcher/jobs.py``; every port is
+chosen free at start, so the jobs do not collide); its console output goes to ``RUN_ROOT/JOB.out``.
+A failed job is reported in the table (``failed``, with its last line) and the others go on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import shlex
-import signal
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run as a script: the repository's launcher
+from launcher.jobs import Job, local_argv, run_jobs as run_jobs_side_by_side  # noqa: E402
 
 
 def read_rows(run_dir: pathlib.Path) -> list[dict]:
@@ -110,58 +109,35 @@ def print_table(run_dirs: list[pathlib.Path], block: int, notes: dict[str, str] 
     sys.stdout.flush()
 
 
-def _last_line(path: pathlib.Path) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return lines[-1][-160:] if lines else ""
-
-
 def run_jobs(args: argparse.Namespace) -> int:
     root = pathlib.Path(args.run_root)
     root.mkdir(parents=True, exist_ok=True)
     common = shlex.split(args.common)
-    procs: dict[str, tuple[subprocess.Popen, pathlib.Path]] = {}
-    for i, (name, overrides) in enumerate(args.job):
-        ports = [f"inference.base_port={args.base_port + 10 * i}", f"queue.port={args.base_port + 1000 + i}",
-                 f"trainer.weight_sync_port={args.base_port + 1100 + i}",
-                 f"trainer.master_port={args.base_port + 1200 + i}"]
-        argv = [sys.executable, "-m", "launcher.local", args.config, f"name={name}", f"run_root={root}",
-                *ports, *common, *shlex.split(overrides)]
-        if args.overwrite:
-            argv.append("--overwrite")
-        out = root / f"{name}.out"
-        print(f"[grid] {name}: {' '.join(argv[3:])}", flush=True)
-        with out.open("w") as f:
-            procs[name] = (subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=os.environ.copy()), out)
-        time.sleep(args.stagger_s)
-    t0 = time.monotonic()
-    while any(p.poll() is None for p, _ in procs.values()):
-        time.sleep(args.progress_s)
-        if args.deadline_s and time.monotonic() - t0 > args.deadline_s:
-            print(f"[grid] deadline of {args.deadline_s:.0f} s reached: interrupting the jobs still running",
-                  flush=True)
-            for p, _ in procs.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGINT)  # the launcher stops its processes and exits 130
-            for p, _ in procs.values():
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            break
-        done = {n: len([r for r in read_rows(root / n) if "rollout/correct" in r]) for n in procs}
-        print(f"[grid] {(time.monotonic() - t0) / 60:.1f} min: "
-              + ", ".join(f"{n} {s}" for n, s in done.items()), flush=True)
+    jobs = [Job(name, local_argv(args.config, [f"name={name}", f"run_root={root}", *common, *shlex.split(overrides)],
+                                 ["--overwrite"] if args.overwrite else []), root / f"{name}.out")
+            for name, overrides in args.job]
+    t0, last = time.monotonic(), [time.monotonic()]
+
+    def progress(running: list[Job]) -> None:
+        if time.monotonic() - last[0] < args.progress_s:
+            return
+        last[0] = time.monotonic()
+        done = {j.name: len([r for r in read_rows(root / j.name) if "rollout/correct" in r]) for j in jobs}
+        print(f"[grid] {(time.monotonic() - t0) / 60:.1f} min: " + ", ".join(f"{n} {s}" for n, s in done.items()),
+              flush=True)
+
+    on_time = run_jobs_side_by_side(jobs, len(jobs), on_start=lambda j: print(f"[grid] {j.name}: {' '.join(j.argv[3:])}",
+                                                                            flush=True),
+                                    on_poll=progress, stagger_s=args.stagger_s, deadline_s=args.deadline_s, grace_s=60)
+    if not on_time:
+        print(f"[grid] deadline of {args.deadline_s:.0f} s reached: the jobs still running were interrupted", flush=True)
     notes = {}
-    failed = 0
-    for name, (p, out) in procs.items():
-        if p.returncode != 0:
-            failed += 1
-            notes[name] = f"failed (exit {p.returncode}): {_last_line(out)}"
-    print_table([root / n for n in procs], args.block, notes)
-    return 1 if failed else 0
+    for job in jobs:
+        if job.returncode != 0:
+            last_line = (job.last_lines(1) or [""])[0][-160:]
+            notes[job.name] = f"failed (exit {job.returncode}): {last_line}"
+    print_table([root / j.name for j in jobs], args.block, notes)
+    return 1 if notes else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--run-root", default="runs/grid")
     run.add_argument("--common", default="", help="overrides given to every job")
     run.add_argument("--job", nargs=2, action="append", metavar=("NAME", "OVERRIDES"), required=True)
-    run.add_argument("--base-port", type=int, default=31000)
     run.add_argument("--stagger-s", type=float, default=2.0, help="pause between job starts")
     run.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines")
     run.add_argument("--block", type=int, default=10)

@@ -1,4 +1,4 @@
-"""The decoupled PPO loss of AReaL over packed token tensors.
+"""The decoupled PPO loss of AReaL over packed token tensors, and its naive-PPO control.
 
 AReaL (Fu et al., arXiv:2505.24298, §5.2, Eq. 5) decouples the *behaviour* policy that generated
 the tokens (possibly several versions old, even mixed within one response) from the *proximal*
@@ -19,6 +19,11 @@ of loss tokens in the whole step (all micro-batches, all ranks); then each call 
 *share* of the global mean (its sum divided by ``num_tokens``), the shares add up across
 micro-batches, and averaging gradients over R ranks needs the loss scaled by R (see
 ``areal_async.trainer.step``). The statistics are normalised the same way.
+
+``naive_ppo_loss`` is the control of AReaL's staleness ablation ("naive PPO"): the standard PPO
+clipped objective (Schulman et al., arXiv:1707.06347, Eq. 7, L^CLIP) with π_old = π_behav, i.e.
+Eq. 5 above with π_prox := π_behav, so w_t = 1 and the trust region is centred on the (stale)
+behaviour policy instead of the current one. It needs no proximal log-probs.
 """
 
 from __future__ import annotations
@@ -107,4 +112,48 @@ def decoupled_ppo_loss(
             "behav_kl": share(behav_log_w),
             "num_tokens": count.to(theta_logp.dtype),
         }
+    return loss, stats
+
+
+def naive_ppo_loss(
+    theta_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    *,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Naive-PPO policy loss over ``T`` packed tokens: PPO's L^CLIP (arXiv:1707.06347, Eq. 7) on
+    possibly stale data, π_old = π_behav; AReaL's Eq. 5 with π_prox := π_behav (arXiv:2505.24298,
+    the "naive PPO" baseline of its staleness ablation):
+
+        L(θ) = -Σ_t m_t · min(r_t A_t, clip(r_t, 1-ε, 1+ε_high) A_t) / Σ_t m_t,
+        r_t = π_θ(y_t) / π_behav(y_t) = exp(theta_t - behav_t)
+
+    Args:
+        theta_logp: ``[T] float`` log π_θ of each token (requires grad).
+        behav_logp: ``[T] float`` log π_behav as returned by the inference server.
+        advantages, loss_mask, eps_clip, eps_clip_high, num_tokens: as ``decoupled_ppo_loss``.
+            There is no importance weight, hence no cap.
+
+    Returns:
+        ``(loss, stats)`` with ``decoupled_ppo_loss``'s keys and normalisation: ``clip_ratio`` and
+        ``ratio`` of r_t above, ``approx_kl`` the k3 estimate of KL(π_behav‖π_θ),
+        ``importance_weight`` 1 and ``behav_capped_ratio`` 0 on every token (w_t = 1), and
+        ``behav_kl`` = theta_t - behav_t (detached): how far π_behav lags the policy of this
+        forward, the same quantity the decoupled loss reports when π_θ = π_prox (one update per
+        step); a diagnostic only, in no term of the loss.
+    """
+    assert behav_logp.shape == theta_logp.shape, (
+        f"behav_logp has shape {tuple(behav_logp.shape)}, expected {tuple(theta_logp.shape)} like theta_logp")
+    loss, stats = decoupled_ppo_loss(theta_logp, behav_logp, behav_logp, advantages, loss_mask, eps_clip,
+                                     eps_clip_high, None, num_tokens=num_tokens)
+    with torch.no_grad():
+        mask = loss_mask.bool()
+        denom = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens))
+        denom = denom.to(theta_logp.dtype).clamp_min(1.0)
+        lag = torch.where(mask, theta_logp.detach() - behav_logp.detach(), torch.zeros_like(theta_logp))
+        stats["behav_kl"] = lag.sum() / denom
     return loss, stats

@@ -34,7 +34,9 @@ runs the same collectives.
 ``algo.ppo_minibatches`` = n splits the batch into n consecutive slices of groups with one
 optimizer step each. With n = 1, π_prox (the policy before the update) equals π_θ during the only
 forward, so the proximal log-probs are that forward's values, detached; with n > 1 they are
-recomputed in a no-grad pass over the whole batch before the first update.
+recomputed in a no-grad pass over the whole batch before the first update. ``algo.decoupled``
+false (the naive-PPO control) takes π_prox = π_behav instead and runs no proximal pass at any n
+(``algo.loss.naive_ppo_loss``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from areal_async.algo.advantages import batch_normalize, group_advantages
-from areal_async.algo.loss import decoupled_ppo_loss
+from areal_async.algo.loss import decoupled_ppo_loss, naive_ppo_loss
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.logprobs import packed_logprobs
 from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences, to_device
@@ -166,7 +168,7 @@ def train_step(
 
     total_mbs, done_mbs = sum(len(plan) for plan in plans), 0
     prox: dict[int, Tensor] = {}  # micro-batch key → π_prox log-probs, when recomputed
-    if n_mini > 1:
+    if n_mini > 1 and algo.decoupled:  # naive PPO: π_prox = π_behav, nothing to recompute
         with torch.no_grad():
             for m, plan in enumerate(plans):
                 for j, idx in enumerate(plan):
@@ -187,11 +189,15 @@ def train_step(
         for j, idx in enumerate(plan):
             batch, f = _pack(seqs, idx, device, share)
             theta, entropy = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)
-            prox_logp = prox[(m, j)] if n_mini > 1 else theta.detach()
-            loss, st = decoupled_ppo_loss(
-                theta, prox_logp, f["behav_logp"], f["advantages"], f["loss_mask"],
-                algo.eps_clip, algo.eps_clip_high, algo.behav_imp_weight_cap, num_tokens=num_tokens,
-            )
+            if algo.decoupled:
+                prox_logp = prox[(m, j)] if n_mini > 1 else theta.detach()
+                loss, st = decoupled_ppo_loss(
+                    theta, prox_logp, f["behav_logp"], f["advantages"], f["loss_mask"],
+                    algo.eps_clip, algo.eps_clip_high, algo.behav_imp_weight_cap, num_tokens=num_tokens,
+                )
+            else:
+                loss, st = naive_ppo_loss(theta, f["behav_logp"], f["advantages"], f["loss_mask"],
+                                          algo.eps_clip, algo.eps_clip_high, num_tokens=num_tokens)
             (loss * world).backward()  # ranks' gradients are averaged; the loss is a global share
             ent = (entropy * f["loss_mask"]).sum() / max(num_tokens, 1)
             sums[:-1] += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) * scale

@@ -1,0 +1,320 @@
+"""A staleness ablation study in one command: the grid η × objective × seed, one whole job per cell.
+
+    python -m launcher.ablation CONFIG --etas 0,1,2,4,8 [--objectives decoupled,naive] [--seeds 1,2,3]
+        [--name STUDY] [--parallel N] [override ...]
+
+Each cell is ``python -m launcher.local CONFIG OVERRIDES name=<cell> run_root=<run_root>/<study>
+queue.max_staleness=η algo.decoupled=<objective == decoupled> seed=<seed>
+logging.wandb_group=<study> logging.wandb_tags=[eta=η, objective=<objective>, seed=<seed>]``
+(``launcher/jobs.py``), so every cell has the same config, data and, per seed, the same prompt
+order and sampling seeds; only η and the objective differ within a seed. The run directory of
+cell ``eta2-naive-s1`` is ``<run_root>/<study>/eta2-naive-s1/`` (``run_root`` from the config,
+``runs`` by default; ``STUDY`` defaults to ``<config name>-ablation``) and its console output
+``<run_root>/<study>/eta2-naive-s1.out``. Cells run in the order seed, η, objective (a seed's
+comparisons complete first), one at a time or ``--parallel N`` side by side (every job's ports are
+chosen at start, ``launcher/ports.py``; on one GPU, N jobs must fit its memory together).
+
+Resumable: run the same command again. A finished cell (a ``metrics.jsonl`` row for step
+``trainer.total_steps - 1`` and a checkpoint at ``trainer.total_steps``) is skipped; a started one
+that did not finish is resumed from its checkpoint (``launcher.local --resume``) when it has one,
+else run again from scratch (``--overwrite``); an evaluation at the end cut off after the final
+checkpoint is not re-run. A failed cell is reported (its launcher's error and last lines) and the
+study goes on; the exit status is 1 if any cell failed, 2 for bad input, 130 when interrupted
+(Ctrl-C or SIGTERM stop every running cell). Progress of the whole study: a tqdm bar (cells done
+of N, ETA) on a terminal, else a line per cell started and ended with cells done of N and the
+ETA (``AREAL_ASYNC_PROGRESS=bar|lines`` overrides the choice, as for ``launcher.local``).
+
+``<run_root>/<study>/study.json`` records the study (written when it starts, each cell's state
+updated as it ends); the fields:
+
+- ``name``: the study name; ``config``: the CONFIG path as given; ``overrides``: the overrides
+  given to every cell, in order; ``total_steps``: ``trainer.total_steps`` of every cell;
+- ``etas`` (ints), ``objectives`` (``"decoupled"`` | ``"naive"``), ``seeds`` (ints): the grid, in the
+  order given; ``config``, ``overrides``, ``etas``, ``objectives`` and ``seeds`` are the study's
+  identity: running a study name again with other values is an error;
+- ``cells``: one per cell, in run order: ``name`` (``eta<η>-<objective>-s<seed>``, also its
+  directory under the study), ``eta``, ``objective``, ``seed``, ``state`` (``pending`` | ``finished``
+  | ``failed``) and ``error`` (the failed launcher's exit status and error line, else ``null``).
+
+The cells' ``metrics.jsonl`` (``areal_async/metrics.py``) hold everything measured; a report reads
+``study.json`` for the grid and each cell's metrics from its directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import pathlib
+import sys
+import time
+
+from areal_async.config import load_config
+from areal_async.file_lock import file_lock
+from areal_async.progress import progress_mode
+from launcher.jobs import Job, local_argv, run_jobs
+from launcher.local import interrupt_on_signals
+
+OBJECTIVES = {"decoupled": True, "naive": False}  # objective → algo.decoupled
+# set by the study for each cell: an override of one of these would make the cells not a grid
+GRID_KEYS = ("name", "queue.max_staleness", "algo.decoupled", "seed", "logging.wandb_group",
+             "logging.wandb_tags")
+IDENTITY = ("config", "overrides", "etas", "objectives", "seeds")
+
+
+def cell_name(eta: int, objective: str, seed: int) -> str:
+    return f"eta{eta}-{objective}-s{seed}"
+
+
+def parse_ints(flag: str, text: str, what: str) -> list[int]:
+    """``"0,1,2"`` → ``[0, 1, 2]``; raises ``ValueError`` naming the value for a non-integer, a
+    negative or a repeated one."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = int(item.strip())
+        except ValueError:
+            raise ValueError(f"{flag} {text}: {item.strip()!r} is not an integer; give each {what} as an "
+                             f"integer, comma-separated, e.g. {flag} 0,1,2") from None
+        if value < 0:
+            why = " (η = 0 is synchronous RL)" if what == "η" else ""
+            raise ValueError(f"{flag} {text}: {value} is negative; each {what} must be >= 0{why}")
+        if value in values:
+            raise ValueError(f"{flag} {text}: {value} is given twice; give each {what} once")
+        values.append(value)
+    return values
+
+
+def parse_objectives(text: str) -> list[str]:
+    """``"decoupled,naive"`` → ``["decoupled", "naive"]``; raises ``ValueError`` naming an unknown
+    or repeated objective."""
+    names = []
+    for item in text.split(","):
+        name = item.strip()
+        if name not in OBJECTIVES:
+            raise ValueError(f"--objectives {text}: {name!r} is not an objective; choose from "
+                             f"{', '.join(OBJECTIVES)}")
+        if name in names:
+            raise ValueError(f"--objectives {text}: {name!r} is given twice; give each objective once")
+        names.append(name)
+    return names
+
+
+def cell_overrides(eta: int, objective: str, seed: int, study: str, root: pathlib.Path) -> list[str]:
+    """The overrides that make a cell of the grid (after the study's own overrides)."""
+    tags = [f"eta={eta}", f"objective={objective}", f"seed={seed}"]
+    return [f"name={cell_name(eta, objective, seed)}", f"run_root={root}", f"queue.max_staleness={eta}",
+            f"algo.decoupled={'true' if OBJECTIVES[objective] else 'false'}", f"seed={seed}",
+            f"logging.wandb_group={json.dumps(study)}", f"logging.wandb_tags={json.dumps(tags)}"]
+
+
+def cell_state(run_dir: pathlib.Path, total_steps: int) -> tuple[str, int]:
+    """``("finished" | "resumable" | "broken" | "new", checkpoint step)`` of a cell's run directory."""
+    if not run_dir.is_dir():
+        return "new", 0
+    try:
+        step = int(json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step = 0
+    last = -1
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if "train/loss" in row:
+                    last = max(last, int(row["step"]))
+    except OSError:
+        pass
+    if step >= total_steps and last >= total_steps - 1:
+        return "finished", step
+    return ("resumable" if 0 < step < total_steps else "broken"), step
+
+
+def _identity_text(study: dict) -> str:
+    return (f"etas {study['etas']}, objectives {study['objectives']}, seeds {study['seeds']}, config "
+            f"{study['config']}, overrides {study['overrides']}")
+
+
+def open_study(root: pathlib.Path, study: dict) -> dict:
+    """``study.json`` of ``root``: created from ``study``, or the existing one if it has the same
+    identity. Raises ``ValueError`` naming both grids and the fix if it has another."""
+    path = root / "study.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if any(old.get(k) != study[k] for k in IDENTITY):
+            raise ValueError(f"study '{study['name']}' in {root} was run with {_identity_text(old)}; this "
+                             f"command gives {_identity_text(study)}. Give a new study name (--name ...) for "
+                             f"this grid, or the same grid to continue that study")
+        states = {c["name"]: c for c in old.get("cells", [])}
+        for cell in study["cells"]:
+            cell.update({k: states[cell["name"]][k] for k in ("state", "error") if cell["name"] in states})
+    root.mkdir(parents=True, exist_ok=True)
+    write_study(root, study)
+    return study
+
+
+def write_study(root: pathlib.Path, study: dict) -> None:
+    tmp = root / "study.json.tmp"
+    tmp.write_text(json.dumps(study, indent=1) + "\n")
+    tmp.replace(root / "study.json")
+
+
+def error_line(job: Job) -> str:
+    """The launcher's own error line of a failed cell (``[launcher] error: ...`` / ``job failed``),
+    else its last line."""
+    lines = job.last_lines(200)
+    marks = ("[launcher] error:", "[launcher] job failed:", "[launcher] interrupted")
+    return next((ln for ln in lines if ln.startswith(marks)), lines[-1] if lines else "(no output)")
+
+
+class StudyProgress:
+    """Cells done of N with an ETA: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, name: str, total: int, skipped: int, bar: bool):
+        self.total, self.done, self.failed, self.t0 = total, skipped, 0, time.monotonic()
+        self.ran = 0  # cells ended in this invocation: the ETA's rate
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=skipped, desc=f"study {name}", unit="cell", file=sys.stdout,
+                            dynamic_ncols=True)
+
+    def say(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def ended(self, ok: bool) -> None:
+        self.done, self.ran, self.failed = self.done + 1, self.ran + 1, self.failed + (not ok)
+        if self.bar is not None:
+            self.bar.set_postfix(failed=self.failed)
+            self.bar.update(1)
+            return
+        minutes = (time.monotonic() - self.t0) / 60
+        eta = minutes / self.ran * (self.total - self.done)
+        print(f"[ablation] {self.done}/{self.total} cells done ({self.failed} failed), {minutes:.1f} min, "
+              f"ETA {eta:.1f} min", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_study(args: argparse.Namespace) -> int:
+    etas = parse_ints("--etas", args.etas, "η")
+    objectives = parse_objectives(args.objectives)
+    cfg = load_config(args.config, args.overrides)  # a bad override fails here, before any cell
+    seeds = parse_ints("--seeds", args.seeds, "seed") if args.seeds else [cfg.seed]
+    given = {o.partition("=")[0].strip() for o in args.overrides}
+    for key in GRID_KEYS:
+        if key in given:
+            raise ValueError(f"override {key}=...: the study sets {key} for each cell; leave it out "
+                             f"(η: --etas, objective: --objectives, seed: --seeds, study name: --name)")
+    if args.parallel < 1:
+        raise ValueError(f"--parallel {args.parallel}: at least one cell must run at a time; give 1 or more")
+    name = args.name or f"{cfg.name}-ablation"
+    load_config(None, [f"name={json.dumps(name)}"])  # the same rule as a run name: ValueError naming it
+    root = pathlib.Path(cfg.run_root) / name
+    total = cfg.trainer.total_steps
+    grid = [(e, o, s) for s in seeds for e in etas for o in objectives]
+    study = {"name": name, "config": args.config, "overrides": list(args.overrides), "total_steps": total,
+             "etas": etas, "objectives": objectives, "seeds": seeds,
+             "cells": [{"name": cell_name(e, o, s), "eta": e, "objective": o, "seed": s, "state": "pending",
+                        "error": None} for e, o, s in grid]}
+    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:  # one process per study: two would run the same cells
+        try:
+            held.enter_context(file_lock(root / ".study.lock", wait=False))
+        except BlockingIOError:
+            raise ValueError(f"study '{name}' in {root} is being run by another process; wait for it, or "
+                             f"give another --name") from None
+        return _run_cells(args, study, root, grid, total)
+
+
+def _run_cells(args, study: dict, root: pathlib.Path, grid: list, total: int) -> int:
+    study = open_study(root, study)
+    cells = {c["name"]: c for c in study["cells"]}
+    jobs, skipped, how = [], 0, {}
+    for eta, objective, seed in grid:
+        name = cell_name(eta, objective, seed)
+        state, step = cell_state(root / name, total)
+        if state == "finished":
+            skipped += 1
+            cells[name].update(state="finished", error=None)
+            continue
+        flags = {"resumable": ["--resume"], "broken": ["--overwrite"], "new": []}[state]
+        overrides = [*args.overrides, *cell_overrides(eta, objective, seed, study["name"], root)]
+        job = Job(name, local_argv(args.config, overrides, flags), root / f"{name}.out")
+        how[name] = {"resumable": f"resumed at step {step}", "broken": "again from scratch", "new": "new"}[state]
+        jobs.append(job)
+    write_study(root, study)
+    grid_text = f"η {study['etas']} × {study['objectives']} × seeds {study['seeds']}"
+    progress = StudyProgress(study["name"], len(grid), skipped, bar=progress_mode() == "bar")
+    progress.say(f"[ablation] study '{study['name']}' in {root}: {grid_text} = {len(grid)} cells, {skipped} "
+                 f"finished before, {len(jobs)} to run, {args.parallel} at a time")
+    failed: list[Job] = []
+
+    def started(job: Job) -> None:
+        progress.say(f"[ablation] {job.name}: started ({how[job.name]}); output in {job.out}")
+
+    def ended(job: Job) -> None:
+        ok = job.returncode == 0
+        minutes = (time.monotonic() - job.started_s) / 60
+        cells[job.name].update(state="finished" if ok else "failed",
+                               error=None if ok else f"exit {job.returncode}: {error_line(job)}")
+        write_study(root, study)
+        if ok:
+            progress.say(f"[ablation] {job.name}: finished in {minutes:.1f} min")
+        else:
+            failed.append(job)
+            progress.say(f"[ablation] {job.name}: FAILED after {minutes:.1f} min (exit {job.returncode}): "
+                         f"{error_line(job)}")
+        progress.ended(ok)
+
+    try:
+        run_jobs(jobs, args.parallel, on_start=started, on_end=ended, poll_s=args.poll_s)
+    except KeyboardInterrupt:
+        progress.close()
+        print("[ablation] interrupted; the running cells were stopped (run the same command to go on)",
+              file=sys.stderr, flush=True)
+        return 130
+    progress.close()
+    for job in failed:
+        tail = "\n".join(f"    {line}" for line in job.last_lines(12))
+        print(f"[ablation] failed cell {job.name} (exit {job.returncode}); last lines of {job.out}:\n{tail}",
+              file=sys.stderr, flush=True)
+    done = sum(c["state"] == "finished" for c in study["cells"])
+    print(f"[ablation] {done}/{len(grid)} cells finished, {len(failed)} failed; study in {root}", flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.ablation", description=__doc__,
+                                     usage="%(prog)s [-h] config --etas ETAS [--objectives ...] [--seeds ...] "
+                                           "[--name STUDY] [--parallel N] [overrides ...]",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides for every cell, e.g. trainer.total_steps=40")
+    parser.add_argument("--etas", required=True, help="max staleness values η, e.g. 0,1,2,4,8")
+    parser.add_argument("--objectives", default="decoupled,naive", help="decoupled, naive or both (default)")
+    parser.add_argument("--seeds", default="", help="run seeds, e.g. 1,2,3 (default: the config's seed)")
+    parser.add_argument("--name", default="", help="study name: its directory under run_root "
+                                                   "(default: <config name>-ablation)")
+    parser.add_argument("--parallel", type=int, default=1, help="cells run side by side (default 1)")
+    parser.add_argument("--poll-s", type=float, default=1.0, help=argparse.SUPPRESS)
+    args = parser.parse_intermixed_args(argv)
+    with interrupt_on_signals():
+        try:
+            return run_study(args)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"[ablation] error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("[ablation] interrupted", file=sys.stderr, flush=True)
+            return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The staleness study launcher: a tiny-model grid end to end, resumable; bad input named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import launcher.ablation
+from launcher.ablation import cell_state, main
+from tests.test_launcher import TINY_JOB_CONFIG as CONFIG, tiny_job_overrides
+
+
+def _study(tmp_path, model_dir, *extra) -> list[str]:
+    return [CONFIG, "--etas", "0,2", "--name", "s", "--parallel", "4", "--poll-s", "0.2", f"run_root={tmp_path}",
+            *tiny_job_overrides(model_dir), *extra]
+
+
+def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    # 2 η × 2 objectives, 2 steps each, side by side. First run: cell eta2-naive-s1 is made to fail
+    # (a bad override given to it alone: its launcher refuses it, so the test costs three jobs, not
+    # four); it is reported with its error and last lines, the other three finish, exit 1. Second
+    # run: the three are skipped, the failed one runs and finishes, exit 0. Third run: all four skipped.
+    real = launcher.ablation.cell_overrides
+
+    def one_bad(eta, objective, seed, study, root):
+        bad = ["trainer.lr=-1"] if (eta, objective) == (2, "naive") else []
+        return real(eta, objective, seed, study, root) + bad
+
+    monkeypatch.setattr(launcher.ablation, "cell_overrides", one_bad)
+    assert main(_study(tmp_path, tiny_model_dir)) == 1
+    out, err = capsys.readouterr()
+    assert "[ablation] eta2-naive-s1: FAILED after" in out and "(exit 2): [launcher] error: invalid config " \
+        "value for 'trainer.lr' = -1" in out, out
+    assert "failed cell eta2-naive-s1 (exit 2); last lines of" in err and "'trainer.lr' = -1" in err, err
+    assert "3/4 cells finished, 1 failed" in out
+    root = tmp_path / "s"
+    names = ["eta0-decoupled-s1", "eta0-naive-s1", "eta2-decoupled-s1", "eta2-naive-s1"]
+    study = json.loads((root / "study.json").read_text())
+    assert [c["name"] for c in study["cells"]] == names
+    assert [c["state"] for c in study["cells"]] == ["finished"] * 3 + ["failed"]
+    assert study["cells"][3]["error"].startswith("exit 2: [launcher] error: invalid config value for 'trainer.lr'")
+    assert (study["etas"], study["objectives"], study["seeds"], study["total_steps"]) == (
+        [0, 2], ["decoupled", "naive"], [1], 2)
+    for name, eta, decoupled in (("eta0-decoupled-s1", 0, True), ("eta0-naive-s1", 0, False),
+                                 ("eta2-decoupled-s1", 2, True)):
+        from areal_async.config import load_config
+
+        cfg = load_config(root / name / "config.yaml")
+        assert (cfg.queue.max_staleness, cfg.algo.decoupled, cfg.seed) == (eta, decoupled, 1)
+        assert cfg.logging.wandb_group == "s"
+        assert cfg.logging.wandb_tags == [f"eta={eta}", f"objective={'decoupled' if decoupled else 'naive'}",
+                                          "seed=1"]
+        assert cell_state(root / name, 2)[0] == "finished"
+        assert (root / f"{name}.out").exists()
+    monkeypatch.setattr(launcher.ablation, "cell_overrides", real)
+    assert main(_study(tmp_path, tiny_model_dir)) == 0
+    out, _ = capsys.readouterr()
+    assert "3 finished before, 1 to run" in out and "eta2-naive-s1: started (new)" in out, out
+    assert [c["state"] for c in json.loads((root / "study.json").read_text())["cells"]] == ["finished"] * 4
+    assert main(_study(tmp_path, tiny_model_dir)) == 0
+    out, _ = capsys.readouterr()
+    assert "4 finished before, 0 to run" in out and "started" not in out, out
+
+
+def test_cell_states(tmp_path):
+    run = tmp_path / "c"
+    assert cell_state(run, 4) == ("new", 0)
+    (run / "checkpoint").mkdir(parents=True)
+    assert cell_state(run, 4) == ("broken", 0)  # started, no checkpoint: from scratch
+    (run / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "train/loss": 0.0}) + "\n" for k in range(3)))
+    assert cell_state(run, 4) == ("resumable", 2)
+    (run / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    assert cell_state(run, 4) == ("broken", 4)  # a checkpoint at the end but no row of the last step
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "train/loss": 0.0}) + "\n" + json.dumps({"step": 4, "eval/pass@1": 0.5}) + "\n")
+    assert cell_state(run, 4) == ("finished", 4)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--etas", "0,-1"], "--etas 0,-1: -1 is negative; each η must be >= 0"),
+    (["--etas", "0,2,2"], "--etas 0,2,2: 2 is given twice; give each η once"),
+    (["--etas", "0,two"], "--etas 0,two: 'two' is not an integer"),
+    (["--etas", "0", "--objectives", "decoupled,ppo"], "'ppo' is not an objective; choose from decoupled, naive"),
+    (["--etas", "0", "--objectives", "naive,naive"], "'naive' is given twice"),
+    (["--etas", "0", "--seeds", "1,-3"], "--seeds 1,-3: -3 is negative; each seed must be >= 0"),
+    (["--etas", "0", "queue.max_staleness=3"], "override queue.max_staleness=...: the study sets"),
+    (["--etas", "0", "--parallel", "0"], "--parallel 0: at least one cell"),
+    (["--etas", "0", "trainer.lrr=1"], "unknown config key 'trainer.lrr'"),
+])
+def test_bad_input_is_named_and_starts_nothing(tmp_path, capsys, flags, words):
+    assert main([CONFIG, f"run_root={tmp_path}", *flags]) == 2
+    assert words in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_study_name_with_another_grid_is_an_error_naming_both(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(launcher.ablation, "run_jobs", lambda jobs, *a, **k: True)  # nothing runs
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0,1", "--name", "g"]) == 0
+    capsys.readouterr()
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0,4", "--name", "g"]) == 2
+    err = capsys.readouterr().err
+    assert "study 'g'" in err and "etas [0, 1]" in err and "etas [0, 4]" in err
+    assert "Give a new study name (--name ...)" in err
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0,1", "--name", "g", "--parallel", "2"]) == 0
+
+
+def test_a_broken_cell_runs_again_from_scratch_and_one_with_a_checkpoint_resumes(tmp_path, monkeypatch, capsys):
+    started = {}
+
+    def record(jobs, *args, **kwargs):
+        started.update({job.name: job.argv for job in jobs})
+        for job in jobs:
+            kwargs["on_start"](job)  # nothing runs: the study only announces them
+        return True
+
+    monkeypatch.setattr(launcher.ablation, "run_jobs", record)
+    root = tmp_path / "b"
+    (root / "eta0-naive-s1").mkdir(parents=True)  # started, stopped before any checkpoint
+    (root / "eta1-naive-s1" / "checkpoint").mkdir(parents=True)  # stopped after step 3's checkpoint
+    (root / "eta1-naive-s1" / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0,1,2", "--objectives", "naive", "--name", "b",
+                 "trainer.total_steps=6"]) == 0
+    assert started["eta0-naive-s1"][-1] == "--overwrite" and started["eta1-naive-s1"][-1] == "--resume"
+    assert started["eta2-naive-s1"][-1].startswith("logging.wandb_tags=")  # new: no flag
+    argv = started["eta1-naive-s1"]
+    assert argv[1:4] == ["-m", "launcher.local", CONFIG] and "trainer.total_steps=6" in argv
+    assert {"name=eta1-naive-s1", f"run_root={root}", "queue.max_staleness=1", "algo.decoupled=false",
+            "seed=1", 'logging.wandb_group="b"',
+            'logging.wandb_tags=["eta=1", "objective=naive", "seed=1"]'} <= set(argv)
+    assert "eta1-naive-s1: started (resumed at step 3)" in capsys.readouterr().out
