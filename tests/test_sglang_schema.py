@@ -2,7 +2,7 @@
 
 Two kinds of tests:
 
-- marked ``sglang_ref`` (+ ``needs_sglang``): every body of issue 12 item 2 and the new fields is
+- marked ``sglang_ref`` (+ ``needs_sglang``): every body SGLang's clients send (slime's, AReaL's, the frontend's) and the new fields is
   decoded by SGLang's own code in ``.venv-sglang`` (its contract decoder
   ``api_types.GenerateRequest``, then ``GenerateReqInput.normalize_batch_and_arguments`` and
   ``srt.sampling.SamplingParams`` ``__init__`` / ``normalize`` / ``verify`` with the fixture's

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trainer's GPU checks and measurements of issue 11, in one command on one GPU (H200):
+# The trainer's GPU checks and measurements (tree packing, exact savings), in one command on one GPU (H200):
 #
 #     bash tools/gpu_trainer_checks.sh            # logs under $OUT (default runs/gpu_trainer_checks)
 #

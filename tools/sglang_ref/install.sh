@@ -6,6 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv=.venv-sglang
+check='import sglang.srt.utils.common, sglang.bench_serving, sglang.srt.entrypoints.openai.protocol
+from sglang.api.v1.api_types import GenerateRequest
+from sglang.srt.sampling.sampling_params import SamplingParams
+import sglang
+assert sglang.__version__ == "0.5.23", sglang.__version__'
+if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "$check" 2>/dev/null; then
+  echo "[sglang_ref] .venv-sglang is ready (sglang 0.5.23)"
+  exit 0
+fi
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q -r tools/sglang_ref/requirements.txt
 "$venv/bin/pip" install -q --no-deps sglang==0.5.23
