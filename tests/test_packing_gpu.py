@@ -153,8 +153,11 @@ def test_tree_packing_matches_unshared_on_cuda(tiny_qwen3_dir, dtype, path, n_pr
     monkeypatch.setattr(attention, "_flex_tree", lambda *a: calls["flex"].append(1) or real_flex(*a))
     monkeypatch.setattr(attention, "bottom_right_varlen_reference",
                         lambda *a: calls["reference"].append(1) or real_ref(*a))
-    monkeypatch.setattr(attention.varlen, "varlen_attn",
-                        lambda q, k, *a, **kw: calls["varlen"].append(q.shape[0] != k.shape[0]) or real_varlen(q, k, *a, **kw))
+    def counted_varlen(q, k, *a, **kw):  # True for the tree path's call: key runs longer than queries
+        calls["varlen"].append(q.shape[0] != k.shape[0])
+        return real_varlen(q, k, *a, **kw)
+
+    monkeypatch.setattr(attention.varlen, "varlen_attn", counted_varlen)
     seqs, head = _forest_seqs(n_prompts=n_prompts)
     results = {}
     for name, dt, pack in (("ref", torch.float32, pack_sequences), ("flat", dtype, pack_sequences),
