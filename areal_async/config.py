@@ -142,6 +142,11 @@ class TrainerConfig(_Cfg):
     # packed attention on CUDA: "flash" (torch's varlen_attn) or "triton" (this project's kernels,
     # trainer/triton_attention.py)
     attention_backend: Literal["flash", "triton"] = "flash"
+    # attention over a prefix forest (share_prefixes, docs/trainer.md "Tree attention paths"):
+    # varlen (torch's varlen_attn over gathered ancestor K/V), flex (FlexAttention, compiled), sdpa
+    # (per-tree sdpa with the ancestor mask); auto: varlen on CUDA bf16/fp16 outside deterministic
+    # mode, sdpa otherwise (resolve_tree_attention)
+    tree_attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
     # exact savings (trainer/step.py): sequences whose loss tokens all have advantage 0 are not run;
     # tokens that sequences of a micro-batch share (a prompt, a few-shot preamble) are forwarded once
     skip_zero_advantage: bool = True
@@ -491,6 +496,49 @@ def resolve_dtypes(cfg: Config, cuda_available: bool) -> Config:
     if trainer.dtype == "auto":
         trainer = msgspec.structs.replace(trainer, dtype=pick("trainer.device", trainer.device))
     return msgspec.structs.replace(cfg, model=model, trainer=trainer)
+
+
+def tree_attention_choice(setting: str, cuda: bool, dtype: str, deterministic: bool) -> str:
+    """The tree attention path ``trainer.tree_attention=setting`` takes: ``auto`` → ``varlen`` on
+    CUDA with a bf16/fp16 compute ``dtype`` (``auto`` counts as bf16 there, see
+    ``resolve_dtypes``) outside deterministic algorithms, else ``sdpa``; any other value itself.
+
+    Args:
+        setting: ``auto``, ``varlen``, ``flex`` or ``sdpa``.
+        cuda: the trainer runs on CUDA.
+        dtype: ``trainer.dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``).
+        deterministic: deterministic algorithms (``mode: deterministic``) are on.
+
+    Raises:
+        ValueError: ``setting`` is unknown, or ``varlen``/``flex`` where their kernels do not run:
+            on CPU, with float32, or with deterministic algorithms (neither kernel's backward is
+            deterministic).
+    """
+    if setting not in ("auto", "varlen", "flex", "sdpa"):
+        raise ValueError(f"trainer.tree_attention={setting!r} is not a path; use auto, varlen, flex or sdpa")
+    half = dtype in ("bfloat16", "float16") or (dtype == "auto" and cuda)
+    if setting == "auto":
+        return "varlen" if cuda and half and not deterministic else "sdpa"
+    if setting in ("varlen", "flex"):
+        why = ("the trainer runs on CPU" if not cuda else f"trainer.dtype={dtype} (the kernel takes bf16/fp16)"
+               if not half else "deterministic algorithms are on (its backward is not deterministic)"
+               if deterministic else None)
+        if why is not None:
+            raise ValueError(f"trainer.tree_attention={setting} needs CUDA with bf16/fp16 outside deterministic "
+                             f"mode, but {why}; use trainer.tree_attention=auto (or sdpa)")
+    return setting
+
+
+def resolve_tree_attention(cfg: Config, cuda_available: bool) -> Config:
+    """Replace ``auto`` in ``trainer.tree_attention`` by the path it takes on this machine
+    (``tree_attention_choice``; call after ``resolve_dtypes``).
+
+    Raises:
+        ValueError: see ``tree_attention_choice``.
+    """
+    cuda = cuda_index("trainer.device", cfg.trainer.device, cuda_available) is not None
+    path = tree_attention_choice(cfg.trainer.tree_attention, cuda, cfg.trainer.dtype, cfg.mode == "deterministic")
+    return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, tree_attention=path))
 
 
 def check_devices(cfg: Config, cuda_available: bool) -> None:

@@ -191,7 +191,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     ``trainer.resume``). A check that fails leaves the run directory as it was, or absent."""
     import torch
 
-    from areal_async.config import check_devices, resolve_dtypes
+    from areal_async.config import check_devices, resolve_dtypes, resolve_tree_attention
     from areal_async.model.hub import resolve_model_path
 
     from areal_async.data import TASKS, load_task
@@ -213,6 +213,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     cfg = resolve_dtypes(cfg, torch.cuda.is_available())
+    cfg = resolve_tree_attention(cfg, torch.cuda.is_available())  # a ValueError naming the fix
     chosen = keys_to_choose(cfg, resume)  # resume: the stopped job's chosen ports may be taken by now
     cfg, _ = choose_ports(cfg, chosen)
     check_ports(cfg)

@@ -168,3 +168,26 @@ def test_inf_and_nan_get_one_message_whatever_the_range_of_the_key(override):
 def test_an_empty_value_says_what_to_give(override, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         load_config(None, [override])
+
+
+def test_tree_attention_auto_and_its_errors():
+    from areal_async.config import resolve_tree_attention, tree_attention_choice
+
+    assert tree_attention_choice("auto", True, "bfloat16", False) == "varlen"
+    assert tree_attention_choice("auto", True, "auto", False) == "varlen"
+    assert tree_attention_choice("auto", True, "float16", True) == "sdpa"  # deterministic
+    assert tree_attention_choice("auto", True, "float32", False) == "sdpa"
+    assert tree_attention_choice("auto", False, "bfloat16", False) == "sdpa"
+    assert tree_attention_choice("flex", True, "bfloat16", False) == "flex"
+    assert tree_attention_choice("sdpa", False, "float32", True) == "sdpa"
+    for args, why in ((("varlen", False, "bfloat16", False), "runs on CPU"),
+                      (("flex", True, "float32", False), "trainer.dtype=float32"),
+                      (("varlen", True, "bfloat16", True), "deterministic")):
+        with pytest.raises(ValueError, match=f"trainer.tree_attention={args[0]} needs CUDA.*{why}"):
+            tree_attention_choice(*args)
+    with pytest.raises(ValueError, match="not a path"):
+        tree_attention_choice("dense", True, "bfloat16", False)
+    cfg = load_config(None, ["trainer.device=cpu"])
+    assert resolve_tree_attention(cfg, cuda_available=False).trainer.tree_attention == "sdpa"
+    with pytest.raises(ValueError, match="runs on CPU"):
+        resolve_tree_attention(load_config(None, ["trainer.tree_attention=varlen"]), cuda_available=False)

@@ -135,23 +135,33 @@ def _forest_seqs(seed: int = 0, n_prompts: int = 3) -> tuple[list[list[int]], to
 
 
 @pytest.mark.parametrize("n_prompts", [3, 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tree_packing_matches_unshared_on_cuda(tiny_qwen3_dir, dtype, n_prompts, monkeypatch):
-    # bf16: FlexAttention under the forest's block mask (the CUDA tree path) against varlen_attn
-    # on the unshared packing; both compared with the fp32 unshared result, the tree's error may
-    # be no larger than about the unshared bf16 error. fp32: the per-tree sdpa path, tight. Two
-    # forest sizes: the second runs the compiled flex kernel at a new node count (dynamic shapes;
-    # on the CPU, inductor's C++ flex template failed to build for the second size, torch 2.13).
+@pytest.mark.parametrize(("dtype", "path"), [(torch.bfloat16, "flex"), (torch.bfloat16, "varlen"),
+                                             (torch.float32, "sdpa")])
+def test_tree_packing_matches_unshared_on_cuda(tiny_qwen3_dir, dtype, path, n_prompts, monkeypatch):
+    # bf16: the CUDA tree paths (trainer.tree_attention): FlexAttention under the forest's block
+    # mask, or varlen_attn over the chains' gathered key runs, against varlen_attn on the unshared
+    # packing; both compared with the fp32 unshared result, the tree's error may be no larger than
+    # about the unshared bf16 error. fp32: the per-tree sdpa path, tight. Two forest sizes: the
+    # second runs the compiled flex kernel at a new node count (dynamic shapes; on the CPU,
+    # inductor's C++ flex template failed to build for the second size, torch 2.13).
     from areal_async.trainer import attention
     from areal_async.trainer.tree import pack_tree
 
-    flex_calls = []
-    real_flex = attention._flex_tree
-    monkeypatch.setattr(attention, "_flex_tree", lambda *a: flex_calls.append(1) or real_flex(*a))
+    calls = {"flex": [], "varlen": [], "reference": []}
+    real_flex, real_ref = attention._flex_tree, attention.bottom_right_varlen_reference
+    real_varlen = attention.varlen.varlen_attn
+    monkeypatch.setattr(attention, "_flex_tree", lambda *a: calls["flex"].append(1) or real_flex(*a))
+    monkeypatch.setattr(attention, "bottom_right_varlen_reference",
+                        lambda *a: calls["reference"].append(1) or real_ref(*a))
+    def counted_varlen(q, k, *a, **kw):  # True for the tree path's call: key runs longer than queries
+        calls["varlen"].append(q.shape[0] != k.shape[0])
+        return real_varlen(q, k, *a, **kw)
+
+    monkeypatch.setattr(attention.varlen, "varlen_attn", counted_varlen)
     seqs, head = _forest_seqs(n_prompts=n_prompts)
     results = {}
     for name, dt, pack in (("ref", torch.float32, pack_sequences), ("flat", dtype, pack_sequences),
-                           ("tree", dtype, pack_tree)):
+                           ("tree", dtype, lambda s, h: pack_tree(s, h, attention=path))):
         model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=dt).cuda()
         use_packed_attention(model)
         policy = PackedPolicy(model)
@@ -166,14 +176,18 @@ def test_tree_packing_matches_unshared_on_cuda(tiny_qwen3_dir, dtype, n_prompts,
     flat_err, tree_err = (flat_lp - ref_lp).abs().max().item(), (tree_lp - ref_lp).abs().max().item()
     flat_gerr = ((flat_g - ref_g).norm() / ref_g.norm()).item()
     tree_gerr = ((tree_g - ref_g).norm() / ref_g.norm()).item()
-    print(f"{dtype}: log-prob error flat {flat_err:.3g} tree {tree_err:.3g}; gradient rel. error flat "
-          f"{flat_gerr:.3g} tree {tree_gerr:.3g}; flex calls {len(flex_calls)}")
+    print(f"{dtype} {path}: log-prob error flat {flat_err:.3g} tree {tree_err:.3g}; gradient rel. error flat "
+          f"{flat_gerr:.3g} tree {tree_gerr:.3g}; calls {({k: len(v) for k, v in calls.items()})}")
+    assert not calls["reference"]  # CUDA never takes the CPU stand-in
     if dtype == torch.float32:
-        assert not flex_calls
+        assert not calls["flex"]
         torch.testing.assert_close(tree_lp, ref_lp, rtol=0, atol=1e-5)
         assert tree_gerr < 1e-5
     else:
-        assert len(flex_calls) == 2  # once per layer of the tree's forward (the flat one runs varlen_attn)
+        # once per layer of the tree's forward (2 layers); the flat bf16 forward runs varlen_attn
+        # with equal query/key runs, the varlen tree path with the longer gathered key runs
+        assert len(calls["flex"]) == (2 if path == "flex" else 0)
+        assert sum(calls["varlen"]) == (2 if path == "varlen" else 0)
         assert tree_err <= 2 * flat_err + 1e-2 and tree_gerr <= 2 * flat_gerr + 1e-2
 
 

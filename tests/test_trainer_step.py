@@ -404,3 +404,28 @@ def test_naive_and_decoupled_steps_coincide_on_fresh_data(tiny_model_dir):
     (m_d, w_d), (m_n, w_n) = out["stale", True], out["stale", False]
     assert m_n["train/clip_ratio"] > 0 and m_d["train/clip_ratio"] == 0.0  # naive r = π_θ/π_behav ≠ 1
     assert max((w_n[n] - w_d[n]).abs().max().item() for n in w_d) > 1e-4
+
+
+def test_pack_takes_the_tree_attention_path():
+    from areal_async.trainer.step import SeqTensors, _pack
+
+    def seq(ids):
+        n = len(ids)
+        pos = torch.arange(n)
+        return SeqTensors(ids, torch.zeros(n), (pos >= 2) & (pos < n - 1), torch.ones(n))  # loss rows have a next token
+
+    seqs = [seq([1, 2, 3, 4]), seq([1, 2, 3, 5, 6])]
+    tree, _ = _pack(seqs, [0, 1], torch.device("cpu"), True, "varlen")
+    assert tree.attention == "varlen"
+    assert tree.chains.key_index.tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 4, 5]
+    assert "tree_chains" in tree.model_inputs() and "tree_block_mask" not in tree.model_inputs()
+    plain, _ = _pack(seqs, [0, 1], torch.device("cpu"), True)
+    assert plain.attention == "sdpa" and plain.chains is None and "tree_chains" not in plain.model_inputs()
+
+
+def test_train_step_rejects_varlen_tree_attention_on_cpu():
+    from areal_async.trainer.step import train_step
+
+    with pytest.raises(ValueError, match="trainer.tree_attention=varlen needs CUDA.*runs on CPU"):
+        train_step(None, None, make_trajectories(vocab=50), AlgoConfig(), TrainerConfig(tree_attention="varlen"), 1.0,
+                   torch.device("cpu"))

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from areal_async.trainer.attention import _sdpa_per_tree, tree_mask_mod, use_packed_attention
 from areal_async.trainer.logprobs import PackedPolicy, packed_logprobs
 from areal_async.trainer.packing import pack_sequences
-from areal_async.trainer.tree import cut_units, pack_tree, unique_tokens
+from areal_async.trainer.tree import chain_layout, cut_units, pack_tree, unique_tokens
 
 torch.set_num_threads(1)
 
@@ -116,9 +116,12 @@ def _forest(kind: str, rng: np.random.Generator, vocab: int) -> tuple[list[list[
 KINDS = ["no_sharing", "partial", "full", "prefix_of_another", "empty_responses", "one_token"]
 
 
+@pytest.mark.parametrize("path", ["sdpa", "varlen"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_qwen3_dir"])
-def test_tree_logprobs_and_gradients_equal_unshared(kind, fixture, request):
+def test_tree_logprobs_and_gradients_equal_unshared(kind, fixture, path, request):
+    # varlen: the chain layout and the gathered key runs, the kernel stood in for by sdpa per run
+    # (attention.bottom_right_varlen_reference), fp32 on CPU
     policy = _load(request.getfixturevalue(fixture))
     vocab = policy.lm.config.vocab_size
     seqs, plen = _forest(kind, np.random.default_rng(KINDS.index(kind)), vocab)
@@ -126,7 +129,8 @@ def test_tree_logprobs_and_gradients_equal_unshared(kind, fixture, request):
     head = torch.tensor([int(starts[b]) + t for b, s in enumerate(seqs) for t in range(plen[b] - 1, len(s) - 1)],
                         dtype=torch.int64)
     flat = pack_sequences(seqs, head)
-    tree = pack_tree(seqs, head)
+    tree = pack_tree(seqs, head, attention=path)
+    assert (tree.chains is not None) == (path == "varlen")
     if kind in ("full", "partial", "prefix_of_another", "empty_responses"):
         assert tree.num_tokens < flat.num_tokens
     weight = torch.randn(flat.num_tokens, generator=torch.Generator().manual_seed(1))
@@ -215,3 +219,55 @@ def test_tree_with_batch_invariant_linears(tiny_model_dir):
     torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=1e-5)
     torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-4, atol=1e-5)
     assert torch.equal(out[1][0], out[2][0]) and torch.equal(out[1][1], out[2][1])
+
+
+def _runs(tree) -> list[tuple[list[int], list[int]]]:
+    """Per chain: (its query nodes, its key run's nodes)."""
+    c = tree.chains
+    cu_q, cu_k, idx = c.cu_q.tolist(), c.cu_k.tolist(), c.key_index.tolist()
+    return [(list(range(cu_q[s], cu_q[s + 1])), idx[cu_k[s] : cu_k[s + 1]]) for s in range(len(cu_q) - 1)]
+
+
+def test_chain_layout_by_hand():
+    # sorted: [5,6] (a prefix of the next), [5,6,7,8], [5,6,7,8] again (an empty-response copy),
+    # [5,6,9] (branches after 6), [4] (a one-token tree, sorted first). Nodes in pre-order:
+    # 0:4 | 1:5 2:6 3:7 4:8 5:9. Node 2 (token 6) has two children (3 and 5): chains [0], [1,2],
+    # [3,4], [5]; the prefix [5,6] continues its chain, the duplicate adds nothing.
+    seqs = [[5, 6, 7, 8], [5, 6], [4], [5, 6, 9], [5, 6, 7, 8]]
+    tree = pack_tree(seqs, attention="varlen")
+    assert tree.input_ids.tolist() == [4, 5, 6, 7, 8, 9]
+    assert _runs(tree) == [([0], [0]), ([1, 2], [1, 2]), ([3, 4], [1, 2, 3, 4]), ([5], [1, 2, 5])]
+    assert (tree.chains.max_q, tree.chains.max_k) == (2, 4)
+    assert tree.chains.cu_q.dtype == tree.chains.cu_k.dtype == torch.int32
+    # bottom-right causal over each run is exactly the ancestor-or-self mask
+    n = tree.num_tokens
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for q, k in _runs(tree):
+        for i, node in enumerate(q):
+            mask[node, k[: len(k) - len(q) + i + 1]] = True
+    idx = torch.arange(n)
+    want = (idx[None, :] <= idx[:, None]) & (idx[:, None] < tree.subtree_end[None, :])
+    assert torch.equal(mask, want)
+
+
+def test_chain_layout_of_a_cut_tree():
+    # one prompt [1,2,3] with four responses, cut under a budget of 7 unique tokens into runs of
+    # the sorted sequences; each run is a tree of its own that repeats the prompt
+    seqs = [[1, 2, 3, 10, 11], [1, 2, 3, 12, 13], [1, 2, 3, 14], [1, 2, 3, 15, 16]]
+    units = cut_units(seqs, 7)
+    assert [u for u, _ in units] == [[0, 1], [2, 3]]
+    first = pack_tree([seqs[i] for i in units[0][0]], attention="varlen")
+    assert first.input_ids.tolist() == [1, 2, 3, 10, 11, 12, 13]
+    assert _runs(first) == [([0, 1, 2], [0, 1, 2]), ([3, 4], [0, 1, 2, 3, 4]), ([5, 6], [0, 1, 2, 5, 6])]
+    second = pack_tree([seqs[i] for i in units[1][0]], attention="varlen")
+    assert second.input_ids.tolist() == [1, 2, 3, 14, 15, 16]
+    assert _runs(second) == [([0, 1, 2], [0, 1, 2]), ([3], [0, 1, 2, 3]), ([4, 5], [0, 1, 2, 4, 5])]
+
+
+def test_chain_layout_rejects_a_parent_list_out_of_pre_order():
+    with pytest.raises(ValueError, match="pre-order"):
+        chain_layout(np.array([-1, 0, 0, 1]))  # node 3's parent 1 is not its predecessor (2)
+    with pytest.raises(ValueError, match="pre-order"):
+        chain_layout(np.array([0, -1]))
+    with pytest.raises(ValueError, match="not a tree attention path"):
+        pack_tree([[1, 2]], attention="dense")

@@ -21,7 +21,8 @@ Batch shapes (``--shape``):
 Each step runs ``train_step`` (packing, decoupled-PPO forward/backward, AdamW) once with the
 savings off (``trainer.skip_zero_advantage=false``, ``trainer.share_prefixes=false``) and once on,
 on the same batch, alternating (A/B interleaved, so machine load hits both alike; ``--breakdown``
-adds each saving alone), then one full-parameter gather as the weight sync does. The learning
+adds each saving alone; ``--tree-attention varlen,flex`` runs "on" with ``trainer.tree_attention``
+varlen and adds ``on:flex``, the same with flex), then one full-parameter gather as the weight sync does. The learning
 rate is 0, so all variants see the same weights and print the same loss and gradient norm up to
 fp32 rounding. "Off" still has the balanced allocator and the LM head at loss positions only. The
 first step is warm-up and left out of the medians. Prints per step and variant the seconds, the
@@ -110,7 +111,13 @@ def main() -> None:
     ap.add_argument("--parallel", default="fsdp2", choices=["fsdp2", "ddp"])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     ap.add_argument("--breakdown", action="store_true", help="also each saving alone (variants skip, share)")
+    ap.add_argument("--tree-attention", default="auto",
+                    help="trainer.tree_attention of the variants with share_prefixes; a comma list (e.g. "
+                         "varlen,flex) adds a variant on:<path> per further path")
     args = ap.parse_args()
+    tree_paths = args.tree_attention.split(",")
+    if not set(tree_paths) <= {"auto", "varlen", "flex", "sdpa"} or len(set(tree_paths)) < len(tree_paths):
+        raise ValueError(f"--tree-attention {args.tree_attention}: distinct values of auto, varlen, flex, sdpa")
     if args.max_tokens_per_mb is None:
         args.max_tokens_per_mb = {"quickstart": 512, "gpu": 32768, "synthetic": 4096}[args.shape]
     torch.set_num_threads(args.threads)
@@ -118,12 +125,15 @@ def main() -> None:
 
     model_dir = str(resolve_model_path(ModelConfig(path=args.model)))
     device = init_distributed(args.device)
-    base = TrainerConfig(max_tokens_per_mb=args.max_tokens_per_mb, dtype=args.dtype, parallel=args.parallel, lr=1e-6)
+    base = TrainerConfig(max_tokens_per_mb=args.max_tokens_per_mb, dtype=args.dtype, parallel=args.parallel, lr=1e-6,
+                         tree_attention=tree_paths[0])
     variants = {"off": msgspec.structs.replace(base, skip_zero_advantage=False, share_prefixes=False),
                 "on": msgspec.structs.replace(base, skip_zero_advantage=True, share_prefixes=True)}
     if args.breakdown:
         variants.update(skip=msgspec.structs.replace(base, skip_zero_advantage=True, share_prefixes=False),
                         share=msgspec.structs.replace(base, skip_zero_advantage=False, share_prefixes=True))
+    for path in tree_paths[1:]:  # the same savings as "on", another tree attention path
+        variants[f"on:{path}"] = msgspec.structs.replace(variants["on"], tree_attention=path)
     policy = build_policy(model_dir, base, device)
     # lr 0: the weights stay put (AdamW's work is still done), so both variants see the same
     # policy and their loss and gradient norm must agree, a check of the savings' exactness
@@ -157,7 +167,7 @@ def main() -> None:
             if step > 0:
                 times[name].append(t1 - t0)
             if rank == 0:
-                print(f"step {step} savings {name:5s}: train {t1 - t0:7.2f} s, {int(m['train/tokens'])} sequence "
+                print(f"step {step} savings {name:9s}: train {t1 - t0:7.2f} s, {int(m['train/tokens'])} sequence "
                       f"tokens, {int(m['train/forward_tokens'])} forwarded, {int(m['train/skipped_seqs'])} "
                       f"sequences skipped, loss {m['train/loss']:+.8e}, grad_norm {m['train/grad_norm']:.8e}"
                       f"{' (warm-up)' if step == 0 else ''}", flush=True)
@@ -166,7 +176,7 @@ def main() -> None:
             median = {k: statistics.median(v) for k, v in times.items()}
             print("median s/step: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items())
                   + "; ratio off/on " + f"{median['off'] / median['on']:.2f}x"
-                  + "".join(f", off/{k} {median['off'] / median[k]:.2f}x" for k in ("skip", "share") if k in median)
+                  + "".join(f", off/{k} {median['off'] / median[k]:.2f}x" for k in median if k not in ("off", "on"))
                   + f" ({args.shape} shape, {args.dtype}, {device.type}, {torch.get_num_threads()} threads)")
         print(f"peak RSS rank 0: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB "
               f"(world size {dist.get_world_size()})")

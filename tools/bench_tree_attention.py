@@ -36,9 +36,11 @@ Variants (each forward + backward of the attention alone; timed with CUDA events
   key run the K/V of its ancestors (gathered: ``index_select``) followed by its own, causal
   aligned to the bottom right (query ``i`` of a run of ``q`` reads the first ``k - q + i + 1`` keys).
   The prompt's own queries are the root chain's run. The backward sums the dK/dV of the gathered
-  copies back into the ancestor nodes (the ``index_select`` backward, an ``index_add``). On CPU
-  the kernel is emulated by ``sdpa`` per run with the bottom-right causal mask (the index logic
-  is what is checked there).
+  copies back into the ancestor nodes (the ``index_select`` backward, an ``index_add``). This is
+  the trainer's ``trainer.tree_attention=varlen`` path itself (``tree.chain_layout``,
+  ``attention.varlen_tree_attention``). On CPU the kernel is emulated by ``sdpa`` per run with
+  the bottom-right causal mask (``attention.bottom_right_varlen_reference``; the index logic is
+  what is checked there).
 - ``ref`` (CPU only): one ``sdpa`` over all ``N`` nodes with the dense ``[N, N]`` ancestor mask,
   in float64.
 
@@ -67,7 +69,7 @@ from torch import Tensor
 
 from areal_async.trainer import attention
 from areal_async.trainer.packing import allocate_micro_batches
-from areal_async.trainer.tree import _sorted_with_lcp, cut_units, pack_tree
+from areal_async.trainer.tree import ChainLayout, _sorted_with_lcp, cut_units, pack_tree
 
 VOCAB = 49152  # SmolLM2's; only the chance of equal random tokens depends on it
 
@@ -134,7 +136,7 @@ def build_layout(seqs: list[list[int]]) -> Layout:
     Raises:
         RuntimeError: the node numbering disagrees with ``pack_tree``'s tokens or depths.
     """
-    tree = pack_tree(seqs)
+    tree = pack_tree(seqs, attention="varlen")
     paths = node_paths(seqs)
     node_of = np.concatenate(paths)
     flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
@@ -142,45 +144,12 @@ def build_layout(seqs: list[list[int]]) -> Layout:
     if not (np.array_equal(tree.input_ids.numpy()[node_of], flat)
             and np.array_equal(tree.position_ids.numpy()[node_of], depth)):
         raise RuntimeError("node numbering disagrees with pack_tree (tokens or depths); tree.py changed its layout")
-    n = tree.num_tokens
-    parent = np.full(n, -1, dtype=np.int64)
-    for p in paths:
-        parent[p[1:]] = p[:-1]
-    children = np.bincount(parent[parent >= 0], minlength=n)
-    starts = np.flatnonzero((parent < 0) | (children[np.maximum(parent, 0)] > 1))
-    bounds = np.append(starts, n)
-    key_runs = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if not np.array_equal(parent[s + 1 : e], np.arange(s, e - 1)):
-            raise RuntimeError(f"chain [{s}, {e}) is not a run of only children")
-        anc, j = [], parent[s]
-        while j >= 0:
-            anc.append(j)
-            j = parent[j]
-        key_runs.append(np.concatenate([np.asarray(anc[::-1], dtype=np.int64), np.arange(s, e)]))
-    q_lens = np.diff(bounds)
-    k_lens = np.asarray([len(k) for k in key_runs])
+    chains = tree.chains  # the trainer's chain layout (tree.chain_layout), shared with variant d
     lengths = np.asarray([len(s) for s in seqs])
     cum = lambda x: torch.tensor(np.concatenate([[0], np.cumsum(x)]), dtype=torch.int32)  # noqa: E731
     return Layout(node_of=torch.from_numpy(node_of), cu_seqs=cum(lengths), max_seq=int(lengths.max()),
-                  subtree_end=tree.subtree_end, cu_trees=tree.cu_trees, cu_q=cum(q_lens), cu_k=cum(k_lens),
-                  max_q=int(q_lens.max()), max_k=int(k_lens.max()),
-                  key_index=torch.from_numpy(np.concatenate(key_runs)))
-
-
-def _bottom_right_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> Tensor:
-    """CPU stand-in for ``varlen_attn(..., window_size=(-1, 0))`` with separate query/key runs:
-    ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` → ``[Tq, H, D]``, query ``i`` of a run of ``lq``
-    reading keys ``0 … lk - lq + i`` of its key run (flash attention's causal alignment)."""
-    n_rep = q.shape[1] // k.shape[1]
-    outs = []
-    for (qs, qe), (ks, ke) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
-        lq, lk = qe - qs, ke - ks
-        mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
-        kk = k[ks:ke].repeat_interleave(n_rep, 1).transpose(0, 1)
-        vv = v[ks:ke].repeat_interleave(n_rep, 1).transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(q[qs:qe].transpose(0, 1), kk, vv, attn_mask=mask).transpose(0, 1))
-    return torch.cat(outs)
+                  subtree_end=tree.subtree_end, cu_trees=tree.cu_trees, cu_q=chains.cu_q, cu_k=chains.cu_k,
+                  max_q=chains.max_q, max_k=chains.max_k, key_index=chains.key_index)
 
 
 def _dense_tree(q: Tensor, k: Tensor, v: Tensor, subtree_end: Tensor) -> Tensor:
@@ -213,7 +182,7 @@ def variants(lay: Layout, device: torch.device, which: list[str]) -> list[Varian
         if cuda:
             from torch.nn.attention.varlen import varlen_attn
 
-            return varlen_attn(q, k, v, cu_seqs, cu_seqs, lay.max_seq, lay.max_seq, window_size=(-1, 0),
+            return varlen_attn(q, k, v, cu_seqs, cu_seqs, lay.max_seq, lay.max_seq, **attention._CAUSAL,
                                **attention._GQA_FLAG)
         n_rep = q.shape[1] // k.shape[1]
         rep = lambda x: attention._repeat_kv(x.transpose(0, 1)[None], n_rep, 1)  # noqa: E731
@@ -230,13 +199,10 @@ def variants(lay: Layout, device: torch.device, which: list[str]) -> list[Varian
         rep = lambda x: attention._repeat_kv(x.transpose(0, 1)[None], n_rep, 1)  # noqa: E731
         return attention._sdpa_per_tree(q.transpose(0, 1)[None], rep(k), rep(v), cu_trees, sub, None)[0]
 
-    def varlen_d(q, k, v):
-        kg, vg = k.index_select(0, key_index), v.index_select(0, key_index)
-        if cuda:
-            from torch.nn.attention.varlen import varlen_attn
+    chains = ChainLayout(cu_q, cu_k, lay.max_q, lay.max_k, key_index)
 
-            return varlen_attn(q, kg, vg, cu_q, cu_k, lay.max_q, lay.max_k, window_size=(-1, 0), **attention._GQA_FLAG)
-        return _bottom_right_varlen(q, kg, vg, cu_q, cu_k)
+    def varlen_d(q, k, v):  # the trainer's tree path (CPU: its sdpa stand-in for the kernel)
+        return attention.varlen_tree_attention(q, k, v, chains)
 
     def dense_ref(q, k, v):
         return _dense_tree(q, k, v, sub)

@@ -10,11 +10,12 @@
 #   1. pytest -m gpu tests/test_packing_gpu.py tests/test_engine_gpu.py tests/test_trainer_step.py
 #   2. tools/bench_tree_attention.py, SmolLM2-135M heads (9/3/64), then Qwen3-0.6B heads (16/8/128)
 #   3. tools/bench_trainer.py --shape gpu --device cuda --dtype bfloat16 --steps 3 --breakdown
+#      --tree-attention varlen,flex (the savings with the varlen tree path, and on:flex with FlexAttention)
 # Each step's output is teed to $OUT/<step>.log; a summary (exit status, seconds, the result
 # lines) is printed at the end and written to $OUT/summary.txt. Exit status 1 if any step failed.
 #
 # Expected duration on one H200 (the trainer does ~90k tok/s there unshared): the GPU shape is
-# ~360k sequence tokens a step, ~4 s unshared; 3 steps x 4 variants of bench_trainer, the
+# ~360k sequence tokens a step, ~4 s unshared; 3 steps x 5 variants of bench_trainer, the
 # FlexAttention compile of its first shared step and the model load ~2 minutes; each attention
 # benchmark ~30-60 s (mostly FlexAttention's compile); the pytest run ~1-2 minutes.
 set -u -o pipefail
@@ -76,7 +77,8 @@ run pytest_gpu 150 "$PY" -m pytest -m gpu tests/test_packing_gpu.py tests/test_e
   tests/test_trainer_step.py -q -rs -s -p no:cacheprovider
 run tree_attention_smollm2 75 "$PY" tools/bench_tree_attention.py --heads 9,3,64 --warmup 2 --iters 5
 run tree_attention_qwen3 75 "$PY" tools/bench_tree_attention.py --heads 16,8,128 --warmup 2 --iters 5
-run bench_trainer 150 "$PY" tools/bench_trainer.py --shape gpu --device cuda --dtype bfloat16 --steps 3 --breakdown
+run bench_trainer 150 "$PY" tools/bench_trainer.py --shape gpu --device cuda --dtype bfloat16 --steps 3 --breakdown \
+  --tree-attention varlen,flex
 
 {
   echo

@@ -22,9 +22,19 @@ Attention never crosses a sequence boundary:
 
 Prefix trees (``trainer/tree.py``, shared-prefix packing): with ``tree_attention_kwargs`` the
 row is a forest of token tries in pre-order and node ``i`` attends to node ``j`` iff
-``j <= i < subtree_end[j]`` (its ancestors and itself). CUDA bf16/fp16: compiled FlexAttention
-(``torch.nn.attention.flex_attention``) with a block mask built once per micro-batch; otherwise
-(CPU, fp32, or deterministic algorithms on) ``sdpa`` per tree with the boolean ``[n, n]`` mask.
+``j <= i < subtree_end[j]`` (its ancestors and itself). Three paths (``trainer.tree_attention``,
+docs/trainer.md "Tree attention paths"):
+
+- ``varlen``: the forest cut into chains (``tree.ChainLayout``: query run = a chain's own nodes,
+  key run = its ancestors' K/V gathered with ``index_select``, then its own), and
+  ``varlen_attn`` with separate ``cu_seqlens_q/k``, causal aligned to the bottom right (query
+  ``i`` of a run of ``q`` reads the first ``k - q + i + 1`` keys: flash attention's alignment when
+  the runs differ in length). The backward of ``index_select`` (an ``index_add``) sums the dK/dV
+  of the gathered copies into the ancestor nodes. Off CUDA bf16/fp16 the kernel is stood in for
+  by ``sdpa`` per run with that mask (``bottom_right_varlen_reference``), for checking.
+- ``flex``: compiled FlexAttention (``torch.nn.attention.flex_attention``) with a block mask built
+  once per micro-batch (CUDA bf16/fp16).
+- ``sdpa``: ``sdpa`` per tree with the boolean ``[n, n]`` mask (CPU, fp32, deterministic).
 
 Grouped-query attention: on the ``varlen_attn`` path K/V keep their ``H_kv`` heads (the flash
 kernel maps query head ``h`` to K/V head ``h // (H / H_kv)``, and its backward sums the group's
@@ -56,7 +66,14 @@ TRITON_NAME = "packed_triton"
 BACKENDS = ("flash", "triton")
 # torch 2.13 checks head counts unless ``enable_gqa=True``; releases without the flag pass
 # K/V with fewer heads straight to the flash kernel.
-_GQA_FLAG = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters else {}
+_VARLEN_PARAMS = inspect.signature(varlen.varlen_attn).parameters
+_GQA_FLAG = {"enable_gqa": True} if "enable_gqa" in _VARLEN_PARAMS else {}
+# Causal ``varlen_attn``: torch 2.10+ (2.11 on the GPU machine, 2.13 here) take
+# ``window_size=(-1, 0)`` and set ``is_causal`` from it; 2.9 took ``is_causal=True``. Either way
+# the flash kernel's causal mask is aligned to the bottom right of each (q, k) run pair, which is
+# what the tree path's gathered key runs need (for q == k runs the alignments coincide).
+_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+TREE_PATHS = ("varlen", "flex", "sdpa")
 
 
 def packed_kwargs(cu_seqlens: Tensor, max_seqlen: int) -> dict:
@@ -114,6 +131,13 @@ def packed_attention(
     n_rep = query.shape[1] // key.shape[1]
     subtree_end = kwargs.get("tree_subtree_end")
     if subtree_end is not None:
+        chains = kwargs.get("tree_chains")
+        if chains is not None:
+            q = query[0].transpose(0, 1)  # [N, H, D]
+            k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, H_kv, D]
+            if not native_gqa:
+                k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
+            return varlen_tree_attention(q, k, v, chains, scaling).unsqueeze(0), None
         block_mask = kwargs.get("tree_block_mask")
         if block_mask is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
             return _flex_tree(query, key, value, block_mask, scaling, n_rep), None
@@ -132,8 +156,7 @@ def packed_attention(
             k, v = _repeat_kv(k, n_rep, 1), _repeat_kv(v, n_rep, 1)
         max_len = kwargs["max_length_q"]
         cu32 = cu.to(torch.int32)
-        out = varlen.varlen_attn(q, k, v, cu32, cu32, max_len, max_len, scale=scaling, window_size=(-1, 0),
-                                 **gqa)
+        out = varlen.varlen_attn(q, k, v, cu32, cu32, max_len, max_len, scale=scaling, **_CAUSAL, **gqa)
         return out.unsqueeze(0), None
     return _sdpa_per_sequence(query, _repeat_kv(key, n_rep, 1), _repeat_kv(value, n_rep, 1), cu, scaling), None
 
@@ -152,7 +175,8 @@ def _sdpa_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, sc
     return out.transpose(1, 2)
 
 
-def tree_attention_kwargs(cu_trees: Tensor, max_tree_len: int, subtree_end: Tensor) -> dict:
+def tree_attention_kwargs(cu_trees: Tensor, max_tree_len: int, subtree_end: Tensor, path: str = "sdpa",
+                          chains=None) -> dict:
     """Keyword arguments that carry a forest of token tries (``trainer/tree.py``) through
     ``model(...)``: node ``i`` attends to node ``j`` iff ``j <= i < subtree_end[j]`` (its
     ancestors and itself; nodes in pre-order).
@@ -161,14 +185,68 @@ def tree_attention_kwargs(cu_trees: Tensor, max_tree_len: int, subtree_end: Tens
         cu_trees: ``[K+1] int32`` tree boundaries, on the model's device.
         max_tree_len: nodes of the largest tree.
         subtree_end: ``[N] int64`` one past the last node of each node's subtree (global index).
+        path: ``varlen``, ``flex`` or ``sdpa`` (``TREE_PATHS``; see the module docstring).
+        chains: ``tree.ChainLayout`` of the forest on the model's device; needed by ``varlen``.
 
-    On CUDA, unless deterministic algorithms are on, this also builds the FlexAttention block
-    mask of the forest once per micro-batch (``tree_block_mask``), shared by every layer.
+    Built once per micro-batch and shared by every layer: ``flex`` builds the FlexAttention block
+    mask here (``tree_block_mask``); ``varlen`` passes ``chains`` (``tree_chains``).
+
+    Raises:
+        ValueError: ``path`` is not one of ``TREE_PATHS``, or ``varlen`` without ``chains``.
     """
+    if path not in TREE_PATHS:
+        raise ValueError(f"tree attention path {path!r} is unknown; use one of {', '.join(TREE_PATHS)}")
     kwargs = {**packed_kwargs(cu_trees, max_tree_len), "tree_subtree_end": subtree_end}
-    if subtree_end.is_cuda and not torch.are_deterministic_algorithms_enabled():
+    if path == "flex":
         kwargs["tree_block_mask"] = tree_block_mask(subtree_end)
+    elif path == "varlen":
+        if chains is None:
+            raise ValueError("tree attention path 'varlen' needs the forest's chain layout; build the batch "
+                             "with pack_tree(..., attention='varlen')")
+        kwargs["tree_chains"] = chains
     return kwargs
+
+
+def varlen_tree_attention(q: Tensor, k: Tensor, v: Tensor, chains, scaling: float | None = None) -> Tensor:
+    """Attention of every forest node over its ancestors and itself, through gathered key runs.
+
+    Args:
+        q: ``[N, H, D]`` per node; k, v: ``[N, H_kv, D]`` per node (``H % H_kv == 0``).
+        chains: ``tree.ChainLayout`` on ``q``'s device: ``cu_q``/``cu_k`` ``[S+1] int32``,
+            ``key_index`` ``[Σ k] int64``, ``max_q``/``max_k``.
+        scaling: softmax scale (``None`` = ``1/sqrt(D)``).
+
+    Returns:
+        ``[N, H, D]``. K/V are gathered per layer (``index_select``; its backward sums the copies'
+        gradients into the nodes); CUDA bf16/fp16 runs ``varlen_attn`` with separate query/key
+        ``cu_seqlens`` and bottom-right causal alignment, anything else
+        ``bottom_right_varlen_reference``.
+    """
+    kg, vg = k.index_select(0, chains.key_index), v.index_select(0, chains.key_index)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        gqa = _GQA_FLAG if q.shape[1] != k.shape[1] else {}
+        return varlen.varlen_attn(q, kg, vg, chains.cu_q, chains.cu_k, chains.max_q, chains.max_k, scale=scaling,
+                                  **_CAUSAL, **gqa)
+    return bottom_right_varlen_reference(q, kg, vg, chains.cu_q, chains.cu_k, scaling)
+
+
+@torch.compiler.disable
+def bottom_right_varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
+                                  scaling: float | None = None) -> Tensor:
+    """What ``varlen_attn(q, k, v, cu_q, cu_k, ..., window_size=(-1, 0))`` computes, by ``sdpa``
+    per run pair: ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` → ``[Tq, H, D]``; query ``i`` of a run
+    of ``lq`` reads keys ``0 … lk - lq + i`` of its run of ``lk`` (bottom-right causal). Costs
+    Σ lq·lk; a stand-in for checking the tree path off CUDA, not a fast path."""
+    n_rep = q.shape[1] // k.shape[1]
+    outs = []
+    for qs, qe, ks, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        lq, lk = qe - qs, ke - ks
+        mask = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        kk = _repeat_kv(k[ks:ke], n_rep, 1).transpose(0, 1)
+        vv = _repeat_kv(v[ks:ke], n_rep, 1).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(q[qs:qe].transpose(0, 1), kk, vv, attn_mask=mask,
+                                                   scale=scaling).transpose(0, 1))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def tree_mask_mod(subtree_end: Tensor):

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from areal_async.algo.advantages import batch_normalize, group_advantages
 from areal_async.algo.loss import decoupled_ppo_loss, naive_ppo_loss
-from areal_async.config import AlgoConfig, TrainerConfig
+from areal_async.config import AlgoConfig, TrainerConfig, tree_attention_choice
 from areal_async.trainer.logprobs import packed_logprobs
 from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences, to_device
 from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
@@ -100,10 +100,11 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
     return out
 
 
-def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device,
-          share_prefixes: bool) -> tuple[PackedBatch | TreeBatch, dict[str, Tensor]]:
-    """Pack sequences ``idx`` as a prefix forest (``share_prefixes``) or back to back, with the LM
-    head at their loss positions only (a dummy 1-token, all-masked row when ``idx`` is empty)."""
+def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device, share_prefixes: bool,
+          tree_attention: str = "sdpa") -> tuple[PackedBatch | TreeBatch, dict[str, Tensor]]:
+    """Pack sequences ``idx`` as a prefix forest (``share_prefixes``, attention path
+    ``tree_attention``) or back to back, with the LM head at their loss positions only (a dummy
+    1-token, all-masked row when ``idx`` is empty)."""
     if not idx:
         one = torch.zeros(1, device=device)
         return pack_sequences([[0]]).to(device), {"behav_logp": one, "loss_mask": one.bool(), "advantages": one}
@@ -111,7 +112,7 @@ def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device,
     fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]) for k in keys}
     head_index = fields["loss_mask"].nonzero()[:, 0]
     ids = [seqs[i].ids for i in idx]
-    batch = pack_tree(ids, head_index) if share_prefixes else pack_sequences(ids, head_index)
+    batch = pack_tree(ids, head_index, tree_attention) if share_prefixes else pack_sequences(ids, head_index)
     return batch.to(device), {k: to_device(v, device) for k, v in fields.items()}
 
 
@@ -164,6 +165,8 @@ def train_step(
     skip = trainer.skip_zero_advantage and algo.kl_coef == 0.0
     runs = [[i for i in mb if not skip or runs_forward(seqs[i])] for mb in minibatches]
     share = trainer.share_prefixes
+    tree_path = tree_attention_choice(trainer.tree_attention, torch.device(device).type == "cuda", trainer.dtype,
+                                      torch.are_deterministic_algorithms_enabled())
     plans = [_plan(seqs, run, trainer.max_tokens_per_mb, world, share)[rank] for run in runs]
 
     total_mbs, done_mbs = sum(len(plan) for plan in plans), 0
@@ -172,7 +175,7 @@ def train_step(
         with torch.no_grad():
             for m, plan in enumerate(plans):
                 for j, idx in enumerate(plan):
-                    batch, _ = _pack(seqs, idx, device, share)
+                    batch, _ = _pack(seqs, idx, device, share, tree_path)
                     prox[(m, j)] = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)[0]
 
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -187,7 +190,7 @@ def train_step(
         scale = torch.tensor([1.0 if k not in LOGP_STAT_KEYS else num_tokens / max(run_tokens, 1)
                               for k in STAT_KEYS + ("entropy",)], dtype=torch.float64, device=device) / n_mini
         for j, idx in enumerate(plan):
-            batch, f = _pack(seqs, idx, device, share)
+            batch, f = _pack(seqs, idx, device, share, tree_path)
             theta, entropy = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)
             if algo.decoupled:
                 prox_logp = prox[(m, j)] if n_mini > 1 else theta.detach()

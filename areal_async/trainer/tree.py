@@ -31,6 +31,14 @@ every sequence gets exactly its own log-probs (AReaL's bug #1308 was an extra, m
 log-prob at each leaf). Only the positions in ``head_index`` (the loss positions) go through the
 LM head.
 
+Chains (``ChainLayout``, the ``varlen`` tree attention path): the forest cut into chains, a
+new chain at each root and at each child of a node with several children (a group's prompt, each
+sample's response; a sequence that is a prefix of another continues its chain). In pre-order a
+chain is a run of consecutive nodes, each the only child of the one before. Its query run is its
+own nodes; its key run the nodes of its root-to-start path (its ancestors, root first) followed
+by its own, so query ``i`` of a run of ``q`` reads the first ``k - q + i + 1`` keys of its run of
+``k`` (causal aligned to the bottom right), which is exactly ``j ≤ i < subtree_end[j]``.
+
 Cutting (``cut_units``): a tree whose unique tokens exceed the micro-batch budget is split into
 consecutive runs of its sorted sequences, each run a sub-tree that repeats the shared prefix.
 """
@@ -43,8 +51,69 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from areal_async.trainer.attention import tree_attention_kwargs
+from areal_async.trainer.attention import TREE_PATHS, tree_attention_kwargs
 from areal_async.trainer.packing import to_device
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainLayout:
+    """The chains of a forest (see the module docstring), for ``attention.varlen_tree_attention``.
+
+    Fields (``S`` chains):
+        cu_q: ``[S+1] int32`` chain s's queries are nodes ``[cu_q[s], cu_q[s+1])``.
+        cu_k: ``[S+1] int32`` its key run is rows ``[cu_k[s], cu_k[s+1])`` of ``key_index``.
+        max_q, max_k: longest query run, longest key run (ints).
+        key_index: ``[Σ k] int64`` node of each key row: per chain, its ancestors root first, then
+            its own nodes.
+    """
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    key_index: Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> "ChainLayout":
+        """The layout on ``device`` (see ``packing.to_device``)."""
+        return dataclasses.replace(self, **{name: to_device(getattr(self, name), device, non_blocking)
+                                            for name in ("cu_q", "cu_k", "key_index")})
+
+
+def chain_layout(parent: np.ndarray) -> ChainLayout:
+    """The chains of a forest in pre-order given each node's parent.
+
+    Args:
+        parent: ``[N] int64`` parent node of each node, ``-1`` for a root; pre-order (a node's
+            parent comes before it, a subtree is a run of nodes).
+
+    Returns:
+        ``ChainLayout``. A chain's ancestors are exactly the key run of its parent's chain (the
+        parent, having several children or being the last of its chain's only children, ends its
+        chain), so each key run is its parent chain's followed by its own nodes.
+
+    Raises:
+        ValueError: ``parent`` is not a forest in pre-order.
+    """
+    n = len(parent)
+    if n == 0 or parent[0] != -1 or np.any(parent >= np.arange(n)):
+        raise ValueError(f"parent must list a non-empty forest in pre-order (parent[i] < i, parent[0] = -1), "
+                         f"got {parent[:8].tolist()}...; build it with pack_tree")
+    children = np.bincount(parent[parent >= 0], minlength=n)
+    starts = np.flatnonzero((parent < 0) | (children[np.maximum(parent, 0)] > 1))
+    bounds = np.append(starts, n)
+    inner = np.ones(n, dtype=bool)
+    inner[starts] = False
+    if not np.array_equal(parent[inner], np.flatnonzero(inner) - 1):
+        raise ValueError("parent is not a forest in pre-order: a chain's node is not its predecessor's only child")
+    chain_of = np.repeat(np.arange(len(starts)), np.diff(bounds))
+    runs: list[np.ndarray] = []
+    for c, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        own = np.arange(s, e, dtype=np.int64)
+        runs.append(own if parent[s] < 0 else np.concatenate([runs[chain_of[parent[s]]], own]))
+    q_lens, k_lens = np.diff(bounds), np.asarray([len(r) for r in runs])
+    cum = lambda x: torch.from_numpy(np.concatenate([[0], np.cumsum(x)]).astype(np.int32))  # noqa: E731
+    return ChainLayout(cu_q=cum(q_lens), cu_k=cum(k_lens), max_q=int(q_lens.max()), max_k=int(k_lens.max()),
+                       key_index=torch.from_numpy(np.concatenate(runs)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +131,8 @@ class TreeBatch:
         head_index: ``[M] int64`` where the row lands in the unshared layout (the sequences in the
             given order, back to back, ``T`` positions).
         num_seq_tokens: ``T`` (int).
+        attention: tree attention path, ``varlen``, ``flex`` or ``sdpa`` (``attention.TREE_PATHS``).
+        chains: ``ChainLayout`` of the forest (``varlen`` only, else ``None``).
     """
 
     input_ids: Tensor
@@ -73,6 +144,8 @@ class TreeBatch:
     head_labels: Tensor
     head_index: Tensor
     num_seq_tokens: int
+    attention: str = "sdpa"
+    chains: ChainLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,13 +156,16 @@ class TreeBatch:
         """The batch on ``device`` (see ``packing.to_device``)."""
         moved = {f.name: to_device(getattr(self, f.name), device, non_blocking)
                  for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        if self.chains is not None:
+            moved["chains"] = self.chains.to(device, non_blocking)
         return dataclasses.replace(self, **moved)
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the decoder: ``input_ids``/``position_ids`` ``[1, N]`` and the
         tree attention's boundaries (``attention.tree_attention_kwargs``)."""
         return {"input_ids": self.input_ids[None], "position_ids": self.position_ids[None],
-                **tree_attention_kwargs(self.cu_trees, self.max_tree_len, self.subtree_end)}
+                **tree_attention_kwargs(self.cu_trees, self.max_tree_len, self.subtree_end, self.attention,
+                                        self.chains)}
 
     def head_rows(self) -> tuple[Tensor, Tensor, Tensor, int]:
         """``(rows [M], labels [M], out_index [M], out_len)``: hidden rows to put through the LM
@@ -176,7 +252,7 @@ def _greedy_runs(lengths: list[int], lcp: list[int], a: int, b: int, cap: int) -
     return runs
 
 
-def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None) -> TreeBatch:
+def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None, attention: str = "sdpa") -> TreeBatch:
     """Build the forest of ``seqs`` (see the module docstring).
 
     Args:
@@ -185,14 +261,18 @@ def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None) -> TreeBa
         head_index: ``[M] int64`` positions of the unshared layout whose next-token log-prob is
             wanted (the loss positions); ``None`` = every position that has a next token in its
             sequence.
+        attention: the tree attention path the batch will take (``attention.TREE_PATHS``);
+            ``varlen`` also builds the chain layout (on the host, once per micro-batch).
 
     Returns:
         ``TreeBatch``.
 
     Raises:
-        ValueError: ``seqs`` is empty, a sequence is empty, or a ``head_index`` entry is not a
-            position with a next token in its sequence.
+        ValueError: ``seqs`` is empty, a sequence is empty, a ``head_index`` entry is not a
+            position with a next token in its sequence, or ``attention`` is not a path.
     """
+    if attention not in TREE_PATHS:
+        raise ValueError(f"attention={attention!r} is not a tree attention path; use one of {', '.join(TREE_PATHS)}")
     if not seqs:
         raise ValueError("pack_tree needs at least one sequence")
     lengths = [len(s) for s in seqs]
@@ -202,6 +282,7 @@ def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None) -> TreeBa
     node_of: list[np.ndarray | None] = [None] * len(seqs)
     tokens, depths, tree_starts = [], [], []
     subtree_end = np.zeros(sum(lengths) - sum(lcp), dtype=np.int64)
+    parent = np.full(len(subtree_end), -1, dtype=np.int64)
     path = np.zeros(0, dtype=np.int64)  # nodes of the previous sequence, root first
     n = 0
     for r, i in enumerate(order):
@@ -213,6 +294,9 @@ def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None) -> TreeBa
         seq = np.asarray(seqs[i], dtype=np.int64)
         tokens.append(seq[keep:])
         depths.append(np.arange(keep, lengths[i], dtype=np.int64))
+        if new:
+            parent[n] = path[keep - 1] if keep else -1
+            parent[n + 1 : n + new] = np.arange(n, n + new - 1)
         path = np.concatenate([path[:keep], np.arange(n, n + new, dtype=np.int64)])
         node_of[i] = path
         n += new
@@ -242,4 +326,6 @@ def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None) -> TreeBa
         head_labels=torch.from_numpy(flat_ids[rows + 1]),
         head_index=torch.from_numpy(rows),
         num_seq_tokens=len(flat_ids),
+        attention=attention,
+        chains=chain_layout(parent) if attention == "varlen" else None,
     )
