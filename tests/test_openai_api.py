@@ -386,3 +386,52 @@ def test_sglang_bench_serving_completes_against_the_embedded_server(tiny_model_d
     assert record["completed"] == 4, out[-4000:]
     assert "Successful requests:                     4" in out, out[-4000:]
     assert record["total_output_tokens"] > 0, record
+
+
+def test_v1_trims_the_stop_as_generate_does_and_streams_no_text_it_trims(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = "Natalia sold clips to"
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+
+    async def main():
+        async with running(tiny_model_dir) as (url, http, _):
+            greedy = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+            _, free = await post(http, url + "/generate", {"input_ids": ids, "sampling_params": greedy})
+            stop = free["text"][5:8]  # a stop string the greedy answer does reach
+            assert len(stop) == 3, free["text"]
+            _, gen = await post(http, url + "/generate", {"input_ids": ids, "sampling_params": {**greedy, "stop": stop}})
+            req = {"model": "x", "prompt": prompt, "max_tokens": 16, "temperature": 0, "stop": stop}
+            status, plain = await post(http, url + "/v1/completions", req)
+            chunks = await events(http, url + "/v1/completions", {**req, "stream": True})
+            _, kept = await post(http, url + "/v1/completions", {**req, "no_stop_trim": True})
+            return stop, gen, status, plain, chunks, kept
+
+    stop, gen, status, plain, chunks, kept = asyncio.run(main())
+    assert gen["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop} and stop not in gen["text"]
+    assert status == 200 and plain["choices"][0]["text"] == gen["text"]  # the stop string is not in the answer
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == gen["text"]  # no delta sent and trimmed
+    assert kept["choices"][0]["text"] == gen["text"] + stop
+
+
+def test_prefill_only_requests_stream_and_answer_on_v1(tiny_model_dir):
+    async def main():
+        async with running(tiny_model_dir) as (url, http, engine):
+            streamed = await events(http, url + "/generate", {"text": "hi", "stream": True,
+                                                              "sampling_params": {"max_new_tokens": 0}})
+            batch = await events(http, url + "/generate", {
+                "text": ["a", "b"], "stream": True, "sampling_params": [{"max_new_tokens": 0}, {"max_new_tokens": 2}]})
+            status, plain = await post(http, url + "/v1/completions", {"model": "x", "prompt": "a", "max_tokens": 0})
+            chat = await events(http, url + "/v1/chat/completions", {
+                "model": "x", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0, "stream": True})
+            return streamed, batch, status, plain, chat, engine.num_running
+
+    streamed, batch, status, plain, chat, left = asyncio.run(main())
+    assert len(streamed) == 1 and streamed[0]["output_ids"] == [] and streamed[0]["text"] == ""
+    assert streamed[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    finals = {c["index"]: c for c in batch if c["meta_info"]["finish_reason"] is not None}
+    assert finals[0]["output_ids"] == [] and len(finals[1]["output_ids"]) == 2
+    assert status == 200 and plain["choices"][0]["text"] == "" and plain["choices"][0]["finish_reason"] == "length"
+    finished = [c["choices"][0]["finish_reason"] for c in chat if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finished == ["length"]
+    assert left == 0

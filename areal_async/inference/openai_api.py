@@ -49,6 +49,7 @@ from aiohttp import web
 from ..types import sample_seed
 from .engine import Completion, Engine
 from .request import decode_sampling
+from .stop import answer_text, hold_back
 from .sampling import SamplingParams
 from .streaming import SSE_DONE, NonFiniteLogprobs, run_requests, running_text, sse_event, start_sse
 
@@ -234,8 +235,12 @@ class _Call:
         self.created = int(time.time())
 
     def text(self, i: int, c: Completion) -> str:
-        text = self.api.tokenizer.decode(c.output_ids, skip_special_tokens=self.params[i].skip_special_tokens)
-        return text if c.finish_reason is not None else running_text(text)
+        sp = self.params[i]  # the stop string or token trimmed, as /generate and SGLang's /v1 answer
+        text = answer_text(self.api.tokenizer, c.output_ids, c.matched, sp.skip_special_tokens,
+                           sp.spaces_between_special_tokens, sp.no_stop_trim)
+        if c.finish_reason is not None:
+            return text
+        return hold_back(running_text(text), [] if sp.no_stop_trim else list(sp.stop))
 
     def usage(self, done: dict[int, Completion]) -> dict:
         """OpenAI's ``usage``: each prompt counted once (choice 0 of each), every choice's output."""

@@ -467,11 +467,8 @@ class InferenceServer:
             meta["output_token_logprobs_length"] = len(c.output_ids)
         # SGLang's detokenizer drops a matched stop token from the text unless no_stop_trim, and
         # cuts the text at a matched stop string
-        shown = c.output_ids[:-1] if isinstance(c.matched, int) and not params.no_stop_trim else c.output_ids
-        text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens,
-                                     spaces_between_special_tokens=params.spaces_between_special_tokens)
-        if isinstance(c.matched, str):
-            text = stop.trim(text, c.matched, params.no_stop_trim)
+        text = stop.answer_text(self.tokenizer, c.output_ids, c.matched, params.skip_special_tokens,
+                                params.spaces_between_special_tokens, params.no_stop_trim)
         return {"text": text, "output_ids": c.output_ids, "meta_info": meta}
 
     async def health(self, request: web.Request) -> web.Response:

@@ -50,3 +50,27 @@ def trim(text: str, matched: str, no_stop_trim: bool) -> str:
     if pos == -1:
         return text
     return text[: pos + len(matched)] if no_stop_trim else text[:pos]
+
+
+def answer_text(tokenizer, output_ids: list[int], matched: int | str | None, skip_special_tokens: bool,
+                spaces_between_special_tokens: bool, no_stop_trim: bool) -> str:
+    """The text SGLang's detokenizer answers for ``output_ids``: a matched stop token (``matched``
+    an int, the last id) dropped and the text cut at a matched stop string, unless
+    ``no_stop_trim``; ``output_ids`` themselves keep every token. ``/generate`` and ``/v1`` alike."""
+    shown = output_ids[:-1] if isinstance(matched, int) and not no_stop_trim else output_ids
+    text = tokenizer.decode(shown, skip_special_tokens=skip_special_tokens,
+                            spaces_between_special_tokens=spaces_between_special_tokens)
+    return trim(text, matched, no_stop_trim) if isinstance(matched, str) else text
+
+
+def hold_back(text: str, stops: list[str]) -> str:
+    """``text`` of a running request less any tail that begins one of the stop strings ``stops``
+    (it may be cut from the answer once the stop completes), so a stream of deltas never sends
+    text that the final answer trims."""
+    cut = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), cut, -1):
+            if text.endswith(stop[:k]):
+                cut = k
+                break
+    return text[: len(text) - cut]

@@ -147,8 +147,11 @@ async def run_requests(engine: Engine, prompts: list[list[int]], params: list[Sa
                         pending.discard(i)
                         await _emit_checked(emit, i, p.final, rids[i])
                     elif running[i].done():
-                        running[i].result()  # raises its error (the task group then aborts the rest)
-                        raise AssertionError(f"request {rids[i]} returned without finishing")
+                        done = running[i].result()  # raises its error (the task group then aborts the rest)
+                        if done.finish_reason is None:
+                            raise AssertionError(f"request {rids[i]} returned without finishing")
+                        pending.discard(i)  # finished without the scheduler: a prefill-only request
+                        await _emit_checked(emit, i, done, rids[i])
                     elif interval is not None and p.due(interval):
                         p.sent = len(p.output_ids)
                         await _emit_checked(emit, i, p.snapshot(engine.weight_version), rids[i])
