@@ -204,12 +204,12 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     progress_mode()  # a bad AREAL_ASYNC_PROGRESS is a ValueError naming the choices, before any process starts
     if cfg.data.task not in TASKS:
         raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")
-    for split in ("train", "test"):  # what the workers and the trainer read: a missing or bad file fails here
-        examples = load_task(cfg.data, split)
+    load_task(cfg.data, "train")  # what the workers and the trainer read: a missing or bad file fails here
+    test = load_task(cfg.data, "test")
     e = cfg.eval
-    if (e.at_start or e.at_end or e.every_steps) and e.num_prompts > len(examples):
+    if (e.at_start or e.at_end or e.every_steps) and e.num_prompts > len(test):
         raise ValueError(f"eval.num_prompts={e.num_prompts} but the test split of data.task={cfg.data.task!r} has "
-                         f"{len(examples)} prompts; set eval.num_prompts={len(examples)} or fewer")
+                         f"{len(test)} prompts; set eval.num_prompts={len(test)} or fewer")
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     cfg = resolve_dtypes(cfg, torch.cuda.is_available())

@@ -18,10 +18,5 @@ fi
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q -r tools/sglang_ref/requirements.txt
 "$venv/bin/pip" install -q --no-deps sglang==0.5.23
-"$venv/bin/python" - <<'PY'
-import sglang.srt.utils.common, sglang.bench_serving, sglang.srt.entrypoints.openai.protocol
-from sglang.api.v1.api_types import GenerateRequest
-from sglang.srt.sampling.sampling_params import SamplingParams
-import sglang
-print(f"[sglang_ref] sglang {sglang.__version__} importable in .venv-sglang")
-PY
+"$venv/bin/python" -c "$check"  # the same imports as the readiness check above
+echo "[sglang_ref] sglang 0.5.23 importable in .venv-sglang"
