@@ -358,8 +358,7 @@ class InferenceServer:
             await response.write(sse_event(out))
 
         try:
-            inputs = [await self.engine.prompt_logprobs(p.input_ids, p.logprob_start_len)
-                      if p.return_logprob and p.logprob_start_len >= 0 else None for p in prompts]
+            inputs = [await self._input_logprobs(p) for p in prompts]
             await run_requests(self.engine, [p.input_ids for p in prompts], [p.params for p in prompts],
                                [p.rid for p in prompts], self.stream_interval, emit)
         except ConnectionResetError:  # the client went away; its requests were aborted
@@ -370,12 +369,16 @@ class InferenceServer:
         await response.write_eof()
         return response
 
-    async def _run(self, prompt: Prompt) -> tuple[Completion, list[float | None] | None]:
-        """Generate ``prompt``; with ``return_logprob`` and ``logprob_start_len >= 0``, also its
-        prompt log-probs (``Engine.prompt_logprobs``)."""
-        inputs = None
+    async def _input_logprobs(self, prompt: Prompt) -> list[float | None] | None:
+        """With ``return_logprob`` and ``logprob_start_len >= 0``, the prompt's log-probs
+        (``Engine.prompt_logprobs``), else ``None``."""
         if prompt.return_logprob and prompt.logprob_start_len >= 0:
-            inputs = await self.engine.prompt_logprobs(prompt.input_ids, prompt.logprob_start_len)
+            return await self.engine.prompt_logprobs(prompt.input_ids, prompt.logprob_start_len)
+        return None
+
+    async def _run(self, prompt: Prompt) -> tuple[Completion, list[float | None] | None]:
+        """Generate ``prompt``, with its prompt log-probs when asked for (``_input_logprobs``)."""
+        inputs = await self._input_logprobs(prompt)
         return await self.engine.generate(prompt.input_ids, prompt.params, prompt.rid), inputs
 
     def _parse_generate(self, body: dict) -> GenerateCall:
