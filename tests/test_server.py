@@ -807,7 +807,7 @@ def test_non_finite_logprobs_are_a_json_500_naming_the_weight_version(tiny_model
             fixed = await api.post("/update_weights_from_disk", {"model_path": str(tiny_model_dir),
                                                                  "weight_version": "4"})
             health.append(await health_generate(api))
-            return loaded, answers, fixed, health, await api.generate([1, 2], max_new_tokens=3)
+            return loaded, answers, fixed, health, await api.generate([1, 2], max_new_tokens=3, ignore_eos=True)
 
     async def health_generate(api):
         async with api.http.get(api.url + "/health_generate") as resp:
