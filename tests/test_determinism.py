@@ -10,7 +10,6 @@ runs in ``mode: throughput`` must differ, which shows the comparison can fail.
 
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -18,7 +17,6 @@ import pytest
 from safetensors.torch import load_file
 
 from areal_async.trainer.checkpoint import state_dict_sha256
-from tests.test_e2e import _free_ports
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -27,41 +25,21 @@ STEPS = 4
 TIMING_KEYS = {"time", "rollout/tokens_per_s", "queue/ready", "queue/running", "queue/capacity"}
 
 
-def _free_base_port(n: int) -> int:
-    """A port p with p, p+1, …, p+n-1 all free now (server i listens on base_port + i)."""
-    while True:
-        base = _free_ports(1)[0]
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for i, s in enumerate(socks):
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-
-
 def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
             steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
             extra: tuple[str, ...] = ()) -> pathlib.Path:
     """Run one job of ``steps`` steps through ``launcher.local`` (``resume``: continue the run
     ``name`` from its checkpoint; ``extra``: more overrides); returns its run directory (asserts
     exit 0)."""
-    server_port = _free_base_port(2)
-    queue_port, master_port, sync_port = _free_ports(3)
     overrides = [
         f"name={name}", f"run_root={run_root}", "seed=3", f"mode={mode}",
         f"model.path={model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
-        "inference.num_servers=2", f"inference.base_port={server_port}",
+        "inference.num_servers=2",
         "inference.max_seq_len=512", "inference.threads=1", "inference.max_running_requests=8",
         "rollout.num_workers=2", "rollout.n_samples=4", "rollout.max_new_tokens=12",
         "rollout.max_groups_in_flight=2",
         "queue.batch_size=2", "queue.max_staleness=1", "queue.max_concurrent=4",
-        f"queue.port={queue_port}",
         "trainer.nproc=2", f"trainer.total_steps={steps}", "trainer.lr=1e-3", "trainer.weight_decay=0",
-        f"trainer.master_port={master_port}", f"trainer.weight_sync_port={sync_port}",
         "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
         "reward.fn=tests.parity_reward:even_length",
         "logging.wandb_mode=disabled", "logging.dump_trajectories=true",

@@ -32,20 +32,6 @@ def _alive(pid: int, within_s: float = 5.0) -> bool:
     return False
 
 
-def _free_port_overrides() -> list[str]:
-    """Overrides putting every port of a one-server job on a free port, not the configs' (another
-    job on the machine may hold those)."""
-    import socket
-
-    ports = []
-    for _ in range(4):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    return [f"inference.base_port={ports[0]}", "inference.num_servers=1", f"queue.port={ports[1]}",
-            f"trainer.master_port={ports[2]}", f"trainer.weight_sync_port={ports[3]}"]
-
-
 def test_failing_child_stops_job_with_its_last_lines(tmp_path):
     sup = Supervisor(tmp_path / "logs")
     # A long-lived child that starts a grandchild of its own (like torchrun's ranks).
@@ -161,7 +147,7 @@ def test_the_launcher_removes_its_run_lock_however_it_exits(tmp_path, tiny_model
 
     lock = tmp_path / ".exp.lock"
     argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp", f"model.path={tiny_model_dir}",
-            *_free_port_overrides()]
+            "inference.num_servers=1"]
 
     def failing_job(cfg, sup):
         raise JobFailed("trainer exited with status 1")
@@ -232,7 +218,7 @@ def test_shipped_configs_pass_the_checks_before_start(tmp_path, tiny_model_dir, 
     from launcher.local import prepare_run
 
     cfg = load_config(f"configs/{config}", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
-                                            *_free_port_overrides()])
+                                            "inference.num_servers=1"])
     assert cfg.reward.fn == ""
     resolved = prepare_run(cfg, overwrite=False)
     assert (resolved.run_dir / "config.yaml").exists()
@@ -283,7 +269,7 @@ def test_a_launch_refused_before_start_leaves_no_run_directory(tmp_path, tiny_mo
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "sglang" else find_spec(name, *args))
     cfg = load_config("configs/quickstart_cpu.yaml", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
-                                                      *_free_port_overrides(), *overrides])
+                                                      "inference.num_servers=1", *overrides])
     with pytest.raises(error, match=words):
         prepare_run(cfg, overwrite=False)
     assert not cfg.run_dir.exists()
@@ -293,7 +279,7 @@ def test_a_refused_overwrite_keeps_the_old_run(tmp_path):
     from launcher.local import prepare_run
 
     cfg = load_config(None, ["name=exp", f"run_root={tmp_path}", "model.path=nosuch", "data.task=arith",
-                             *_free_port_overrides()])
+                             "inference.num_servers=1"])
     (tmp_path / "exp").mkdir()
     (tmp_path / "exp" / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="model.path 'nosuch' is not a directory"):
@@ -333,7 +319,7 @@ def test_resume_without_a_checkpoint_or_a_run_says_what_to_do_instead(tmp_path, 
     from launcher.local import main
 
     argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp", f"model.path={tiny_model_dir}",
-            *_free_port_overrides()]
+            "inference.num_servers=1"]
     assert main([*argv, "--resume"]) == 2
     err = capsys.readouterr().err
     assert f"run_root {tmp_path} holds no run 'exp'" in err and not (tmp_path / "exp").exists()
@@ -380,7 +366,7 @@ def test_a_signal_during_start_up_unwinds_and_exits_130(tmp_path, sig, inherited
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if inherited == "ignored" else None
     proc = subprocess.Popen(
         [PY, "-c", SLOW_CONVERSION, "configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp",
-         "model.path=smollm2-135m-instruct", f"model.cache_dir={cache}", *_free_port_overrides()],
+         "model.path=smollm2-135m-instruct", f"model.cache_dir={cache}", "inference.num_servers=1"],
         cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=ignore)
     lines: queue.Queue = queue.Queue()
@@ -411,14 +397,10 @@ def test_ctrl_c_leaves_a_clean_trainer_log(tmp_path, tiny_model_dir):
     import signal
     import subprocess
 
-    from tests.test_e2e import _free_ports
-
-    server_port, queue_port, master_port, sync_port = _free_ports(4)
     argv = [PY, "-m", "launcher.local", "configs/gsm8k_smollm2.yaml", "name=c", f"run_root={tmp_path}",
             f"model.path={tiny_model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
-            f"inference.base_port={server_port}", "inference.max_seq_len=512", "inference.threads=1",
-            "rollout.n_samples=2", "rollout.max_new_tokens=8", "queue.batch_size=2", f"queue.port={queue_port}",
-            f"trainer.master_port={master_port}", f"trainer.weight_sync_port={sync_port}",
+            "inference.max_seq_len=512", "inference.threads=1",
+            "rollout.n_samples=2", "rollout.max_new_tokens=8", "queue.batch_size=2",
             "trainer.total_steps=1000", "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
             "reward.fn=tests.parity_reward:even_length", "logging.wandb_mode=disabled"]
     proc = subprocess.Popen(argv, cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE,
@@ -483,7 +465,7 @@ def test_resume_with_no_steps_left_and_a_bad_progress_mode_are_launch_errors(tmp
     monkeypatch.setattr(launcher.local.signal, "signal", lambda *args: None)  # keep pytest's SIGTERM
     monkeypatch.setattr(launcher.local, "run_job", lambda cfg, sup: pytest.fail("the job must not start"))
     argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp", f"model.path={tiny_model_dir}",
-            "trainer.total_steps=3", *_free_port_overrides()]
+            "trainer.total_steps=3", "inference.num_servers=1"]
     (tmp_path / "exp" / "checkpoint").mkdir(parents=True)
     (tmp_path / "exp" / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 3}))
     assert main([*argv, "--resume"]) == 2
