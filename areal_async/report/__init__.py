@@ -1,0 +1,10 @@
+"""Reports of runs and staleness studies: ``summary.csv`` and a self-contained ``report.html``
+(``build.py``: usage; ``runs.py``: reading ``metrics.jsonl``; ``summary.py``: the columns;
+``plots.py``: the figures)."""
+
+from areal_async.report.build import ReportFiles, main, report_paths, write_report, write_study_report
+from areal_async.report.runs import ReportInputError, RunMetrics, read_run
+from areal_async.report.summary import COLUMNS, DEFAULT_THRESHOLD, DEFAULT_WINDOW, Cell
+
+__all__ = ["COLUMNS", "DEFAULT_THRESHOLD", "DEFAULT_WINDOW", "Cell", "ReportFiles", "ReportInputError", "RunMetrics",
+           "main", "read_run", "report_paths", "write_report", "write_study_report"]

@@ -1,0 +1,235 @@
+"""The report's figures: matplotlib PNGs of a set of runs, grouped by η and objective.
+
+A **group** is the runs of one (η, objective), i.e. the seeds of one grid point; a run whose η or
+objective is unknown is a group of its own, named after it. A curve is the mean over the group's
+runs at each step that they logged, and the band around it spans their min to max (only the runs
+that logged that step count there). Colour stands for η, line style for the objective (solid
+decoupled, dashed naive). Reward and correct curves are trailing means over ``window`` steps (the
+threshold's window, ``summary.py``) taken per run before the mean over seeds; the other curves
+are per step. Against wall time, a step's x is the mean over seeds of its run clock (``runs.py``).
+
+Each function returns a ``Panel`` (title, caption, PNG bytes), or ``None`` when no run holds the
+metrics it draws. Figures are ``matplotlib.figure.Figure`` objects rendered by the Agg canvas, not
+pyplot: no global backend or figure state is touched (importing this module changes nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections import defaultdict
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+
+from areal_async.report.runs import RunMetrics
+from areal_async.report.summary import Cell
+
+STYLES = {"decoupled": "-", "naive": "--"}
+DIAGNOSTICS = [("train/importance_weight", "mean w = π_prox/π_behav after the cap"),
+               ("train/behav_kl", "mean log π_prox − log π_behav (naive: θ − behav)"),
+               ("train/clip_ratio", "share of tokens clipped"),
+               ("train/behav_capped_ratio", "share of tokens with w capped/masked"),
+               ("rollout/multi_version_frac", "samples spanning several versions")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    title: str
+    caption: str
+    png: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The runs of one grid point (η, objective), or one run of unknown grid point."""
+
+    label: str
+    eta: int | None
+    objective: str | None
+    runs: list[RunMetrics]
+
+
+def groups_of(runs: list[tuple[Cell, RunMetrics]]) -> list[Group]:
+    """Runs grouped by (η, objective), in order of η then objective; unknown ones last, by name."""
+    known: dict[tuple, list[RunMetrics]] = defaultdict(list)
+    lone = []
+    for cell, run in runs:
+        if cell.eta is None or cell.objective is None:
+            lone.append(Group(cell.name, None, None, [run]))
+        else:
+            known[(cell.eta, cell.objective)].append(run)
+    order = sorted(known, key=lambda k: (k[0], list(STYLES).index(k[1]) if k[1] in STYLES else 9, k[1]))
+    return [Group(f"η={e} {o}", e, o, known[(e, o)]) for e, o in order] + sorted(lone, key=lambda g: g.label)
+
+
+def _colors(groups: list[Group]) -> dict[str, tuple]:
+    etas = sorted({g.eta for g in groups if g.eta is not None})
+    cmap = matplotlib.colormaps["viridis"]
+    by_eta = {e: cmap(0.85 * i / max(len(etas) - 1, 1)) for i, e in enumerate(etas)}
+    others = iter(matplotlib.colormaps["tab10"].colors)
+    return {g.label: by_eta[g.eta] if g.eta is not None else next(others, (0.5, 0.5, 0.5)) for g in groups}
+
+
+def _trailing(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values (shorter at the start)."""
+    c = np.concatenate([[0.0], np.cumsum(values)])
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(0, idx - window)
+    return list((c[idx] - c[lo]) / (idx - lo))
+
+
+def seed_band(runs: list[RunMetrics], key: str, window: int = 1, evals: bool = False):
+    """``(steps, x_clock_s, mean, lo, hi)`` arrays over the runs' rows holding ``key`` (module doc)."""
+    at: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for run in runs:
+        rows = [r for r in (run.evals if evals else run.train) if isinstance(r.get(key), (int, float))]
+        values = _trailing([float(r[key]) for r in rows], window) if window > 1 else [float(r[key]) for r in rows]
+        for r, v in zip(rows, values):
+            at[r["step"]].append((r["clock_s"], v))
+    steps = sorted(at)
+    ys = [np.array([v for _, v in at[s]]) for s in steps]
+    return (np.array(steps), np.array([np.mean([c for c, _ in at[s]]) for s in steps]),
+            np.array([y.mean() for y in ys]), np.array([y.min() for y in ys]), np.array([y.max() for y in ys]))
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _draw(ax, groups, colors, key, xaxis, window=1, evals=False, marker=None) -> bool:
+    drew = False
+    for g in groups:
+        steps, clock, m, lo, hi = seed_band(g.runs, key, window, evals)
+        if not len(steps):
+            continue
+        x = steps if xaxis == "step" else clock / 60
+        ax.plot(x, m, STYLES.get(g.objective, "-"), color=colors[g.label], label=g.label, marker=marker, lw=1.6)
+        if len(g.runs) > 1:
+            ax.fill_between(x, lo, hi, color=colors[g.label], alpha=0.15, lw=0)
+        drew = True
+    ax.set_xlabel("training step" if xaxis == "step" else "wall time (min, run clock)")
+    ax.grid(alpha=0.3)
+    return drew
+
+
+def learning_curves(groups: list[Group], xaxis: str, window: int, threshold: float) -> Panel | None:
+    """Rollout reward and correct fraction against ``xaxis`` (``"step"`` | ``"wall"``)."""
+    fig = Figure(layout="constrained", figsize=(12, 4.2))
+    axes = fig.subplots(1, 2)
+    colors = _colors(groups)
+    drew = False
+    for ax, key in zip(axes, ("rollout/reward", "rollout/correct")):
+        drew |= _draw(ax, groups, colors, key, xaxis, window)
+        ax.set_ylabel(f"{key} ({window}-step trailing mean)")
+    axes[1].axhline(threshold, color="grey", lw=0.8, ls=":", label=f"threshold {threshold:g}")
+    axes[1].legend(fontsize=8)
+    if not drew:
+        return None
+    what = "step" if xaxis == "step" else "wall time"
+    return Panel(f"Reward and correct fraction vs {what}",
+                 f"Rollout batches' mean reward and fraction correct, {window}-step trailing mean (fewer steps before "
+                 f"step {window - 1}); line: mean "
+                 f"over seeds, band: min–max over seeds.", _png(fig))
+
+
+def eval_curves(groups: list[Group]) -> Panel | None:
+    """Greedy ``eval/pass@1`` against the evaluated policy version."""
+    fig = Figure(layout="constrained", figsize=(6.5, 4.2))
+    ax = fig.subplots()
+    drew = _draw(ax, groups, _colors(groups), "eval/pass@1", "step", evals=True, marker="o")
+    if not drew:
+        return None
+    ax.set_xlabel("policy version (training steps done)")
+    ax.set_ylabel("eval/pass@1 (greedy)")
+    ax.legend(fontsize=8)
+    return Panel("Evaluation pass@1 over training", "Greedy pass@1 on the test prompts at each evaluated "
+                 "version; line: mean over seeds, band: min–max.", _png(fig))
+
+
+def throughput(rows: list[dict]) -> Panel | None:
+    """Trained tokens/s against η, one line per objective, from ``summary.summarize`` rows."""
+    rows = [r for r in rows if r["eta"] is not None and r["objective"] is not None]
+    fig = Figure(layout="constrained", figsize=(12, 4.2))
+    axes = fig.subplots(1, 2)
+    drew = False
+    for ax, column in zip(axes, ("trained_tokens_per_s", "tokens_per_wall_s")):
+        for objective in sorted({r["objective"] for r in rows}, key=lambda o: (o not in STYLES, o)):
+            by_eta = defaultdict(list)
+            for r in rows:
+                if r["objective"] == objective and r[column] is not None:
+                    by_eta[r["eta"]].append(r[column])
+            if not by_eta:
+                continue
+            etas = sorted(by_eta)
+            m = np.array([np.mean(by_eta[e]) for e in etas])
+            err = np.array([[m[i] - min(by_eta[e]), max(by_eta[e]) - m[i]] for i, e in enumerate(etas)]).T
+            ax.set_xticks(etas)
+            ax.errorbar(etas, m, yerr=err, fmt=STYLES.get(objective, "-") + "o", capsize=3, label=objective)
+            drew = True
+        ax.set_xlabel("η (max staleness)")
+        ax.set_ylabel(column.replace("_", " "))
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    if not drew:
+        return None
+    return Panel("Throughput vs η", "Left: mean over steps of perf/trained_tokens_per_s (the trainer's rate "
+                 "while training). Right: all trained tokens over the run's wall time. Points: mean over seeds, "
+                 "bars: min–max.", _png(fig))
+
+
+def staleness_histograms(groups: list[Group]) -> Panel | None:
+    """Per η, the fraction of trained samples at each staleness (``staleness/hist``, pooled over
+    the seeds and steps of each objective)."""
+    pooled: dict[int | str, dict[str, list[float]]] = defaultdict(dict)
+    for g in groups:
+        values = [v for run in g.runs for r in run.train for v in (r.get("staleness/hist") or [])]
+        if values:
+            pooled[g.eta if g.eta is not None else g.label][g.objective or g.label] = values
+    if not pooled:
+        return None
+    keys = sorted(pooled, key=lambda k: (isinstance(k, str), k if isinstance(k, int) else 0, str(k)))
+    cols = min(len(keys), 4)
+    nrows = -(-len(keys) // cols)
+    fig = Figure(layout="constrained", figsize=(3.6 * cols, 3.0 * nrows))
+    axes = fig.subplots(nrows, cols, squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        series = pooled[key]
+        edges = np.arange(int(max(max(v) for v in series.values())) + 2) - 0.5
+        width = 0.8 / len(series)
+        for i, (name, values) in enumerate(sorted(series.items())):
+            counts, _ = np.histogram(values, bins=edges)
+            ax.bar(edges[:-1] + 0.5 - 0.4 + width * (i + 0.5), counts / len(values), width=width, label=name)
+        ax.set_title(f"η = {key}" if isinstance(key, int) else str(key), fontsize=10)
+        ax.set_xticks(range(len(edges) - 1))
+        ax.set_xlabel("staleness (steps)")
+        ax.set_ylabel("fraction of samples")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    return Panel("Staleness histograms per η", "Fraction of trained samples by staleness = step − version that "
+                 "generated the sample's first token (staleness/hist), pooled over seeds and steps.", _png(fig))
+
+
+def diagnostics(groups: list[Group]) -> Panel | None:
+    """The off-policy diagnostics of ``DIAGNOSTICS`` against step (those any run logged)."""
+    present = [(k, t) for k, t in DIAGNOSTICS if any(run.values(k) for g in groups for run in g.runs)]
+    if not present:
+        return None
+    cols = min(len(present), 3)
+    nrows = -(-len(present) // cols)
+    fig = Figure(layout="constrained", figsize=(4.4 * cols, 3.3 * nrows))
+    axes = fig.subplots(nrows, cols, squeeze=False)
+    colors = _colors(groups)
+    for ax, (key, title) in zip(axes.flat, present):
+        _draw(ax, groups, colors, key, "step")
+        ax.set_title(f"{key}\n{title}", fontsize=9)
+    axes.flat[0].legend(fontsize=7)
+    for ax in list(axes.flat)[len(present):]:
+        ax.axis("off")
+    return Panel("Off-policy diagnostics vs step", "Per step (no smoothing); line: mean over seeds, band: "
+                 "min–max.", _png(fig))

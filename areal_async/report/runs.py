@@ -1,0 +1,176 @@
+"""One run directory read for a report: its training rows, evaluation rows and run clock.
+
+A run directory (``runs/<name>/``, or ``runs/<study>/<cell>/`` in a study) holds ``config.yaml``
+(the resolved config, written by the launcher) and ``metrics.jsonl`` (``areal_async/metrics.py``:
+one JSON object a line, each with ``step`` and ``time``, epoch seconds when it was written).
+Two kinds of row are in it:
+
+- a **training row**: step k's metrics (``train/*``, ``rollout/*``, ``staleness/*``, ``perf/*``,
+  ...), logged at the end of step k;
+- an **evaluation row**: only ``eval/*`` keys (``eval/pass@1``, ...), logged with ``step`` = the
+  evaluated policy version v (v = 0 before step 0 with ``eval.at_start``, v = k + 1 after step k
+  with ``eval.every_steps``, v = ``trainer.total_steps`` at the end). An evaluation row at step v
+  and the training row of step v are different rows: the evaluation measured the weights after v
+  steps, the training row is step v's batch.
+
+A resumed job appends to the same file; a step logged again after a resume from an earlier
+checkpoint appears twice. Here the **last** occurrence of each step wins (separately for training
+and evaluation rows), and rows are returned in step order, each step once.
+
+**Run clock.** ``clock_s`` of a row is seconds since the start of the run, with the downtime of
+resumes left out:
+
+- the start is the earlier of the first row's ``time`` and the start of the first training step
+  (its row's ``time`` minus its ``perf/step_s``), so step 0's own time is counted;
+- a **resume gap** is the interval between consecutive training rows k−1 and k (step order) that
+  a job stop and restart lies in. Detected: (a) certainly, where the file goes back in steps (the
+  row of step k is from a later job than step k−1's: a step re-run after a resume); (b) by
+  duration, where the interval is longer than step k's ``perf/step_s`` by more than
+  ``resume_gap_s`` (default ``RESUME_GAP_S``): the stopped job's lost steps, the downtime and the
+  new job's start-up. A resume faster than that is not detected (its start-up counts as run
+  time), and a checkpoint save slower than that would be taken for one. The excess over
+  ``perf/step_s`` of every detected gap is left out of the clock (from that row on) and counted
+  in ``resumes``; a row written inside a gap (a resumed job's first evaluation) is placed at the
+  gap's start.
+
+A truncated last line (a job killed while writing it) is skipped and noted; a bad line elsewhere
+is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import yaml
+
+RESUME_GAP_S = 60.0  # an interval this much longer than its step's perf/step_s is a stop and restart
+
+
+class ReportInputError(ValueError):
+    """A path given to the report is not a usable run or study directory (message names it and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMetrics:
+    """The rows of one run directory, each step once, in step order.
+
+    Attributes:
+        run_dir: the run directory.
+        train: training rows, ascending ``step``, one per step; each row has ``clock_s`` added.
+        evals: evaluation rows, ascending ``step`` (= evaluated version), one per version, with
+            ``clock_s`` added.
+        resumes: resume gaps detected (module doc), left out of the clock.
+        elapsed_s: seconds from the start (module doc) to the last row, resume gaps included.
+        wall_s: the same span on the run clock (resume gaps left out); 0.0 for no rows.
+        notes: what was skipped while reading (a truncated last line).
+    """
+
+    run_dir: pathlib.Path
+    train: list[dict]
+    evals: list[dict]
+    resumes: int
+    elapsed_s: float
+    wall_s: float
+    notes: list[str]
+
+    def values(self, key: str) -> list[tuple[int, float]]:
+        """``(step, value)`` of the training rows that hold ``key`` as a number."""
+        return [(r["step"], float(r[key])) for r in self.train if isinstance(r.get(key), (int, float))]
+
+
+def is_eval_row(row: dict) -> bool:
+    """An evaluation row: every key besides ``step`` and ``time`` is an ``eval/*`` key."""
+    keys = [k for k in row if k not in ("step", "time")]
+    return bool(keys) and all(k.startswith("eval/") for k in keys)
+
+
+def metrics_path(run_dir: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(run_dir) / "metrics.jsonl"
+
+
+def read_rows(path: pathlib.Path) -> tuple[list[dict], list[str]]:
+    """The rows of a ``metrics.jsonl`` in file order, and notes on what was skipped.
+
+    Raises:
+        ReportInputError: a line other than the last is not a JSON object with ``step`` and ``time``.
+    """
+    lines = path.read_text().splitlines()
+    rows, notes = [], []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int) \
+                    or not isinstance(row.get("time"), (int, float)):
+                raise ValueError("not an object with an integer 'step' and a number 'time'")
+        except ValueError as exc:
+            if i == len(lines) - 1:
+                notes.append(f"{path}: the last line ({i + 1}) is incomplete and was skipped (a job stopped "
+                             f"while writing it)")
+                continue
+            raise ReportInputError(f"{path}, line {i + 1}: {exc}; each line must be one metrics row as "
+                                   f"areal_async/metrics.py writes it (remove or repair that line)") from None
+        rows.append(row)
+    return rows, notes
+
+
+def read_run(run_dir: pathlib.Path, resume_gap_s: float = RESUME_GAP_S) -> RunMetrics:
+    """Read ``run_dir/metrics.jsonl`` (module doc: last occurrence wins, run clock, resume gaps).
+
+    Raises:
+        ReportInputError: no ``metrics.jsonl``, or it holds no row (nothing logged yet), or a bad line.
+    """
+    run_dir = pathlib.Path(run_dir)
+    path = metrics_path(run_dir)
+    if not path.is_file():
+        raise ReportInputError(f"{path} does not exist: {run_dir} has no metrics yet (a job writes a row at the "
+                               f"end of each step); run or resume the job (python -m launcher.local ...), or leave "
+                               f"{run_dir} out")
+    rows, notes = read_rows(path)
+    if not rows:
+        raise ReportInputError(f"{path} is empty: no step of {run_dir} was logged; run or resume the job "
+                               f"(python -m launcher.local ...), or leave {run_dir} out")
+    train: dict[int, tuple[int, dict]] = {}  # step → (file position, row): the last occurrence wins
+    evals: dict[int, tuple[int, dict]] = {}
+    for pos, row in enumerate(rows):
+        (evals if is_eval_row(row) else train)[row["step"]] = (pos, row)
+    steps = sorted(train)
+
+    # a training row whose step is not past the one before it in the file was written by a later job
+    training = [(pos, row["step"]) for pos, row in enumerate(rows) if not is_eval_row(row)]
+    later_job = {pos for (pos, step), (_, before) in zip(training[1:], training) if step <= before}
+    gaps: list[tuple[float, float]] = []  # resume gaps: (time they start at, seconds left out)
+    for prev, k in zip(steps, steps[1:]):
+        (p0, r0), (p1, r1) = train[prev], train[k]
+        excess = r1["time"] - r0["time"] - float(r1.get("perf/step_s", 0.0))
+        certain = any(p0 < q <= p1 for q in later_job)
+        if excess > 0 and (certain or excess > resume_gap_s):
+            gaps.append((r0["time"], excess))
+
+    first = train[steps[0]][1] if steps else None
+    start = min([r["time"] for r in rows] + ([first["time"] - float(first.get("perf/step_s", 0.0))] if first else []))
+
+    def clock(t: float) -> float:
+        # a row inside a gap (e.g. a resumed job's first evaluation) is placed at the gap's start
+        return t - start - sum(min(max(t - at, 0.0), excess) for at, excess in gaps)
+
+    end = max(r["time"] for r in rows)
+    out_train = [{**train[k][1], "clock_s": clock(train[k][1]["time"])} for k in steps]
+    out_evals = [{**evals[v][1], "clock_s": clock(evals[v][1]["time"])} for v in sorted(evals)]
+    return RunMetrics(run_dir, out_train, out_evals, len(gaps), end - start, clock(end), notes)
+
+
+def read_cell_config(run_dir: pathlib.Path) -> dict:
+    """``eta``, ``objective``, ``seed`` from ``run_dir/config.yaml`` (``queue.max_staleness``,
+    ``algo.decoupled`` → ``"decoupled"``/``"naive"``, ``seed``); a missing file or key gives ``None``."""
+    try:
+        cfg = yaml.safe_load((pathlib.Path(run_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        cfg = {}
+    decoupled = (cfg.get("algo") or {}).get("decoupled")
+    return {"eta": (cfg.get("queue") or {}).get("max_staleness"),
+            "objective": None if decoupled is None else ("decoupled" if decoupled else "naive"),
+            "seed": cfg.get("seed")}

@@ -1,0 +1,185 @@
+"""The study report: synthetic metrics.jsonl files with known values → summary.csv numbers, a
+self-contained report.html, and bad input named (exit status 2)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from areal_async.report import main, read_run, report_paths
+from areal_async.report.build import write_study_report
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _write_run(run_dir, rows, eta=1, decoupled=True, seed=1):
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"seed: {seed}\nqueue:\n  max_staleness: {eta}\nalgo:\n  decoupled: "
+                                         f"{'true' if decoupled else 'false'}\n")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def _train(step, time, correct, stale_mean, stale_max, tok_s, **extra):
+    return {"step": step, "time": time, "train/loss": 0.1, "rollout/reward": 10 * correct - 5,
+            "rollout/correct": correct, "staleness/mean": stale_mean, "staleness/max": stale_max,
+            "staleness/hist": [0.0, stale_max], "perf/step_s": 2.0, "perf/trained_tokens_per_s": tok_s,
+            "train/tokens": 100.0, "train/importance_weight": 1.0, "train/clip_ratio": 0.0, **extra}
+
+
+def _eval(version, time, pass1):
+    return {"step": version, "time": time, "eval/pass@1": pass1, "eval/version": version}
+
+
+def resumed_rows():
+    # An evaluation of version 0 at t=1000; steps 0..4 every 2 s (each step_s = 2) with an
+    # evaluation of version 3 between steps 3 and 4; the job stops; a job resumed from the
+    # checkpoint at step 3 logs version 3's evaluation again (t=1099), steps 3, 4, 5 (t=1100, 1102,
+    # 1104) and the evaluation at the end (version 6, t=1107). The first job's steps 3 and 4 and
+    # its version-3 evaluation carry values the report must not use (the last occurrence wins).
+    return [_eval(0, 1000.0, 0.25),
+            _train(0, 1004.0, 0.0, 0.0, 0.0, 50.0, **{"train/behav_kl": 0.5}),
+            _train(1, 1006.0, 0.25, 0.5, 1.0, 60.0),
+            _train(2, 1008.0, 0.5, 1.0, 2.0, 70.0, **{"train/behav_kl": 0.25}),
+            _train(3, 1010.0, 0.0, 9.0, 9.0, 1e6),  # superseded
+            _eval(3, 1010.5, 0.4),  # superseded
+            _train(4, 1012.0, 0.0, 9.0, 9.0, 1e6),  # superseded
+            _eval(3, 1099.0, 0.5),
+            _train(3, 1100.0, 0.75, 1.0, 1.0, 80.0),
+            _train(4, 1102.0, 1.0, 1.0, 2.0, 90.0),
+            _train(5, 1104.0, 1.0, 0.5, 1.0, 100.0),
+            _eval(6, 1107.0, 0.75)]
+
+
+def test_each_step_once_in_order_the_last_occurrence_wins_and_the_resume_gap_is_left_out(tmp_path):
+    run = read_run(_write_run(tmp_path / "a", resumed_rows()))
+    assert [r["step"] for r in run.train] == [0, 1, 2, 3, 4, 5]
+    assert [r["staleness/mean"] for r in run.train] == [0.0, 0.5, 1.0, 1.0, 1.0, 0.5]
+    assert [(r["step"], r["eval/pass@1"]) for r in run.evals] == [(0, 0.25), (3, 0.5), (6, 0.75)]
+    # start = min(first row 1000, step 0's start 1004 - 2) = 1000; the interval step 2 → step 3
+    # (1008 → 1100) is step 3's 2 s plus a 90 s gap, left out: the last row (1107) is at 107 - 90
+    assert (run.resumes, run.elapsed_s, run.wall_s) == (1, 107.0, 17.0)
+    assert [r["clock_s"] for r in run.train] == [4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
+    assert [r["clock_s"] for r in run.evals] == [0.0, 9.0, 17.0]
+    # the gap is found from the file going back in steps, whatever its length
+    assert read_run(tmp_path / "a", resume_gap_s=1e6).wall_s == 17.0
+
+
+def test_a_resume_without_repeated_steps_is_found_by_its_length(tmp_path):
+    # the resumed job dropped the stopped job's rows past its checkpoint: steps 0, 1 then 2, 3 after
+    # a 70 s stop; no step repeats, so only the interval's length shows the gap
+    rows = [_train(k, t, 0.5, 0.0, 0.0, 10.0) for k, t in ((0, 2.0), (1, 4.0), (2, 76.0), (3, 78.0))]
+    run_dir = _write_run(tmp_path / "b", rows)
+    assert (read_run(run_dir).resumes, read_run(run_dir).wall_s) == (1, 8.0)  # 78 - 0 - (72 - 2)
+    assert (read_run(run_dir, resume_gap_s=100).resumes, read_run(run_dir, resume_gap_s=100).wall_s) == (0, 78.0)
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_summary_csv_numbers(tmp_path):
+    a = _write_run(tmp_path / "a", resumed_rows())
+    b = _write_run(tmp_path / "b", [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 10.0, **{"rollout/multi_version_frac": f})
+                                    for k, f in ((0, 0.0), (1, 0.5), (2, 0.25))], eta=0, decoupled=False, seed=7)
+    files = report_paths([a, b], tmp_path / "out", threshold=0.6, window=2)
+    rows = _csv(files.csv)
+    assert [r["cell"] for r in rows] == ["a", "b"]
+    ra, rb = rows
+    assert (ra["eta"], ra["objective"], ra["seed"], ra["state"]) == ("1", "decoupled", "1", "")
+    assert (rb["eta"], rb["objective"], rb["seed"]) == ("0", "naive", "7")
+    assert (ra["steps"], ra["last_step"], ra["resumes"]) == ("6", "5", "1")
+    assert float(ra["elapsed_s"]) == 107.0 and float(ra["wall_s"]) == 17.0
+    assert float(ra["staleness_mean"]) == (0.0 + 0.5 + 1.0 + 1.0 + 1.0 + 0.5) / 6  # the first job's 9s unused
+    assert float(ra["staleness_max"]) == 2.0
+    assert float(ra["trained_tokens_per_s"]) == 75.0  # mean of 50, 60, ..., 100
+    assert float(ra["tokens_per_wall_s"]) == 600.0 / 17.0
+    assert float(ra["behav_kl_mean"]) == 0.375  # only the steps that logged it: (0.5 + 0.25) / 2
+    # correct 0, .25, .5, .75, 1, 1: 2-step means .125, .375, .625 → step 3 (clock 1100 - 1000 - 90)
+    assert (ra["threshold_step"], float(ra["wall_s_to_threshold"])) == ("3", 10.0)
+    assert float(ra["correct_last"]) == 1.0 and float(ra["reward_last"]) == 5.0
+    assert (ra["eval_first_version"], float(ra["eval_pass1_first"])) == ("0", 0.25)
+    assert (ra["eval_final_version"], float(ra["eval_pass1_final"])) == ("6", 0.75)
+    assert ra["multi_version_frac_mean"] == "" and float(rb["multi_version_frac_mean"]) == 0.25
+    assert rb["threshold_step"] == "" and rb["wall_s_to_threshold"] == ""  # 0.5 < 0.6 throughout
+    assert rb["eval_pass1_final"] == "" and rb["resumes"] == "0"
+    assert float(rb["wall_s"]) == 6.0  # step 0 starts at 10 - 2, the last row is at 14
+
+
+def test_report_html_is_self_contained(tmp_path):
+    a = _write_run(tmp_path / "a", resumed_rows())
+    files = report_paths([a], None)
+    assert files.html == a / "report.html" and files.csv == a / "summary.csv"
+    html = files.html.read_text()
+    # reward and correct vs step and vs wall time, eval, throughput, staleness, diagnostics
+    assert html.count('<img src="data:image/png;base64,') == 6
+    assert "http://" not in html and "https://" not in html and "<script" not in html
+
+
+def test_a_study_lists_a_cell_without_metrics_as_missing(tmp_path, capsys):
+    root = tmp_path / "st"
+    _write_run(root / "eta1-decoupled-s1", resumed_rows())
+    (root / "eta1-naive-s1").mkdir(parents=True)  # failed before its first step: no metrics
+    cells = [{"name": n, "eta": 1, "objective": o, "seed": 1, "state": s, "error": None}
+             for n, o, s in (("eta1-decoupled-s1", "decoupled", "finished"), ("eta1-naive-s1", "naive", "failed"))]
+    (root / "study.json").write_text(json.dumps({"name": "st", "config": "c.yaml", "overrides": [], "total_steps": 6,
+                                                 "etas": [1], "objectives": ["decoupled", "naive"], "seeds": [1],
+                                                 "cells": cells}))
+    assert main([str(root)]) == 0
+    assert "[report] 2 run(s), 1 without metrics" in capsys.readouterr().out
+    rows = _csv(root / "summary.csv")
+    assert [(r["cell"], r["state"], r["steps"]) for r in rows] == [("eta1-decoupled-s1", "finished", "6"),
+                                                                   ("eta1-naive-s1", "missing", "")]
+    assert (rows[1]["eta"], rows[1]["objective"]) == ("1", "naive")
+    html = (root / "report.html").read_text()
+    assert "Cells without metrics" in html and f"{root / 'eta1-naive-s1' / 'metrics.jsonl'} does not exist" in html
+    assert write_study_report(root).rows[0]["staleness_mean"] == (0.0 + 0.5 + 1.0 + 1.0 + 1.0 + 0.5) / 6
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: (p / "r").mkdir() or (p / "r" / "config.yaml").write_text("seed: 1\n"),
+     "r/metrics.jsonl does not exist: {p}/r has no metrics yet"),
+    (lambda p: (p / "r").mkdir() or (p / "r" / "metrics.jsonl").write_text(""), "r/metrics.jsonl is empty"),
+    (lambda p: None, "r does not exist: give a run directory (runs/<name>, with metrics.jsonl) or a study"),
+    (lambda p: (p / "r").mkdir(), "r holds neither study.json nor metrics.jsonl / config.yaml"),
+    (lambda p: (p / "r").mkdir() or (p / "r" / "metrics.jsonl").write_text('{"step": 0, "time": 1}\n{"step"\n{}\n'),
+     "r/metrics.jsonl, line 2:"),
+])
+def test_bad_input_is_named_with_exit_status_2(tmp_path, capsys, make, words):
+    make(tmp_path)
+    assert main([str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("[report] error: ") and words.format(p=tmp_path) in err, err
+
+
+def test_bad_options_are_named(tmp_path, capsys):
+    a = _write_run(tmp_path / "a", resumed_rows())
+    b = _write_run(tmp_path / "b", resumed_rows())
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st" / "study.json").write_text(json.dumps({"cells": []}))
+    for argv, words in (([str(a), "--threshold", "1.5"], "threshold 1.5: rollout/correct is a fraction"),
+                        ([str(a), "--window", "0"], "window 0: the trailing mean needs at least 1 step"),
+                        ([str(a), str(b)], "2 run directories and no --out: give --out DIR"),
+                        ([str(tmp_path / "st"), str(a)], "is a study directory: give it alone")):
+        assert main(argv) == 2
+        assert words in capsys.readouterr().err
+
+
+def test_a_truncated_last_line_is_skipped_and_noted(tmp_path):
+    run_dir = _write_run(tmp_path / "a", resumed_rows())
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "ti')
+    run = read_run(run_dir)
+    assert [r["step"] for r in run.train] == [0, 1, 2, 3, 4, 5] and "the last line (13) is incomplete" in run.notes[0]
+
+
+def test_the_script_runs_as_a_script(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "report.py"), str(tmp_path / "nothing")],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and "nothing does not exist" in proc.stderr, proc.stderr
