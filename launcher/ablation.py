@@ -36,8 +36,11 @@ updated as it ends); the fields:
   directory under the study), ``eta``, ``objective``, ``seed``, ``state`` (``pending`` | ``finished``
   | ``failed``) and ``error`` (the failed launcher's exit status and error line, else ``null``).
 
-The cells' ``metrics.jsonl`` (``areal_async/metrics.py``) hold everything measured; a report reads
-``study.json`` for the grid and each cell's metrics from its directory.
+The cells' ``metrics.jsonl`` (``areal_async/metrics.py``) hold everything measured. At the end of
+every invocation (also when cells failed; not when interrupted) the study's report is written:
+``<run_root>/<study>/summary.csv`` (a row per cell) and ``report.html`` (``areal_async/report``; a
+cell without metrics is listed as missing). ``python tools/report.py <run_root>/<study>`` writes it
+again, e.g. with another ``--threshold``.
 """
 
 from __future__ import annotations
@@ -287,7 +290,21 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, total: int) ->
               file=sys.stderr, flush=True)
     done = sum(c["state"] == "finished" for c in study["cells"])
     print(f"[ablation] {done}/{len(grid)} cells finished, {len(failed)} failed; study in {root}", flush=True)
+    write_report(root)
     return 1 if failed else 0
+
+
+def write_report(root: pathlib.Path) -> None:
+    """The study's ``summary.csv`` and ``report.html`` (``areal_async/report``); a report that cannot
+    be written is said, and does not change the study's exit status."""
+    from areal_async.report import ReportInputError, write_study_report  # matplotlib: only when reporting
+
+    try:
+        files = write_study_report(root)
+    except (ReportInputError, OSError) as exc:
+        print(f"[ablation] no report: {exc}", file=sys.stderr, flush=True)
+        return
+    print(f"[ablation] report: {files.html} (table: {files.csv})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -9,6 +10,28 @@ import pytest
 import launcher.ablation
 from launcher.ablation import cell_state, main
 from tests.test_launcher import TINY_JOB_CONFIG as CONFIG, tiny_job_overrides
+
+
+def _check_report(root, names, missing=()):
+    # summary.csv has a row per cell, in run order, agreeing with each cell's metrics.jsonl; a
+    # cell without metrics is a row marked missing; report.html embeds its figures
+    with open(root / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["cell"] for r in rows] == names
+    for row in rows:
+        if row["cell"] in missing:
+            assert (row["state"], row["steps"], row["staleness_mean"]) == ("missing", "", ""), row
+            continue
+        train = [json.loads(x) for x in (root / row["cell"] / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in train if "train/loss" in r]
+        assert row["state"] == "finished" and int(row["steps"]) == len(train) == 2
+        assert float(row["staleness_mean"]) == sum(r["staleness/mean"] for r in train) / 2
+        assert float(row["staleness_max"]) == max(r["staleness/max"] for r in train)
+        assert float(row["trained_tokens_per_s"]) == sum(r["perf/trained_tokens_per_s"] for r in train) / 2
+        assert int(row["eta"]) == int(row["cell"][3]) and row["objective"] in row["cell"]
+    html = (root / "report.html").read_text()
+    assert '<img src="data:image/png;base64,' in html and "http://" not in html
+    assert all(name in html for name in names)
 
 
 def _study(tmp_path, model_dir, *extra) -> list[str]:
@@ -19,8 +42,9 @@ def _study(tmp_path, model_dir, *extra) -> list[str]:
 def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_model_dir, monkeypatch, capsys):
     # 2 η × 2 objectives, 2 steps each, side by side. First run: cell eta2-naive-s1 is made to fail
     # (a bad override given to it alone: its launcher refuses it, so the test costs three jobs, not
-    # four); it is reported with its error and last lines, the other three finish, exit 1. Second
-    # run: the three are skipped, the failed one runs and finishes, exit 0. Third run: all four skipped.
+    # four); it is reported with its error and last lines, the other three finish, exit 1, and the
+    # report lists it as missing. Second run: the three are skipped, the failed one runs and
+    # finishes, exit 0, the report has all four. Third run: all four skipped.
     real = launcher.ablation.cell_overrides
 
     def one_bad(eta, objective, seed, study, root):
@@ -36,6 +60,8 @@ def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_mode
     assert "3/4 cells finished, 1 failed" in out
     root = tmp_path / "s"
     names = ["eta0-decoupled-s1", "eta0-naive-s1", "eta2-decoupled-s1", "eta2-naive-s1"]
+    assert f"[ablation] report: {root / 'report.html'} (table: {root / 'summary.csv'})" in out
+    _check_report(root, names, missing=["eta2-naive-s1"])
     study = json.loads((root / "study.json").read_text())
     assert [c["name"] for c in study["cells"]] == names
     assert [c["state"] for c in study["cells"]] == ["finished"] * 3 + ["failed"]
@@ -58,6 +84,7 @@ def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_mode
     out, _ = capsys.readouterr()
     assert "3 finished before, 1 to run" in out and "eta2-naive-s1: started (new)" in out, out
     assert [c["state"] for c in json.loads((root / "study.json").read_text())["cells"]] == ["finished"] * 4
+    _check_report(root, names)
     assert main(_study(tmp_path, tiny_model_dir)) == 0
     out, _ = capsys.readouterr()
     assert "4 finished before, 0 to run" in out and "started" not in out, out
