@@ -1,22 +1,25 @@
-"""A staleness ablation study in one command: the grid η × objective × interruption × seed, one
-whole job per cell.
+"""A staleness ablation study in one command: the grid η × objective × seed, one whole job per cell.
 
     python -m launcher.ablation CONFIG --etas 0,1,2,4,8 [--objectives decoupled,naive] [--seeds 1,2,3]
         [--interrupt on,off] [--name STUDY] [--parallel N] [override ...]
 
 Each cell is ``python -m launcher.local CONFIG OVERRIDES name=<cell> run_root=<run_root>/<study>
 queue.max_staleness=η algo.decoupled=<objective == decoupled> seed=<seed>
-rollout.interrupt_on_update=<interrupt == on> logging.wandb_group=<study>
-logging.wandb_tags=[eta=η, objective=<objective>, seed=<seed>(, interrupt=off)]``
+rollout.interrupt_on_update=<interrupt == on>
+logging.wandb_group=<study> logging.wandb_tags=[eta=η, objective=<objective>, seed=<seed>]``
 (``launcher/jobs.py``), so every cell has the same config, data and, per seed, the same prompt
-order and sampling seeds; only η, the objective and whether weight updates interrupt the
-generations in flight (``--interrupt``, default ``on`` only: docs/design.md) differ within a seed.
-The run directory of cell ``eta2-naive-s1`` is ``<run_root>/<study>/eta2-naive-s1/`` (``run_root``
-from the config, ``runs`` by default; ``STUDY`` defaults to ``<config name>-ablation``) and its
-console output ``<run_root>/<study>/eta2-naive-s1.out``; a cell without interruption has the suffix
-``-nointerrupt`` (``eta2-naive-s1-nointerrupt``). Cells run in the order seed, η, objective,
-interruption (a seed's comparisons complete first), one at a time or ``--parallel N`` side by side (every job's ports are
+order and sampling seeds; only η and the objective differ within a seed. The run directory of
+cell ``eta2-naive-s1`` is ``<run_root>/<study>/eta2-naive-s1/`` (``run_root`` from the config,
+``runs`` by default; ``STUDY`` defaults to ``<config name>-ablation``) and its console output
+``<run_root>/<study>/eta2-naive-s1.out``. Cells run in the order seed, η, objective (a seed's
+comparisons complete first), one at a time or ``--parallel N`` side by side (every job's ports are
 chosen at start, ``launcher/ports.py``; on one GPU, N jobs must fit its memory together).
+
+``--interrupt on,off`` (default ``on``) adds the axis "does a weight update interrupt the
+generations in flight" (``rollout.interrupt_on_update``, docs/design.md): a cell with ``off`` has
+the name suffix ``-nointerrupt`` (``eta2-naive-s1-nointerrupt``) and the extra tag
+``interrupt=off``, and runs right after its ``on`` twin; cells with ``on`` keep the names and tags
+of a study without the axis.
 
 Resumable: run the same command again. A finished cell (a ``metrics.jsonl`` row for step
 ``trainer.total_steps - 1`` and a checkpoint at ``trainer.total_steps``) is skipped; a started one
