@@ -33,6 +33,10 @@ from one version and the send takes as long as the longest generation in flight.
 lock per call, so the requests held behind one bucket would run on half-updated weights before the
 next: without interruption, ``DistributedWeightSender`` sends the whole model as one bucket (one
 full copy of the weights in ``send_dtype`` on rank 0's device and in the servers' receive buffers).
+The embedded server receives the broadcast while its requests finish; SGLang joins it only once it
+holds the lock, so there the longest generation in flight must end within the weight group's
+collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
+``inference.request_timeout_s``.
 
 Under FSDP2 every trainer rank takes part in gathering the full tensors (one all-gather per
 parameter, ``parallel.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
