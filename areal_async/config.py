@@ -92,6 +92,12 @@ class RolloutConfig(_Cfg):
     top_p: float = 1.0
     top_k: int = -1
     max_groups_in_flight: PosInt = 8
+    # at a weight update, interrupt the generations in flight (AReaL's interruptible generation: the
+    # servers pause with abort, partial outputs are resubmitted, a sample's tokens may span versions);
+    # false: the update waits until they finish under the old weights and new requests wait for it
+    # (SGLang's update without a pause): one version per sample, and the update waits for the
+    # longest generation (trainer/weight_sync.py). mode: deterministic has none in flight then.
+    interrupt_on_update: bool = True
 
 
 class QueueConfig(_Cfg):

@@ -1,10 +1,11 @@
 """A staleness ablation study in one command: the grid η × objective × seed, one whole job per cell.
 
     python -m launcher.ablation CONFIG --etas 0,1,2,4,8 [--objectives decoupled,naive] [--seeds 1,2,3]
-        [--name STUDY] [--parallel N] [override ...]
+        [--interrupt on,off] [--name STUDY] [--parallel N] [override ...]
 
 Each cell is ``python -m launcher.local CONFIG OVERRIDES name=<cell> run_root=<run_root>/<study>
 queue.max_staleness=η algo.decoupled=<objective == decoupled> seed=<seed>
+rollout.interrupt_on_update=<interrupt == on>
 logging.wandb_group=<study> logging.wandb_tags=[eta=η, objective=<objective>, seed=<seed>]``
 (``launcher/jobs.py``), so every cell has the same config, data and, per seed, the same prompt
 order and sampling seeds; only η and the objective differ within a seed. The run directory of
@@ -13,6 +14,12 @@ cell ``eta2-naive-s1`` is ``<run_root>/<study>/eta2-naive-s1/`` (``run_root`` fr
 ``<run_root>/<study>/eta2-naive-s1.out``. Cells run in the order seed, η, objective (a seed's
 comparisons complete first), one at a time or ``--parallel N`` side by side (every job's ports are
 chosen at start, ``launcher/ports.py``; on one GPU, N jobs must fit its memory together).
+
+``--interrupt on,off`` (default ``on``) adds the axis "does a weight update interrupt the
+generations in flight" (``rollout.interrupt_on_update``, docs/design.md): a cell with ``off`` has
+the name suffix ``-nointerrupt`` (``eta2-naive-s1-nointerrupt``) and the extra tag
+``interrupt=off``, and runs right after its ``on`` twin; cells with ``on`` keep the names and tags
+of a study without the axis.
 
 Resumable: run the same command again. A finished cell (a ``metrics.jsonl`` row for step
 ``trainer.total_steps - 1`` and a checkpoint at ``trainer.total_steps``) is skipped; a started one
@@ -29,12 +36,15 @@ updated as it ends); the fields:
 
 - ``name``: the study name; ``config``: the CONFIG path as given; ``overrides``: the overrides
   given to every cell, in order; ``total_steps``: ``trainer.total_steps`` of every cell;
-- ``etas`` (ints), ``objectives`` (``"decoupled"`` | ``"naive"``), ``seeds`` (ints): the grid, in the
-  order given; ``config``, ``overrides``, ``etas``, ``objectives`` and ``seeds`` are the study's
-  identity: running a study name again with other values is an error;
-- ``cells``: one per cell, in run order: ``name`` (``eta<η>-<objective>-s<seed>``, also its
-  directory under the study), ``eta``, ``objective``, ``seed``, ``state`` (``pending`` | ``finished``
-  | ``failed``) and ``error`` (the failed launcher's exit status and error line, else ``null``).
+- ``etas`` (ints), ``objectives`` (``"decoupled"`` | ``"naive"``), ``seeds`` (ints), ``interrupts``
+  (``"on"`` | ``"off"``): the grid, in the order given; ``config``, ``overrides``, ``etas``,
+  ``objectives``, ``seeds`` and ``interrupts`` are the study's identity: running a study name again
+  with other values is an error (a study.json without ``interrupts`` was written before the axis
+  existed and reads as ``["on"]``);
+- ``cells``: one per cell, in run order: ``name`` (``eta<η>-<objective>-s<seed>``, then
+  ``-nointerrupt`` for ``off``; also its directory under the study), ``eta``, ``objective``,
+  ``seed``, ``interrupt``, ``state`` (``pending`` | ``finished`` | ``failed``) and ``error`` (the
+  failed launcher's exit status and error line, else ``null``).
 
 The cells' ``metrics.jsonl`` (``areal_async/metrics.py``) hold everything measured. At the end of
 every invocation (also when cells failed; not when interrupted) the study's report is written:
@@ -60,13 +70,17 @@ from launcher.local import interrupt_on_signals
 
 OBJECTIVES = {"decoupled": True, "naive": False}  # objective → algo.decoupled
 # set by the study for each cell: an override of one of these would make the cells not a grid
-GRID_KEYS = ("name", "queue.max_staleness", "algo.decoupled", "seed", "logging.wandb_group",
-             "logging.wandb_tags")
-IDENTITY = ("config", "overrides", "etas", "objectives", "seeds")
+GRID_KEYS = ("name", "queue.max_staleness", "algo.decoupled", "seed", "rollout.interrupt_on_update",
+             "logging.wandb_group", "logging.wandb_tags")
+INTERRUPTS = {"on": True, "off": False}  # --interrupt → rollout.interrupt_on_update
+IDENTITY = ("config", "overrides", "etas", "objectives", "seeds", "interrupts")
+IDENTITY_DEFAULTS = {"interrupts": ["on"]}  # of a study.json written before the key existed
 
 
-def cell_name(eta: int, objective: str, seed: int) -> str:
-    return f"eta{eta}-{objective}-s{seed}"
+def cell_name(eta: int, objective: str, seed: int, interrupt: str = "on") -> str:
+    """``eta<η>-<objective>-s<seed>``, with ``-nointerrupt`` only off the default (the names of
+    studies without the axis stay)."""
+    return f"eta{eta}-{objective}-s{seed}" + ("" if INTERRUPTS[interrupt] else "-nointerrupt")
 
 
 def parse_ints(flag: str, text: str, what: str) -> list[int]:
@@ -103,11 +117,27 @@ def parse_objectives(text: str) -> list[str]:
     return names
 
 
-def cell_overrides(eta: int, objective: str, seed: int, study: str, root: pathlib.Path) -> list[str]:
+def parse_interrupts(text: str) -> list[str]:
+    """``"on,off"`` → ``["on", "off"]``; raises ``ValueError`` naming an unknown or repeated value."""
+    values = []
+    for item in text.split(","):
+        value = item.strip()
+        if value not in INTERRUPTS:
+            raise ValueError(f"--interrupt {text}: {value!r} is not on or off; give on (weight updates "
+                             f"interrupt the generations in flight), off (they wait for them) or on,off")
+        if value in values:
+            raise ValueError(f"--interrupt {text}: {value!r} is given twice; give each value once")
+        values.append(value)
+    return values
+
+
+def cell_overrides(eta: int, objective: str, seed: int, study: str, root: pathlib.Path,
+                   interrupt: str = "on") -> list[str]:
     """The overrides that make a cell of the grid (after the study's own overrides)."""
-    tags = [f"eta={eta}", f"objective={objective}", f"seed={seed}"]
-    return [f"name={cell_name(eta, objective, seed)}", f"run_root={root}", f"queue.max_staleness={eta}",
+    tags = [f"eta={eta}", f"objective={objective}", f"seed={seed}"] + ([] if INTERRUPTS[interrupt] else ["interrupt=off"])
+    return [f"name={cell_name(eta, objective, seed, interrupt)}", f"run_root={root}", f"queue.max_staleness={eta}",
             f"algo.decoupled={'true' if OBJECTIVES[objective] else 'false'}", f"seed={seed}",
+            f"rollout.interrupt_on_update={'true' if INTERRUPTS[interrupt] else 'false'}",
             f"logging.wandb_group={json.dumps(study)}", f"logging.wandb_tags={json.dumps(tags)}"]
 
 
@@ -134,8 +164,9 @@ def cell_state(run_dir: pathlib.Path, total_steps: int) -> tuple[str, int]:
 
 
 def _identity_text(study: dict) -> str:
-    return (f"etas {study['etas']}, objectives {study['objectives']}, seeds {study['seeds']}, config "
-            f"{study['config']}, overrides {study['overrides']}")
+    interrupts = study.get("interrupts", IDENTITY_DEFAULTS["interrupts"])
+    return (f"etas {study['etas']}, objectives {study['objectives']}, seeds {study['seeds']}, interrupt "
+            f"{interrupts}, config {study['config']}, overrides {study['overrides']}")
 
 
 def open_study(root: pathlib.Path, study: dict) -> dict:
@@ -144,7 +175,7 @@ def open_study(root: pathlib.Path, study: dict) -> dict:
     path = root / "study.json"
     if path.exists():
         old = json.loads(path.read_text())
-        if any(old.get(k) != study[k] for k in IDENTITY):
+        if any(old.get(k, IDENTITY_DEFAULTS.get(k)) != study[k] for k in IDENTITY):
             raise ValueError(f"study '{study['name']}' in {root} was run with {_identity_text(old)}; this "
                              f"command gives {_identity_text(study)}. Give a new study name (--name ...) for "
                              f"this grid, or the same grid to continue that study")
@@ -208,24 +239,26 @@ class StudyProgress:
 def run_study(args: argparse.Namespace) -> int:
     etas = parse_ints("--etas", args.etas, "η")
     objectives = parse_objectives(args.objectives)
+    interrupts = parse_interrupts(args.interrupt)
     cfg = load_config(args.config, args.overrides)  # a bad override fails here, before any cell
     seeds = parse_ints("--seeds", args.seeds, "seed") if args.seeds else [cfg.seed]
     given = {o.partition("=")[0].strip() for o in args.overrides}
     for key in GRID_KEYS:
         if key in given:
             raise ValueError(f"override {key}=...: the study sets {key} for each cell; leave it out "
-                             f"(η: --etas, objective: --objectives, seed: --seeds, study name: --name)")
+                             f"(η: --etas, objective: --objectives, seed: --seeds, interruption: "
+                             f"--interrupt, study name: --name)")
     if args.parallel < 1:
         raise ValueError(f"--parallel {args.parallel}: at least one cell must run at a time; give 1 or more")
     name = args.name or f"{cfg.name}-ablation"
     load_config(None, [f"name={json.dumps(name)}"])  # the same rule as a run name: ValueError naming it
     root = pathlib.Path(cfg.run_root) / name
     total = cfg.trainer.total_steps
-    grid = [(e, o, s) for s in seeds for e in etas for o in objectives]
+    grid = [(e, o, s, i) for s in seeds for e in etas for o in objectives for i in interrupts]
     study = {"name": name, "config": args.config, "overrides": list(args.overrides), "total_steps": total,
-             "etas": etas, "objectives": objectives, "seeds": seeds,
-             "cells": [{"name": cell_name(e, o, s), "eta": e, "objective": o, "seed": s, "state": "pending",
-                        "error": None} for e, o, s in grid]}
+             "etas": etas, "objectives": objectives, "seeds": seeds, "interrupts": interrupts,
+             "cells": [{"name": cell_name(e, o, s, i), "eta": e, "objective": o, "seed": s, "interrupt": i,
+                        "state": "pending", "error": None} for e, o, s, i in grid]}
     root.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as held:  # one process per study: two would run the same cells
         try:
@@ -240,20 +273,21 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, total: int) ->
     study = open_study(root, study)
     cells = {c["name"]: c for c in study["cells"]}
     jobs, skipped, how = [], 0, {}
-    for eta, objective, seed in grid:
-        name = cell_name(eta, objective, seed)
+    for eta, objective, seed, interrupt in grid:
+        name = cell_name(eta, objective, seed, interrupt)
         state, step = cell_state(root / name, total)
         if state == "finished":
             skipped += 1
             cells[name].update(state="finished", error=None)
             continue
         flags = {"resumable": ["--resume"], "broken": ["--overwrite"], "new": []}[state]
-        overrides = [*args.overrides, *cell_overrides(eta, objective, seed, study["name"], root)]
+        overrides = [*args.overrides, *cell_overrides(eta, objective, seed, study["name"], root, interrupt)]
         job = Job(name, local_argv(args.config, overrides, flags), root / f"{name}.out")
         how[name] = {"resumable": f"resumed at step {step}", "broken": "again from scratch", "new": "new"}[state]
         jobs.append(job)
     write_study(root, study)
-    grid_text = f"η {study['etas']} × {study['objectives']} × seeds {study['seeds']}"
+    grid_text = f"η {study['etas']} × {study['objectives']} × seeds {study['seeds']}" + (
+        f" × interrupt {study['interrupts']}" if study["interrupts"] != IDENTITY_DEFAULTS["interrupts"] else "")
     progress = StudyProgress(study["name"], len(grid), skipped, bar=progress_mode() == "bar")
     progress.say(f"[ablation] study '{study['name']}' in {root}: {grid_text} = {len(grid)} cells, {skipped} "
                  f"finished before, {len(jobs)} to run, {args.parallel} at a time")
@@ -310,13 +344,15 @@ def write_report(root: pathlib.Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.ablation", description=__doc__,
                                      usage="%(prog)s [-h] config --etas ETAS [--objectives ...] [--seeds ...] "
-                                           "[--name STUDY] [--parallel N] [overrides ...]",
+                                           "[--interrupt on,off] [--name STUDY] [--parallel N] [overrides ...]",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every cell, e.g. trainer.total_steps=40")
     parser.add_argument("--etas", required=True, help="max staleness values η, e.g. 0,1,2,4,8")
     parser.add_argument("--objectives", default="decoupled,naive", help="decoupled, naive or both (default)")
     parser.add_argument("--seeds", default="", help="run seeds, e.g. 1,2,3 (default: the config's seed)")
+    parser.add_argument("--interrupt", default="on", help="on (weight updates interrupt the generations in "
+                        "flight, the default), off (they wait for them: rollout.interrupt_on_update=false) or on,off")
     parser.add_argument("--name", default="", help="study name: its directory under run_root "
                                                    "(default: <config name>-ablation)")
     parser.add_argument("--parallel", type=int, default=1, help="cells run side by side (default 1)")

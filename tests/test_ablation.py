@@ -47,9 +47,9 @@ def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_mode
     # finishes, exit 0, the report has all four. Third run: all four skipped.
     real = launcher.ablation.cell_overrides
 
-    def one_bad(eta, objective, seed, study, root):
+    def one_bad(eta, objective, seed, study, root, *interrupt):
         bad = ["trainer.lr=-1"] if (eta, objective) == (2, "naive") else []
-        return real(eta, objective, seed, study, root) + bad
+        return real(eta, objective, seed, study, root, *interrupt) + bad
 
     monkeypatch.setattr(launcher.ablation, "cell_overrides", one_bad)
     assert main(_study(tmp_path, tiny_model_dir)) == 1
@@ -115,6 +115,9 @@ def test_cell_states(tmp_path):
     (["--etas", "0", "queue.max_staleness=3"], "override queue.max_staleness=...: the study sets"),
     (["--etas", "0", "--parallel", "0"], "--parallel 0: at least one cell"),
     (["--etas", "0", "trainer.lrr=1"], "unknown config key 'trainer.lrr'"),
+    (["--etas", "0", "--interrupt", "on,maybe"], "--interrupt on,maybe: 'maybe' is not on or off"),
+    (["--etas", "0", "--interrupt", "off,off"], "--interrupt off,off: 'off' is given twice"),
+    (["--etas", "0", "rollout.interrupt_on_update=false"], "override rollout.interrupt_on_update=...: the study sets"),
 ])
 def test_bad_input_is_named_and_starts_nothing(tmp_path, capsys, flags, words):
     assert main([CONFIG, f"run_root={tmp_path}", *flags]) == 2
@@ -157,3 +160,46 @@ def test_a_broken_cell_runs_again_from_scratch_and_one_with_a_checkpoint_resumes
             "seed=1", 'logging.wandb_group="b"',
             'logging.wandb_tags=["eta=1", "objective=naive", "seed=1"]'} <= set(argv)
     assert "eta1-naive-s1: started (resumed at step 3)" in capsys.readouterr().out
+
+
+def test_the_interruption_axis_names_only_its_non_default_cells(tmp_path, monkeypatch, capsys):
+    started = {}
+
+    def record(jobs, *args, **kwargs):
+        started.update({job.name: job.argv for job in jobs})
+        return True
+
+    monkeypatch.setattr(launcher.ablation, "run_jobs", record)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0,2", "--objectives", "naive", "--interrupt", "on,off",
+                 "--name", "i"]) == 0
+    assert "× interrupt ['on', 'off'] = 4 cells" in capsys.readouterr().out
+    study = json.loads((tmp_path / "i" / "study.json").read_text())
+    names = ["eta0-naive-s1", "eta0-naive-s1-nointerrupt", "eta2-naive-s1", "eta2-naive-s1-nointerrupt"]
+    assert [c["name"] for c in study["cells"]] == names and list(started) == names
+    assert [c["interrupt"] for c in study["cells"]] == ["on", "off"] * 2 and study["interrupts"] == ["on", "off"]
+    assert {"name=eta2-naive-s1", "rollout.interrupt_on_update=true",
+            'logging.wandb_tags=["eta=2", "objective=naive", "seed=1"]'} <= set(started["eta2-naive-s1"])
+    assert {"name=eta2-naive-s1-nointerrupt", "rollout.interrupt_on_update=false", "queue.max_staleness=2",
+            'logging.wandb_tags=["eta=2", "objective=naive", "seed=1", "interrupt=off"]'} <= set(
+                started["eta2-naive-s1-nointerrupt"])
+
+
+def test_the_interruption_axis_is_part_of_a_studys_identity(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launcher.ablation, "run_jobs", lambda jobs, *a, **k: True)  # nothing runs
+    study = [CONFIG, f"run_root={tmp_path}", "--etas", "0", "--name", "g"]
+    assert main(study) == 0
+    path = tmp_path / "g" / "study.json"
+    assert json.loads(path.read_text())["interrupts"] == ["on"]
+    capsys.readouterr()
+    assert main([*study, "--interrupt", "on,off"]) == 2
+    err = capsys.readouterr().err
+    assert "interrupt ['on']" in err and "interrupt ['on', 'off']" in err and "Give a new study name" in err
+    # a study.json written before the axis existed has no "interrupts": it is the default grid
+    old = json.loads(path.read_text())
+    del old["interrupts"]
+    for cell in old["cells"]:
+        del cell["interrupt"]
+    path.write_text(json.dumps(old))
+    assert main(study) == 0 and json.loads(path.read_text())["interrupts"] == ["on"]
+    path.write_text(json.dumps(old))
+    assert main([*study, "--interrupt", "off"]) == 2

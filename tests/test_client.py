@@ -169,6 +169,42 @@ def test_interrupted_generation_resumes_and_reproduces_the_uninterrupted_output(
     assert 5 <= split < 60 and interrupted.versions == [0] * split + [1] * (60 - split)
 
 
+def test_an_update_without_a_pause_waits_for_the_generation_in_flight(tiny_model_dir, tmp_path):
+    # rollout.interrupt_on_update=false: no /pause_generation, so the update waits (SGLang's
+    # model-update lock) for the generation in flight, which ends under version 0, and holds the
+    # one arriving meanwhile until version 1 is live (compare the pause test above, whose tokens
+    # span versions)
+    from tests.test_server import perturbed
+
+    prompt = prompt_ids(tiny_model_dir)
+    sampling = {"max_new_tokens": 60, "temperature": 1.0, "sampling_seed": 21, "ignore_eos": True}
+    later_sampling = {**sampling, "max_new_tokens": 8}
+    perturbed(tiny_model_dir, seed=3).save_pretrained(tmp_path / "new")
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            async with InferenceClient([api.url]) as client:
+                plain = await client.generate(prompt, sampling, "plain")
+                old_later = await client.generate(prompt, later_sampling, "old-later")
+                task = asyncio.create_task(client.generate(prompt, sampling, "in-flight"))
+                for _ in range(5):
+                    await engine.next_step()
+                update = asyncio.create_task(client.update_weights_from_disk(0, str(tmp_path / "new"), 1))
+                while not (engine._updates_waiting or update.done()):  # the call reached the engine
+                    await asyncio.sleep(0.005)
+                later = asyncio.create_task(client.generate(prompt, later_sampling, "later"))
+                while not (engine._held or later.done()):  # it reached the engine and was held back
+                    await asyncio.sleep(0.005)
+                in_flight = await task
+                return plain, old_later, in_flight, await update, await later
+
+    plain, old_later, in_flight, update, later = asyncio.run(main())
+    assert update["success"], update
+    assert in_flight.versions == [0] * 60 and in_flight.output_ids == plain.output_ids
+    assert torch.allclose(torch.tensor(in_flight.logprobs), torch.tensor(plain.logprobs), atol=1e-5)
+    assert later.versions == [1] * 8 and later.logprobs != old_later.logprobs  # the new weights
+
+
 def test_caller_abort_ends_with_abort(tiny_model_dir):
     prompt = prompt_ids(tiny_model_dir)
 

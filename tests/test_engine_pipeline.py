@@ -217,10 +217,14 @@ def test_weight_update_drains_the_pipeline_and_versions_follow_the_weights(tiny_
         a = asyncio.create_task(engine.generate(PROMPTS["a"], params(12, 1), "a"))
         b = asyncio.create_task(engine.generate(PROMPTS["b"], params(3, 2), "b"))
         await asyncio.wait_for(trace.entered.wait(), 10)
-        update = asyncio.create_task(engine.update_weights(lambda: {}, 7))
-        await until(lambda: engine._drain_requests)  # the update has its tensors, waits for the drain
+        # paused in place, the swap happens between two steps (SGLang's update of a paused server);
+        # the pause waits for the drain, the update then finds it drained
+        pause = asyncio.create_task(engine.pause("in_place"))
+        await until(lambda: engine._drain_requests)
         trace.release.set()
-        await update
+        await pause
+        await engine.update_weights(lambda: {}, 7)
+        engine.resume()
         done = await asyncio.gather(a, b)
         await stop(task)
         return seen, done, trace
@@ -232,6 +236,68 @@ def test_weight_update_drains_the_pipeline_and_versions_follow_the_weights(tiny_
     assert in_flight is None and commits == 4 and forward_calls == 4
     assert b.weight_version == 0 and len(b.output_ids) == 3  # its last token came from version 0
     assert a.weight_version == 7 and len(a.output_ids) == 12  # resumed after the swap
+
+
+def perturbed_tensors(model_dir) -> dict[str, torch.Tensor]:
+    """The tiny model's parameters moved by N(0, 0.3²): other tokens than the original's."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    return {n: p.detach() + 0.3 * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+
+
+def test_an_unpaused_update_waits_for_running_requests_and_holds_new_ones(tiny_model_dir):
+    # SGLang's model-update lock: "a" (running when the update is called) ends under the old
+    # weights, "b" (arriving while the update waits) is held and runs under the new ones. Each is
+    # compared with a run alone under one set of weights (deterministic mode: exact), so a token
+    # from the other weights fails the test.
+    new = perturbed_tensors(tiny_model_dir)
+
+    async def main():
+        engine = make_engine(tiny_model_dir)
+        task = await started(engine)
+        old_a = await engine.generate(PROMPTS["a"], params(12, 1), "a")
+        old_b = await engine.generate(PROMPTS["b"], params(6, 2), "b")
+        seen = []
+        load = engine.forward.load_weights
+
+        def traced_load(tensors):
+            seen.append((len(engine._unfinished()), engine.num_running))
+            return load(tensors)
+
+        engine.forward.load_weights = traced_load
+        a = asyncio.create_task(engine.generate(PROMPTS["a"], params(12, 1), "a"))
+        for _ in range(3):
+            await engine.next_step()
+        loop, receiving = asyncio.get_running_loop(), asyncio.Event()
+
+        def receive():  # on the update's daemon thread, as a broadcast or a disk read
+            loop.call_soon_threadsafe(receiving.set)
+            return new
+
+        update = asyncio.create_task(engine.update_weights(receive, 7))
+        await asyncio.wait_for(receiving.wait(), 10)  # the update is under way ("a" has 9 tokens to go)
+        b = asyncio.create_task(engine.generate(PROMPTS["b"], params(6, 2), "b"))
+        await until(lambda: engine._held or b.done())  # held back, not queued for the next step
+        held_while_a_ran = not a.done() and not update.done()
+        a_done = await a
+        await update
+        b_done = await b
+        await stop(task)
+        fresh = make_engine(tiny_model_dir)
+        await asyncio.get_running_loop().run_in_executor(None, fresh.forward.load_weights, new)
+        task = await started(fresh)
+        new_b = await fresh.generate(PROMPTS["b"], params(6, 2), "b")
+        await stop(task)
+        return old_a, old_b, new_b, a_done, b_done, seen, held_while_a_ran
+
+    old_a, old_b, new_b, a, b, seen, held_while_a_ran = asyncio.run(main())
+    assert seen == [(1, 0)]  # at the swap: "a" finished, "b" the one unfinished request, holding no slot
+    assert a.weight_version == 0 and (a.output_ids, a.logprobs) == (old_a.output_ids, old_a.logprobs)
+    assert b.weight_version == 7 and (b.output_ids, b.logprobs) == (new_b.output_ids, new_b.logprobs)
+    assert new_b.output_ids != old_b.output_ids  # the new weights do change the tokens
+    assert held_while_a_ran
 
 
 def test_in_place_pause_drains_and_resume_continues_exactly(tiny_model_dir):

@@ -33,6 +33,22 @@ def test_batch_metrics_hand_values():
     assert m["rollout/reward"] == 0.0 and m["rollout/correct"] == 0.5
     assert m["rollout/response_len"] == 6 / 4 and m["rollout/tokens_per_s"] == 3.0
     assert m["rollout/no_eos_ratio"] == 0.25
+    assert m["rollout/multi_version_frac"] == 0.25  # only [1, 2] spans two versions
+
+
+def test_multi_version_frac_counts_samples_whose_tokens_span_versions():
+    # 5 samples: [4, 4, 4] one version; [3, 4] two; [2, 3, 3, 4] three (two interruptions);
+    # [5] one; [] none (an empty response spans nothing). 2 of 5 span versions → 0.4.
+    trajs = [
+        Trajectory(group_id=0, prompt_ids=Array.of([1], "int32"), data_index=0,
+                   samples=[_sample(0, [4, 4, 4], 0.0), _sample(1, [3, 4], 0.0), _sample(2, [2, 3, 3, 4], 0.0)]),
+        Trajectory(group_id=1, prompt_ids=Array.of([1], "int32"), data_index=1,
+                   samples=[_sample(0, [5], 0.0), _sample(1, [], 0.0)]),
+    ]
+    assert batch_metrics(trajs, step=5, step_s=1.0)["rollout/multi_version_frac"] == 0.4
+    one_version = [Trajectory(group_id=0, prompt_ids=Array.of([1], "int32"), data_index=0,
+                              samples=[_sample(0, [2, 2], 0.0), _sample(1, [3], 0.0)])]
+    assert batch_metrics(one_version, step=3, step_s=1.0)["rollout/multi_version_frac"] == 0.0
 
 
 def test_timer_and_perf_metrics():

@@ -166,6 +166,38 @@ def test_disk_sender_writes_loadable_checkpoint(tiny_model_dir, tmp_path):
     assert (tmp_path / "weights" / "v2" / "tokenizer_config.json").exists()
 
 
+@pytest.mark.parametrize("interrupt", [True, False])
+def test_distributed_sender_without_interruption_sends_one_bucket_unpaused(tiny_model_dir, interrupt):
+    # without a pause each server call waits for the generations in flight on its own (SGLang's
+    # model-update lock), so a second bucket would let requests held behind the first run on
+    # half-updated weights: the whole model goes in one call (the group's broadcast is left out)
+    policy = _policy(tiny_model_dir)
+    client = DiskClient()
+    sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", 0, 64 * 1024, torch.float32,
+                                     torch.device("cpu"), interrupt_on_update=interrupt)
+    buckets = []
+
+    async def record(bucket, version):
+        buckets.append(([name for name, _ in bucket], version))
+
+    sender._send_bucket = record
+    asyncio.run(sender.send(3))
+    names = [name for name, _ in policy.lm.named_parameters()]
+    assert [n for b, _ in buckets for n in b] == names and {v for _, v in buckets} == {3}
+    assert (len(buckets) > 1 if interrupt else len(buckets) == 1), [len(b) for b, _ in buckets]  # 64 KiB buckets
+    assert client.calls == (["pause", "resume"] if interrupt else [])
+
+
+@pytest.mark.parametrize("interrupt", [True, False])
+def test_disk_sender_pauses_only_to_interrupt(tiny_model_dir, tmp_path, interrupt):
+    client = DiskClient()
+    sender = DiskWeightSender(_policy(tiny_model_dir), client, 2, str(tiny_model_dir), tmp_path / "weights",
+                              torch.bfloat16, interrupt_on_update=interrupt)
+    asyncio.run(sender.send(1))
+    assert [(s, v) for s, _, v in client.disk_updates] == [(0, 1), (1, 1)]
+    assert client.calls == (["pause", "resume"] if interrupt else [])
+
+
 def test_disk_sender_writes_send_dtype_bitwise(tiny_model_dir, tmp_path):
     policy = _policy(tiny_model_dir)
     client = DiskClient()

@@ -35,7 +35,10 @@ their scalars as SGLang's schemas do, ``"29612"`` as a port: ``weight_requests``
 strings (a batch, one per prompt), never one an unfinished request holds; ``weight_version`` an
 integer below 2**63 (SGLang sends it as a string, ``"3"``) that never goes back: a version behind
 the server's is refused before any tensor is read or received (the current one is accepted: each
-bucket of a distributed update carries it). A generation whose
+bucket of a distributed update carries it). A weight update of a server that is not paused waits as
+SGLang's does (its model-update lock): the requests unfinished when it arrives end under the old
+weights, requests arriving meanwhile wait and run under the new ones; a paused server swaps at once
+(``Engine.update_weights``). A generation whose
 log-probs are not all finite (broken weights) is HTTP 500 with that body, naming the rid and the
 weight version, whether or not log-probs were asked for; ``/health_generate`` is then 503.
 

@@ -138,13 +138,15 @@ class Services:
 
 
 def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torch.device) -> WeightSender:
-    """The ``trainer.weight_sync`` implementation, sending in the servers' dtype (``model.dtype``)."""
+    """The ``trainer.weight_sync`` implementation, sending in the servers' dtype (``model.dtype``),
+    interrupting the generations in flight or waiting for them (``rollout.interrupt_on_update``)."""
     n, dtype = cfg.inference.num_servers, _DTYPES[cfg.model.dtype]
+    interrupt = cfg.rollout.interrupt_on_update
     if cfg.trainer.weight_sync == "disk":
-        return DiskWeightSender(policy, client, n, cfg.model.path, run_dir / "weights", dtype)
+        return DiskWeightSender(policy, client, n, cfg.model.path, run_dir / "weights", dtype, interrupt)
     address = os.environ.get("MASTER_ADDR", "127.0.0.1")
     return DistributedWeightSender(policy, client, n, address, cfg.trainer.weight_sync_port,
-                                   cfg.trainer.weight_bucket_bytes, dtype, device)
+                                   cfg.trainer.weight_bucket_bytes, dtype, device, interrupt)
 
 
 @contextlib.asynccontextmanager

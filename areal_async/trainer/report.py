@@ -40,13 +40,17 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
     ``rollout/reward`` is the mean scaled reward; ``correct`` the verifier's accept rate;
     ``response_len`` mean output tokens; ``no_eos_ratio`` the fraction of responses that did not
     end with a stop token; ``tokens_per_s`` the batch's output tokens over the step's wall time
-    (in steady state, the generation rate that kept up with training). Staleness of a sample is
-    ``step - version(sample)``; ``staleness/hist`` lists them (one per sample).
+    (in steady state, the generation rate that kept up with training); ``multi_version_frac``
+    the fraction of samples whose tokens span more than one policy version (generations
+    interrupted by a weight update and resumed under the next; 0 with
+    ``rollout.interrupt_on_update=false``). Staleness of a sample is ``step - version(sample)``;
+    ``staleness/hist`` lists them (one per sample).
     """
     samples = [(t, s) for t in trajs for s in t.samples]
     n = max(len(samples), 1)
     lengths = [s.output_ids.shape[0] for _, s in samples]
-    staleness = [step - sample_version(t, s.versions.tolist()) for t, s in samples]
+    versions = [s.versions.tolist() for _, s in samples]
+    staleness = [step - sample_version(t, v) for (t, _), v in zip(samples, versions)]
     return {
         "rollout/reward": sum(s.reward for _, s in samples) / n,
         "rollout/correct": sum(s.correct for _, s in samples) / n,
@@ -54,6 +58,7 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
         "rollout/no_eos_ratio": sum(s.finish_reason != "stop" for _, s in samples) / n,
         "rollout/reward_errors": float(sum(s.reward_error for _, s in samples)),
         "rollout/tokens_per_s": sum(lengths) / max(step_s, 1e-9),
+        "rollout/multi_version_frac": sum(len(set(v)) > 1 for v in versions) / n,
         "staleness/mean": sum(staleness) / n,
         "staleness/max": float(max(staleness, default=0)),
         "staleness/hist": [float(x) for x in staleness],

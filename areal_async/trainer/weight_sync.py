@@ -23,6 +23,21 @@
   files go under the run directory. On the 2-core CPU machine, end to end with a real server
   (``tools/bench_weight_sync.py --sync disk``): 1.24–1.44 s against 1.74 s.
 
+``rollout.interrupt_on_update`` (``interrupt_on_update``) picks what an update does to the
+generations in flight. ``True`` (AReaL's interruptible generation): the pause above, in mode
+``abort``; their partial outputs come back, the client resubmits them, and their tokens span
+versions. ``False``: no pause; each server's update call waits until the requests in flight when
+it arrived have finished under the old weights, and requests arriving meanwhile wait for the new
+ones (SGLang 0.5.23's model-update lock, which the embedded server copies), so every sample comes
+from one version and the send takes as long as the longest generation in flight. SGLang takes that
+lock per call, so the requests held behind one bucket would run on half-updated weights before the
+next: without interruption, ``DistributedWeightSender`` sends the whole model as one bucket (one
+full copy of the weights in ``send_dtype`` on rank 0's device and in the servers' receive buffers).
+The embedded server receives the broadcast while its requests finish; SGLang joins it only once it
+holds the lock, so there the longest generation in flight must end within the weight group's
+collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
+``inference.request_timeout_s``.
+
 Under FSDP2 every trainer rank takes part in gathering the full tensors (one all-gather per
 parameter, ``parallel.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
 ``send_dtype`` (the servers' dtype, so no bytes are wasted on precision they drop).
@@ -32,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import pathlib
 import shutil
 from typing import Protocol
@@ -74,17 +90,21 @@ class DistributedWeightSender:
         client: ``InferenceClient`` (rank 0; ``None`` on other ranks) with ``num_servers`` URLs.
         num_servers: number of inference servers (each is one rank of the group).
         master_address, master_port: where rank 0 hosts the group's rendezvous (``TCPStore``).
-        bucket_bytes: most bytes of tensors per ``/update_weights_from_distributed`` call.
+        bucket_bytes: most bytes of tensors per ``/update_weights_from_distributed`` call (with
+            interruption; without, the whole model is one call, see the module docstring).
         send_dtype: dtype of the broadcast tensors.
         device: the trainer's device (decides gloo vs NCCL).
+        interrupt_on_update: pause the servers (mode ``abort``) around the update; ``False``: let
+            the update wait for the generations in flight (module docstring).
     """
 
     def __init__(self, policy, client, num_servers: int, master_address: str, master_port: int,
-                 bucket_bytes: int, send_dtype: torch.dtype, device: torch.device):
+                 bucket_bytes: int, send_dtype: torch.dtype, device: torch.device, interrupt_on_update: bool = True):
         assert bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}"
         self.policy, self.client, self.num_servers = policy, client, num_servers
         self.master_address, self.master_port = master_address, master_port
         self.bucket_bytes, self.send_dtype, self.device = bucket_bytes, send_dtype, device
+        self.interrupt_on_update = interrupt_on_update
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.group = None
 
@@ -103,8 +123,12 @@ class DistributedWeightSender:
             group, joins, f"a server refused to join the weight group at {self.master_address}:{self.master_port}")
 
     async def send(self, version: int) -> None:
-        if _rank() == 0:
+        interrupt = self.interrupt_on_update
+        if interrupt and _rank() == 0:
             await self.client.pause()
+        # without a pause, each call waits for the servers' requests in flight on its own, and those
+        # held behind one bucket would run before the next: one call for the whole model
+        bucket_bytes = self.bucket_bytes if interrupt else math.inf
         try:
             bucket: list[tuple[str, torch.Tensor]] = []
             size = 0
@@ -112,7 +136,7 @@ class DistributedWeightSender:
                 if full is None:  # not rank 0: took part in the gather, nothing to send
                     continue
                 tensor = full.to(self.send_dtype).contiguous()
-                if bucket and size + tensor.numel() * tensor.element_size() > self.bucket_bytes:
+                if bucket and size + tensor.numel() * tensor.element_size() > bucket_bytes:
                     await self._send_bucket(bucket, version)
                     bucket, size = [], 0
                 bucket.append((name, tensor))
@@ -120,7 +144,7 @@ class DistributedWeightSender:
             if bucket:
                 await self._send_bucket(bucket, version)
         finally:
-            if _rank() == 0:
+            if interrupt and _rank() == 0:
                 await self.client.resume()
 
     async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -165,11 +189,14 @@ class DiskWeightSender:
         weights_dir: where ``v{version}/`` directories are written (``RUN_DIR/weights``); must
             be readable by the servers.
         save_dtype: dtype of the written floating-point weights (the servers').
+        interrupt_on_update: pause the servers (mode ``abort``) around the load; ``False``: each
+            server's load waits for its generations in flight (module docstring).
     """
 
     def __init__(self, policy, client, num_servers: int, base_model_path: str, weights_dir: pathlib.Path,
-                 save_dtype: torch.dtype):
+                 save_dtype: torch.dtype, interrupt_on_update: bool = True):
         self.policy, self.client, self.num_servers = policy, client, num_servers
+        self.interrupt_on_update = interrupt_on_update
         self.base_model_path, self.weights_dir, self.save_dtype = base_model_path, pathlib.Path(weights_dir), save_dtype
         self._metadata: dict[str, bytes] | None = None  # config and tokenizer files, rendered once
         self._previous: pathlib.Path | None = None
@@ -191,12 +218,14 @@ class DiskWeightSender:
         if self._metadata is None:
             self._metadata = hf_metadata_files(self.base_model_path, self.save_dtype)
         path = await asyncio.to_thread(write_hf_directory, self.weights_dir / f"v{version}", tensors, self._metadata)
-        await self.client.pause()
+        if self.interrupt_on_update:
+            await self.client.pause()
         try:
             await asyncio.gather(*(self.client.update_weights_from_disk(i, str(path.resolve()), version)
                                    for i in range(self.num_servers)))
         finally:
-            await self.client.resume()
+            if self.interrupt_on_update:
+                await self.client.resume()
         if self._previous is not None and self._previous != path:
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = path
