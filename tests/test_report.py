@@ -11,16 +11,18 @@ import sys
 
 import pytest
 
-from areal_async.report import main, read_run, report_paths
-from areal_async.report.build import write_study_report
+from areal_async.report import main, plots, read_run, report_paths
+from areal_async.report.build import run_cell, study_cells, write_study_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _write_run(run_dir, rows, eta=1, decoupled=True, seed=1):
+def _write_run(run_dir, rows, eta=1, decoupled=True, seed=1, interrupt=None):
+    """``interrupt``: ``rollout.interrupt_on_update`` written as true/false, or left out (``None``)."""
     run_dir.mkdir(parents=True)
+    rollout = "" if interrupt is None else f"rollout:\n  interrupt_on_update: {'true' if interrupt else 'false'}\n"
     (run_dir / "config.yaml").write_text(f"seed: {seed}\nqueue:\n  max_staleness: {eta}\nalgo:\n  decoupled: "
-                                         f"{'true' if decoupled else 'false'}\n")
+                                         f"{'true' if decoupled else 'false'}\n{rollout}")
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
 
@@ -137,7 +139,10 @@ def test_a_study_lists_a_cell_without_metrics_as_missing(tmp_path, capsys):
     assert [(r["cell"], r["state"], r["steps"]) for r in rows] == [("eta1-decoupled-s1", "finished", "6"),
                                                                    ("eta1-naive-s1", "missing", "")]
     assert (rows[1]["eta"], rows[1]["objective"]) == ("1", "naive")
+    # written before the interruption axis (no "interrupts"): every cell ran with interruption on
+    assert [r["interrupt"] for r in rows] == ["on", "on"]
     html = (root / "report.html").read_text()
+    assert "Interruption on vs off" not in html and html.count('<img src="data:image/png;base64,') == 6
     assert "Cells without metrics" in html and f"{root / 'eta1-naive-s1' / 'metrics.jsonl'} does not exist" in html
     assert write_study_report(root).rows[0]["staleness_mean"] == (0.0 + 0.5 + 1.0 + 1.0 + 1.0 + 0.5) / 6
 
@@ -183,3 +188,66 @@ def test_the_script_runs_as_a_script(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "report.py"), str(tmp_path / "nothing")],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and "nothing does not exist" in proc.stderr, proc.stderr
+
+
+def _study(root, cells, **keys):
+    """A study.json of ``cells`` (name, eta, objective, seed, interrupt or None for no key), state finished."""
+    records = [{"name": n, "eta": e, "objective": o, "seed": sd, "state": "finished", "error": None,
+                **({} if i is None else {"interrupt": i})} for n, e, o, sd, i in cells]
+    (root / "study.json").write_text(json.dumps({"name": root.name, "config": "c.yaml", "overrides": [],
+                                                 "total_steps": 3, "etas": sorted({c[1] for c in cells}),
+                                                 "objectives": ["decoupled"], "seeds": [1], "cells": records,
+                                                 **keys}))
+
+
+def _steps(frac, tok_s):
+    return [_train(k, 10.0 + 2 * k, 0.5, 1.0, 2.0, tok_s, **{"rollout/multi_version_frac": frac}) for k in range(3)]
+
+
+def test_a_study_with_interruption_on_and_off_has_the_column_and_apart_groups(tmp_path):
+    root = tmp_path / "st"
+    names = ("eta1-decoupled-s1", "eta1-decoupled-s1-nointerrupt", "eta2-decoupled-s1", "eta2-decoupled-s1-nointerrupt")
+    for name, frac in zip(names, (0.5, 0.0, 0.25, 0.0)):
+        _write_run(root / name, _steps(frac, 10.0))
+    # the cells' config.yaml files leave interrupt_on_update out: the column must come from study.json
+    _study(root, [(names[0], 1, "decoupled", 1, "on"), (names[1], 1, "decoupled", 1, "off"),
+                  (names[2], 2, "decoupled", 1, "on"), (names[3], 2, "decoupled", 1, "off")],
+           interrupts=["on", "off"])
+    assert main([str(root)]) == 0
+    with open(root / "summary.csv", newline="") as f:
+        header = next(csv.reader(f))
+    assert header[header.index("objective") + 1] == "interrupt"
+    rows = _csv(root / "summary.csv")
+    assert [(r["cell"], r["interrupt"]) for r in rows] == list(zip(names, ("on", "off", "on", "off")))
+    assert [float(r["multi_version_frac_mean"]) for r in rows] == [0.5, 0.0, 0.25, 0.0]
+    _, cells = study_cells(root)
+    groups = plots.groups_of([(c, read_run(c.run_dir)) for c in cells])
+    assert [(g.label, g.interrupt, len(g.runs)) for g in groups] == [
+        ("η=1 decoupled", "on", 1), ("η=1 decoupled, no interruption", "off", 1),
+        ("η=2 decoupled", "on", 1), ("η=2 decoupled, no interruption", "off", 1)]
+    html = (root / "report.html").read_text()
+    # the figures of runs without evaluation rows (reward and correct vs step and vs wall time,
+    # throughput, staleness, diagnostics) and the on-vs-off panel
+    assert "Interruption on vs off" in html and html.count('<img src="data:image/png;base64,') == 6
+    assert "× interruption [&#39;on&#39;, &#39;off&#39;]" in html
+
+
+def test_a_run_directory_reads_interruption_from_its_config(tmp_path):
+    on = _write_run(tmp_path / "on", _steps(0.5, 10.0))  # no rollout.interrupt_on_update: the default, on
+    off = _write_run(tmp_path / "off", _steps(0.0, 10.0), interrupt=False)
+    explicit = _write_run(tmp_path / "explicit", _steps(0.5, 10.0), interrupt=True)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text((on / "metrics.jsonl").read_text())  # no config.yaml: unknown
+    assert [run_cell(p).interrupt for p in (on, off, explicit, bare)] == ["on", "off", "on", None]
+    rows = _csv(report_paths([on, off, explicit, bare], tmp_path / "out").csv)
+    assert [(r["cell"], r["interrupt"]) for r in rows] == [("on", "on"), ("off", "off"), ("explicit", "on"),
+                                                            ("bare", "")]
+    # the two on runs are one group (seeds of one grid point), the off run its own; the run of
+    # unknown grid point is named after itself
+    groups = plots.groups_of([(run_cell(p), read_run(p)) for p in (on, off, explicit, bare)])
+    assert [(g.label, len(g.runs)) for g in groups] == [("η=1 decoupled", 2), ("η=1 decoupled, no interruption", 1),
+                                                        ("bare", 1)]
+    # all runs with interruption on: no label says anything of it
+    same = plots.groups_of([(run_cell(p), read_run(p)) for p in (on, explicit)])
+    assert [g.label for g in same] == ["η=1 decoupled"]

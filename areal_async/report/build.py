@@ -5,16 +5,18 @@
         [--threshold X] [--window N] [--resume-gap-s S]
 
 A **study directory** holds ``study.json`` (``launcher/ablation.py``); its cells are its run
-directories ``<study>/<cell>/`` with η, objective and seed from ``study.json``. A cell with no
-metrics (failed before its first step, or not run yet) is a row with blank numbers and state
-``missing``, and is listed with the reason in the report; it does not stop the report.
-``launcher.ablation`` writes this report at the end of every study invocation.
+directories ``<study>/<cell>/`` with η, objective, interruption (``interrupt``: on | off; ``on``
+for every cell of a ``study.json`` written before that axis, without ``interrupts``) and seed from
+``study.json``. A cell with no metrics (failed before its first step, or not run yet) is a row
+with blank numbers and state ``missing``, and is listed with the reason in the report; it does not
+stop the report. ``launcher.ablation`` writes this report at the end of every study invocation.
 
-A **run directory** holds ``config.yaml`` and/or ``metrics.jsonl``; η, objective and seed come from
-its ``config.yaml`` (``queue.max_staleness``, ``algo.decoupled``, ``seed``). A run directory given without metrics is
-an error (``ReportInputError``, exit status 2), as is a path that is neither kind, a study
-directory given together with other paths, several run directories without ``--out``, or a
-threshold outside [0, 1].
+A **run directory** holds ``config.yaml`` and/or ``metrics.jsonl``; η, objective, interruption and
+seed come from its ``config.yaml`` (``queue.max_staleness``, ``algo.decoupled``,
+``rollout.interrupt_on_update``, missing: on, its default; ``seed``). A run directory given
+without metrics is an error (``ReportInputError``, exit status 2), as is a path that is neither
+kind, a study directory given together with other paths, several run directories without
+``--out``, or a threshold outside [0, 1].
 
 How rows are read (each step once, the last occurrence of a step wins; evaluation rows; the run
 clock and resume gaps) is ``runs.py``; the columns are ``summary.COLUMNS``; the figures
@@ -66,8 +68,11 @@ def study_cells(root: pathlib.Path) -> tuple[dict, list[Cell]]:
     path = root / "study.json"
     try:
         study = json.loads(path.read_text())
-        cells = [Cell(c["name"], root / c["name"], c.get("eta"), c.get("objective"), c.get("seed"),
-                      c.get("state") or "") for c in study["cells"]]
+        # a study.json written before the interruption axis has no "interrupts": all its cells ran with it on
+        default = "on" if "interrupts" not in study else None
+        cells = [Cell(c["name"], root / c["name"], eta=c.get("eta"), objective=c.get("objective"),
+                      interrupt=c.get("interrupt", default), seed=c.get("seed"), state=c.get("state") or "")
+                 for c in study["cells"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise ReportInputError(f"{path} is not a study record ({exc!r}); it is written by python -m "
                                f"launcher.ablation: run the study again to rewrite it") from None
@@ -76,7 +81,8 @@ def study_cells(root: pathlib.Path) -> tuple[dict, list[Cell]]:
 
 def run_cell(run_dir: pathlib.Path) -> Cell:
     cfg = read_cell_config(run_dir)
-    return Cell(run_dir.name or str(run_dir), run_dir, cfg["eta"], cfg["objective"], cfg["seed"])
+    return Cell(run_dir.name or str(run_dir), run_dir, eta=cfg["eta"], objective=cfg["objective"],
+                interrupt=cfg["interrupt"], seed=cfg["seed"])
 
 
 def _fmt(value) -> str:
@@ -142,7 +148,7 @@ def write_report(cells: list[Cell], out: pathlib.Path, *, title: str, study: dic
     groups = plots.groups_of(read)
     panels = [p for p in (plots.learning_curves(groups, "step", window, threshold),
                           plots.learning_curves(groups, "wall", window, threshold),
-                          plots.eval_curves(groups), plots.throughput(rows),
+                          plots.eval_curves(groups), plots.throughput(rows), plots.interruption(rows),
                           plots.staleness_histograms(groups), plots.diagnostics(groups)) if p is not None]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     about = (f"{len(cells)} run(s), {len(missing)} without metrics; written {when} from each run's "

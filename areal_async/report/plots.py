@@ -1,12 +1,19 @@
-"""The report's figures: matplotlib PNGs of a set of runs, grouped by η and objective.
+"""The report's figures: matplotlib PNGs of a set of runs, grouped by η, objective and interruption.
 
-A **group** is the runs of one (η, objective), i.e. the seeds of one grid point; a run whose η or
-objective is unknown is a group of its own, named after it. A curve is the mean over the group's
-runs at each step that they logged, and the band around it spans their min to max (only the runs
-that logged that step count there). Colour stands for η, line style for the objective (solid
-decoupled, dashed naive). Reward and correct curves are trailing means over ``window`` steps (the
-threshold's window, ``summary.py``) taken per run before the mean over seeds; the other curves
-are per step. Against wall time, a step's x is the mean over seeds of its run clock (``runs.py``).
+A **group** is the runs of one (η, objective, interrupt), i.e. the seeds of one grid point; a run
+whose η or objective is unknown is a group of its own, named after it. A curve is the mean over
+the group's runs at each step that they logged, and the band around it spans their min to max
+(only the runs that logged that step count there). Colour stands for η, line style for the
+objective (solid decoupled, dashed naive). **Interruption** (``interrupt``, ``summary.Cell``) is
+shown only when the runs differ in it: then a group without interruption is labelled
+"η=2 decoupled, no interruption" and drawn with ``x`` markers and a lighter line, the
+throughput lines are per (objective, interrupt), and, when both on and off occur, one more panel
+sets ``multi_version_frac_mean`` and ``tokens_per_wall_s`` of the two side by side per η. When
+every run has the same interruption, the figures do not mention it.
+
+Reward and correct curves are trailing means over ``window`` steps (the threshold's window,
+``summary.py``) taken per run before the mean over seeds; the other curves are per step. Against
+wall time, a step's x is the mean over seeds of its run clock (``runs.py``).
 
 Each function returns a ``Panel`` (title, caption, PNG bytes), or ``None`` when no run holds the
 metrics it draws. Figures are ``matplotlib.figure.Figure`` objects rendered by the Agg canvas, not
@@ -27,6 +34,8 @@ from areal_async.report.runs import RunMetrics
 from areal_async.report.summary import Cell
 
 STYLES = {"decoupled": "-", "naive": "--"}
+OFF = {"marker": "x", "alpha": 0.6}  # how a group without interruption is drawn, when both occur
+NOTES = {"off": "no interruption", None: "interruption unknown"}  # label notes when interruption differs
 DIAGNOSTICS = [("train/importance_weight", "mean w = π_prox/π_behav after the cap"),
                ("train/behav_kl", "mean log π_prox − log π_behav (naive: θ − behav)"),
                ("train/clip_ratio", "share of tokens clipped"),
@@ -43,25 +52,43 @@ class Panel:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """The runs of one grid point (η, objective), or one run of unknown grid point."""
+    """The runs of one grid point (η, objective, interrupt), or one run of unknown grid point.
+
+    ``note`` is what the label adds about interruption ("no interruption"), ``""`` when the runs
+    do not differ in it (or the group is on).
+    """
 
     label: str
     eta: int | None
     objective: str | None
+    interrupt: str | None
     runs: list[RunMetrics]
+    note: str = ""
+
+
+def interruption_note(interrupt: str | None, values: set) -> str:
+    """The label's note on ``interrupt`` when the runs' interruption ``values`` differ, else ``""``."""
+    return NOTES.get(interrupt, "") if len(values) > 1 else ""
 
 
 def groups_of(runs: list[tuple[Cell, RunMetrics]]) -> list[Group]:
-    """Runs grouped by (η, objective), in order of η then objective; unknown ones last, by name."""
+    """Runs grouped by (η, objective, interrupt), in order of η, objective, then on before off;
+    unknown ones last, by name."""
     known: dict[tuple, list[RunMetrics]] = defaultdict(list)
     lone = []
+    values = {cell.interrupt for cell, _ in runs}
     for cell, run in runs:
         if cell.eta is None or cell.objective is None:
-            lone.append(Group(cell.name, None, None, [run]))
+            lone.append(Group(cell.name, None, None, cell.interrupt, [run], interruption_note(cell.interrupt, values)))
         else:
-            known[(cell.eta, cell.objective)].append(run)
-    order = sorted(known, key=lambda k: (k[0], list(STYLES).index(k[1]) if k[1] in STYLES else 9, k[1]))
-    return [Group(f"η={e} {o}", e, o, known[(e, o)]) for e, o in order] + sorted(lone, key=lambda g: g.label)
+            known[(cell.eta, cell.objective, cell.interrupt)].append(run)
+    order = sorted(known, key=lambda k: (k[0], list(STYLES).index(k[1]) if k[1] in STYLES else 9, k[1],
+                                         ["on", "off", None].index(k[2]) if k[2] in ("on", "off", None) else 9))
+    out = []
+    for e, o, i in order:
+        note = interruption_note(i, values)
+        out.append(Group(f"η={e} {o}" + (f", {note}" if note else ""), e, o, i, known[(e, o, i)], note))
+    return out + sorted(lone, key=lambda g: g.label)
 
 
 def _colors(groups: list[Group]) -> dict[str, tuple]:
@@ -107,9 +134,11 @@ def _draw(ax, groups, colors, key, xaxis, window=1, evals=False, marker=None) ->
         if not len(steps):
             continue
         x = steps if xaxis == "step" else clock / 60
-        ax.plot(x, m, STYLES.get(g.objective, "-"), color=colors[g.label], label=g.label, marker=marker, lw=1.6)
+        off = g.interrupt == "off" and bool(g.note)  # drawn apart only when interruption differs
+        style = {**OFF, "markevery": max(1, len(x) // 12)} if off else {"marker": marker}
+        ax.plot(x, m, STYLES.get(g.objective, "-"), color=colors[g.label], label=g.label, lw=1.6, **style)
         if len(g.runs) > 1:
-            ax.fill_between(x, lo, hi, color=colors[g.label], alpha=0.15, lw=0)
+            ax.fill_between(x, lo, hi, color=colors[g.label], alpha=0.08 if off else 0.15, lw=0)
         drew = True
     ax.set_xlabel("training step" if xaxis == "step" else "wall time (min, run clock)")
     ax.grid(alpha=0.3)
@@ -150,46 +179,81 @@ def eval_curves(groups: list[Group]) -> Panel | None:
                  "version; line: mean over seeds, band: min–max.", _png(fig))
 
 
-def throughput(rows: list[dict]) -> Panel | None:
-    """Trained tokens/s against η, one line per objective, from ``summary.summarize`` rows."""
+def _by_eta(rows: list[dict], columns: tuple[str, ...]) -> Figure | None:
+    """A figure with one axis per column of ``rows`` (``summary.summarize``) against η, one line per
+    objective (per (objective, interrupt) when the rows differ in interruption), points the mean
+    over seeds and bars min–max; ``None`` when no row holds any of the columns."""
     rows = [r for r in rows if r["eta"] is not None and r["objective"] is not None]
+    values = {r["interrupt"] for r in rows}
+    lines = sorted({(r["objective"], r["interrupt"]) for r in rows},
+                   key=lambda k: (k[0] not in STYLES, k[0], k[1] != "on", k[1] or ""))
+    objectives = list(dict.fromkeys(o for o, _ in lines))
     fig = Figure(layout="constrained", figsize=(12, 4.2))
-    axes = fig.subplots(1, 2)
+    axes = fig.subplots(1, len(columns))
     drew = False
-    for ax, column in zip(axes, ("trained_tokens_per_s", "tokens_per_wall_s")):
-        for objective in sorted({r["objective"] for r in rows}, key=lambda o: (o not in STYLES, o)):
+    for ax, column in zip(axes, columns):
+        for objective, interrupt in lines:
             by_eta = defaultdict(list)
             for r in rows:
-                if r["objective"] == objective and r[column] is not None:
+                if (r["objective"], r["interrupt"]) == (objective, interrupt) and r[column] is not None:
                     by_eta[r["eta"]].append(r[column])
             if not by_eta:
                 continue
             etas = sorted(by_eta)
             m = np.array([np.mean(by_eta[e]) for e in etas])
             err = np.array([[m[i] - min(by_eta[e]), max(by_eta[e]) - m[i]] for i, e in enumerate(etas)]).T
+            note = interruption_note(interrupt, values)
+            off = interrupt == "off" and bool(note)
+            # when interruption differs, an objective keeps one colour and off is told by marker and alpha
+            style = {"color": f"C{objectives.index(objective) % 10}"} if len(values) > 1 else {}
+            if off:
+                style["alpha"] = OFF["alpha"]
             ax.set_xticks(etas)
-            ax.errorbar(etas, m, yerr=err, fmt=STYLES.get(objective, "-") + "o", capsize=3, label=objective)
+            ax.errorbar(etas, m, yerr=err, fmt=STYLES.get(objective, "-") + ("x" if off else "o"), capsize=3,
+                        label=objective + (f", {note}" if note else ""), **style)
             drew = True
         ax.set_xlabel("η (max staleness)")
         ax.set_ylabel(column.replace("_", " "))
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    if not drew:
+    return fig if drew else None
+
+
+def throughput(rows: list[dict]) -> Panel | None:
+    """Trained tokens/s against η, one line per objective (and interruption, when the rows differ
+    in it), from ``summary.summarize`` rows."""
+    fig = _by_eta(rows, ("trained_tokens_per_s", "tokens_per_wall_s"))
+    if fig is None:
         return None
     return Panel("Throughput vs η", "Left: mean over steps of perf/trained_tokens_per_s (the trainer's rate "
                  "while training). Right: all trained tokens over the run's wall time. Points: mean over seeds, "
                  "bars: min–max.", _png(fig))
 
 
+def interruption(rows: list[dict]) -> Panel | None:
+    """With interruption on and off among ``rows``: ``multi_version_frac_mean`` and
+    ``tokens_per_wall_s`` against η, on vs off per objective; ``None`` otherwise."""
+    if not {"on", "off"} <= {r["interrupt"] for r in rows if r["eta"] is not None and r["objective"] is not None}:
+        return None
+    fig = _by_eta(rows, ("multi_version_frac_mean", "tokens_per_wall_s"))
+    if fig is None:
+        return None
+    return Panel("Interruption on vs off", "Left: mean over steps of rollout/multi_version_frac (samples whose "
+                 "tokens come from several policy versions: interrupted and resumed, so only with interruption "
+                 "on). Right: all trained tokens over the run's wall time (without interruption a weight update "
+                 "waits for the generations in flight). Points: mean over seeds, bars: min–max.", _png(fig))
+
+
 def staleness_histograms(groups: list[Group]) -> Panel | None:
     """Per η, the fraction of trained samples at each staleness (``staleness/hist``, pooled over
-    the seeds and steps of each objective)."""
+    the seeds and steps of each objective, and interruption when the groups differ in it)."""
     pooled: dict[int | str, dict[str, list[float]]] = defaultdict(dict)
     for g in groups:
         values = [v for run in g.runs for r in run.train for v in (r.get("staleness/hist") or [])]
         if values:
-            pooled[g.eta if g.eta is not None else g.label][g.objective or g.label] = values
+            name = (g.objective or g.label) + (f", {g.note}" if g.note and g.eta is not None else "")
+            pooled[g.eta if g.eta is not None else g.label][name] = values
     if not pooled:
         return None
     keys = sorted(pooled, key=lambda k: (isinstance(k, str), k if isinstance(k, int) else 0, str(k)))

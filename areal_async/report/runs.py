@@ -164,13 +164,21 @@ def read_run(run_dir: pathlib.Path, resume_gap_s: float = RESUME_GAP_S) -> RunMe
 
 
 def read_cell_config(run_dir: pathlib.Path) -> dict:
-    """``eta``, ``objective``, ``seed`` from ``run_dir/config.yaml`` (``queue.max_staleness``,
-    ``algo.decoupled`` → ``"decoupled"``/``"naive"``, ``seed``); a missing file or key gives ``None``."""
+    """``eta``, ``objective``, ``interrupt``, ``seed`` from ``run_dir/config.yaml``.
+
+    ``queue.max_staleness``; ``algo.decoupled`` → ``"decoupled"``/``"naive"``;
+    ``rollout.interrupt_on_update`` → ``"on"``/``"off"`` (a config without the key, written before
+    the switch existed, → ``"on"``, its default and the only behaviour then); ``seed``. A missing
+    or unreadable file gives ``None`` for all four, a missing key (or a non-boolean switch)
+    ``None`` for its value.
+    """
     try:
         cfg = yaml.safe_load((pathlib.Path(run_dir) / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
-        cfg = {}
+        return dict.fromkeys(("eta", "objective", "interrupt", "seed"))
     decoupled = (cfg.get("algo") or {}).get("decoupled")
+    interrupt = (cfg.get("rollout") or {}).get("interrupt_on_update", True)
     return {"eta": (cfg.get("queue") or {}).get("max_staleness"),
             "objective": None if decoupled is None else ("decoupled" if decoupled else "naive"),
+            "interrupt": {True: "on", False: "off"}.get(interrupt) if isinstance(interrupt, bool) else None,
             "seed": cfg.get("seed")}

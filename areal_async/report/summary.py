@@ -23,6 +23,8 @@ COLUMNS: dict[str, str] = {
     "cell": "cell name (study) or run directory name",
     "eta": "η = queue.max_staleness",
     "objective": "decoupled (decoupled PPO) or naive (algo.decoupled=false)",
+    "interrupt": "on: a weight update interrupts the generations in flight (rollout.interrupt_on_update, the "
+                 "default); off: it waits for them (cells named -nointerrupt); blank if unknown",
     "seed": "run seed",
     "state": "study.json state (finished | failed | pending), 'missing' when there are no metrics, blank for a "
              "run directory given alone",
@@ -68,14 +70,17 @@ MEANS = {"trained_tokens_per_s": "perf/trained_tokens_per_s", "step_s": "perf/st
 class Cell:
     """A run of the report: a study cell or a run directory given alone.
 
-    ``eta``/``objective``/``seed`` come from ``study.json``, else from the run's ``config.yaml``
-    (``None`` when neither has them); ``state`` is the study's cell state, ``""`` for a lone run.
+    ``eta``/``objective``/``interrupt``/``seed`` come from ``study.json``, else from the run's
+    ``config.yaml`` (``None`` when neither has them); ``interrupt`` is ``"on"`` (a weight update
+    interrupts the generations in flight, ``rollout.interrupt_on_update``) or ``"off"``; ``state``
+    is the study's cell state, ``""`` for a lone run.
     """
 
     name: str
     run_dir: pathlib.Path
     eta: int | None
     objective: str | None
+    interrupt: str | None
     seed: int | None
     state: str = ""
 
@@ -103,8 +108,8 @@ def first_crossing(run: RunMetrics, threshold: float, window: int) -> dict | Non
 def summarize(cell: Cell, run: RunMetrics | None, threshold: float, window: int) -> dict:
     """The ``COLUMNS`` of one run (``None`` for a blank value)."""
     row = dict.fromkeys(COLUMNS)
-    row.update(cell=cell.name, eta=cell.eta, objective=cell.objective, seed=cell.seed, threshold=threshold,
-               window=window, state="missing" if run is None else cell.state,
+    row.update(cell=cell.name, eta=cell.eta, objective=cell.objective, interrupt=cell.interrupt, seed=cell.seed,
+               threshold=threshold, window=window, state="missing" if run is None else cell.state,
                run_dir=str(cell.run_dir))
     if run is None:
         return row
