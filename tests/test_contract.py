@@ -70,7 +70,9 @@ def test_jitter_is_seeded_per_stream_and_off_by_default():
 def test_training_state_roundtrip(tmp_path):
     import torch
 
-    from areal_async.trainer.resume import load_training_state, read_step, save_training_state
+    import json
+
+    from areal_async.trainer.resume import load_training_state, read_elapsed, read_step, save_training_state
 
     def make():
         torch.manual_seed(0)
@@ -82,7 +84,8 @@ def test_training_state_roundtrip(tmp_path):
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     sched.step()
-    save_training_state(model, opt, sched, tmp_path, 3, _batch(1))
+    save_training_state(model, opt, sched, tmp_path, 3, _batch(1), elapsed_s=12.5)
+    assert read_elapsed(tmp_path) == 12.5  # a resumed run's perf/elapsed_s continues from it
     model2, opt2 = make()
     model2.load_state_dict(model.state_dict())
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda k: 1.0)
@@ -93,3 +96,5 @@ def test_training_state_roundtrip(tmp_path):
     assert restored == _batch(1)
     with pytest.raises(FileNotFoundError, match="no checkpoint with training state"):
         read_step(tmp_path / "nothing")
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 3}))  # written before elapsed_s was
+    assert read_elapsed(tmp_path) == 0.0

@@ -60,6 +60,8 @@ def test_versions_staleness_and_accounting(e2e_run):
     assert all(r["staleness/max"] <= 1 for r in steps)
     assert any(0 < r["rollout/correct"] < 1 for r in steps), "rewards were never mixed"
     assert any(r["train/grad_norm"] > 0 for r in steps)
+    elapsed = [r["perf/elapsed_s"] for r in steps]  # training wall time: the x-axis for wall-time panels
+    assert 0 < elapsed[0] < elapsed[1] < elapsed[2] <= steps[-1]["time"] - rows[0]["time"] + elapsed[0] + 1.0
     acct = json.loads((run_dir / "queue_accounting.json").read_text())
     assert acct["consumed"] == 3 * 2
     assert acct["leased"] == acct["consumed"] + acct["ready"] + acct["running"] + acct["rejected"]

@@ -30,6 +30,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 import traceback
 
 import msgspec
@@ -46,7 +47,7 @@ from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics, queue_metrics
 from areal_async.trainer.resume import (drop_superseded_rows, has_eval_row, load_training_state,
-                                        publish_checkpoint, save_training_state)
+                                        publish_checkpoint, read_elapsed, save_training_state)
 from areal_async.trainer.schedule import make_scheduler
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
@@ -179,7 +180,7 @@ async def next_batch(services: Services | None, step: int) -> list[Trajectory]:
 
 
 def save_checkpoint(cfg: Config, policy, optimizer, scheduler, run_dir: pathlib.Path, step: int,
-                    buffer: list[Trajectory]) -> None:
+                    buffer: list[Trajectory], elapsed_s: float = 0.0) -> None:
     """Collective: rank 0 writes ``RUN_DIR/checkpoint``: the fp32 master weights (HF directory),
     then the training state of ``step`` and the queue's saved ``buffer`` (``resume.py``), all into
     a staging directory that replaces the previous checkpoint only once complete."""
@@ -187,7 +188,7 @@ def save_checkpoint(cfg: Config, policy, optimizer, scheduler, run_dir: pathlib.
     state = full_state_dict(policy)
     if state is not None:
         save_hf_checkpoint(state, cfg.model.path, new_staging_dir(ckpt), torch.float32)
-    save_training_state(policy, optimizer, scheduler, staging_dir(ckpt), step, buffer)
+    save_training_state(policy, optimizer, scheduler, staging_dir(ckpt), step, buffer, elapsed_s)
     if state is not None:
         publish_checkpoint(ckpt)
 
@@ -208,6 +209,9 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
     scheduler = make_scheduler(optimizer, t)  # stepped once per training step
     start = load_training_state(policy, optimizer, scheduler, ckpt_dir) if t.resume else 0
+    # perf/elapsed_s: training wall time from the first step on, summed over resumes (a stopped
+    # job's time after its checkpoint, and the pause before the resume, are not counted)
+    elapsed_before = read_elapsed(ckpt_dir) if t.resume else 0.0
     if t.resume and rank == 0:  # the steps a stopped job logged after its checkpoint are run again
         for log in ("metrics.jsonl", "trajectories.jsonl"):
             drop_superseded_rows(run_dir / log, start)
@@ -221,6 +225,7 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
         dump = None
         if services and cfg.logging.dump_trajectories:
             dump = stack.enter_context((run_dir / "trajectories.jsonl").open("a" if t.resume else "w"))
+        clock = time.monotonic()
         for k in range(start, t.total_steps):
             timer, buffer = Timer(), []
             save = k + 1 == t.total_steps or (t.checkpoint_every and (k + 1) % t.checkpoint_every == 0)
@@ -255,11 +260,13 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                 metrics |= batch_metrics(trajs, k, timer.seconds["step_s"])
                 metrics |= queue_metrics(await services.queue.stats())
                 metrics |= perf_metrics(timer.seconds, metrics["train/tokens"])
-                metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version()}
+                metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version(),
+                            "perf/elapsed_s": elapsed_before + time.monotonic() - clock}
                 services.logger.log(k, metrics)
                 services.start_evaluation(k + 1)  # after step k's row: wandb's steps only increase
             if save:
-                save_checkpoint(cfg, policy, optimizer, scheduler, run_dir, k + 1, buffer)
+                save_checkpoint(cfg, policy, optimizer, scheduler, run_dir, k + 1, buffer,
+                                elapsed_before + time.monotonic() - clock)
         if services:
             await services.finish_evaluation()
         if services and cfg.eval.at_end:

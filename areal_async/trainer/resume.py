@@ -8,8 +8,9 @@ weights) and, written after them by ``save_training_state``:
   done = the policy version of the weights;
 - ``buffer.msgpack``: the finished, unconsumed groups the queue held (``list[Trajectory]``), which
   the resumed queue restores (``ReplayQueue(restored=...)``);
-- ``trainer_state.json``: ``{"step": s}``, written last, so its presence marks a complete state
-  (the launcher reads it to start the queue and servers at version ``s``).
+- ``trainer_state.json``: ``{"step": s, "elapsed_s": e}``, written last, so its presence marks a
+  complete state (the launcher reads it to start the queue and servers at version ``s``); ``e`` is
+  the run's training wall time in seconds when the checkpoint was written (``perf/elapsed_s``).
 
 The optimizer state is gathered to full tensors (``torch.distributed.checkpoint.state_dict``,
 ``full_state_dict``) so that it does not depend on the sharding; on load every rank reads the
@@ -40,7 +41,7 @@ def _rank() -> int:
 
 def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, ckpt_dir: pathlib.Path,
-                        step: int, buffer: list[Trajectory]) -> None:
+                        step: int, buffer: list[Trajectory], elapsed_s: float = 0.0) -> None:
     """Collective: gather the optimizer state; rank 0 writes the files listed in the module doc.
 
     Args:
@@ -50,6 +51,8 @@ def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
         ckpt_dir: the checkpoint directory (already holding the weights).
         step: steps done (``s``).
         buffer: ready groups to restore (``[]`` when nothing is saved, e.g. throughput mode).
+        elapsed_s: the run's training wall time so far, seconds (``perf/elapsed_s``; a resumed
+            run continues from it).
     """
     optim = get_optimizer_state_dict(policy, optimizer,
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -59,7 +62,7 @@ def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     torch.save({"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
                ckpt_dir / "trainer_state.pt")
     (ckpt_dir / "buffer.msgpack").write_bytes(msgspec.msgpack.encode(buffer))
-    (ckpt_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (ckpt_dir / "trainer_state.json").write_text(json.dumps({"step": step, "elapsed_s": elapsed_s}))
 
 
 def publish_checkpoint(ckpt_dir: pathlib.Path) -> None:
@@ -104,6 +107,13 @@ def read_step(ckpt_dir: pathlib.Path) -> int:
                                 f"start the run afresh with --overwrite instead of --resume, and set "
                                 f"trainer.checkpoint_every=N to be able to resume it")
     return int(json.loads(path.read_text())["step"])
+
+
+def read_elapsed(ckpt_dir: pathlib.Path) -> float:
+    """The training wall time (seconds) recorded with the checkpoint in ``ckpt_dir``; 0.0 for a
+    checkpoint written before it was recorded. Raises as ``read_step``."""
+    read_step(ckpt_dir)
+    return float(json.loads((pathlib.Path(ckpt_dir) / "trainer_state.json").read_text()).get("elapsed_s", 0.0))
 
 
 def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
