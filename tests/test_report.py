@@ -81,6 +81,21 @@ def test_a_resume_without_repeated_steps_is_found_by_its_length(tmp_path):
     assert (read_run(run_dir, resume_gap_s=100).resumes, read_run(run_dir, resume_gap_s=100).wall_s) == (0, 78.0)
 
 
+def test_a_short_resume_is_found_exactly_by_the_trainers_own_clock(tmp_path):
+    # perf/elapsed_s (training wall time, summed over resumes) goes 2, 4, then 6, 8 after a 20 s stop:
+    # shorter than resume_gap_s, so only the job's own clock shows it, and it shows it exactly
+    rows = [_train(k, t, 0.5, 0.0, 0.0, 10.0, **{"perf/elapsed_s": e})
+            for k, t, e in ((0, 2.0, 2.0), (1, 4.0, 4.0), (2, 26.0, 6.0), (3, 28.0, 8.0))]
+    run = read_run(_write_run(tmp_path / "c", rows))
+    assert (run.resumes, run.wall_s, run.elapsed_s) == (1, 8.0, 28.0)
+    assert [r["clock_s"] for r in run.train] == [2.0, 4.0, 6.0, 8.0]
+    # timing noise within one job (the clocks 0.3 s apart) is not a resume
+    rows[2]["perf/elapsed_s"], rows[3]["perf/elapsed_s"] = 25.7, 27.7
+    run_dir = tmp_path / "d"
+    _write_run(run_dir, rows)
+    assert read_run(run_dir).resumes == 0
+
+
 def _csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))

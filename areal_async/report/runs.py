@@ -25,13 +25,16 @@ resumes left out:
 - a **resume gap** is the interval between consecutive training rows k−1 and k (step order) that
   a job stop and restart lies in. Detected: (a) certainly, where the file goes back in steps (the
   row of step k is from a later job than step k−1's: a step re-run after a resume); (b) by
-  duration, where the interval is longer than step k's ``perf/step_s`` by more than
+  the job's own clock, where both rows carry ``perf/elapsed_s`` (the trainer's training wall
+  time, summed over resumes): the interval is longer than the rows' ``perf/elapsed_s`` difference
+  by more than ``ELAPSED_SLACK_S``, and that excess is the gap, exactly; (c) for rows without it,
+  by duration, where the interval is longer than step k's ``perf/step_s`` by more than
   ``resume_gap_s`` (default ``RESUME_GAP_S``): the stopped job's lost steps, the downtime and the
-  new job's start-up. A resume faster than that is not detected (its start-up counts as run
-  time), and a checkpoint save slower than that would be taken for one. The excess over
-  ``perf/step_s`` of every detected gap is left out of the clock (from that row on) and counted
-  in ``resumes``; a row written inside a gap (a resumed job's first evaluation) is placed at the
-  gap's start.
+  new job's start-up. A resume faster than that is not detected by (c) (its start-up counts as
+  run time), and a checkpoint save slower than that would be taken for one. The excess (over the
+  ``perf/elapsed_s`` difference, else over ``perf/step_s``) of every detected gap is left out of
+  the clock (from that row on) and counted in ``resumes``; a row written inside a gap (a resumed
+  job's first evaluation) is placed at the gap's start.
 
 A truncated last line (a job killed while writing it) is skipped and noted; a bad line elsewhere
 is an error.
@@ -46,6 +49,7 @@ import pathlib
 import yaml
 
 RESUME_GAP_S = 60.0  # an interval this much longer than its step's perf/step_s is a stop and restart
+ELAPSED_SLACK_S = 1.0  # clock differences up to this between two rows of one job are timing noise
 
 
 class ReportInputError(ValueError):
@@ -145,9 +149,14 @@ def read_run(run_dir: pathlib.Path, resume_gap_s: float = RESUME_GAP_S) -> RunMe
     gaps: list[tuple[float, float]] = []  # resume gaps: (time they start at, seconds left out)
     for prev, k in zip(steps, steps[1:]):
         (p0, r0), (p1, r1) = train[prev], train[k]
-        excess = r1["time"] - r0["time"] - float(r1.get("perf/step_s", 0.0))
         certain = any(p0 < q <= p1 for q in later_job)
-        if excess > 0 and (certain or excess > resume_gap_s):
+        if "perf/elapsed_s" in r0 and "perf/elapsed_s" in r1:
+            excess = r1["time"] - r0["time"] - (float(r1["perf/elapsed_s"]) - float(r0["perf/elapsed_s"]))
+            found = excess > ELAPSED_SLACK_S
+        else:
+            excess = r1["time"] - r0["time"] - float(r1.get("perf/step_s", 0.0))
+            found = excess > resume_gap_s
+        if excess > 0 and (certain or found):
             gaps.append((r0["time"], excess))
 
     first = train[steps[0]][1] if steps else None
