@@ -178,7 +178,8 @@ class RewardConfig(_Cfg):
 
     ``fn`` replaces the task's own reward function: a registered name (``math``) or an import
     path ``package.module:function`` of a top-level ``fn(response, gold) -> float``; empty keeps
-    the task's.
+    the task's. A reward process that dies is replaced and its call retried once;
+    ``max_consecutive_deaths`` deaths in a row (no call completing in between) stop the job.
     """
 
     fn: str = ""
@@ -187,6 +188,7 @@ class RewardConfig(_Cfg):
     format_bonus: float = 0.0
     timeout_s: PosFloat = 5.0
     num_procs: PosInt = 1
+    max_consecutive_deaths: PosInt = 4
 
 
 class EvalConfig(_Cfg):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 import time
 
 import pytest
 
 from areal_async.config import RewardConfig
 from areal_async.reward.math import extract_boxed, math_reward
-from areal_async.reward.pool import REWARD_FNS, RewardPool, RewardResult
+from areal_async.reward.pool import REWARD_FNS, RewardPool, RewardProcessError, RewardResult
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -78,9 +81,69 @@ def test_pool_scales_and_counts_failures():
         assert (failed.correct, failed.error) == (False, True)
         # The stuck process was replaced: the pool still scores.
         assert (await pool.score("math", "\\boxed{\\frac{1}{2}}", "0.5")).correct
-        assert pool.stats() == {"reward/calls": 6, "reward/errors": 1, "reward/timeouts": 1}
+        assert pool.stats() == {"reward/calls": 6, "reward/errors": 1, "reward/timeouts": 1,
+                                "reward/restarts": 0}
         with pytest.raises(ValueError, match="registered"):
             await pool.score("nope", "", "")
+
+    with RewardPool(cfg) as pool:
+        asyncio.run(body(pool))
+
+
+def exit_on_die(response: str, gold: str) -> float:
+    """Ends its process (as a crashing verifier does) on the response "die"; else math."""
+    if response == "die":
+        os._exit(3)
+    return math_reward(response, gold)
+
+
+def segfault_once(response: str, gold: str) -> float:
+    """Kills its process with SIGSEGV the first time (marker file ``gold``), then scores 1."""
+    if not os.path.exists(gold):
+        open(gold, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return 1.0
+
+
+def always_exit(response: str, gold: str) -> float:
+    sys.exit(7)
+
+
+def test_pool_replaces_a_dead_process(tmp_path, capsys):
+    # One process: before the fix a dead process went back into service and every later call
+    # scored as an error (all rewards wrong, all advantages 0).
+    cfg = RewardConfig(correct=5.0, wrong=-5.0, timeout_s=30.0, num_procs=1)
+
+    async def body(pool: RewardPool):
+        # Dies on the call and on its retry (2 replacements): scored as an error, counted.
+        died = await pool.score(exit_on_die, "die", "72")
+        assert (died.correct, died.error, died.reward) == (False, True, -5.0)
+        # The fresh process scores normally.
+        assert await pool.score(exit_on_die, "\\boxed{72}", "72") == RewardResult(
+            reward=5.0, correct=True, error=False, boxed=True)
+        # A death that the retry does not repeat costs nothing.
+        once = await pool.score(segfault_once, "\\boxed{1}", str(tmp_path / "crashed"))
+        assert (once.correct, once.error) == (True, False)
+        assert pool.stats() == {"reward/calls": 3, "reward/errors": 1, "reward/timeouts": 0,
+                                "reward/restarts": 3}
+
+    with RewardPool(cfg) as pool:
+        asyncio.run(body(pool))
+    logged = capsys.readouterr().out
+    assert "tests.test_reward:exit_on_die (exit code 3); replaced (1 so far" in logged
+    assert "tests.test_reward:segfault_once (signal SIGSEGV); replaced (3 so far" in logged
+
+
+def test_pool_stops_on_a_function_that_always_kills_its_process():
+    cfg = RewardConfig(timeout_s=30.0, num_procs=1, max_consecutive_deaths=2)
+
+    async def body(pool: RewardPool):
+        # Call and retry both die: the second death in a row reaches the bound and raises.
+        with pytest.raises(RewardProcessError,
+                           match=r"tests\.test_reward:always_exit killed its process 2 times in a "
+                                 r"row .*last: exit code 7"):
+            await pool.score(always_exit, "\\boxed{1}", "1")
+        assert pool.restarts == 2
 
     with RewardPool(cfg) as pool:
         asyncio.run(body(pool))

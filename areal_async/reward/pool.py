@@ -10,6 +10,17 @@ works, registered or not. A call that raises, or runs past ``timeout_s`` (the pr
 killed and replaced, so a runaway sympy simplification cannot wedge the pool), scores as wrong and
 is counted. Scaling: ``reward = correct if value > 0.5 else wrong``, plus ``format_bonus`` when
 the response has a non-empty ``\\boxed{}``.
+
+A process that dies during a call (a segfault, an OOM kill, the function calling ``sys.exit()``
+or ``os._exit()``) is replaced by a fresh one and the call is retried once on it: a death caused
+by something else (the OOM killer picking this process) then costs nothing, while a response that
+crashes the verifier every time scores as an error (wrong, counted in ``reward/errors``).
+Replacements are counted in ``reward/restarts`` and each one is printed with the exit code or
+signal. Deaths are counted in a row across calls (any call that completes resets the count); at
+``reward.max_consecutive_deaths`` the pool raises ``RewardProcessError`` naming the function and
+how its process ended, which stops the job: a function that kills its process on every call
+would otherwise score every response wrong, every group's advantages would be 0 and training
+would silently stop learning.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import asyncio
 import importlib
 import multiprocessing as mp
 import multiprocessing.connection
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +44,28 @@ RewardFn = Callable[[str, str], float]
 REWARD_FNS: dict[str, RewardFn] = {"math": math_reward}
 
 STARTUP_TIMEOUT_S = 120.0  # a spawned process imports torch-free modules only; generous on 2 cores
+
+
+class RewardProcessError(RuntimeError):
+    """The reward function's process died ``reward.max_consecutive_deaths`` times in a row."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, from ``multiprocessing.Process.exitcode``: ``exit code 3``,
+    ``signal SIGKILL`` (negative codes), or ``no exit code`` (it had not exited yet)."""
+    if exitcode is None:
+        return "no exit code"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def fn_name(fn: RewardFn) -> str:
+    """``module:qualname`` of a reward function (its import path), for messages."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def resolve_reward_fn(fn: str | RewardFn) -> RewardFn:
@@ -104,7 +138,7 @@ class _Proc:
 
     def call(self, fn: RewardFn, response: str, gold: str, timeout_s: float) -> tuple[str, object]:
         """Blocking (runs in a thread): ``("ok", float)`` | ``("error", str)`` |
-        ``("timeout", None)``."""
+        ``("timeout", None)`` | ``("died", exitcode)`` (the process ended: its pipe closed)."""
         try:
             if not self.ready:
                 if not self._wait(STARTUP_TIMEOUT_S):
@@ -115,8 +149,9 @@ class _Proc:
             if not self._wait(timeout_s):
                 return "timeout", None
             return self.conn.recv()
-        except (EOFError, OSError) as exc:  # the process died (crash, OOM kill, kill())
-            return "error", f"reward process died: {exc!r}"
+        except (EOFError, OSError):  # the process died (crash, OOM kill, sys.exit, os._exit)
+            self.proc.join(5.0)  # its pipe is closed, so it has exited or is about to
+            return "died", self.proc.exitcode
 
     def _wait(self, timeout_s: float) -> bool:
         """Wait for a message in 50 ms slices, so that ``kill()`` from the event loop ends the
@@ -140,16 +175,18 @@ class RewardPool:
 
     Args:
         cfg: ``correct``, ``wrong``, ``format_bonus``, ``timeout_s`` (per call, counted from
-            the moment a process takes the call), ``num_procs``.
+            the moment a process takes the call), ``num_procs``, ``max_consecutive_deaths``.
 
     Raises:
-        ValueError: ``num_procs < 1``, ``timeout_s <= 0``, or ``cfg.fn`` does not resolve.
+        ValueError: ``num_procs < 1``, ``timeout_s <= 0``, ``max_consecutive_deaths < 1``, or
+            ``cfg.fn`` does not resolve.
     """
 
     def __init__(self, cfg: RewardConfig):
-        if cfg.num_procs < 1 or cfg.timeout_s <= 0:
-            raise ValueError(f"reward.num_procs ({cfg.num_procs}) must be >= 1 and "
-                             f"reward.timeout_s ({cfg.timeout_s}) > 0")
+        if cfg.num_procs < 1 or cfg.timeout_s <= 0 or cfg.max_consecutive_deaths < 1:
+            raise ValueError(f"reward.num_procs ({cfg.num_procs}) and "
+                             f"reward.max_consecutive_deaths ({cfg.max_consecutive_deaths}) must "
+                             f"be >= 1 and reward.timeout_s ({cfg.timeout_s}) > 0")
         self._cfg = cfg
         self._fn = resolve_reward_fn(cfg.fn) if cfg.fn else None
         self._ctx = mp.get_context("spawn")
@@ -160,15 +197,20 @@ class RewardPool:
         self.calls = 0
         self.errors = 0
         self.timeouts = 0
+        self.restarts = 0  # processes replaced after dying (timeouts are counted apart)
+        self._deaths_in_a_row = 0
 
     async def score(self, fn: str | RewardFn, response: str, gold: str) -> RewardResult:
         """Score one response against ``gold`` with ``fn`` (a ``REWARD_FNS`` name or function).
 
-        Never raises for a failing reward function (scored wrong, counted in ``errors`` /
-        ``timeouts``).
+        A call whose process dies is retried once on a fresh process; if that one dies too it
+        scores as an error. Otherwise a failing reward function never raises (scored wrong,
+        counted in ``errors`` / ``timeouts``).
 
         Raises:
             ValueError: ``fn`` is an unknown name (lists the registered ones).
+            RewardProcessError: the pool's processes died ``max_consecutive_deaths`` times in a
+                row (names the function and the last exit code or signal).
         """
         fn = self._fn or resolve_reward_fn(fn)
         loop = asyncio.get_running_loop()
@@ -179,10 +221,21 @@ class RewardPool:
         # Backpressure: at most num_procs verifications run at once; the rest wait for a process.
         proc = await self._idle.get()
         try:
-            status, value = await loop.run_in_executor(
-                self._threads, proc.call, fn, response, gold, self._cfg.timeout_s)
+            for _ in range(2):  # a call whose process died is retried once, on a fresh one
+                status, value = await loop.run_in_executor(
+                    self._threads, proc.call, fn, response, gold, self._cfg.timeout_s)
+                if status != "died":
+                    break
+                proc = self._replace(proc)
+                self._count_death(fn, value)  # raises RewardProcessError at the bound
+            if status == "died":  # the fresh process died on it too: this response kills it
+                status, value = "error", f"reward process died ({describe_exit(value)})"
+            else:
+                self._deaths_in_a_row = 0
             if status == "timeout":
                 proc = self._replace(proc)  # it is still inside the call: kill it, start afresh
+        except RewardProcessError:  # the process was replaced already
+            raise
         except BaseException:  # cancelled mid-call: the process state is unknown, replace it
             proc = self._replace(proc)
             raise
@@ -200,9 +253,25 @@ class RewardPool:
         return RewardResult(reward=reward, correct=correct, error=status != "ok", boxed=boxed)
 
     def stats(self) -> dict[str, float]:
-        """Counters since start: ``reward/calls``, ``reward/errors``, ``reward/timeouts``."""
+        """Counters since start: ``reward/calls``, ``reward/errors``, ``reward/timeouts``,
+        ``reward/restarts`` (processes replaced after dying)."""
         return {"reward/calls": self.calls, "reward/errors": self.errors,
-                "reward/timeouts": self.timeouts}
+                "reward/timeouts": self.timeouts, "reward/restarts": self.restarts}
+
+    def _count_death(self, fn: RewardFn, exitcode: int | None) -> None:
+        """Count a process that died in ``fn`` (already replaced); raise once deaths in a row
+        reach ``max_consecutive_deaths``."""
+        self.restarts += 1
+        self._deaths_in_a_row += 1
+        how, limit = describe_exit(exitcode), self._cfg.max_consecutive_deaths
+        print(f"[reward] a reward process died in {fn_name(fn)} ({how}); replaced "
+              f"({self.restarts} so far, {self._deaths_in_a_row} in a row)", flush=True)
+        if self._deaths_in_a_row >= limit:
+            raise RewardProcessError(
+                f"reward function {fn_name(fn)} killed its process {self._deaths_in_a_row} "
+                f"times in a row (reward.max_consecutive_deaths = {limit}; last: {how}): every "
+                f"reward would score as wrong. Fix the function (a crash, sys.exit() or "
+                f"os._exit() in it, or a process killed for memory) or raise the bound")
 
     def _replace(self, proc: _Proc) -> _Proc:
         proc.kill()
