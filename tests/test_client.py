@@ -16,7 +16,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from areal_async.inference.client import GenResult, InferenceClient, ServerError
+from areal_async.inference.client import GenResult, InferenceClient, LogprobAlignmentError, ServerError
 
 from tests.test_server import free_port, prompt_ids, running
 
@@ -139,6 +139,45 @@ def test_a_null_logprob_from_sglang_is_a_server_error_naming_the_weight_version(
                 await client.generate([1, 2, 3], {"max_new_tokens": 4}, "q-0")
 
     asyncio.run(main())
+
+
+def _with_logprobs(reply: dict, entries: list) -> dict:
+    return {**reply, "meta_info": {**reply["meta_info"], "output_token_logprobs": entries}}
+
+
+@pytest.mark.parametrize("replies,position,output_id,logprob_id", [
+    # one entry more than output ids (sglang#20799): used to pass and crash the trainer later
+    ([_with_logprobs(SGLANG_FINISHED, [[-1.0, 9, None], [-0.125, 2, None], [-0.5, 4, None]])], 2, None, 4),
+    # one fewer
+    ([_with_logprobs(SGLANG_FINISHED, [[-1.0, 9, None]])], 1, 2, None),
+    # as many, shifted by one token: used to train silently on misaligned log-probs
+    ([_with_logprobs(SGLANG_FINISHED, [[-0.3, 3, None], [-1.0, 9, None]])], 0, 9, 3),
+    # the resubmission after an abort repeats the first segment's last entry: positions count from
+    # the start of the whole output (the first segment made 2 tokens)
+    ([SGLANG_ABORTED, _with_logprobs(SGLANG_FINISHED, [[-0.25, 8, None], [-1.0, 9, None]])], 2, 9, 8),
+    # the resubmission's entries cover the whole output so far instead of its own segment
+    ([SGLANG_ABORTED, _with_logprobs(SGLANG_FINISHED, SGLANG_ABORTED["meta_info"]["output_token_logprobs"]
+                                     + SGLANG_FINISHED["meta_info"]["output_token_logprobs"])], 2, 9, 7),
+])
+def test_logprobs_that_do_not_pair_with_output_ids_raise_naming_rid_server_position_and_ids(
+        replies, position, output_id, logprob_id):
+    replies = list(replies)
+
+    async def reply(request: web.Request) -> web.Response:
+        return web.json_response(replies.pop(0))
+
+    async def main():
+        async with fake_server(reply) as url, InferenceClient([url]) as client:
+            with pytest.raises(LogprobAlignmentError) as info:
+                await client.generate([1, 2, 3], {"max_new_tokens": 10}, "q-0")
+            return url, info.value
+
+    url, err = asyncio.run(main())
+    assert (err.rid, err.position, err.output_id, err.logprob_token_id) == ("q-0", position, output_id, logprob_id)
+    assert isinstance(err, ServerError) and err.url == url and str(err).startswith(url)
+    assert f"rid 'q-0': output_token_logprobs do not match output_ids at output position {position}: " \
+           f"output id {output_id}, log-prob entry's token id {logprob_id}" in str(err)
+    assert not replies, "every reply was asked for"
 
 
 def test_interrupted_generation_resumes_and_reproduces_the_uninterrupted_output(tiny_model_dir, tmp_path):

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from areal_async.config import DebugConfig, QueueConfig, RewardConfig, RolloutConfig
 from areal_async.data.prompts import PromptSet
-from areal_async.inference.client import InferenceClient, ServerError
+from areal_async.inference.client import InferenceClient, LogprobAlignmentError, ServerError
 from areal_async.queue.client import QueueClient
 from areal_async.queue.core import ReplayQueue
 from areal_async.queue.server import serve
@@ -67,6 +67,7 @@ class FakeSGLang:
         self.requests: list[tuple[int, dict]] = []
         self.in_flight = 0
         self.fail_rid: str | None = None
+        self.shift_rid: str | None = None  # its log-prob entries name the previous token's id
         # With gate_at = k, requests are held until k are in flight at once (then all pass).
         self.gate = asyncio.Event()
         self.gate_reached = asyncio.Event()
@@ -96,6 +97,9 @@ class FakeSGLang:
                     "weight_version": str(self.version),
                     "output_token_logprobs": [[-0.125 * (k + 1), t, None]
                                               for k, t in enumerate(ids)]}
+            if body["rid"] == self.shift_rid:
+                meta["output_token_logprobs"] = [[-0.5, body["input_ids"][-1], None]] + [
+                    [-0.125 * (k + 1), t, None] for k, t in enumerate(ids[:-1])]
             return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
 
         async def health(request: web.Request) -> web.Response:
@@ -196,19 +200,29 @@ def test_worker_streams_scored_versioned_groups(tokenizer, rewards):
         assert req["input_ids"] == prompts.for_group(g).prompt_ids and req["return_logprob"]
 
 
-def test_worker_fails_loudly(tokenizer, rewards):
+@pytest.mark.parametrize("fault,error,match", [
+    ("fail_rid", ServerError, "HTTP 500"),
+    # log-probs shifted by one token against output_ids: the group is not trained on them, the
+    # job stops naming the sample
+    ("shift_rid", LogprobAlignmentError, "rid 'g1-s1': output_token_logprobs do not match "
+                                         "output_ids at output position 0"),
+])
+def test_worker_fails_loudly(tokenizer, rewards, fault, error, match):
     prompts = PromptSet(FourTask(), tokenizer, max_prompt_len=256, seed=SEED)
     rollout = RolloutConfig(n_samples=2, max_new_tokens=8, max_groups_in_flight=4)
+    submitted: list[int] = []
 
     async def body():
         fake = FakeSGLang(tokenizer)
-        fake.fail_rid = "g1-s1"
+        setattr(fake, fault, "g1-s1")
         runners, urls = await start_fakes(fake, 1)
         queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=0, max_concurrent=8),
                             "deterministic")
         try:
             async with InferenceClient(urls, timeout_s=30) as client:
                 worker = GenerationWorker(0, queue, client, prompts, rewards, rollout, SEED)
+                submit = queue.submit
+                queue.submit = lambda traj: (submitted.append(traj.group_id), submit(traj))[1]
                 await worker.run()
         finally:
             for r in runners:
@@ -216,7 +230,8 @@ def test_worker_fails_loudly(tokenizer, rewards):
 
     with pytest.raises(ExceptionGroup) as info:
         asyncio.run(asyncio.wait_for(body(), timeout=120))
-    assert info.group_contains(ServerError, match="HTTP 500", depth=None)
+    assert info.group_contains(error, match=match, depth=None)
+    assert 1 not in submitted
 
 
 def test_evaluate_greedy_pass_at_1(tokenizer, rewards):

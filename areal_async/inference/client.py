@@ -7,6 +7,11 @@ resubmits ``input_ids + output so far`` with the remaining ``max_new_tokens`` an
 ``sampling_seed``, and labels each segment's tokens with that response's ``weight_version``. A
 request the caller aborted itself (``abort(rid)``) ends with ``"abort"``.
 
+Each response's ``output_token_logprobs`` are checked against its ``output_ids``, entry by entry
+(count, and the token id each entry names), before they are paired; a mismatch raises
+``LogprobAlignmentError``. A resubmitted request's response holds only the new segment, so the
+check is per segment and the concatenated output stays aligned.
+
 Retries: only connection errors (server not up yet, connection reset) are retried, ``max_retries``
 times with exponential backoff; HTTP errors raise ``ServerError`` at once.
 """
@@ -21,14 +26,32 @@ import aiohttp
 import msgspec
 
 
-def _finite_logprobs(url: str, rid: str, version: int, entries: list) -> list[float]:
-    """The log-probs of SGLang's ``output_token_logprobs`` (``[[logprob, token_id, text], ...]``).
+def _segment_logprobs(url: str, rid: str, version: int, ids: list[int], entries: list,
+                      offset: int) -> list[float]:
+    """The log-probs of one response's ``output_ids``, from SGLang's ``output_token_logprobs``
+    (``[[logprob, token_id, text], ...]``, one per output token), checked against the ids.
 
+    Args:
+        ids: ``[L]`` the response's ``output_ids`` (one segment of a resubmitted generation).
+        entries: its ``meta_info.output_token_logprobs``.
+        offset: the number of tokens generated before this segment (positions in errors count
+            from the start of the whole output).
+    Returns:
+        ``[L]`` float log-probs, entry j belonging to ``ids[j]``.
     Raises:
-        ServerError: one is not a finite number. Weights that produce NaN give ``null`` from SGLang
-            (JSON has no NaN) and HTTP 500 from the embedded server; either way the served weights
-            are broken and their tokens are noise.
+        LogprobAlignmentError: a count that differs from ``len(ids)``, or an entry whose token id
+            is not the output id at its position (SGLang has answered with more entries than
+            output ids, sglang#20799): paired anyway they would crash the trainer on a tensor
+            size or train on another token's log-prob.
+        ServerError: a log-prob that is not a finite number. Weights that produce NaN give
+            ``null`` from SGLang (JSON has no NaN) and HTTP 500 from the embedded server; either
+            way the served weights are broken and their tokens are noise.
     """
+    for j in range(max(len(ids), len(entries))):
+        want = ids[j] if j < len(ids) else None
+        got = entries[j][1] if j < len(entries) else None
+        if want != got or isinstance(got, bool):
+            raise LogprobAlignmentError(url, rid, offset + j, want, got, len(ids), len(entries), version)
     logprobs = [entry[0] for entry in entries]
     bad = [x for x in logprobs if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)]
     if bad:
@@ -60,6 +83,25 @@ class ServerError(RuntimeError):
     def __init__(self, url: str, status: int, message: str):
         super().__init__(f"{url} answered HTTP {status}: {message}")
         self.url, self.status, self.message = url, status, message
+
+
+class LogprobAlignmentError(ServerError):
+    """A response's ``output_token_logprobs`` do not pair one to one with its ``output_ids``.
+
+    Carries ``rid``, ``position`` (counted from the start of the whole output, across
+    resubmissions), ``output_id`` and ``logprob_token_id`` (``None`` where one list ran out).
+    """
+
+    def __init__(self, url: str, rid: str, position: int, output_id: int | None,
+                 logprob_token_id: int | None, n_ids: int, n_entries: int, version: int):
+        self.rid, self.position = rid, position
+        self.output_id, self.logprob_token_id = output_id, logprob_token_id
+        super().__init__(url, 200, (
+            f"rid {rid!r}: output_token_logprobs do not match output_ids at output position "
+            f"{position}: output id {output_id}, log-prob entry's token id {logprob_token_id} "
+            f"({n_entries} log-prob entries for {n_ids} output ids in this response, weight "
+            f"version {version}); a server bug (e.g. sglang#20799, speculative decoding with "
+            f"max_new_tokens): run without the feature that causes it or upgrade the server"))
 
 
 def _version(url: str, raw) -> int:
@@ -154,7 +196,12 @@ class InferenceClient:
             rid: request id (also what ``abort(rid)`` names).
             server: index into ``urls``; round-robin when ``None``.
         Raises:
-            ServerError: the server rejected the request (e.g. HTTP 400 for a too-long prompt).
+            ServerError: the server rejected the request (e.g. HTTP 400 for a too-long prompt), or
+                answered with log-probs that are not finite numbers.
+            LogprobAlignmentError: a response's ``output_token_logprobs`` differ in count from its
+                ``output_ids`` or carry another token id at some position (names the rid, the
+                server, the position and both ids). Never retried: the same request gets the
+                same answer; in the rollout worker it stops the job like any ``ServerError``.
         """
         server = next(self._next_server) if server is None else server
         remaining = int(sampling.get("max_new_tokens", 128))
@@ -174,8 +221,10 @@ class InferenceClient:
             meta = resp["meta_info"]
             ids = list(resp["output_ids"])
             version = _version(self.urls[server], meta.get("weight_version"))
+            # checked per response, so a resubmission's segment pairs with its own tokens only
+            out.logprobs += _segment_logprobs(self.urls[server], rid, version, ids,
+                                              meta.get("output_token_logprobs", []), len(out.output_ids))
             out.output_ids += ids
-            out.logprobs += _finite_logprobs(self.urls[server], rid, version, meta["output_token_logprobs"])
             out.versions += [version] * len(ids)
             remaining -= len(ids)
             reason = meta["finish_reason"]["type"]
