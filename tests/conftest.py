@@ -102,6 +102,21 @@ def tiny_qwen3_dir(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture
+def multi_eos_model_dir(tiny_model_dir, tmp_path) -> pathlib.Path:
+    """A copy of the tiny Llama whose ``generation_config.json`` lists two end-of-sequence ids,
+    ``[<|im_end|>, <|endoftext|>]`` = ``[2, 0]``, where ``config.json`` has one (2), as Qwen2.5 /
+    Qwen3 releases do, plus a sampling default (``temperature`` 0.7)."""
+    import shutil
+
+    out = shutil.copytree(tiny_model_dir, tmp_path / "multi-eos")
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 == json.loads((out / "config.json").read_text())["eos_token_id"]
+    (out / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 0], "temperature": 0.7},
+                                                           indent=2) + "\n")
+    return out
+
+
+@pytest.fixture
 def one_torch_thread():
     """Run the test with one intra-op thread (the servers' setting on a shared CPU)."""
     before = torch.get_num_threads()

@@ -160,3 +160,23 @@ def test_a_resume_knows_whether_the_checkpoint_step_was_evaluated(tmp_path):
     with metrics.open("a") as f:
         f.write(json.dumps({"step": 4, "eval/pass@1": 0.2}) + "\n")
     assert has_eval_row(metrics, 4)
+
+
+def test_a_checkpoint_keeps_the_base_models_generation_config_and_tokenizer_files(multi_eos_model_dir, tmp_path):
+    # save_pretrained alone writes a generation config derived from config.json, one eos id (2)
+    # where the base lists [2, 0]: a resumed run, or a user loading the checkpoint, stopped on fewer
+    # tokens than the base model
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from areal_async.trainer.checkpoint import save_hf_checkpoint
+
+    state = load_file(multi_eos_model_dir / "model.safetensors")
+    out = save_hf_checkpoint(state, multi_eos_model_dir, tmp_path / "ckpt", torch.float32)
+    gen = GenerationConfig.from_pretrained(out)
+    assert (gen.eos_token_id, gen.temperature) == ([2, 0], 0.7)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (multi_eos_model_dir / name).read_bytes(), name
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(
+        multi_eos_model_dir).chat_template

@@ -166,6 +166,21 @@ def test_disk_sender_writes_loadable_checkpoint(tiny_model_dir, tmp_path):
     assert (tmp_path / "weights" / "v2" / "tokenizer_config.json").exists()
 
 
+def test_disk_sender_keeps_the_base_models_generation_config_and_tokenizer_files(multi_eos_model_dir, tmp_path):
+    # the servers load these directories: without the base's generation_config.json they fall back
+    # to config.json's single eos id (2) where the base lists [2, 0]
+    from transformers import GenerationConfig
+
+    sender = DiskWeightSender(_policy(multi_eos_model_dir), DiskClient(), 1, str(multi_eos_model_dir),
+                              tmp_path / "weights", torch.bfloat16)
+    asyncio.run(sender.send(1))
+    served = tmp_path / "weights" / "v1"
+    assert GenerationConfig.from_pretrained(served).eos_token_id == [2, 0]
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (served / name).read_bytes() == (multi_eos_model_dir / name).read_bytes(), name
+    assert json.loads((served / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("interrupt", [True, False])
 def test_distributed_sender_without_interruption_sends_one_bucket_unpaused(tiny_model_dir, interrupt):
     # without a pause each server call waits for the generations in flight on its own (SGLang's

@@ -1,16 +1,20 @@
 """HF checkpoints of the trained policy: a ``save_pretrained`` directory plus the tokenizer.
 
 The directory is what ``AutoModelForCausalLM.from_pretrained`` and both inference backends load
-(``/update_weights_from_disk``, a fresh server's ``--model-path``). The config and tokenizer are
-copied from the starting checkpoint; the weights are the gathered full state dict, cast to the
-requested dtype. Saving builds the model skeleton on the ``meta`` device and assigns the tensors,
+(``/update_weights_from_disk``, a fresh server's ``--model-path``). The config comes from the
+starting checkpoint with its dtype set to the weights'; the starting checkpoint's
+``generation_config.json`` and tokenizer files (chat template included) are copied unchanged,
+byte for byte (``base_model_files``): ``save_pretrained`` alone would write a generation config
+derived from ``config.json``, which keeps one ``eos_token_id`` where Qwen2.5/Qwen3 list several,
+so the checkpoint would stop on fewer tokens than the base model. The weights are the gathered
+full state dict, cast to the requested dtype. Saving builds the model skeleton on the ``meta`` device and assigns the tensors,
 so no second copy of the weights is allocated. ``state_dict_sha256`` fingerprints a state dict
 (bitwise run-to-run comparisons).
 
 For weight updates through disk (``DiskWeightSender``) ``write_hf_directory`` writes the same kind
 of directory from tensors already cast and on the CPU, as a few safetensors files in parallel,
-with the config (its ``dtype`` set to the weights') and tokenizer files that ``hf_metadata_files``
-renders once per run.
+with the config (its ``dtype`` set to the weights'), generation config and tokenizer files that
+``hf_metadata_files`` renders once per run.
 """
 
 from __future__ import annotations
@@ -63,8 +67,33 @@ def save_hf_checkpoint(
     if tied:
         model.tie_weights()
     model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(base_model_path).save_pretrained(out_dir)
+    for name, data in base_model_files(base_model_path).items():
+        (out_dir / name).write_bytes(data)
     return out_dir
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def base_model_files(base_model_path: str | pathlib.Path) -> dict[str, bytes]:
+    """The starting checkpoint's files that a saved checkpoint keeps unchanged, keyed by name.
+
+    ``generation_config.json`` when the base has one (its ``eos_token_id`` list, sampling
+    defaults), and the tokenizer files: the names that ``AutoTokenizer`` ``save_pretrained``
+    writes (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``, ...), each with
+    the base's own bytes where the base has a file of that name (re-saving adds keys such as
+    ``is_local`` to ``tokenizer_config.json``) and the re-saved bytes where it has not (e.g. a
+    ``tokenizer.json`` for a base with only ``vocab.json`` + ``merges.txt``).
+    """
+    base = pathlib.Path(base_model_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+        written = [f.name for f in pathlib.Path(tmp).iterdir() if f.is_file()]
+        files = {name: ((base / name) if (base / name).is_file() else pathlib.Path(tmp) / name).read_bytes()
+                 for name in written}
+    if (base / GENERATION_CONFIG).is_file():
+        files[GENERATION_CONFIG] = (base / GENERATION_CONFIG).read_bytes()
+    return files
 
 
 def write_hf_directory(out_dir: str | pathlib.Path, tensors: dict[str, Tensor], metadata: dict[str, bytes],
@@ -104,13 +133,14 @@ def write_hf_directory(out_dir: str | pathlib.Path, tensors: dict[str, Tensor], 
 
 def hf_metadata_files(base_model_path: str | pathlib.Path, dtype: torch.dtype) -> dict[str, bytes]:
     """The files of an HF directory other than its weights, for weights in ``dtype``: the config
-    of ``base_model_path`` with ``dtype`` set, and its tokenizer. Keyed by file name."""
+    of ``base_model_path`` with ``dtype`` set, and its generation config and tokenizer files
+    unchanged (``base_model_files``). Keyed by file name."""
     with tempfile.TemporaryDirectory() as tmp:
         config = AutoConfig.from_pretrained(base_model_path)
         config.dtype = dtype
         config.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
-        return {f.name: f.read_bytes() for f in pathlib.Path(tmp).iterdir() if f.is_file()}
+        files = {f.name: f.read_bytes() for f in pathlib.Path(tmp).iterdir() if f.is_file()}
+    return {**files, **base_model_files(base_model_path)}
 
 
 def state_dict_sha256(state_dict: dict[str, Tensor]) -> str:

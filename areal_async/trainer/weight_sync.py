@@ -14,7 +14,8 @@
   CPU, NCCL on CUDA.
 - ``DiskWeightSender`` (fallback, for servers that share the trainer's GPU, where NCCL refuses):
   rank 0 writes an HF directory ``RUN_DIR/weights/v{version}/`` (the weights in ``send_dtype`` as
-  four safetensors files written by four threads, the config and tokenizer) and calls
+  four safetensors files written by four threads, the config, and the base model's generation
+  config and tokenizer files unchanged) and calls
   ``/update_weights_from_disk`` on every server; the previous directory is then removed. Each
   parameter is cast on the training device and copied into pinned CPU memory, so half the bytes of
   fp32 cross PCIe and no cast runs on the CPU. On the H200 machine an earlier variant of this
@@ -185,7 +186,8 @@ class DiskWeightSender:
         policy: the (FSDP2/DDP-wrapped) ``PackedPolicy``.
         client: ``InferenceClient`` on rank 0, ``None`` elsewhere.
         num_servers: number of inference servers.
-        base_model_path: the starting HF directory (config + tokenizer to copy).
+        base_model_path: the starting HF directory (config, generation config and tokenizer to
+            copy).
         weights_dir: where ``v{version}/`` directories are written (``RUN_DIR/weights``); must
             be readable by the servers.
         save_dtype: dtype of the written floating-point weights (the servers').
@@ -198,7 +200,7 @@ class DiskWeightSender:
         self.policy, self.client, self.num_servers = policy, client, num_servers
         self.interrupt_on_update = interrupt_on_update
         self.base_model_path, self.weights_dir, self.save_dtype = base_model_path, pathlib.Path(weights_dir), save_dtype
-        self._metadata: dict[str, bytes] | None = None  # config and tokenizer files, rendered once
+        self._metadata: dict[str, bytes] | None = None  # config, generation config, tokenizer; rendered once
         self._previous: pathlib.Path | None = None
 
     async def setup(self) -> None:
