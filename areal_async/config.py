@@ -179,7 +179,7 @@ class RewardConfig(_Cfg):
     ``fn`` replaces the task's own reward function: a registered name (``math``) or an import
     path ``package.module:function`` of a top-level ``fn(response, gold) -> float``; empty keeps
     the task's. A reward process that dies is replaced and its call retried once;
-    ``max_consecutive_deaths`` deaths in a row (no call completing in between) stop the job.
+    ``max_consecutive_deaths`` deaths in a row (no call ending otherwise in between) stop the job.
     """
 
     fn: str = ""
