@@ -16,11 +16,11 @@ or ``os._exit()``) is replaced by a fresh one and the call is retried once on it
 by something else (the OOM killer picking this process) then costs nothing, while a response that
 crashes the verifier every time scores as an error (wrong, counted in ``reward/errors``).
 Replacements are counted in ``reward/restarts`` and each one is printed with the exit code or
-signal. Deaths are counted in a row across calls (a call that ends any other way resets the count); at
-``reward.max_consecutive_deaths`` the pool raises ``RewardProcessError`` naming the function and
-how its process ended, which stops the job: a function that kills its process on every call
-would otherwise score every response wrong, every group's advantages would be 0 and training
-would silently stop learning.
+signal. Deaths are counted in a row across calls (a call that ends any other way resets the
+count); at ``reward.max_consecutive_deaths`` the pool raises ``RewardProcessError`` naming the
+function and how its process ended, which stops the job: a function that kills its process on
+every call would otherwise score every response wrong, every group's advantages would be 0 and
+training would silently stop learning.
 """
 
 from __future__ import annotations
