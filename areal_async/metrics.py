@@ -11,11 +11,11 @@ A resumed job logs to a NEW wandb run, ``<name>-r<n>`` (n = 1, 2, ... per resume
 with the same tags, whose config adds ``resumed_from: {step: k, runs: [earlier run ids]}``. It cannot
 continue the stopped job's run: that run holds rows past the checkpoint's step k (logged before the
 stop), wandb keeps a run's steps increasing, and so it drops a resumed run's rows at steps it already
-has (online: "Tried to log to step k that is less than the current step"; ``wandb sync`` of an
-offline resume uploads them under the server's next steps or not at all). wandb's rewind
-(``resume_from=``) and fork (``fork_from=``) would keep one run, but both are server-side preview
-features (not on every server, never on a self-managed one), and a refused rewind fails
-``wandb.init``. The stopped job's run is left as it was, rows past k included (``metrics.jsonl``
+has (online: "Tried to log to step k that is less than the current step"; an offline job records
+them, but by wandb-core's code ``wandb sync`` then moves them to the run's next free steps).
+wandb's rewind (``resume_from=``) and fork (``fork_from=``) would keep one run, but both are
+server-side preview features (not on every server, not on self-managed ones), and a refused rewind
+fails ``wandb.init``. docs/dashboards.md says what was checked offline. The stopped job's run is left as it was, rows past k included (``metrics.jsonl``
 drops those, ``trainer/resume.py::drop_superseded_rows``); the new run starts at step k with the rows
 ``metrics.jsonl`` kept there (the evaluation of version k) and then the resumed job's, so the new
 run's rows are ``metrics.jsonl``'s from step k on. ``RUN_DIR/wandb_runs.jsonl`` lists one run per
