@@ -36,40 +36,59 @@ def test_wandb_group_and_tags_come_from_the_logging_config(tmp_path, monkeypatch
     assert (calls[1]["group"], calls[1]["tags"]) == ("plain", [])  # default: grouped by the run's name
 
 
-def _offline_runs(run_dir):
+def _offline_runs(run_dir, timeout_s: float = 60.0):
     """Each offline wandb run written under ``run_dir``, in start order, read back from its
     transaction log (``run-<id>.wandb``: wandb's leveldb-style log, a 7-byte header then 32 KiB
     blocks of chunks ``crc32 u32 | length u16 | type u8 (1 full, 2 first, 3 middle, 4 last) |
     data``, each record a ``wandb_internal_pb2.Record``): ``{"id", "name", "group", "config",
-    "start", "rows": {step: {key: value}}}``."""
+    "start", "rows": {step: {key: value}}}``.
+
+    wandb-core writes the log after ``finish()`` returns (seen: a 7-byte file right after it, the
+    whole log 0.2 s later), so this waits until every log holds its run's exit record."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [_read_offline_run(path) for path in (run_dir / "wandb" / "wandb").glob("offline-run-*/run-*.wandb")]
+        if all(run["exited"] for run in runs) or time.monotonic() > deadline:
+            assert all(run["exited"] for run in runs), f"an offline run's log has no exit record after {timeout_s} s"
+            return sorted(runs, key=lambda r: r["start"])
+        time.sleep(0.05)  # polls a file another process writes: there is no event to wait on
+
+
+def _read_offline_run(path):
+    """One transaction log as ``_offline_runs`` describes it, plus ``exited``: whether its exit
+    record is in (a log still being written ends early, perhaps inside a chunk)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    runs = []
-    for path in (run_dir / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"):
-        buf, pos, parts, run = path.read_bytes(), 7, b"", {"rows": {}}
-        assert buf[:4] == b":W&B", path
-        while pos + 7 <= len(buf):
-            if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
-                pos += 32768 - pos % 32768
-                continue
-            _, length, kind = struct.unpack("<IHB", buf[pos:pos + 7])
-            data, pos = buf[pos + 7:pos + 7 + length], pos + 7 + length
-            parts = data if kind in (1, 2) else parts + data
-            if kind not in (1, 4):
-                continue
-            record = wandb_internal_pb2.Record.FromString(parts)
-            if record.HasField("run"):
-                r = record.run
-                config = {i.key: json.loads(i.value_json) for i in r.config.update}
-                run |= {"id": r.run_id, "name": r.display_name, "group": r.run_group, "config": config,
-                        "start": r.start_time.ToNanoseconds()}
-            elif record.HasField("history"):
-                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                run["rows"][record.history.step.num] = row
-        runs.append(run)
-    return sorted(runs, key=lambda r: r["start"])
+    buf, pos, parts = path.read_bytes(), 7, b""
+    run = {"rows": {}, "exited": False, "start": 0}
+    assert len(buf) < 7 or buf[:4] == b":W&B", path
+    while pos + 7 <= len(buf):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", buf[pos:pos + 7])
+        if pos + 7 + length > len(buf):
+            break
+        data, pos = buf[pos + 7:pos + 7 + length], pos + 7 + length
+        parts = data if kind in (1, 2) else parts + data
+        if kind not in (1, 4):
+            continue
+        record = wandb_internal_pb2.Record.FromString(parts)
+        if record.HasField("run"):
+            r = record.run
+            config = {i.key: json.loads(i.value_json) for i in r.config.update}
+            run |= {"id": r.run_id, "name": r.display_name, "group": r.run_group, "config": config,
+                    "start": r.start_time.ToNanoseconds()}
+        elif record.HasField("history"):
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            run["rows"][record.history.step.num] = row
+        elif record.HasField("exit"):
+            run["exited"] = True
+    return run
 
 
 def _kept_by_wandb(runs):
