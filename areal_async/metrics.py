@@ -6,6 +6,20 @@ lists of raw values: they go to ``metrics.jsonl`` as lists and to wandb as histo
 directories (``WANDB_DIR``, cache, data, config) live under the run directory; runs are grouped by
 ``logging.wandb_group`` (default: the experiment name) and tagged with ``logging.wandb_tags``, so the
 cells of a staleness study (``launcher.ablation``) overlay in one dashboard.
+
+A resumed job logs to a NEW wandb run, ``<name>-r<n>`` (n = 1, 2, ... per resume), in the same group
+with the same tags, whose config adds ``resumed_from: {step: k, runs: [earlier run ids]}``. It cannot
+continue the stopped job's run: that run holds rows past the checkpoint's step k (logged before the
+stop), wandb keeps a run's steps increasing, and so it drops a resumed run's rows at steps it already
+has (online: "Tried to log to step k that is less than the current step"; an offline job records
+them, but by wandb-core's code ``wandb sync`` then moves them to the run's next free steps).
+wandb's rewind (``resume_from=``) and fork (``fork_from=``) would keep one run, but both are
+server-side preview features (not on every server, not on self-managed ones), and a refused rewind
+fails ``wandb.init``. docs/dashboards.md says what was checked offline. The stopped job's run is left as it was, rows past k included (``metrics.jsonl``
+drops those, ``trainer/resume.py::drop_superseded_rows``); the new run starts at step k with the rows
+``metrics.jsonl`` kept there (the evaluation of version k) and then the resumed job's, so the new
+run's rows are ``metrics.jsonl``'s from step k on. ``RUN_DIR/wandb_runs.jsonl`` lists one run per
+job: ``{"id", "name", "start_step"}``.
 """
 
 from __future__ import annotations
@@ -19,6 +33,37 @@ import sys
 import time
 
 from areal_async.config import LoggingConfig
+
+
+RUNS_FILE = "wandb_runs.jsonl"  # in the run directory: one line per job's wandb run
+
+
+def _earlier_runs(run_dir: pathlib.Path, name: str) -> list[dict]:
+    """The wandb runs of the run directory's earlier jobs, oldest first (``RUNS_FILE``; a run
+    directory written before it existed holds one id in ``wandb_run_id``)."""
+    path, legacy = run_dir / RUNS_FILE, run_dir / "wandb_run_id"
+    if path.exists():
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+    if legacy.exists():
+        return [{"id": legacy.read_text().strip(), "name": name, "start_step": 0}]
+    return []
+
+
+def _rows_from(path: pathlib.Path, step: int) -> list[dict]:
+    """The rows of the metrics log ``path`` at steps >= ``step``, without ``time`` ([] if missing)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [{k: v for k, v in row.items() if k != "time"} for row in rows if row["step"] >= step]
+
+
+def _wandb_row(metrics: dict) -> dict:
+    """``metrics`` as a wandb row: ``*/hist`` lists become histograms (empty ones are left out);
+    a ``step`` key is dropped (it is the row's wandb step)."""
+    import wandb
+
+    return {k: (wandb.Histogram(v) if k.endswith("/hist") else v) for k, v in metrics.items()
+            if k != "step" and not (k.endswith("/hist") and not v)}
 
 
 def _wandb_env(run_dir: pathlib.Path) -> None:
@@ -68,40 +113,47 @@ class MetricsLogger:
         name: experiment name (wandb run name; the group when ``cfg.wandb_group`` is empty).
         config: the resolved root config as a plain dict (given to wandb).
         total_steps: for the console progress line.
+        resumed_at: ``None`` for a fresh run; for a resumed job, the checkpoint's step k (the first
+            step it logs), after ``drop_superseded_rows`` has cut ``metrics.jsonl`` at k. It starts
+            a new wandb run (module docstring) and gives it the rows ``metrics.jsonl`` kept at
+            steps >= k.
     """
 
-    def __init__(self, run_dir, cfg: LoggingConfig, name: str, config: dict, total_steps: int = 0):
+    def __init__(self, run_dir, cfg: LoggingConfig, name: str, config: dict, total_steps: int = 0,
+                 resumed_at: int | None = None):
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.total_steps = total_steps
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self._wandb = None
         if cfg.wandb_mode != "disabled":
             _wandb_env(self.run_dir)
             import wandb
 
-            # one wandb run per run directory: a resumed job continues it (same id) instead of
-            # starting a second run on the dashboard
-            id_file = self.run_dir / "wandb_run_id"
-            if not id_file.exists():
-                id_file.write_text(secrets.token_hex(8))
+            runs = _earlier_runs(self.run_dir, name) if resumed_at is not None else []
+            run_name, run_config = name, config
+            if resumed_at is not None:
+                run_name = f"{name}-r{max(len(runs), 1)}"
+                run_config = {**config, "resumed_from": {"step": resumed_at, "runs": [r["id"] for r in runs]}}
+            run_id = secrets.token_hex(8)
             self._wandb = wandb.init(
-                project=cfg.wandb_project, group=cfg.wandb_group or name, name=name, tags=cfg.wandb_tags,
-                config=config, id=id_file.read_text().strip(),
-                resume="allow", mode=cfg.wandb_mode, dir=os.environ["WANDB_DIR"], reinit="finish_previous",
+                project=cfg.wandb_project, group=cfg.wandb_group or name, name=run_name, tags=cfg.wandb_tags,
+                config=run_config, id=run_id, mode=cfg.wandb_mode, dir=os.environ["WANDB_DIR"],
+                reinit="finish_previous",
             )
+            runs.append({"id": run_id, "name": run_name, "start_step": resumed_at or 0})
+            (self.run_dir / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+            if resumed_at is not None:
+                for row in _rows_from(self.run_dir / "metrics.jsonl", resumed_at):
+                    self._wandb.log(_wandb_row(row), step=row["step"])
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
 
     def log(self, step: int, metrics: dict) -> None:
         """Record ``metrics`` for ``step``: a JSON line, a wandb row and a console line."""
         record = {"step": step, "time": time.time(), **metrics}
         self._jsonl.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            import wandb
-
-            row = {k: (wandb.Histogram(v) if k.endswith("/hist") else v) for k, v in metrics.items()
-                   if not (k.endswith("/hist") and not v)}
-            self._wandb.log(row, step=step)
+            self._wandb.log(_wandb_row(metrics), step=step)
         if self.cfg.log_every and step % self.cfg.log_every == 0:
             print(format_line(step, self.total_steps, metrics), file=sys.stdout, flush=True)
 

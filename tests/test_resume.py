@@ -8,6 +8,7 @@ restart with the checkpoint's weights as version 3 and the queue at version 3 wi
 Data order and sampling seeds are functions of (run seed, group id) and need no state.
 """
 
+import copy
 import json
 
 import pytest
@@ -180,3 +181,88 @@ def test_a_checkpoint_keeps_the_base_models_generation_config_and_tokenizer_file
         assert (out / name).read_bytes() == (multi_eos_model_dir / name).read_bytes(), name
     assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(
         multi_eos_model_dir).chat_template
+
+
+def _policy_and_optimizer():
+    """A tiny policy (two linear layers) with the trainer's AdamW and schedule, the same at every call."""
+    import torch
+
+    from areal_async.config import TrainerConfig
+    from areal_async.trainer.schedule import make_scheduler
+
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    t = TrainerConfig()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    return policy, optimizer, make_scheduler(optimizer, t)
+
+
+def _update(policy, optimizer, scheduler) -> None:
+    """One training step on a fixed batch, as ``train_step`` and the loop take it."""
+    import torch
+
+    policy(torch.linspace(-1.0, 1.0, 32).reshape(4, 8)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+
+
+def _params(policy):
+    return [p.detach().clone() for p in policy.parameters()]
+
+
+def _same(a, b) -> bool:
+    """Bit-equality of two (nested) optimizer state dicts or tensor lists."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def test_a_checkpoint_written_before_the_first_update_does_not_change_training(tmp_path):
+    # Every update so far skipped (non-finite gradients): AdamW has no state. Writing the
+    # checkpoint used to create one on the live optimizer (step 1, zero moments), so the next
+    # update came out ~0.74x its size (bias correction of step 2: (0.1/0.19) / sqrt(0.001/0.001999)).
+    from areal_async.trainer.resume import load_training_state, save_training_state
+
+    policy, optimizer, scheduler = _policy_and_optimizer()
+    never_saved = _policy_and_optimizer()
+    start = _params(policy)
+    save_training_state(policy, optimizer, scheduler, tmp_path, 0, [])
+    assert not optimizer.state  # the live optimizer is as it was
+    _update(policy, optimizer, scheduler)
+    _update(*never_saved)
+    assert not _same(_params(policy), start)  # the update moved the weights
+    assert _same(_params(policy), _params(never_saved[0]))  # exactly as if never saved
+    # loaded, the checkpoint gives an optimizer with no state either, whose update is the same
+    resumed = _policy_and_optimizer()  # the weights of step 0 (a resume loads them separately)
+    assert load_training_state(*resumed, tmp_path) == 0
+    assert not resumed[1].state
+    _update(*resumed)
+    assert _same(_params(resumed[0]), _params(never_saved[0]))
+
+
+def test_a_checkpoint_after_updates_restores_the_optimizer_bit_exactly_and_changes_nothing(tmp_path):
+    from areal_async.trainer.resume import load_training_state, save_training_state
+
+    policy, optimizer, scheduler = _policy_and_optimizer()
+    never_saved = _policy_and_optimizer()
+    for run in ((policy, optimizer, scheduler), never_saved):
+        _update(*run)
+        _update(*run)
+    weights, state = {k: v.clone() for k, v in policy.state_dict().items()}, copy.deepcopy(optimizer.state_dict())
+    save_training_state(policy, optimizer, scheduler, tmp_path, 2, [])
+    assert _same(optimizer.state_dict(), state)  # saving changed nothing
+    resumed = _policy_and_optimizer()
+    resumed[0].load_state_dict(weights)
+    assert load_training_state(*resumed, tmp_path) == 2
+    assert _same(resumed[1].state_dict(), state)  # AdamW's step and both moments, bit for bit
+    for run in ((policy, optimizer, scheduler), never_saved, resumed):
+        _update(*run)
+    assert _same(_params(policy), _params(never_saved[0]))
+    assert _same(_params(resumed[0]), _params(never_saved[0]))

@@ -69,20 +69,3 @@ def test_check_config_rejects_kl():
     check_config(Config())
     with pytest.raises(ValueError, match="kl_coef"):
         check_config(load_config(None, ["algo.kl_coef=0.1"]))
-
-
-def test_a_resumed_run_continues_its_wandb_run(tmp_path):
-    # the run directory keeps its wandb run id: a second logger there (the resumed job) logs to the
-    # same run, so the dashboard shows one run, not two
-    from areal_async.config import LoggingConfig
-    from areal_async.metrics import MetricsLogger
-
-    ids = []
-    for step in range(2):
-        logger = MetricsLogger(tmp_path, LoggingConfig(wandb_mode="offline"), "x", {}, 2)
-        ids.append(logger._wandb.id)
-        logger.log(step, {"train/loss": 1.0})
-        logger.close()
-    assert ids[0] == ids[1] == (tmp_path / "wandb_run_id").read_text()
-    runs = sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(f"-{ids[0]}" in r.name for r in runs)  # a "-1" follows within one second

@@ -63,7 +63,9 @@ class Services:
         self.cfg, self.run_dir, self.stack = cfg, run_dir, stack
         self._evaluation: asyncio.Task | None = None  # of start_evaluation
 
-    async def start(self) -> "Services":
+    async def start(self, resumed_at: int | None = None) -> "Services":
+        """Connect everything; ``resumed_at``: the checkpoint's step of a resumed job (``None``
+        for a fresh run), which starts a new wandb run (``metrics.MetricsLogger``)."""
         from areal_async.data import load_task
         from areal_async.data.prompts import PromptSet
         from areal_async.inference.client import InferenceClient
@@ -78,7 +80,8 @@ class Services:
         await self.client.wait_healthy(inf.startup_timeout_s)
         self.queue = await self.stack.enter_async_context(
             await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0))
-        self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.name, to_dict(cfg), cfg.trainer.total_steps)
+        self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.name, to_dict(cfg), cfg.trainer.total_steps,
+                                    resumed_at)
         self.stack.callback(self.logger.close)
         self.rewards = self.stack.enter_context(RewardPool(cfg.reward))
         self.eval_prompts = PromptSet(load_task(cfg.data, "test"), load_tokenizer(cfg.model.path),
@@ -217,7 +220,7 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
             drop_superseded_rows(run_dir / log, start)
     jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "trainer", rank, start)
     async with contextlib.AsyncExitStack() as stack:
-        services = await Services(cfg, run_dir, stack).start() if rank == 0 else None
+        services = await Services(cfg, run_dir, stack).start(start if t.resume else None) if rank == 0 else None
         sender = make_sender(cfg, policy, services.client if services else None, run_dir, device)
         await sender.setup()
         if services:

@@ -16,6 +16,14 @@ The optimizer state is gathered to full tensors (``torch.distributed.checkpoint.
 ``full_state_dict``) so that it does not depend on the sharding; on load every rank reads the
 same file and keeps its own shard. The data order needs no state (prompt of group g is a pure
 function of the run seed and g), nor does sampling (seeds are functions of (seed, g, i)).
+
+An optimizer that has taken no update yet (every one so far skipped for a non-finite gradient,
+``train/skipped_updates``) has no state, and ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+first create one on it (a step with zero gradients and lr 0: AdamW's ``step`` 1 and zero moments),
+which would make the next real update's bias correction that of a second step (about 0.74 of its
+size with betas (0.9, 0.999)). Saving such an optimizer removes that state from the live optimizer
+again and writes an empty ``"state"``; loading an empty ``"state"`` leaves none. So writing a
+checkpoint never changes training, and a resume continues as the unbroken run would.
 """
 
 from __future__ import annotations
@@ -54,8 +62,12 @@ def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
         elapsed_s: the run's training wall time so far, seconds (``perf/elapsed_s``; a resumed
             run continues from it).
     """
+    no_update_yet = not optimizer.state
     optim = get_optimizer_state_dict(policy, optimizer,
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if no_update_yet:  # the state get_optimizer_state_dict created would change the next update
+        optimizer.state.clear()
+        optim["state"] = {}
     if _rank() != 0:
         return
     ckpt_dir = pathlib.Path(ckpt_dir)
@@ -121,13 +133,16 @@ def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     """Collective: restore the optimizer state (each rank its shard), the learning-rate scheduler
     and the RNG; returns the step.
 
-    The weights are loaded separately (``build_policy`` from ``ckpt_dir``). A checkpoint written
+    The weights are loaded separately (``build_policy`` from ``ckpt_dir``). An optimizer saved
+    before its first update is restored with no state (module docstring). A checkpoint written
     before the scheduler was saved resumes its schedule at the step (``last_epoch = step``), which
     is where an unbroken run's scheduler would be.
     """
     state = torch.load(pathlib.Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
     set_optimizer_state_dict(policy, optimizer, optim_state_dict=state["optimizer"],
                              options=StateDictOptions(full_state_dict=True))
+    if not state["optimizer"]["state"]:  # saved before any update: drop the state the load created
+        optimizer.state.clear()
     if "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
     else:
