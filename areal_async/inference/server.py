@@ -247,7 +247,7 @@ async def _body(request: web.Request) -> dict:
         return {}
     try:
         data = await request.json()
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
         raise _bad_request(f"request body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise _bad_request("request body must be a JSON object")
