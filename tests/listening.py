@@ -6,7 +6,6 @@ import ipaddress
 import os
 import pathlib
 import socket
-import struct
 
 import pytest
 

@@ -14,6 +14,7 @@ import threading
 import time
 
 import aiohttp
+import msgspec
 import pytest
 import torch.distributed as dist
 
@@ -180,8 +181,8 @@ def test_queue_needs_the_token_and_changes_nothing_without_it():
                     await client.disconnect()
         # a raw frame without Auth first, straight to the queue's Close
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        p.write_frame(writer, p.msgspec.msgpack.encode(p.Close(rid=0)))
-        reply = p.msgspec.msgpack.decode(await p.read_frame(reader), type=p.Reply)
+        p.write_frame(writer, msgspec.msgpack.encode(p.Close(rid=0)))
+        reply = msgspec.msgpack.decode(await p.read_frame(reader), type=p.Reply)
         assert isinstance(reply, p.Error) and reply.kind == "Unauthorized" and reply.rid == p.CONNECTION
         assert await reader.read() == b""  # and the connection is closed
         writer.close()
