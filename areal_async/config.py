@@ -75,6 +75,7 @@ class InferenceConfig(_Cfg):
     prefix_cache_entries: PosInt = 8  # embedded: prompts held, one KV row of max_seq_len positions each
     request_timeout_s: PosFloat = 600.0
     startup_timeout_s: PosFloat = 300.0
+    max_request_bytes: PosInt = 16 * 1024 * 1024  # embedded: a larger request body is HTTP 413
     sglang_args: list[str] = []
 
     def urls(self) -> list[str]:
@@ -108,6 +109,8 @@ class QueueConfig(_Cfg):
     batch_size: PosInt = 8
     max_staleness: NonNegInt = 1
     max_concurrent: PosInt = 16
+    # a larger request frame (a submitted group is ~12 bytes per token) is refused, the connection closed
+    max_request_bytes: PosInt = 64 * 1024 * 1024
 
 
 class AlgoConfig(_Cfg):

@@ -9,7 +9,9 @@ for its side, and what slime's and AReaL's trainers use for theirs), so either e
 - the rendezvous is a ``TCPStore`` on ``master_address:master_port`` that rank 0 hosts, opened
   with the arguments of torch's ``tcp://`` rendezvous (``world_size`` peers, multi-tenant,
   libuv); it is opened here rather than through ``rendezvous()``, which under torchrun
-  (``TORCHELASTIC_USE_AGENT_STORE``) would make rank 0 a client too, with nobody hosting;
+  (``TORCHELASTIC_USE_AGENT_STORE``) would make rank 0 a client too, with nobody hosting. Rank 0's
+  store listens on ``master_address`` only (``tcp_store.hosted_store``; torch's own would listen
+  on every interface), so the peers must be given an address of rank 0's machine, as for SGLang;
 - the store is wrapped in ``PrefixStore(group_name, store)`` and the group built by torch's
   ``_new_process_group_helper`` with the same world size, rank, ``global_ranks_in_group=[]``,
   group name and timeout, so every key of the join lives under
@@ -36,6 +38,8 @@ import threading
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from .tcp_store import hosted_store
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name of both weight endpoints
 
@@ -88,6 +92,8 @@ def new_weight_group(
         ValueError: unknown backend, rank outside ``[0, world_size)``, an empty group name, or a
             group of that name already held by this process (``destroy_weight_group`` it first).
         torch.distributed.DistError: the peers did not all join within ``timeout_s``.
+        OSError: rank 0 cannot listen on ``master_address:master_port`` (taken, or not an address
+            of this machine).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"weight group rank {rank} is outside [0, {world_size}); check rank_offset")
@@ -101,8 +107,11 @@ def new_weight_group(
                          f"first or use another group_name")
     timeout = datetime.timedelta(seconds=timeout_s)
     # the store torch's tcp:// rendezvous opens (SGLang's init_method), hosted by rank 0
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          multi_tenant=True)
+    if rank == 0:  # listening on master_address only, not on every interface (tcp_store.py)
+        store = hosted_store(master_address, master_port, world_size, timeout, multi_tenant=True)
+    else:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout,
+                              multi_tenant=True)
     store.set_timeout(timeout)
     with _unbound_default_group(backend):
         group, _ = c10d._new_process_group_helper(

@@ -24,6 +24,14 @@ buffer, and the trainer restores the optimizer and the learning-rate schedule an
 step s up to ``trainer.total_steps``, appending to ``metrics.jsonl`` and to ``logs/*.log`` (after
 a ``===== --resume at step s, <time> =====`` line), on newly chosen ports. The trainer runs under ``launcher.torchrun``,
 so stopping the job ends ``trainer.log`` with one line, not torchrun's traceback.
+
+Access (README "Security"): each launch makes a new random token (``areal_async.auth.new_token``)
+and gives it to every child as ``AREAL_ASYNC_TOKEN`` (a real SGLang server as ``--api-key``, its
+only way in); the servers and the queue refuse callers without it. Every port of the job listens
+on its configured host: the servers on ``inference.host``, the queue on ``queue.host`` (both
+``127.0.0.1`` by default), torchrun's rendezvous and the weight group's store on ``127.0.0.1``
+(``launcher.torchrun``, ``areal_async/tcp_store.py``), and gloo's connections on the loopback
+interface (``GLOO_SOCKET_IFNAME=lo`` unless set).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from typing import Iterator
 
 import msgspec
 
+from areal_async import auth
 from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
                                 load_config, port_in_use)
 from areal_async.file_lock import file_lock
@@ -56,11 +65,13 @@ PY = sys.executable
 
 def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
                          threads: int, debug: DebugConfig = DebugConfig(),
-                         weight_version: int = 0) -> list[str]:
+                         weight_version: int = 0, token: str | None = None) -> list[str]:
     """Command line of one embedded inference server (flags mirror sglang.launch_server);
-    ``debug.jitter_ms`` becomes a per-step delay, seeded by ``jitter_seed`` and the port."""
+    ``debug.jitter_ms`` becomes a per-step delay, seeded by ``jitter_seed`` and the port. The
+    ``token`` is not on it: the server reads ``AREAL_ASYNC_TOKEN`` from its environment."""
     argv = [PY, "-m", "areal_async.inference.server", "--model-path", model.path,
             "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
+            "--max-request-bytes", str(cfg.max_request_bytes),
             "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
             "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads),
             "--weight-version", str(weight_version), "--prefix-cache-entries", str(cfg.prefix_cache_entries)]
@@ -78,9 +89,11 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
 
 def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
                        threads: int, debug: DebugConfig = DebugConfig(),
-                       weight_version: int = 0) -> list[str]:
+                       weight_version: int = 0, token: str | None = None) -> list[str]:
     """Command line of one real SGLang server (``python -m sglang.launch_server``); SGLang has
-    no step jitter, so ``debug`` is ignored."""
+    no step jitter, so ``debug`` is ignored, nor a body limit (``max_request_bytes``). ``token``
+    becomes ``--api-key`` (SGLang reads it from no environment variable), so it shows in the
+    process list of this machine's users."""
     argv = [PY, "-m", "sglang.launch_server", "--model-path", model.path, "--host", cfg.host,
             "--port", str(port), "--dtype", model.dtype,
             "--max-running-requests", str(cfg.max_running_requests),
@@ -93,6 +106,8 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
         argv.append("--disable-cuda-graph")
     if not cfg.prefix_cache:
         argv.append("--disable-radix-cache")
+    if token:
+        argv += ["--api-key", token]
     return argv + list(cfg.sglang_args)
 
 
@@ -115,6 +130,15 @@ def _nccl_env(cfg: Config) -> dict[str, str]:
     return {"NCCL_ALGO": os.environ.get("NCCL_ALGO", "Ring"),
             "NCCL_PROTO": os.environ.get("NCCL_PROTO", "Simple"),
             "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
+
+
+def _job_env(token: str) -> dict[str, str]:
+    """What every child of a job gets: the job's token and, unless set, gloo on the loopback
+    interface (gloo listens on the address of this machine's host name otherwise)."""
+    env = {auth.ENV: token}
+    if "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in {name for _, name in socket.if_nameindex()}:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
 
 
 def _wait_until(ready, what: str, sup: Supervisor, timeout_s: float) -> None:
@@ -253,6 +277,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     inf = cfg.inference
     server_threads = inf.threads or max(1, cpus // (inf.num_servers + cfg.trainer.nproc))
     make_argv = SERVER_ARGV[inf.backend]
+    token = sup.env.get(auth.ENV)  # the job's (launch); the children read it from their environment
     model, version, queue_args = cfg.model, 0, []
     if cfg.trainer.resume:
         from areal_async.trainer.resume import read_step
@@ -264,7 +289,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
     for i, url in enumerate(inf.urls()):
         sup.start(f"server{i}", make_argv(inf, model, inf.base_port + i, cfg.mode,
-                                          server_threads, cfg.debug, version), env=_nccl_env(cfg))
+                                          server_threads, cfg.debug, version, token), env=_nccl_env(cfg))
     for url in inf.urls():
         _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
                     inf.startup_timeout_s)
@@ -304,9 +329,10 @@ def launch(cfg: Config) -> int:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         header = f"===== --resume at step {read_step(cfg.run_dir / 'checkpoint')}, {stamp} ====="
     chosen = tuple(read_record(cfg.run_dir).get("chosen", ()))
+    job_env = _job_env(auth.new_token())  # the token lives in the children's environment only
     print(f"[launcher] ports: {describe(cfg, chosen)}", flush=True)
     for attempt in (1, 2):
-        sup = Supervisor(cfg.run_dir / "logs", log_header=header)
+        sup = Supervisor(cfg.run_dir / "logs", env=job_env, log_header=header)
         rows = _metrics_size(cfg)
         try:
             run_job(cfg, sup)

@@ -1,6 +1,15 @@
-"""``torchrun`` (``torch.distributed.run``) whose stop by a signal is one line, not a traceback.
+"""``torchrun`` (``torch.distributed.run``) whose rendezvous listens on ``--master-addr`` only and
+whose stop by a signal is one line, not a traceback.
 
     python -m launcher.torchrun [torchrun arguments ...]
+
+The rendezvous: torchrun's static rendezvous (one node, ``--master-addr``/``--master-port``, no
+``--rdzv-backend``) is a ``TCPStore`` that torchrun's agent hosts, and torch's store listens on
+every interface whatever ``--master-addr`` says (``areal_async/tcp_store.py``). Here the store is
+hosted first, on ``--master-addr`` (default ``127.0.0.1``) only, in the agent's process and
+multi-tenant; torchrun's own ``TCPStore(..., multi_tenant=True)`` on that port then reuses it, as
+torch shares a multi-tenant server per port within a process. Other rendezvous setups run as
+torchrun runs them.
 
 The launcher stops the trainer with SIGTERM (``Supervisor.stop``; Ctrl-C of the job). torchrun's
 agent then shuts its ranks down and raises ``SignalException`` out of its ``main``, which ends
@@ -12,6 +21,7 @@ dropped. Everything else, a rank's failure included, is torchrun's own behaviour
 
 from __future__ import annotations
 
+import datetime
 import logging
 import signal
 import sys
@@ -26,17 +36,37 @@ class _DropShutdownNotices(logging.Filter):
         return not any(notice in record.getMessage() for notice in _SHUTDOWN_NOTICES)
 
 
+def rendezvous_store(argv: list[str]):
+    """The rendezvous store of the torchrun that ``argv`` starts, listening on ``--master-addr``
+    only, or ``None`` when torchrun would not host a static one on a given port (keep it alive
+    while torchrun runs). Raises ``OSError`` if that address and port cannot be bound."""
+    from torch.distributed.run import parse_args
+
+    from areal_async.tcp_store import hosted_store
+
+    args = parse_args(argv)
+    if args.standalone or args.rdzv_backend != "static" or args.rdzv_endpoint \
+            or str(args.nnodes) not in ("1", "1:1") or not args.master_port:
+        return None
+    timeout = datetime.timedelta(seconds=600)  # torchrun's static rendezvous default (_default_timeout_seconds)
+    return hosted_store(args.master_addr, args.master_port, None, timeout, multi_tenant=True, wait_for_workers=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
     for name in _NOTICE_LOGGERS:
         logging.getLogger(name).addFilter(_DropShutdownNotices())
+    argv = sys.argv[1:] if argv is None else argv
+    store = rendezvous_store(argv)  # torchrun's agent reuses it: held until torchrun returns
     try:
         torchrun_main(argv)
     except SignalException as exc:
         print(f"[trainer] stopped by {signal.Signals(exc.sigval).name}; ranks shut down", flush=True)
         return 128 + int(exc.sigval)
+    finally:
+        del store
     return 0
 
 

@@ -13,7 +13,10 @@ Each response's ``output_token_logprobs`` are checked against its ``output_ids``
 check is per segment and the concatenated output stays aligned.
 
 Retries: only connection errors (server not up yet, connection reset) are retried, ``max_retries``
-times with exponential backoff; HTTP errors raise ``ServerError`` at once.
+times with exponential backoff; HTTP errors raise ``ServerError`` at once (HTTP 401: the job's
+token is missing or wrong, ``areal_async/auth.py``).
+
+``token``: sent as ``Authorization: Bearer <token>`` on every request, SGLang's ``--api-key`` scheme.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import math
 
 import aiohttp
 import msgspec
+
+from .. import auth
 
 
 def _segment_logprobs(url: str, rid: str, version: int, ids: list[int], entries: list,
@@ -121,9 +126,11 @@ class InferenceClient:
         timeout_s: per-HTTP-call timeout in seconds (a generation can take minutes).
         max_retries: retries of a call that failed to connect.
         backoff_s: first retry delay, doubled each retry.
+        token: the job's token (``auth.job_token()``), sent as a bearer token; ``None``: none sent.
     """
 
-    def __init__(self, urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5):
+    def __init__(self, urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
+                 token: str | None = None):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -131,6 +138,7 @@ class InferenceClient:
         self._http_pool: aiohttp.ClientSession | None = None
         self._next_server = itertools.cycle(range(len(self.urls)))
         self._aborted: set[str] = set()
+        self._headers = auth.bearer_headers(token)
 
     async def __aenter__(self) -> "InferenceClient":
         return self
@@ -148,6 +156,7 @@ class InferenceClient:
             self._http_pool = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                 connector=aiohttp.TCPConnector(limit=0),  # concurrency is bounded by the caller
+                headers=self._headers,
             )
         return self._http_pool
 

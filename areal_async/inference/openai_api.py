@@ -353,7 +353,7 @@ async def _ignore(index: int, completion: Completion) -> None:
 async def _json_object(request: web.Request) -> dict:
     try:
         body = await request.json()
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
         raise OpenAIError(f"request body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise OpenAIError("request body must be a JSON object")

@@ -3,7 +3,15 @@
 Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--dtype bfloat16]
 [--device cpu] [--max-running-requests 32] [--max-seq-len 1024] [--threads N] [--weight-version 0]
 [--enable-deterministic-inference] [--disable-radix-cache] [--prefix-cache-entries 8]
-[--stream-interval 1] [--served-model-name NAME] [--debug-jitter-ms MS --debug-jitter-seed S]``.
+[--stream-interval 1] [--served-model-name NAME] [--max-request-bytes 16777216] [--api-key TOKEN]
+[--debug-jitter-ms MS --debug-jitter-seed S]``.
+
+Access (``areal_async/auth.py``): with a token (``--api-key``, SGLang's flag, or the job's
+``AREAL_ASYNC_TOKEN``, which ``launcher.local`` sets) every endpoint but ``/health*`` needs
+``Authorization: Bearer <token>``, as SGLang's ``--api-key`` does; without one, or a wrong one,
+the answer is HTTP 401 and the body is not read. Without a token the server starts only on a
+loopback ``--host``. A request body over ``--max-request-bytes`` (16 MiB by default, far above a
+batch of long prompts or a weight bucket's names and shapes) is HTTP 413.
 
 ``--enable-deterministic-inference`` (as SGLang's flag) makes the forward batch-invariant: a
 request's tokens and log-probs do not depend on which other requests share its decode steps.
@@ -69,7 +77,7 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
-from .. import weight_group
+from .. import auth, weight_group
 from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
 from .engine import Completion, Engine
@@ -86,6 +94,7 @@ from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, r
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP API (and request schema) this server follows
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
+MAX_REQUEST_BYTES = 16 * 1024 * 1024  # default body limit (HTTP 413 above it)
 _log = logging.getLogger(__name__)
 
 
@@ -238,7 +247,7 @@ async def _body(request: web.Request) -> dict:
         return {}
     try:
         data = await request.json()
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
         raise _bad_request(f"request body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise _bad_request("request body must be a JSON object")
@@ -246,12 +255,20 @@ async def _body(request: web.Request) -> dict:
 
 
 class InferenceServer:
-    """HTTP handlers around one ``Engine``; ``app()`` builds the aiohttp application."""
+    """HTTP handlers around one ``Engine``; ``app()`` builds the aiohttp application.
+
+    ``token``: required as ``Authorization: Bearer <token>`` on every path but ``/health*``
+    (``None``: no check); ``max_request_bytes``: the body limit, HTTP 413 above it.
+    """
 
     def __init__(self, engine: Engine, tokenizer, model_path: str, stream_interval: int = 1,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, token: str | None = None,
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
         if stream_interval < 1:
             raise ValueError(f"stream_interval {stream_interval}: must be >= 1 (tokens per streamed chunk)")
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes {max_request_bytes}: must be >= 1 (the request body limit in bytes)")
+        self.token, self.max_request_bytes = token, max_request_bytes
         self.engine, self.tokenizer, self.model_path = engine, tokenizer, model_path
         self.stream_interval = stream_interval
         self.openai = OpenAIApi(engine, tokenizer, served_model_name or model_path, stream_interval)
@@ -261,7 +278,8 @@ class InferenceServer:
         self._updates: set[asyncio.Task] = set()  # weight updates in flight (the loop holds tasks weakly)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.max_request_bytes,
+                              middlewares=[self._check_token] if self.token is not None else [])
         app.on_startup.append(self._start)
         app.on_shutdown.append(self._shutdown)
         app.on_cleanup.append(self._stop)
@@ -289,6 +307,14 @@ class InferenceServer:
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         return app
+
+    @web.middleware
+    async def _check_token(self, request: web.Request, handler) -> web.StreamResponse:
+        # before the handler reads the body: a caller without the token changes nothing
+        if request.path.startswith(auth.OPEN_PREFIX) or auth.bearer_ok(request.headers.get(auth.HEADER), self.token):
+            return await handler(request)
+        return _error("Unauthorized: send the job's token as 'Authorization: Bearer <token>' (AREAL_ASYNC_TOKEN)",
+                      status=401)
 
     async def _start(self, app: web.Application) -> None:
         self._task = asyncio.create_task(self.engine.run(), name="engine")
@@ -725,6 +751,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="output tokens per streamed chunk (SGLang's flag; the first token is sent at once)")
     p.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: --model-path)")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help="largest request body accepted (HTTP 413 above it)")
+    p.add_argument("--api-key", default=None,
+                   help=f"token every path but /health* requires as 'Authorization: Bearer' (default: ${auth.ENV})")
     p.add_argument("--debug-jitter-ms", type=float, default=0.0, help="random delay before each step")
     p.add_argument("--debug-jitter-seed", type=int, default=0)
     p.add_argument("--debug-jitter-stream", type=int, default=0, help="e.g. the server index")
@@ -733,9 +763,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, value in (("--max-running-requests", args.max_running_requests), ("--max-seq-len", args.max_seq_len),
                         ("--max-prefill-tokens", args.max_prefill_tokens),
                         ("--prefix-cache-entries", args.prefix_cache_entries),
-                        ("--stream-interval", args.stream_interval)):
+                        ("--stream-interval", args.stream_interval),
+                        ("--max-request-bytes", args.max_request_bytes)):
         if value < 1:
             p.error(f"{flag} {value}: must be >= 1")
+    args.api_key = args.api_key or auth.job_token()
+    try:
+        auth.require_token(args.host, args.api_key, f"the inference server (--host {args.host})")
+    except ValueError as exc:
+        p.error(str(exc))
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port}: must be in [0, 65535] (0 picks a free port)")
     why = port_in_use(args.host, args.port) if args.port else None
@@ -766,7 +802,8 @@ async def main(argv: list[str] | None = None) -> None:
                                     cuda_graph=not args.disable_cuda_graph,
                                     prefix_cache=not args.disable_radix_cache,
                                     prefix_cache_entries=args.prefix_cache_entries)
-    server = InferenceServer(engine, tokenizer, args.model_path, args.stream_interval, args.served_model_name)
+    server = InferenceServer(engine, tokenizer, args.model_path, args.stream_interval, args.served_model_name,
+                             token=args.api_key, max_request_bytes=args.max_request_bytes)
     async with serve(server, args.host, args.port) as url:
         mode = "deterministic" if args.enable_deterministic_inference else "throughput"
         print(f"inference server on {url} ({args.model_path}, {args.dtype}, {args.device}, {mode})", flush=True)

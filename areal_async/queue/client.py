@@ -6,7 +6,9 @@ waiting call. Errors come back as the queue raised them: ``ValueError`` for misu
 ``QueueClosed`` from ``get_batch``/``wait_drained`` on a closed queue; ``ConnectionError`` if the
 connection drops. Only ``connect`` retries (bounded backoff); a call is never resent, because
 ``lease`` and ``submit`` are not idempotent. A cancelled call is not withdrawn on the queue side
-(a cancelled ``lease`` may still have leased ids).
+(a cancelled ``lease`` may still have leased ids). ``connect(..., token=...)`` opens the connection
+with the job's token (``protocol.Auth``); a queue that refuses the connection (no token or a wrong
+one, ``PermissionError``; a frame over its limit, ``ValueError``) fails every call in flight.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from areal_async.queue import protocol as p
 from areal_async.queue.core import QueueClosed, QueueStats
 from areal_async.types import Trajectory
 
-_ERRORS = {"ValueError": ValueError, "QueueClosed": QueueClosed}
+_ERRORS = {"ValueError": ValueError, "QueueClosed": QueueClosed, "Unauthorized": PermissionError,
+           "TooLarge": ValueError, "BadRequest": ValueError}
 
 
 class QueueClient:
@@ -41,19 +44,21 @@ class QueueClient:
         self._reader_task = asyncio.create_task(self._read_replies(), name=f"queue-{address}")
 
     @classmethod
-    async def connect(cls, host: str, port: int, timeout_s: float = 60.0) -> "QueueClient":
+    async def connect(cls, host: str, port: int, timeout_s: float = 60.0,
+                      token: str | None = None) -> "QueueClient":
         """Connect, retrying refused/unreachable attempts with backoff (50 ms doubling to 1 s)
-        for up to ``timeout_s`` seconds.
+        for up to ``timeout_s`` seconds, then send ``token`` (the job's, ``auth.job_token()``) if given.
 
         Raises:
             ConnectionError: no connection within ``timeout_s``; names ``host:port``.
+            PermissionError: the queue refused ``token`` (or needs one and none was given).
         """
         deadline = time.monotonic() + timeout_s
         delay_s = 0.05
         while True:
             try:
                 reader, writer = await asyncio.open_connection(host, port)
-                return cls(reader, writer, f"{host}:{port}")
+                break
             except OSError as exc:
                 if time.monotonic() + delay_s > deadline:
                     raise ConnectionError(
@@ -62,6 +67,14 @@ class QueueClient:
                     ) from exc
             await asyncio.sleep(delay_s)  # retry at the network boundary only, bounded
             delay_s = min(2 * delay_s, 1.0)
+        client = cls(reader, writer, f"{host}:{port}")
+        if token is not None:
+            try:
+                await client._call(p.Auth, token=token)
+            except BaseException:
+                await client.disconnect()
+                raise
+        return client
 
     async def __aenter__(self) -> "QueueClient":
         return self
@@ -143,6 +156,10 @@ class QueueClient:
         try:
             while True:
                 reply = self._decoder.decode(await p.read_frame(self._reader))
+                if reply.rid == p.CONNECTION:  # the queue refused this connection (protocol.py)
+                    self._fail_pending(_ERRORS.get(reply.kind, RuntimeError)(
+                        f"replay queue at {self.address} refused the connection: {reply.kind}: {reply.message}"))
+                    continue
                 fut = self._pending.get(reply.rid)
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
@@ -153,8 +170,9 @@ class QueueClient:
             self._fail_pending(ConnectionError(f"lost the replay queue at {self.address}: "
                                                f"{exc!r}"))
 
-    def _fail_pending(self, exc: ConnectionError) -> None:
-        self._lost = exc
+    def _fail_pending(self, exc: Exception) -> None:
+        if self._lost is None:  # the first cause is the one to report
+            self._lost = exc
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(exc)

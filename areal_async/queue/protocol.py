@@ -4,6 +4,13 @@ A frame is a 4-byte big-endian payload length followed by one msgpack-encoded me
 and replies are tagged unions (field ``op``); each request carries a client-chosen ``rid`` that
 its reply echoes, so one connection can have many calls in flight (a worker blocks in ``lease``
 while its group tasks ``submit``).
+
+Access: a queue started with the job's token (``areal_async/auth.py``) reads the first frame of a
+connection as ``Auth``; any other first frame, or a wrong token, gets ``Error(kind="Unauthorized")``
+and the connection is closed, nothing dispatched. Errors about the connection rather than one call
+carry ``rid = -1``: ``Unauthorized``, ``BadRequest`` (a payload that is not a request; the
+connection goes on, as frames stay aligned) and ``TooLarge`` (a length prefix over the queue's
+``max_request_bytes``; the connection is closed, as the payload is not read).
 """
 
 from __future__ import annotations
@@ -15,7 +22,12 @@ import msgspec
 from areal_async.queue.core import QueueStats
 from areal_async.types import Trajectory
 
-MAX_FRAME_BYTES = 1 << 30  # a batch of trajectories is far smaller; anything larger is corrupt
+MAX_FRAME_BYTES = 1 << 30  # a reply (a batch of trajectories) is far smaller; anything larger is corrupt
+CONNECTION = -1  # the rid of an Error about the connection, not one call
+
+
+class FrameTooLarge(ValueError):
+    """A length prefix over the reader's limit (the payload is left unread)."""
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", tag=str.lower):
@@ -63,7 +75,13 @@ class PeekReady(_Msg):
     below: int
 
 
-Request = Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close | PeekReady
+class Auth(_Msg):
+    """The job's token; the first frame of a connection to a queue that has one."""
+
+    token: str
+
+
+Request = Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close | PeekReady | Auth
 
 
 # ---- replies (queue → client) --------------------------------------------------------------
@@ -86,7 +104,8 @@ class Stats(_Msg):
 
 
 class Error(_Msg):
-    """A call failed. ``kind``: ``ValueError`` (misuse), ``QueueClosed`` or ``internal``."""
+    """A call failed. ``kind``: ``ValueError`` (misuse), ``QueueClosed``, ``internal``; or, with
+    ``rid = CONNECTION``, ``Unauthorized``, ``BadRequest`` or ``TooLarge`` (module docstring)."""
 
     kind: str
     message: str
@@ -95,18 +114,20 @@ class Error(_Msg):
 Reply = Ack | Leased | Batch | Stats | Error
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    """Read one frame's payload.
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Read one frame's payload of at most ``max_bytes``.
 
     Raises:
         asyncio.IncompleteReadError: the peer closed the connection (cleanly between frames
             when ``.partial`` is empty).
-        ValueError: a length prefix over ``MAX_FRAME_BYTES`` (a corrupt or foreign stream).
+        FrameTooLarge: a length prefix over ``max_bytes`` (too large a request, or a corrupt or
+            foreign stream); the payload is not read.
     """
     header = await reader.readexactly(4)
     size = int.from_bytes(header, "big")
-    if size > MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}; not a queue peer?")
+    if size > max_bytes:
+        raise FrameTooLarge(f"frame of {size} bytes exceeds the limit of {max_bytes} bytes; not a queue peer, "
+                            f"or raise queue.max_request_bytes")
     return await reader.readexactly(size)
 
 

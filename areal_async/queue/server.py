@@ -4,7 +4,11 @@
         [--restore RUN_DIR/checkpoint/buffer.msgpack]
 
 Listens on ``queue.host:queue.port`` (port 0 picks a free one) and prints one ready line,
-``replay queue ready on HOST:PORT``. Each request runs as its own task, so a blocked ``lease`` or
+``replay queue ready on HOST:PORT``. With the job's token (``AREAL_ASYNC_TOKEN``, set by
+``launcher.local``) a connection must open with an ``Auth`` frame carrying it (``protocol.py``);
+without one the queue starts only on a loopback ``queue.host``. A request frame over
+``queue.max_request_bytes`` (64 MiB by default) is refused with ``TooLarge`` and its connection
+closed; a payload that is not a request gets ``BadRequest`` and the connection goes on. Each request runs as its own task, so a blocked ``lease`` or
 ``get_batch`` never holds up other calls on the same connection; when a client disconnects, its
 unanswered calls are cancelled (a lease granted to a vanished client stays ``running`` — the
 launcher stops the whole job when a worker dies). When the trainer closes the queue, and again
@@ -27,11 +31,15 @@ import traceback
 
 import msgspec
 
+from areal_async import auth
 from areal_async.config import load_config
 from areal_async.jitter import Jitter
 from areal_async.queue import protocol as p
 from areal_async.queue.core import QueueClosed, ReplayQueue
 from areal_async.types import Trajectory
+
+
+_UNAUTHORIZED = "send the job's token first (an Auth frame; QueueClient.connect(..., token=AREAL_ASYNC_TOKEN))"
 
 
 class QueueServer:
@@ -41,11 +49,15 @@ class QueueServer:
         queue: the state machine.
         accounting_path: where ``write_accounting`` puts the JSON snapshot (``None``: nowhere).
         jitter: random delay before each request is dispatched (``None``: none).
+        token: the job's token every connection must send first (``None``: no check).
+        max_request_bytes: the largest request frame read; a larger one closes its connection.
     """
 
     def __init__(self, queue: ReplayQueue, accounting_path: pathlib.Path | None = None,
-                 jitter: Jitter | None = None):
+                 jitter: Jitter | None = None, token: str | None = None,
+                 max_request_bytes: int = p.MAX_FRAME_BYTES):
         self.queue = queue
+        self.token, self.max_request_bytes = token, max_request_bytes
         self.jitter = jitter
         self.accounting_path = accounting_path
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -55,18 +67,34 @@ class QueueServer:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection: read frames, answer each request from its own task."""
         lock = asyncio.Lock()
+        authed = self.token is None
         try:
             async with asyncio.TaskGroup() as tg:
                 calls: set[asyncio.Task] = set()
                 while True:
                     try:
-                        req = self._decoder.decode(await p.read_frame(reader))
+                        payload = await p.read_frame(reader, self.max_request_bytes)
                     except (asyncio.IncompleteReadError, ConnectionError):
                         break
-                    except (ValueError, msgspec.DecodeError) as exc:
-                        print(f"[queue] dropping a connection that sent a bad frame: {exc}",
-                              file=sys.stderr, flush=True)
+                    except p.FrameTooLarge as exc:  # its payload is unread: the stream cannot go on
+                        await self._refuse(writer, lock, "TooLarge", str(exc), close=True)
                         break
+                    try:
+                        req = self._decoder.decode(payload)
+                    except msgspec.DecodeError as exc:
+                        if not authed:
+                            await self._refuse(writer, lock, "Unauthorized", _UNAUTHORIZED, close=True)
+                            break
+                        await self._refuse(writer, lock, "BadRequest", f"not a queue request: {exc}")
+                        continue
+                    if not authed or isinstance(req, p.Auth):
+                        if not isinstance(req, p.Auth) or (self.token is not None
+                                                           and not auth.same(req.token, self.token)):
+                            await self._refuse(writer, lock, "Unauthorized", _UNAUTHORIZED, close=True)
+                            break
+                        authed = True
+                        await self._send(writer, lock, p.Ack(rid=req.rid))
+                        continue
                     task = tg.create_task(self._answer(req, writer, lock))
                     calls.add(task)
                     task.add_done_callback(calls.discard)
@@ -88,12 +116,24 @@ class QueueServer:
             reply = p.Error(rid=req.rid, kind="internal", message=repr(exc))
             if not self.failed.done():
                 self.failed.set_result(exc)
+        await self._send(writer, lock, reply)
+
+    async def _send(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, reply: p.Reply) -> None:
         async with lock:
             try:
                 p.write_frame(writer, self._encoder.encode(reply))
                 await writer.drain()
             except ConnectionError:
                 pass  # the client left; its reader loop ends this connection
+
+    async def _refuse(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, kind: str, message: str,
+                      close: bool = False) -> None:
+        """Answer a frame that is no call with a connection-level ``Error``; ``close``: log it too
+        (the caller then ends the connection)."""
+        if close:
+            peer = writer.get_extra_info("peername")
+            print(f"[queue] closing a connection from {peer}: {kind}: {message}", file=sys.stderr, flush=True)
+        await self._send(writer, lock, p.Error(rid=p.CONNECTION, kind=kind, message=message))
 
     async def _dispatch(self, req: p.Request) -> p.Reply:
         q, rid = self.queue, req.rid
@@ -134,10 +174,17 @@ class QueueServer:
 
 async def serve(queue: ReplayQueue, host: str, port: int,
                 accounting_path: pathlib.Path | None = None,
-                jitter: Jitter | None = None) -> tuple[QueueServer, asyncio.Server]:
+                jitter: Jitter | None = None, token: str | None = None,
+                max_request_bytes: int = p.MAX_FRAME_BYTES) -> tuple[QueueServer, asyncio.Server]:
     """Start serving ``queue`` on ``host:port``; returns the handler and the listening server
-    (``server.sockets[0].getsockname()[1]`` is the port when ``port`` was 0)."""
-    handler = QueueServer(queue, accounting_path, jitter)
+    (``server.sockets[0].getsockname()[1]`` is the port when ``port`` was 0). ``token`` and
+    ``max_request_bytes``: see ``QueueServer``.
+
+    Raises:
+        ValueError: a non-loopback ``host`` without a ``token`` (``auth.require_token``).
+    """
+    auth.require_token(host, token, f"the replay queue (queue.host={host})")
+    handler = QueueServer(queue, accounting_path, jitter, token, max_request_bytes)
     server = await asyncio.start_server(handler.handle, host, port)
     return handler, server
 
@@ -149,8 +196,13 @@ async def main(config_path: str, start_version: int, restore: str | None = None)
                 if restore else [])
     queue = ReplayQueue(cfg.queue, cfg.mode, start_version=start_version, restored=restored)
     jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "queue")
-    handler, server = await serve(queue, cfg.queue.host, cfg.queue.port,
-                                  run_dir / "queue_accounting.json", jitter if jitter.enabled else None)
+    try:
+        handler, server = await serve(queue, cfg.queue.host, cfg.queue.port,
+                                      run_dir / "queue_accounting.json", jitter if jitter.enabled else None,
+                                      auth.job_token(), cfg.queue.max_request_bytes)
+    except ValueError as exc:
+        print(f"[queue] error: {exc}", file=sys.stderr, flush=True)
+        return 2
     port = server.sockets[0].getsockname()[1]
     print(f"replay queue ready on {cfg.queue.host}:{port} (mode {cfg.mode}, "
           f"B = {cfg.queue.batch_size}, η = {cfg.queue.max_staleness})", flush=True)

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from areal_async import auth
 from areal_async.config import Config, DebugConfig, RolloutConfig, load_config
 from areal_async.data.prompts import PromptItem, PromptSet
 from areal_async.reward.pool import RewardPool
@@ -144,9 +145,9 @@ async def main(cfg: Config, worker_id: int) -> None:
     urls = inf.urls()
     t0 = time.perf_counter()
     with RewardPool(cfg.reward) as rewards:
-        async with InferenceClient(urls, timeout_s=inf.request_timeout_s) as client:
+        async with InferenceClient(urls, timeout_s=inf.request_timeout_s, token=auth.job_token()) as client:
             await client.wait_healthy(inf.startup_timeout_s)
-            queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0)
+            queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token())
             async with queue:
                 worker = GenerationWorker(worker_id, queue, client, prompts, rewards,
                                           cfg.rollout, cfg.seed, cfg.debug)

@@ -37,6 +37,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from areal_async import auth
 from areal_async.atomic_dir import new_staging_dir, staging_dir
 from areal_async.config import Config, load_config, to_dict
 from areal_async.jitter import Jitter
@@ -76,10 +77,11 @@ class Services:
 
         cfg, inf = self.cfg, self.cfg.inference
         urls = inf.urls()
-        self.client = await self.stack.enter_async_context(InferenceClient(urls, timeout_s=inf.request_timeout_s))
+        self.client = await self.stack.enter_async_context(
+            InferenceClient(urls, timeout_s=inf.request_timeout_s, token=auth.job_token()))
         await self.client.wait_healthy(inf.startup_timeout_s)
         self.queue = await self.stack.enter_async_context(
-            await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0))
+            await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token()))
         self.logger = MetricsLogger(self.run_dir, cfg.logging, cfg.name, to_dict(cfg), cfg.trainer.total_steps,
                                     resumed_at)
         self.stack.callback(self.logger.close)

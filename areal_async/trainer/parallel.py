@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_async.batch_invariant import make_linears_batch_invariant
 from areal_async.config import TrainerConfig
+from areal_async.tcp_store import hosted_store
 from areal_async.trainer.attention import use_packed_attention
 from areal_async.trainer.logprobs import PackedPolicy
 
@@ -50,13 +51,17 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> torch.device:
     """Join the torchrun default group (gloo on CPU, NCCL on CUDA) and return this rank's device.
 
     ``device``: ``"auto"`` (CUDA if available), ``"cpu"`` or ``"cuda"``. Without torchrun's
-    environment (``RANK`` unset) a single-rank group is created on a free local port.
+    environment (``RANK`` unset) a single-rank group is created on a free local port, its store
+    listening on 127.0.0.1 only (``tcp_store.hosted_store``).
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    store = None
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        store = hosted_store("127.0.0.1", int(os.environ["MASTER_PORT"]), 1,
+                             datetime.timedelta(seconds=timeout_s), multi_tenant=False)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -64,7 +69,8 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> torch.device:
         dev = torch.device("cpu")
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None)
+    rank = {} if store is None else {"store": store, "rank": 0, "world_size": 1}
+    dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, **rank)
     return dev
 
 
