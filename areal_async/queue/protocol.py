@@ -52,7 +52,14 @@ class WaitDrained(_Msg):
 
 
 class GetStats(_Msg):
-    pass
+    check: bool = False  # check the accounting first (ReplayQueue.check_accounting)
+
+
+class Release(_Msg):
+    """Worker ``worker_id`` is gone: its running groups go back to be leased again."""
+
+    worker_id: int
+    restart: bool = False
 
 
 class Close(_Msg):
@@ -63,7 +70,8 @@ class PeekReady(_Msg):
     below: int
 
 
-Request = Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close | PeekReady
+Request = (Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close | PeekReady
+           | Release)
 
 
 # ---- replies (queue → client) --------------------------------------------------------------
@@ -77,6 +85,10 @@ class Leased(_Msg):
     group_ids: list[int]
 
 
+class Released(_Msg):
+    group_ids: list[int]
+
+
 class Batch(_Msg):
     trajectories: list[Trajectory]
 
@@ -86,13 +98,14 @@ class Stats(_Msg):
 
 
 class Error(_Msg):
-    """A call failed. ``kind``: ``ValueError`` (misuse), ``QueueClosed`` or ``internal``."""
+    """A call failed. ``kind``: ``ValueError`` (misuse), ``QueueClosed``, ``AccountingError``
+    (a group lost or counted twice) or ``internal``."""
 
     kind: str
     message: str
 
 
-Reply = Ack | Leased | Batch | Stats | Error
+Reply = Ack | Leased | Released | Batch | Stats | Error
 
 
 async def read_frame(reader: asyncio.StreamReader) -> bytes:
