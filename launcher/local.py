@@ -258,12 +258,13 @@ def release_worker(cfg: Config, worker_id: int, why: str = "") -> str:
 
     Raises:
         ConnectionError: the queue is not reachable within 10 s.
+        TimeoutError: it did not answer within 30 s.
     """
     from areal_async.queue.client import QueueClient
 
     async def release() -> list[int]:
         async with await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=10.0) as q:
-            return await q.release(worker_id, restart=True)
+            return await asyncio.wait_for(q.release(worker_id, restart=True), 30.0)
 
     ids = asyncio.run(release())
     # the queue usually took them back already, when the dead worker's connection closed
