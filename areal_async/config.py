@@ -99,6 +99,10 @@ class RolloutConfig(_Cfg):
     # (SGLang's update without a pause): one version per sample, and the update waits for the
     # longest generation (trainer/weight_sync.py). mode: deterministic has none in flight then.
     interrupt_on_update: bool = True
+    # a worker that dies is started again by the launcher up to this many times (each worker, after
+    # a back-off of 1 s doubling to 30 s; its groups go back to the queue, same ids and seeds); one
+    # more death stops the job with its error. 0: the first death stops the job
+    max_worker_restarts: NonNegInt = 3
 
 
 class QueueConfig(_Cfg):

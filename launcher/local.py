@@ -9,7 +9,11 @@ convert once) → write ``RUN_DIR/config.yaml`` and ``RUN_DIR/run.json`` (the po
 → start the inference servers and wait
 for ``/health`` → start the replay queue and wait for its port → start the trainer
 (``torch.distributed.run``) and the generation workers. The job ends when the trainer exits 0.
-If any process exits non-zero (or a long-lived one exits at all), every process is stopped and
+A generation worker that dies is started again, up to ``rollout.max_worker_restarts`` times
+each, after the queue took back its groups (``release_worker``; they are generated again with the
+same ids and seeds) and a back-off (``launcher/supervisor.py``, ``Restart``).
+If any other process exits non-zero (or a long-lived one exits at all), or a worker dies once
+more, every process is stopped and
 the launcher exits 1, printing that process's last lines; except once: when a process could not
 bind a port the launcher chose (another process took it in between), the job is started again
 with newly chosen ports (the logs go on after a ``===== new ports ... =====`` line). Ctrl-C or
@@ -37,7 +41,9 @@ interface (``GLOO_SOCKET_IFNAME=lo`` unless set).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import functools
 import importlib.util
 import os
 import pathlib
@@ -58,7 +64,7 @@ from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfi
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
-from launcher.supervisor import JobFailed, Supervisor
+from launcher.supervisor import JobFailed, Restart, Supervisor
 
 PY = sys.executable
 
@@ -270,6 +276,25 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     return cfg
 
 
+def release_worker(cfg: Config, worker_id: int, why: str = "") -> str:
+    """Before worker ``worker_id`` is started again: the queue takes back the groups it held
+    (they are leased again first, same ids); returns a note for the launcher's line.
+
+    Raises:
+        ConnectionError: the queue is not reachable within 10 s.
+        TimeoutError: it did not answer within 30 s.
+    """
+    from areal_async.queue.client import QueueClient
+
+    async def release() -> list[int]:
+        async with await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=10.0) as q:
+            return await asyncio.wait_for(q.release(worker_id, restart=True), 30.0)
+
+    ids = asyncio.run(release())
+    # the queue usually took them back already, when the dead worker's connection closed
+    return f"groups {ids} go back to the queue" if ids else "the queue took back its groups (logs/queue.log)"
+
+
 def run_job(cfg: Config, sup: Supervisor) -> None:
     """Start every process of the job and block until the trainer finishes."""
     config_path = str(cfg.run_dir / "config.yaml")
@@ -311,8 +336,9 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         echo=True, expect_exit=True, stop_leader_first=True,  # torchrun stops its ranks itself
     )
     for w in range(cfg.rollout.num_workers):
+        restart = Restart(cfg.rollout.max_worker_restarts, functools.partial(release_worker, cfg, w))
         sup.start(f"worker{w}", [PY, "-m", "areal_async.rollout.worker", "--config", config_path,
-                                 "--worker-id", str(w)], expect_exit=True)
+                                 "--worker-id", str(w)], expect_exit=True, restart=restart)
     print(f"[launcher] trainer ({cfg.trainer.nproc} rank(s)) and {cfg.rollout.num_workers} "
           f"worker(s) started; logs in {sup.log_dir}", flush=True)
     sup.wait_for(trainer)

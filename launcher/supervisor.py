@@ -10,6 +10,12 @@ log and the ring buffer get finished lines only, each as a terminal would leave 
 its last ``\r``; a line a bar cleared is dropped). On Linux each child also gets
 ``PR_SET_PDEATHSIG = SIGKILL`` so that it dies with the launcher even if the launcher is killed
 with SIGKILL and cannot clean up.
+
+A child started with a ``Restart`` policy (the generation workers) that dies is started again,
+at most ``max_restarts`` times, each after ``Restart.before`` (the launcher hands the worker's
+groups back to the queue) and a back-off of ``backoff_s`` doubling up to 30 s, during which the
+other children are still watched; its log goes on after a ``===== restart i of n ... =====`` line.
+One more death, or any death of a child without a policy, stops the job as before.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -33,28 +41,65 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+@dataclass(frozen=True)
+class Restart:
+    """How a child that dies is started again.
+
+    ``max_restarts``: restarts allowed (0: none, the job stops at the first death).
+    ``before(why)``: called with the cause of death before each restart is scheduled; returns a
+    note for the launcher's line (e.g. the groups handed back); an exception stops the job.
+    ``backoff_s``: wait before the first restart, doubled for each further one, up to 30 s.
+    """
+
+    max_restarts: int
+    before: Callable[[str], str] | None = None
+    backoff_s: float = 1.0
+
+
 class Child:
-    """One supervised process. ``expect_exit``: its exit (status 0) is part of a normal run."""
+    """One supervised process. ``expect_exit``: its exit (status 0) is part of a normal run;
+    ``restart``: how it is started again when it dies (``None``: never)."""
 
     def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict,
                  echo: bool = False, expect_exit: bool = False, tail_lines: int = 40,
-                 log_header: str | None = None, stop_leader_first: bool = False):
+                 log_header: str | None = None, stop_leader_first: bool = False,
+                 restart: Restart | None = None):
         self.name = name
         self.argv = argv
+        self.env = env
+        self.log_path = log_dir / f"{name}.log"
         self.expect_exit = expect_exit
         self.stop_leader_first = stop_leader_first
+        self.restart = restart
+        self.restarts = 0  # done so far
+        self.restart_at: float | None = None  # monotonic time of a scheduled restart
+        self.why = ""  # how it died last
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-        self._log = open(log_dir / f"{name}.log", "w" if log_header is None else "a", buffering=1)
+        self.echo = echo
+        self._spawn("w" if log_header is None else "a", log_header)
+
+    def _spawn(self, log_mode: str, log_header: str | None) -> None:
+        self._log = open(self.log_path, log_mode, buffering=1)
         if log_header is not None:
             self._log.write(log_header + "\n")
-        self._log.write("$ " + " ".join(argv) + "\n")
+        self._log.write("$ " + " ".join(self.argv) + "\n")
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True, preexec_fn=_die_with_parent, bufsize=0,
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.env, start_new_session=True, preexec_fn=_die_with_parent, bufsize=0,
         )
-        self.echo = echo
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
+
+    def respawn(self, log_header: str) -> None:
+        """Start the (dead) process again with the same command; its log goes on after
+        ``log_header``."""
+        _signal_group(self.proc.pid, signal.SIGKILL)  # what it started (a reward pool) goes too
+        self.proc.wait()
+        self._reader.join(timeout=5)
+        self._log.close()
+        self.tail.clear()
+        self.restart_at = None
+        self._spawn("a", log_header)
 
     def _pump(self) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -123,27 +168,77 @@ class Supervisor:
         self.children: list[Child] = []
 
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
-              expect_exit: bool = False, stop_leader_first: bool = False) -> Child:
+              expect_exit: bool = False, stop_leader_first: bool = False,
+              restart: Restart | None = None) -> Child:
         child = Child(name, argv, self.log_dir, {**self.env, **(env or {})}, echo, expect_exit,
-                      log_header=self.log_header, stop_leader_first=stop_leader_first)
+                      log_header=self.log_header, stop_leader_first=stop_leader_first,
+                      restart=restart)
         self.children.append(child)
         return child
 
     def check(self) -> None:
-        """Raise ``JobFailed`` if any child exited non-zero, or exited when it should not have."""
+        """Raise ``JobFailed`` if any child exited non-zero, or exited when it should not have,
+        unless its ``Restart`` policy allows one more restart: then schedule it (and start the
+        ones whose back-off is over)."""
         for child in self.children:
-            rc = child.poll()
-            if rc is None or (rc == 0 and child.expect_exit):
+            if child.restart_at is not None:
+                if time.monotonic() >= child.restart_at:
+                    self._restart(child)
+                continue
+            if not self._failed(child):
                 continue
             time.sleep(0.2)  # let the reader thread drain the child's last output
-            tag = f"[{child.name}]"  # lines the child tagged itself keep their one tag
-            tail = "\n".join(f"  {line}" if line.startswith(tag) else f"  {tag} {line}" for line in child.tail)
-            if rc < 0:
-                why = f"was killed by {signal.Signals(-rc).name}"
-            else:
-                why = f"exited with status {rc}" if rc else "exited unexpectedly (status 0)"
-            raise JobFailed(f"{child.name} {why}; its last lines "
-                            f"(full log: {self.log_dir / (child.name + '.log')}):\n{tail}")
+            policy = child.restart
+            if policy is not None and child.restarts < policy.max_restarts:
+                self._schedule_restart(child)
+                continue
+            raise self._failure(child)
+
+    @staticmethod
+    def _failed(child: Child) -> bool:
+        rc = child.poll()
+        return rc is not None and not (rc == 0 and child.expect_exit)
+
+    @staticmethod
+    def _why(child: Child) -> str:
+        rc = child.poll()
+        if rc < 0:
+            return f"was killed by {signal.Signals(-rc).name}"
+        return f"exited with status {rc}" if rc else "exited unexpectedly (status 0)"
+
+    @staticmethod
+    def _tail(child: Child) -> str:
+        tag = f"[{child.name}]"  # lines the child tagged itself keep their one tag
+        return "\n".join(f"  {line}" if line.startswith(tag) else f"  {tag} {line}" for line in child.tail)
+
+    def _failure(self, child: Child, extra: str = "") -> JobFailed:
+        after = f" after {child.restarts} restart(s)" if child.restarts else ""
+        return JobFailed(f"{child.name} {self._why(child)}{after}{extra}; its last lines "
+                         f"(full log: {child.log_path}):\n{self._tail(child)}")
+
+    def _schedule_restart(self, child: Child) -> None:
+        policy, why = child.restart, self._why(child)
+        try:
+            note = policy.before(why) if policy.before is not None else ""
+        except Exception as exc:  # e.g. the queue is gone too: then its death is the cause
+            time.sleep(1.0)
+            for other in self.children:
+                if other.restart is None and self._failed(other):
+                    raise self._failure(other) from exc
+            raise self._failure(child, f", and it cannot be restarted: {exc}") from exc
+        delay_s = min(policy.backoff_s * 2 ** child.restarts, 30.0)
+        child.restarts += 1
+        child.restart_at = time.monotonic() + delay_s
+        child.why = why
+        last = "\n".join(self._tail(child).splitlines()[-3:])
+        print(f"[launcher] {child.name} {why}; restart {child.restarts} of {policy.max_restarts} "
+              f"in {delay_s:g} s{'; ' + note if note else ''}; its last lines (full log: "
+              f"{child.log_path}):\n{last}", file=sys.stderr, flush=True)
+
+    def _restart(self, child: Child) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        child.respawn(f"===== restart {child.restarts} of {child.restart.max_restarts}: "
+                      f"{child.name} {child.why}, {stamp} =====")
 
     def wait_for(self, child: Child, poll_s: float = 0.5) -> int:
         """Block until ``child`` exits, checking every other child meanwhile; return its status."""

@@ -6,12 +6,21 @@ differently (``debug.jitter_seed`` 1 and 2), must give identical per-step metric
 and queue-snapshot numbers excluded, see ``TIMING_KEYS``), identical trajectories (the trainer's
 ``trajectories.jsonl``) and identical final weights (SHA-256 over the state dict). The same pair of
 runs in ``mode: throughput`` must differ, which shows the comparison can fail.
+
+Faults: a deterministic job whose only worker is SIGKILLed while it holds groups must finish
+(the launcher restarts the worker, the queue hands the groups out again), train every group once,
+and equal the undisturbed run; without the queue's release it hangs at the batch of the lost
+groups, and the test fails at its 150 s bound. A ``--resume`` of that run for two more steps then
+trains groups 0..N-1 exactly once each.
 """
 
+import asyncio
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -25,12 +34,10 @@ STEPS = 4
 TIMING_KEYS = {"time", "rollout/tokens_per_s", "queue/ready", "queue/running", "queue/capacity"}
 
 
-def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
-            steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
-            extra: tuple[str, ...] = ()) -> pathlib.Path:
-    """Run one job of ``steps`` steps through ``launcher.local`` (``resume``: continue the run
-    ``name`` from its checkpoint; ``extra``: more overrides); returns its run directory (asserts
-    exit 0)."""
+def job_argv(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
+             steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
+             extra: tuple[str, ...] = ()) -> list[str]:
+    """The ``launcher.local`` command line of ``run_job`` (same arguments)."""
     overrides = [
         f"name={name}", f"run_root={run_root}", "seed=3", f"mode={mode}",
         f"model.path={model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
@@ -46,8 +53,17 @@ def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: st
         f"debug.jitter_ms={jitter_ms}", f"debug.jitter_seed={jitter_seed}", *extra,
     ]
     flags = ["--resume"] if resume else []
-    proc = subprocess.run([sys.executable, "-m", "launcher.local", "configs/gsm8k_smollm2.yaml", *overrides, *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    return [sys.executable, "-m", "launcher.local", "configs/gsm8k_smollm2.yaml", *overrides, *flags]
+
+
+def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
+            steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
+            extra: tuple[str, ...] = ()) -> pathlib.Path:
+    """Run one job of ``steps`` steps through ``launcher.local`` (``resume``: continue the run
+    ``name`` from its checkpoint; ``extra``: more overrides); returns its run directory (asserts
+    exit 0)."""
+    argv = job_argv(model_dir, run_root, name, mode, jitter_seed, steps, resume, jitter_ms, extra)
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_root / name
 
@@ -63,9 +79,16 @@ def fingerprint(run_dir: pathlib.Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
+    """``runs[mode, jitter_seed]``: the fingerprint of that undisturbed job, run on first use."""
     root = tmp_path_factory.mktemp("det-runs")
-    return {(mode, seed): fingerprint(run_job(tiny_model_dir, root, f"{mode}-{seed}", mode, seed))
-            for mode in ("deterministic", "throughput") for seed in (1, 2)}
+
+    class Runs(dict):
+        def __missing__(self, key):
+            mode, seed = key
+            self[key] = fingerprint(run_job(tiny_model_dir, root, f"{mode}-{seed}", mode, seed))
+            return self[key]
+
+    return Runs()
 
 
 def test_deterministic_runs_are_bitwise_identical_under_jitter(runs):
@@ -87,3 +110,107 @@ def test_throughput_runs_differ_under_jitter(runs):
     differ = {key: a[key] != b[key] for key in ("metrics", "trajectories", "weights")}
     print(f"\nthroughput weights sha256: {a['weights']} / {b['weights']}; differ: {differ}")
     assert differ["trajectories"] and differ["weights"]
+
+
+# Counters of the restart itself: 0 in an undisturbed run, what the fault changed on purpose.
+FAULT_KEYS = {"queue/released", "queue/requeued", "rollout/worker_restarts"}
+
+
+def _worker_pids(config_path: pathlib.Path) -> list[int]:
+    """Processes whose command line runs ``areal_async.rollout.worker`` on ``config_path``."""
+    pids = []
+    for d in pathlib.Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or it just ended
+            continue
+        if b"areal_async.rollout.worker" in argv and str(config_path).encode() in argv:
+            pids.append(int(d.name))
+    return pids
+
+
+def _wait(what: str, ready, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"the job ended ({proc.returncode}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def killed_run(tiny_model_dir, tmp_path_factory):
+    """One worker (the worker count decides nothing in deterministic mode), SIGKILLed while it holds
+    groups, after step 0 was logged; returns (exit status, the launcher's output, run directory)."""
+    import signal
+
+    from areal_async.config import load_config
+    from areal_async.queue.client import QueueClient
+
+    root, name = tmp_path_factory.mktemp("killed"), "killed-worker"
+    run_dir = root / name
+    out = (root / "launcher.out").open("w+")
+    proc = subprocess.Popen(job_argv(tiny_model_dir, root, name, "deterministic", 3,
+                                     extra=("rollout.num_workers=1",)),
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait("step 0", lambda: metrics.exists() and "train/loss" in metrics.read_text(), 150, proc)
+        queue = load_config(run_dir / "config.yaml").queue
+
+        async def holding() -> bool:  # the worker is mid-group: some group is running
+            async with await QueueClient.connect(queue.host, queue.port, timeout_s=5) as q:
+                return (await q.stats()).running > 0
+
+        _wait("a running group", lambda: asyncio.run(holding()), 60, proc)
+        [pid] = _worker_pids(run_dir / "config.yaml")
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=150)  # without the release the batch of the lost groups never completes
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        out.seek(0)
+        output = out.read()
+    return proc.returncode, output, run_dir
+
+
+def _trained_ids(run_dir: pathlib.Path) -> list[int]:
+    return [g["group_id"] for line in (run_dir / "trajectories.jsonl").read_text().splitlines()
+            for g in json.loads(line)["groups"]]
+
+
+def test_a_killed_worker_is_restarted_and_the_run_equals_an_undisturbed_one(killed_run, runs):
+    # The launcher restarts the worker, the queue hands its groups out again (same ids and seeds),
+    # and the run ends exactly as the undisturbed 2-worker run.
+    rc, output, run_dir = killed_run
+    assert rc == 0, output[-4000:]
+    assert "worker0 was killed by SIGKILL; restart 1 of 3" in output
+    assert "===== restart 1 of 3: worker0 was killed by SIGKILL" in (run_dir / "logs/worker0.log").read_text()
+
+    acct = json.loads((run_dir / "queue_accounting.json").read_text())
+    assert acct["released"] >= 1 and acct["worker_restarts"] == 1, "the worker held no group when killed"
+    assert acct["leased"] == acct["consumed"] + acct["ready"] + acct["running"] + acct["rejected"] + acct["requeued"]
+    consumed = sorted(int(g) for g, s in acct["groups"].items() if s == "consumed")
+    assert consumed == list(range(STEPS * 2)) and acct["requeued"] == 0
+    assert _trained_ids(run_dir) == list(range(STEPS * 2)), "a group was lost or trained twice"
+
+    killed, calm = fingerprint(run_dir), runs["deterministic", 1]
+    assert killed["metrics"][-1]["rollout/worker_restarts"] == 1
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in FAULT_KEYS} for r in rows]  # noqa: E731
+    assert strip(killed["metrics"]) == strip(calm["metrics"])
+    assert killed["trajectories"] == calm["trajectories"]
+    assert killed["weights"] == calm["weights"]
+
+
+def test_resume_after_the_restart_trains_every_group_once(killed_run, tiny_model_dir):
+    # --resume of the run above for 2 more steps: the queue restarts at version 4 with the groups
+    # it had finished (8..11, saved with the checkpoint); every batch is trained once, in order.
+    rc, output, run_dir = killed_run
+    assert rc == 0, output[-4000:]
+    run_job(tiny_model_dir, run_dir.parent, run_dir.name, "deterministic", 4, steps=STEPS + 2,
+            resume=True, extra=("rollout.num_workers=1",))
+    assert _trained_ids(run_dir) == list(range((STEPS + 2) * 2))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS + 2))
+    acct = json.loads((run_dir / "queue_accounting.json").read_text())  # of the groups since the resume
+    assert sorted(int(g) for g, s in acct["groups"].items() if s == "consumed") == [8, 9, 10, 11]

@@ -604,3 +604,60 @@ def test_two_jobs_started_at_once_need_no_port_overrides(tmp_path, tiny_model_di
         assert f"queue.port={record['ports']['queue.port']} (chosen)" in outs[name]  # printed
         ports[name] = set(record["ports"].values())
     assert not ports["a"] & ports["b"], ports
+
+
+def test_a_dying_child_with_a_restart_policy_is_restarted_a_bounded_number_of_times(tmp_path):
+    # Like a worker whose reward function does not import: it dies at every start. Two restarts,
+    # each after the policy's `before` (the queue's release), then the job stops with its error.
+    from launcher.supervisor import Restart
+
+    calls = []
+    sup = Supervisor(tmp_path / "logs")
+    trainer = sup.start("trainer", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    sup.start("worker0", [PY, "-c", "raise SystemExit('no module named rewardz')"], expect_exit=True,
+              restart=Restart(2, lambda why: calls.append(why) or "groups [3] go back", backoff_s=0.05))
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed, match=r"worker0 exited with status 1 after 2 restart\(s\)") as info:
+        sup.wait_for(trainer, poll_s=0.02)
+    assert time.monotonic() - t0 < 20
+    assert "no module named rewardz" in str(info.value)
+    assert calls == ["exited with status 1"] * 2
+    sup.stop_all(grace_s=2)
+    log = (tmp_path / "logs" / "worker0.log").read_text()
+    assert log.count("\nno module named rewardz\n") == 3  # its output, not its command line
+    assert re.findall(r"===== restart (\d) of 2: worker0 exited with status 1, ", log) == ["1", "2"]
+
+
+def test_a_restarted_child_runs_on_and_a_dead_queue_still_stops_the_job(tmp_path):
+    # worker0 is killed once and restarted (it then runs); then the queue dies: the job stops
+    # with the queue's error, not the worker's, though the next worker death cannot be handled.
+    import signal
+
+    from launcher.supervisor import Restart
+
+    def release(why):
+        if queue.poll() is not None:
+            raise ConnectionError("replay queue not reachable")
+        return ""
+
+    sup = Supervisor(tmp_path / "logs")
+    # the worker first, so that check() meets its death before the queue's
+    worker = sup.start("worker0", [PY, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+                       expect_exit=True, restart=Restart(3, release, backoff_s=0.05))
+    queue = sup.start("queue", [PY, "-c", "import sys, time; time.sleep(600)"])
+    trainer = sup.start("trainer", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    first = worker.proc.pid
+    os.kill(first, signal.SIGKILL)
+    while worker.proc.pid == first or "up" not in worker.tail:
+        sup.check()
+        time.sleep(0.02)
+    assert worker.restarts == 1 and worker.proc.poll() is None
+    queue.proc.kill()
+    os.kill(worker.proc.pid, signal.SIGKILL)  # a worker dying of the lost queue, noticed first
+    queue.proc.wait()
+    with pytest.raises(JobFailed, match="queue was killed by SIGKILL"):
+        while True:
+            sup.check()
+            time.sleep(0.02)
+    sup.stop_all(grace_s=2)
+    assert trainer.poll() is not None

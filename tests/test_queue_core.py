@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from areal_async.config import QueueConfig
-from areal_async.queue.core import QueueClosed, ReplayQueue
+from areal_async.queue.core import AccountingError, QueueClosed, QueueStats, ReplayQueue
 from areal_async.queue.staleness import admission_capacity, group_id_limit, group_version
 from areal_async.types import Array, Sample, Trajectory
 
@@ -257,3 +257,104 @@ def test_resume_with_restored_buffer_continues_like_an_unbroken_run():
             ReplayQueue(QueueConfig(batch_size=2, max_staleness=1), "deterministic", 3, saved[1:])
 
     asyncio.run(body())
+
+
+def test_release_requeues_the_same_ids_before_new_ones():
+    async def body():
+        q = make("throughput", b=2, eta=1, conc=4)
+        assert await q.lease(0, 2) == [0, 1]
+        assert await q.lease(1, 2) == [2, 3]
+        await q.submit(traj(0))
+        # worker 0 dies holding group 1: running 3 -> 2, requeued 1; leased counts ids, still 4
+        assert await q.release(0) == [1]
+        assert await q.release(0) == []  # idempotent
+        s = q.check_accounting()
+        assert (s.leased, s.running, s.ready, s.requeued, s.released, s.accepted) == (4, 2, 1, 1, 1, 1)
+        # accepted 1, running 2: min(4 - 2, 2*2 - 3) = 1, the requeued group's slot and no more
+        assert s.capacity == 1
+        assert q.accounting()[1] == "requeued"
+        with pytest.raises(ValueError, match="requeued"):
+            await q.submit(traj(1))  # a late submit of the dead worker's group is refused
+        assert await q.lease(2, 4) == [1]  # the same id, not the new id 4
+        await q.submit(traj(1))
+        s = q.check_accounting()
+        # accepted once for group 1: 2; running 2 (groups 2, 3): min(4 - 2, 4 - 4) = 0
+        assert (s.leased, s.running, s.ready, s.requeued, s.released, s.accepted, s.capacity) == (
+            4, 2, 2, 0, 1, 2, 0)
+        assert [t.group_id for t in await q.get_batch(0)] == [0, 1]
+        # version 1: min(4 - 2, 3*2 - 4) = 2 new ids
+        await q.set_version(1)
+        assert await q.lease(2, 4) == [4, 5]
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_requeued_ids_go_before_new_ones_lowest_first_with_a_worker_restart():
+    async def body():
+        q = make("throughput", b=2, eta=2, conc=8)
+        assert await q.lease(0, 3) == [0, 1, 2]
+        assert await q.lease(1, 1) == [3]
+        await q.release(1)
+        await q.release(0, restart=True)  # the launcher's call: counted as a restart
+        s = q.stats()
+        assert (s.requeued, s.running, s.released, s.worker_restarts) == (4, 0, 4, 1)
+        assert await q.lease(5, 2) == [0, 1]
+        assert await q.lease(6, 8) == [2, 3, 4, 5]  # the rest of the requeued, then new ids
+        q.check_accounting()
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_deterministic_release_holds_the_version_until_the_group_is_done_again():
+    async def body():
+        q = make("deterministic", b=2, eta=0, conc=8)
+        assert await q.lease(0, 8) == [0, 1]
+        await q.submit(traj(0))
+        assert await q.release(0) == [1]
+        # group 1 (v = 0) is requeued, not running: still not drained, version 1 must wait
+        drain = asyncio.create_task(q.wait_drained(0))
+        getter = asyncio.create_task(q.get_batch(0))
+        await _settle()
+        assert not drain.done() and not getter.done()
+        with pytest.raises(ValueError, match="wait_drained"):
+            await q.set_version(1)
+        # η = 0: group_id_limit(0) - next_id = 2 - 2 = 0 new ids, but the requeued id may go
+        assert q.stats().capacity == 1
+        assert await q.lease(1, 8) == [1]  # lease's version assertion holds: v(1) = 0 is live
+        await q.submit(traj(1))
+        await drain
+        assert [t.group_id for t in await getter] == [0, 1]
+        await q.set_version(1)
+        assert await q.lease(1, 8) == [2, 3]
+        s = q.check_accounting()
+        assert (s.leased, s.consumed, s.running, s.released, s.accepted) == (4, 2, 2, 1, 2)
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_release_on_a_closed_queue_changes_nothing():
+    async def body():
+        q = make("throughput")
+        assert await q.lease(0, 2) == [0, 1]
+        await q.close()
+        assert await q.release(0) == []
+        assert q.accounting() == {0: "running", 1: "running"}
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_check_accounting_names_the_counts_of_a_lost_group():
+    async def body():
+        q = make("throughput")
+        assert await q.lease(0, 2) == [0, 1]
+        await q.submit(traj(0))
+        q.check_accounting()
+        del q._holder[1]  # a group dropped without a state change: what the check is for
+        with pytest.raises(AccountingError, match=r"counters \{'running': 0, 'ready': 1.* but groups by state \{'running': 1, 'ready': 1"):
+            q.check_accounting()
+        with pytest.raises(AccountingError, match=r"leased 5 != running 1 \+ ready 1 \+ consumed 0 \+ "
+                                                  r"rejected 2 \+ requeued 0 = 4"):
+            QueueStats(version=0, leased=5, running=1, ready=1, consumed=0, rejected=2, accepted=0,
+                       capacity=0, next_step=0, closed=False).check()
+
+    asyncio.run(asyncio.wait_for(body(), 10))

@@ -14,7 +14,7 @@ import yaml
 
 from areal_async.config import QueueConfig
 from areal_async.queue.client import QueueClient
-from areal_async.queue.core import QueueClosed, ReplayQueue
+from areal_async.queue.core import AccountingError, QueueClosed, ReplayQueue
 from areal_async.queue.server import serve
 from tests.test_queue_core import _settle, traj
 
@@ -106,3 +106,66 @@ def test_cli_serves_and_writes_accounting(tmp_path):
             proc.wait()
     acct = json.loads((tmp_path / "queue_accounting.json").read_text())
     assert (acct["consumed"], acct["groups"]) == (1, {"0": "consumed"})
+
+
+def test_a_closed_connection_releases_its_groups_and_spares_a_restarted_worker(tmp_path):
+    async def body():
+        # η = 2: version 0 admits groups 0..5
+        queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=2, max_concurrent=8),
+                            "deterministic")
+        handler, server = await serve(queue, "127.0.0.1", 0, tmp_path / "acct.json")
+        port = server.sockets[0].getsockname()[1]
+        connect = lambda: QueueClient.connect("127.0.0.1", port, timeout_s=5)  # noqa: E731
+        trainer = await connect()
+        dead = await connect()
+        assert await dead.lease(0, 2) == [0, 1]
+        await dead.submit(traj(0))
+        await dead.disconnect()  # what the kernel does to a SIGKILLed worker's socket
+        while (await trainer.stats()).requeued != 1:
+            await asyncio.sleep(0.01)
+        # worker 0 again, on a new connection: group 1 first, then new ids
+        again = await connect()
+        assert await again.lease(0, 2) == [1, 2]
+        # an old connection of worker 0 closing now must not take back the new one's groups
+        old = await connect()
+        assert await old.lease(0, 1) == [3]
+        assert await again.lease(0, 1) == [4]  # worker 0's latest lease is on `again` now
+        await old.disconnect()
+        await _settle()
+        s = await trainer.check_accounting()
+        assert (s.running, s.requeued, s.released) == (4, 0, 1)
+        # the launcher's explicit release, before it starts worker 0 again
+        assert await trainer.release(0, restart=True) == [1, 2, 3, 4]
+        s = await trainer.check_accounting()
+        assert (s.requeued, s.released, s.worker_restarts) == (4, 5, 1)
+        await trainer.close()
+        acct = json.loads((tmp_path / "acct.json").read_text())
+        assert acct["groups"] == {"0": "ready", "1": "requeued", "2": "requeued", "3": "requeued",
+                                  "4": "requeued"} and "violation" not in acct
+        for c in (again, trainer):
+            await c.disconnect()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(body(), timeout=60))
+
+
+def test_a_broken_accounting_stops_the_service_and_names_the_counts(tmp_path):
+    async def body():
+        queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=1), "throughput")
+        handler, server = await serve(queue, "127.0.0.1", 0, tmp_path / "acct.json")
+        port = server.sockets[0].getsockname()[1]
+        async with await QueueClient.connect("127.0.0.1", port, timeout_s=5) as c:
+            assert await c.lease(0, 2) == [0, 1]
+            queue._consumed += 1  # a count with no group behind it
+            with pytest.raises(AccountingError, match="leased 2"):
+                await c.check_accounting()
+            assert isinstance(handler.failed.result(), AccountingError)
+            with pytest.raises(AccountingError):
+                handler.write_accounting()
+        acct = json.loads((tmp_path / "acct.json").read_text())
+        assert "consumed" in acct["violation"] and acct["groups"] == {"0": "running", "1": "running"}
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(body(), timeout=60))

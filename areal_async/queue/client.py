@@ -3,8 +3,9 @@
 Same calls as ``ReplayQueue`` (all ``async``, ``stats`` included), over one connection. Calls may
 overlap: each request carries an id and a background reader task routes every reply to its
 waiting call. Errors come back as the queue raised them: ``ValueError`` for misuse,
-``QueueClosed`` from ``get_batch``/``wait_drained`` on a closed queue; ``ConnectionError`` if the
-connection drops. Only ``connect`` retries (bounded backoff); a call is never resent, because
+``QueueClosed`` from ``get_batch``/``wait_drained`` on a closed queue, ``AccountingError`` from
+``check_accounting``; ``ConnectionError`` if the connection drops. Closing the connection releases
+the groups it leased (``ReplayQueue.release``, see ``areal_async/queue/server.py``). Only ``connect`` retries (bounded backoff); a call is never resent, because
 ``lease`` and ``submit`` are not idempotent. A cancelled call is not withdrawn on the queue side
 (a cancelled ``lease`` may still have leased ids). ``connect(..., token=...)`` opens the connection
 with the job's token (``protocol.Auth``); a queue that refuses the connection (no token or a wrong
@@ -20,11 +21,11 @@ import time
 import msgspec
 
 from areal_async.queue import protocol as p
-from areal_async.queue.core import QueueClosed, QueueStats
+from areal_async.queue.core import AccountingError, QueueClosed, QueueStats
 from areal_async.types import Trajectory
 
-_ERRORS = {"ValueError": ValueError, "QueueClosed": QueueClosed, "Unauthorized": PermissionError,
-           "TooLarge": ValueError, "BadRequest": ValueError}
+_ERRORS = {"ValueError": ValueError, "QueueClosed": QueueClosed, "AccountingError": AccountingError,
+           "Unauthorized": PermissionError, "TooLarge": ValueError, "BadRequest": ValueError}
 
 
 class QueueClient:
@@ -98,6 +99,11 @@ class QueueClient:
         """Give up on a leased group (running → rejected, with ``reason``)."""
         await self._call(p.Reject, group_id=group_id, reason=reason)
 
+    async def release(self, worker_id: int, restart: bool = False) -> list[int]:
+        """Worker ``worker_id`` is gone: its running groups go back to be leased again
+        (running → requeued); returns their ids. ``restart``: the launcher starts it again."""
+        return (await self._call(p.Release, worker_id=worker_id, restart=restart)).group_ids
+
     async def get_batch(self, step: int) -> list[Trajectory]:
         """Training batch ``step``, sorted by group id; blocks until complete."""
         return (await self._call(p.GetBatch, step=step)).trajectories
@@ -117,6 +123,11 @@ class QueueClient:
     async def stats(self) -> QueueStats:
         """A snapshot of the queue's counters."""
         return (await self._call(p.GetStats)).stats
+
+    async def check_accounting(self) -> QueueStats:
+        """``stats()`` after the queue checked them against every group's state; raises
+        ``AccountingError`` naming the counts (the queue service then stops, status 1)."""
+        return (await self._call(p.GetStats, check=True)).stats
 
     async def close(self) -> None:
         """Close the queue itself (workers' leases then return ``[]``); the connection stays."""

@@ -5,10 +5,18 @@ It owns the sequence-id allocator, admission control (the staleness bound of
 trainer sees them. Every group id it hands out is accounted for::
 
     leased (= running, held by a worker) ──submit──▶ ready ──get_batch──▶ consumed
-                                         └─reject(reason)─▶ rejected
+        │  ▲                             └─reject(reason)─▶ rejected
+ release│  │lease (the same id, before any new one)
+        ▼  │
+      requeued
 
-A lease moves a fresh id straight to ``running``: the queue cannot see a worker start work, so
+A lease moves an id straight to ``running``: the queue cannot see a worker start work, so
 "leased" and "running" are one state here, remembered with the worker that holds it.
+``release(worker_id)`` (the worker's connection closed, or the launcher says it died) moves the
+groups that worker held to ``requeued``: they keep their ids and go to the next leases, lowest id
+first and before any new id, so group g is generated again with the same prompt and sampling
+seeds (both functions of g) and the batch of g still waits for it. A requeued group is neither
+running nor accepted: it frees its admission slot, which its next lease takes again.
 
 Two batching modes (docs/design.md):
 
@@ -38,17 +46,25 @@ from areal_async.queue.staleness import admission_capacity, group_id_limit, grou
 from areal_async.types import Trajectory
 
 Mode = Literal["deterministic", "throughput"]
-RUNNING, READY, CONSUMED, REJECTED = "running", "ready", "consumed", "rejected"
+RUNNING, READY, CONSUMED, REJECTED, REQUEUED = "running", "ready", "consumed", "rejected", "requeued"
 
 
 class QueueClosed(RuntimeError):
     """The queue was closed while a caller waited for a batch or a drain."""
 
 
+class AccountingError(AssertionError):
+    """The queue's counters and its per-group states disagree: some group was lost or counted
+    twice (a bug in the queue, never bad input). The message names the counts."""
+
+
 class QueueStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of the queue. Counts are groups since this queue started.
 
-    Invariant: ``leased == running + ready + consumed + rejected``.
+    Invariant: ``leased == running + ready + consumed + rejected + requeued`` (``check``).
+    ``leased`` counts distinct ids, so a group leased again after a release counts once;
+    ``released`` counts every return of a group by ``release`` and ``worker_restarts`` the
+    launcher's restarts of a dead worker (``release(..., restart=True)``).
     """
 
     version: int
@@ -61,6 +77,19 @@ class QueueStats(msgspec.Struct, frozen=True, kw_only=True):
     capacity: int
     next_step: int
     closed: bool
+    requeued: int = 0
+    released: int = 0
+    worker_restarts: int = 0
+
+    def check(self) -> None:
+        """Raise ``AccountingError`` naming the counts unless ``leased`` is the sum of the
+        states."""
+        total = self.running + self.ready + self.consumed + self.rejected + self.requeued
+        if self.leased != total:
+            raise AccountingError(
+                f"queue accounting broken: leased {self.leased} != running {self.running} + "
+                f"ready {self.ready} + consumed {self.consumed} + rejected {self.rejected} + "
+                f"requeued {self.requeued} = {total}")
 
 
 class ReplayQueue:
@@ -110,7 +139,10 @@ class ReplayQueue:
         self._holder: dict[int, int] = {}  # running group -> worker id
         self._ready: dict[int, Trajectory] = {}  # insertion order = finishing order
         self._reasons: dict[int, str] = {}
+        self._requeued: list[int] = []  # released ids, sorted: leased again before any new id
         self._consumed = 0
+        self._released = 0
+        self._worker_restarts = 0
         self._closed = False
         self._changed = asyncio.Event()
         restored = sorted(restored, key=lambda t: t.group_id)
@@ -126,8 +158,9 @@ class ReplayQueue:
     # ---- workers -------------------------------------------------------------------------
 
     async def lease(self, worker_id: int, max_groups: int) -> list[int]:
-        """Hand out up to ``max_groups`` new group ids to ``worker_id``; block until >= 1 is
-        admitted. Returns ``[]`` once the queue is closed.
+        """Hand out up to ``max_groups`` group ids to ``worker_id``: requeued ids first (lowest
+        first), then new ones; block until >= 1 is admitted. Returns ``[]`` once the queue is
+        closed.
 
         Raises:
             ValueError: ``max_groups < 1``.
@@ -140,8 +173,9 @@ class ReplayQueue:
         if self._closed:
             return []
         n = min(max_groups, self._admissible())
-        ids = list(range(self._next_id, self._next_id + n))
-        self._next_id += n
+        again, self._requeued = self._requeued[:n], self._requeued[n:]
+        ids = again + list(range(self._next_id, self._next_id + n - len(again)))
+        self._next_id += n - len(again)
         for g in ids:
             if self.mode == "deterministic":
                 # After a resume from version s, groups with v(g) < s are generated by s.
@@ -183,6 +217,26 @@ class ReplayQueue:
         self._state[group_id] = REJECTED
         self._reasons[group_id] = reason
         self._notify()
+
+    async def release(self, worker_id: int, restart: bool = False) -> list[int]:
+        """Take back every group ``worker_id`` holds (running → requeued): the worker is gone.
+
+        Called when the worker's connection closes and by the launcher before it starts the
+        worker again (``restart=True``, counted in ``stats().worker_restarts``). Idempotent: a
+        second call finds nothing. On a closed queue nothing changes (no group would be leased
+        again; the ones in flight at the end stay ``running``). Returns the released ids, sorted.
+        """
+        if self._closed:
+            return []
+        ids = sorted(g for g, w in self._holder.items() if w == worker_id)
+        for g in ids:
+            del self._holder[g]
+            self._state[g] = REQUEUED
+        self._requeued = sorted(self._requeued + ids)
+        self._released += len(ids)
+        self._worker_restarts += int(restart)
+        self._notify()
+        return ids
 
     # ---- trainer -------------------------------------------------------------------------
 
@@ -281,11 +335,37 @@ class ReplayQueue:
             capacity=self._admissible(),
             next_step=self._next_step,
             closed=self._closed,
+            requeued=len(self._requeued),
+            released=self._released,
+            worker_restarts=self._worker_restarts,
         )
+
+    def check_accounting(self) -> QueueStats:
+        """``stats()``, after checking it against every group's state: each id from the first
+        one up to the allocator is in exactly one state, the counters equal the number of groups
+        in each state, and the invariant of ``QueueStats.check`` holds.
+
+        Raises:
+            AccountingError: they disagree; the message names the counts.
+        """
+        s = self.stats()
+        counts = {st: 0 for st in (RUNNING, READY, CONSUMED, REJECTED, REQUEUED)}
+        for st in self._state.values():
+            counts[st] += 1
+        ids = set(range(self._first_id, self._next_id))
+        want = {RUNNING: s.running, READY: s.ready, CONSUMED: s.consumed, REJECTED: s.rejected,
+                REQUEUED: s.requeued}
+        odd = sorted(ids ^ set(self._state))
+        if counts != want or odd:
+            raise AccountingError(
+                f"queue accounting broken: counters {want} but groups by state {counts} (leased "
+                f"{s.leased})" + (f"; ids {odd[:10]} are missing or unexpected" if odd else ""))
+        s.check()
+        return s
 
     def accounting(self) -> dict[int, str]:
         """State of every group leased since start: ``running`` | ``ready`` | ``consumed`` |
-        ``rejected: <reason>``."""
+        ``rejected: <reason>`` | ``requeued`` (its worker died, not leased again yet)."""
         return {
             g: f"{REJECTED}: {self._reasons[g]}" if s == REJECTED else s
             for g, s in self._state.items()
@@ -300,13 +380,16 @@ class ReplayQueue:
         )
         if self.mode == "deterministic":
             # Ids whose v(g) is newer than the live version wait: their tokens must all come
-            # from v(g) exactly.
-            cap = min(cap, group_id_limit(self._version, self._b, self._eta) - self._next_id)
+            # from v(g) exactly. Requeued ids were admitted under the live version (set_version
+            # waits for them, see _drained), so they may always go again.
+            fresh = group_id_limit(self._version, self._b, self._eta) - self._next_id
+            cap = min(cap, len(self._requeued) + max(0, fresh))
         return max(0, cap)
 
     def _drained(self, version: int) -> bool:
         limit = group_id_limit(version, self._b, self._eta) if version >= 0 else 0
-        return self._next_id >= limit and all(g >= limit for g in self._holder)
+        return (self._next_id >= limit and all(g >= limit for g in self._holder)
+                and all(g >= limit for g in self._requeued))
 
     def _expect_running(self, g: int, action: str) -> None:
         state = self._state.get(g)

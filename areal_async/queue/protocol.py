@@ -64,7 +64,14 @@ class WaitDrained(_Msg):
 
 
 class GetStats(_Msg):
-    pass
+    check: bool = False  # check the accounting first (ReplayQueue.check_accounting)
+
+
+class Release(_Msg):
+    """Worker ``worker_id`` is gone: its running groups go back to be leased again."""
+
+    worker_id: int
+    restart: bool = False
 
 
 class Close(_Msg):
@@ -81,7 +88,8 @@ class Auth(_Msg):
     token: str
 
 
-Request = Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close | PeekReady | Auth
+Request = (Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close | PeekReady
+           | Release | Auth)
 
 
 # ---- replies (queue → client) --------------------------------------------------------------
@@ -95,6 +103,10 @@ class Leased(_Msg):
     group_ids: list[int]
 
 
+class Released(_Msg):
+    group_ids: list[int]
+
+
 class Batch(_Msg):
     trajectories: list[Trajectory]
 
@@ -104,14 +116,15 @@ class Stats(_Msg):
 
 
 class Error(_Msg):
-    """A call failed. ``kind``: ``ValueError`` (misuse), ``QueueClosed``, ``internal``; or, with
-    ``rid = CONNECTION``, ``Unauthorized``, ``BadRequest`` or ``TooLarge`` (module docstring)."""
+    """A call failed. ``kind``: ``ValueError`` (misuse), ``QueueClosed``, ``AccountingError`` (a
+    group lost or counted twice), ``internal``; or, with ``rid = CONNECTION``, ``Unauthorized``,
+    ``BadRequest`` or ``TooLarge`` (module docstring)."""
 
     kind: str
     message: str
 
 
-Reply = Ack | Leased | Batch | Stats | Error
+Reply = Ack | Leased | Released | Batch | Stats | Error
 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> bytes:

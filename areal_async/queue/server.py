@@ -10,10 +10,14 @@ without one the queue starts only on a loopback ``queue.host``. A request frame 
 ``queue.max_request_bytes`` (64 MiB by default) is refused with ``TooLarge`` and its connection
 closed; a payload that is not a request gets ``BadRequest`` and the connection goes on. Each request runs as its own task, so a blocked ``lease`` or
 ``get_batch`` never holds up other calls on the same connection; when a client disconnects, its
-unanswered calls are cancelled (a lease granted to a vanished client stays ``running`` — the
-launcher stops the whole job when a worker dies). When the trainer closes the queue, and again
-at shutdown, the counters and every group's state are written to
-``RUN_DIR/queue_accounting.json``. With ``debug.jitter_ms`` every request waits a seeded random
+unanswered calls are cancelled, then the groups it leased and did not finish go back to the queue
+(``ReplayQueue.release`` of each worker id that leased on it, unless that worker id has leased on a
+newer connection since: a restarted worker is never robbed), one ``[queue]`` line names them. The
+launcher also sends ``Release(worker_id, restart=True)`` before it starts a dead worker again.
+Every ``GetStats(check=True)`` (the trainer's, once a step) checks the accounting against every
+group's state; when the trainer closes the queue, and again at shutdown, it is checked too and the
+counters and every group's state are written to ``RUN_DIR/queue_accounting.json`` (with
+``violation``: the message, when the check failed). A failed check ends the service with status 1. With ``debug.jitter_ms`` every request waits a seeded random
 delay before it reaches the queue (determinism tests). The process runs until SIGTERM/SIGINT (exit 0); an internal
 error (a broken invariant) ends it with status 1 and the traceback.
 """
@@ -35,7 +39,7 @@ from areal_async import auth
 from areal_async.config import load_config
 from areal_async.jitter import Jitter
 from areal_async.queue import protocol as p
-from areal_async.queue.core import QueueClosed, ReplayQueue
+from areal_async.queue.core import AccountingError, QueueClosed, ReplayQueue
 from areal_async.types import Trajectory
 
 
@@ -63,11 +67,15 @@ class QueueServer:
         self.failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         self._decoder = msgspec.msgpack.Decoder(p.Request)
         self._encoder = msgspec.msgpack.Encoder()
+        self._connections = 0
+        self._lessee: dict[int, int] = {}  # worker id -> the connection of its latest granted lease
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection: read frames, answer each request from its own task."""
         lock = asyncio.Lock()
         authed = self.token is None
+        self._connections += 1
+        conn = self._connections
         try:
             async with asyncio.TaskGroup() as tg:
                 calls: set[asyncio.Task] = set()
@@ -95,25 +103,37 @@ class QueueServer:
                         authed = True
                         await self._send(writer, lock, p.Ack(rid=req.rid))
                         continue
-                    task = tg.create_task(self._answer(req, writer, lock))
+                    task = tg.create_task(self._answer(req, writer, lock, conn))
                     calls.add(task)
                     task.add_done_callback(calls.discard)
                 for task in calls:  # the client is gone: nobody will read these answers
                     task.cancel()
         finally:
+            await self._release_connection(conn)  # after its calls ended: no lease still granting
             writer.close()
 
-    async def _answer(self, req: p.Request, writer: asyncio.StreamWriter, lock: asyncio.Lock):
+    async def _release_connection(self, conn: int) -> None:
+        """The client of ``conn`` left: put back the groups its worker ids hold."""
+        for worker_id in [w for w, c in self._lessee.items() if c == conn]:
+            del self._lessee[worker_id]
+            ids = await self.queue.release(worker_id)
+            if ids:
+                print(f"[queue] worker {worker_id}'s connection closed while it held groups {ids}; "
+                      f"they go back to be leased again", file=sys.stderr, flush=True)
+
+    async def _answer(self, req: p.Request, writer: asyncio.StreamWriter, lock: asyncio.Lock,
+                      conn: int = 0):
         try:
             if self.jitter is not None:
                 await self.jitter()  # injected timing noise: reorders concurrent queue calls
-            reply = await self._dispatch(req)
+            reply = await self._dispatch(req, conn)
         except ValueError as exc:
             reply = p.Error(rid=req.rid, kind="ValueError", message=str(exc))
         except QueueClosed as exc:
             reply = p.Error(rid=req.rid, kind="QueueClosed", message=str(exc))
         except Exception as exc:  # a broken invariant: tell the caller, then stop the service
-            reply = p.Error(rid=req.rid, kind="internal", message=repr(exc))
+            kind = "AccountingError" if isinstance(exc, AccountingError) else "internal"
+            reply = p.Error(rid=req.rid, kind=kind, message=str(exc) if kind != "internal" else repr(exc))
             if not self.failed.done():
                 self.failed.set_result(exc)
         await self._send(writer, lock, reply)
@@ -135,11 +155,20 @@ class QueueServer:
             print(f"[queue] closing a connection from {peer}: {kind}: {message}", file=sys.stderr, flush=True)
         await self._send(writer, lock, p.Error(rid=p.CONNECTION, kind=kind, message=message))
 
-    async def _dispatch(self, req: p.Request) -> p.Reply:
+    async def _dispatch(self, req: p.Request, conn: int = 0) -> p.Reply:
         q, rid = self.queue, req.rid
         match req:
             case p.Lease():
-                return p.Leased(rid=rid, group_ids=await q.lease(req.worker_id, req.max_groups))
+                ids = await q.lease(req.worker_id, req.max_groups)
+                if ids:
+                    self._lessee[req.worker_id] = conn
+                return p.Leased(rid=rid, group_ids=ids)
+            case p.Release():
+                ids = await q.release(req.worker_id, req.restart)
+                print(f"[queue] released worker {req.worker_id}"
+                      f"{' (restarting)' if req.restart else ''}: groups {ids} go back to be leased again",
+                      file=sys.stderr, flush=True)
+                return p.Released(rid=rid, group_ids=ids)
             case p.Submit():
                 await q.submit(req.traj)
             case p.Reject():
@@ -153,7 +182,7 @@ class QueueServer:
             case p.PeekReady():
                 return p.Batch(rid=rid, trajectories=await q.peek_ready(req.below))
             case p.GetStats():
-                return p.Stats(rid=rid, stats=q.stats())
+                return p.Stats(rid=rid, stats=q.check_accounting() if req.check else q.stats())
             case p.Close():
                 await q.close()
                 self.write_accounting()
@@ -162,14 +191,27 @@ class QueueServer:
         return p.Ack(rid=rid)
 
     def write_accounting(self) -> None:
-        """Write ``stats()`` plus every group's state to ``accounting_path`` (atomically)."""
-        if self.accounting_path is None:
-            return
-        data = msgspec.to_builtins(self.queue.stats())
-        data["groups"] = {str(g): s for g, s in self.queue.accounting().items()}
-        tmp = self.accounting_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self.accounting_path)
+        """Check the accounting, then write ``stats()`` plus every group's state to
+        ``accounting_path`` (atomically; ``violation``: the failed check's message).
+
+        Raises:
+            AccountingError: the check failed (after the file is written).
+        """
+        violation = None
+        try:
+            self.queue.check_accounting()
+        except AccountingError as exc:
+            violation = exc
+        if self.accounting_path is not None:
+            data = msgspec.to_builtins(self.queue.stats())
+            if violation is not None:
+                data["violation"] = str(violation)
+            data["groups"] = {str(g): s for g, s in self.queue.accounting().items()}
+            tmp = self.accounting_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.accounting_path)
+        if violation is not None:
+            raise violation
 
 
 async def serve(queue: ReplayQueue, host: str, port: int,
@@ -214,7 +256,11 @@ async def main(config_path: str, start_version: int, restore: str | None = None)
     await asyncio.wait([stopped, handler.failed], return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     server.close()
-    handler.write_accounting()
+    try:
+        handler.write_accounting()
+    except AccountingError as exc:
+        if not handler.failed.done():
+            handler.failed.set_result(exc)
     if handler.failed.done():
         exc = handler.failed.result()
         traceback.print_exception(exc)

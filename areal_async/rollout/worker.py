@@ -11,7 +11,10 @@ recorded them) is submitted the moment its last sample is scored. At most
 ``rollout.max_groups_in_flight`` groups are in flight. When the queue closes (``lease`` returns
 ``[]``) the groups still in flight can no longer be trained; they are cancelled and the worker
 exits 0. Any error (server, reward pool, queue) cancels everything and exits non-zero with the
-traceback, which stops the job. ``debug.jitter_ms`` adds a uniform random delay before each
+traceback; the launcher then starts the worker again, a bounded number of times
+(``rollout.max_worker_restarts``; one more death stops the job), and the queue hands the groups it
+held out again, with the same ids (``ReplayQueue.release``), so they are generated again with the
+same prompts and seeds. ``debug.jitter_ms`` adds a uniform random delay before each
 request (seeded by ``debug.jitter_seed`` and the worker id) to shake up timing in tests.
 """
 

@@ -4,7 +4,8 @@ Every rank holds a shard (FSDP2) or replica (DDP) of the policy; rank 0 alone ta
 replay queue, the inference servers, the metrics logger and the evaluator, and hands each batch
 to the other ranks over the default group. Per step k: take batch k → one decoupled-PPO step →
 [deterministic: wait until every group of version ≤ k has finished] → [wait for a running
-evaluation] → make version k+1 live on the servers → announce it to the queue → log → [every
+evaluation] → make version k+1 live on the servers → announce it to the queue → log (the queue
+checks its accounting first; a broken one raises ``AccountingError``) → [every
 ``eval.every_steps``: start evaluating version k+1 in the background, overlapping step k+1's wait
 for data and its training] → checkpoint (every ``trainer.checkpoint_every``
 steps and at the end; ``trainer.resume`` restarts from it, see ``resume.py``). The run directory
@@ -263,7 +264,9 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
                     await services.queue.set_version(k + 1)
             if services:
                 metrics |= batch_metrics(trajs, k, timer.seconds["step_s"])
-                metrics |= queue_metrics(await services.queue.stats())
+                # the queue checks its accounting (leased = running + ready + consumed + rejected +
+                # requeued, group by group): a violation raises AccountingError and stops the job
+                metrics |= queue_metrics(await services.queue.check_accounting())
                 metrics |= perf_metrics(timer.seconds, metrics["train/tokens"])
                 metrics |= {"version/trainer": k + 1, "version/servers": await services.server_version(),
                             "perf/elapsed_s": elapsed_before + time.monotonic() - clock}
