@@ -102,33 +102,29 @@ def parse_ints(flag: str, text: str, what: str) -> list[int]:
     return values
 
 
-def parse_objectives(text: str) -> list[str]:
-    """``"decoupled,naive"`` → ``["decoupled", "naive"]``; raises ``ValueError`` naming an unknown
-    or repeated objective."""
-    names = []
-    for item in text.split(","):
-        name = item.strip()
-        if name not in OBJECTIVES:
-            raise ValueError(f"--objectives {text}: {name!r} is not an objective; choose from "
-                             f"{', '.join(OBJECTIVES)}")
-        if name in names:
-            raise ValueError(f"--objectives {text}: {name!r} is given twice; give each objective once")
-        names.append(name)
-    return names
-
-
-def parse_interrupts(text: str) -> list[str]:
-    """``"on,off"`` → ``["on", "off"]``; raises ``ValueError`` naming an unknown or repeated value."""
+def parse_choices(flag: str, text: str, allowed, unknown: str) -> list[str]:
+    """``"a,b"`` → ``["a", "b"]``, each in ``allowed``; raises ``ValueError`` naming an unknown value
+    (``unknown``: what to give instead) or a repeated one."""
     values = []
     for item in text.split(","):
         value = item.strip()
-        if value not in INTERRUPTS:
-            raise ValueError(f"--interrupt {text}: {value!r} is not on or off; give on (weight updates "
-                             f"interrupt the generations in flight), off (they wait for them) or on,off")
+        if value not in allowed:
+            raise ValueError(f"{flag} {text}: {value!r} is not {unknown}")
         if value in values:
-            raise ValueError(f"--interrupt {text}: {value!r} is given twice; give each value once")
+            raise ValueError(f"{flag} {text}: {value!r} is given twice; give each value once")
         values.append(value)
     return values
+
+
+def parse_objectives(text: str) -> list[str]:
+    """``"decoupled,naive"`` → ``["decoupled", "naive"]`` (``parse_choices``)."""
+    return parse_choices("--objectives", text, OBJECTIVES, f"an objective; choose from {', '.join(OBJECTIVES)}")
+
+
+def parse_interrupts(text: str) -> list[str]:
+    """``"on,off"`` → ``["on", "off"]`` (``parse_choices``)."""
+    return parse_choices("--interrupt", text, INTERRUPTS, "on or off; give on (weight updates interrupt the "
+                         "generations in flight), off (they wait for them) or on,off")
 
 
 def cell_overrides(eta: int, objective: str, seed: int, study: str, root: pathlib.Path,
