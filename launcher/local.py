@@ -29,8 +29,8 @@ step s up to ``trainer.total_steps``, appending to ``metrics.jsonl`` and to ``lo
 a ``===== --resume at step s, <time> =====`` line), on newly chosen ports. The trainer runs under ``launcher.torchrun``,
 so stopping the job ends ``trainer.log`` with one line, not torchrun's traceback.
 
-Access (README "Security"): each launch makes a new random token (``areal_async.auth.new_token``)
-and gives it to every child as ``AREAL_ASYNC_TOKEN`` (a real SGLang server as ``--api-key``, its
+Access (README "Security"): each launch makes a new random token (``areal_async.auth.new_token``;
+the one in ``AREAL_ASYNC_TOKEN`` when the launcher's environment sets it) and gives it to every child as ``AREAL_ASYNC_TOKEN`` (a real SGLang server as ``--api-key``, its
 only way in); the servers and the queue refuse callers without it. Every port of the job listens
 on its configured host: the servers on ``inference.host``, the queue on ``queue.host`` (both
 ``127.0.0.1`` by default), torchrun's rendezvous and the weight group's store on ``127.0.0.1``
@@ -276,9 +276,10 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     return cfg
 
 
-def release_worker(cfg: Config, worker_id: int, why: str = "") -> str:
+def release_worker(cfg: Config, token: str | None, worker_id: int, why: str = "") -> str:
     """Before worker ``worker_id`` is started again: the queue takes back the groups it held
-    (they are leased again first, same ids); returns a note for the launcher's line.
+    (they are leased again first, same ids); returns a note for the launcher's line. ``token``:
+    the job's (the queue refuses a connection without it).
 
     Raises:
         ConnectionError: the queue is not reachable within 10 s.
@@ -287,7 +288,7 @@ def release_worker(cfg: Config, worker_id: int, why: str = "") -> str:
     from areal_async.queue.client import QueueClient
 
     async def release() -> list[int]:
-        async with await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=10.0) as q:
+        async with await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=10.0, token=token) as q:
             return await asyncio.wait_for(q.release(worker_id, restart=True), 30.0)
 
     ids = asyncio.run(release())
@@ -336,7 +337,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         echo=True, expect_exit=True, stop_leader_first=True,  # torchrun stops its ranks itself
     )
     for w in range(cfg.rollout.num_workers):
-        restart = Restart(cfg.rollout.max_worker_restarts, functools.partial(release_worker, cfg, w))
+        restart = Restart(cfg.rollout.max_worker_restarts, functools.partial(release_worker, cfg, token, w))
         sup.start(f"worker{w}", [PY, "-m", "areal_async.rollout.worker", "--config", config_path,
                                  "--worker-id", str(w)], expect_exit=True, restart=restart)
     print(f"[launcher] trainer ({cfg.trainer.nproc} rank(s)) and {cfg.rollout.num_workers} "
@@ -355,7 +356,9 @@ def launch(cfg: Config) -> int:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         header = f"===== --resume at step {read_step(cfg.run_dir / 'checkpoint')}, {stamp} ====="
     chosen = tuple(read_record(cfg.run_dir).get("chosen", ()))
-    job_env = _job_env(auth.new_token())  # the token lives in the children's environment only
+    # the token lives in the children's environment only: the one given in AREAL_ASYNC_TOKEN (to reach
+    # the job's servers and queue from outside it), else a new one
+    job_env = _job_env(auth.job_token() or auth.new_token())
     print(f"[launcher] ports: {describe(cfg, chosen)}", flush=True)
     for attempt in (1, 2):
         sup = Supervisor(cfg.run_dir / "logs", env=job_env, log_header=header)

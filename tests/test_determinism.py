@@ -149,16 +149,18 @@ def killed_run(tiny_model_dir, tmp_path_factory):
     root, name = tmp_path_factory.mktemp("killed"), "killed-worker"
     run_dir = root / name
     out = (root / "launcher.out").open("w+")
+    token = "chaos-test-token"  # the job's token, given to the launcher, so the test can ask the queue
     proc = subprocess.Popen(job_argv(tiny_model_dir, root, name, "deterministic", 3,
                                      extra=("rollout.num_workers=1",)),
-                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "AREAL_ASYNC_TOKEN": token})
     try:
         metrics = run_dir / "metrics.jsonl"
         _wait("step 0", lambda: metrics.exists() and "train/loss" in metrics.read_text(), 150, proc)
         queue = load_config(run_dir / "config.yaml").queue
 
         async def holding() -> bool:  # the worker is mid-group: some group is running
-            async with await QueueClient.connect(queue.host, queue.port, timeout_s=5) as q:
+            async with await QueueClient.connect(queue.host, queue.port, timeout_s=5, token=token) as q:
                 return (await q.stats()).running > 0
 
         _wait("a running group", lambda: asyncio.run(holding()), 60, proc)
