@@ -1,0 +1,51 @@
+"""Admission of generation requests: the bound on requests waiting for a KV slot, and its HTTP 503.
+
+The engine decodes at most ``max_running_requests`` requests at once (one KV slot each); the
+others wait in its queue. ``max_queued_requests`` bounds that queue, as SGLang's
+``--max-queued-requests`` does: a request arriving when it is full is refused at once instead of
+waiting behind it, so a flood of requests (a misconfigured rollout, 1,000 clients at once) is
+answered within milliseconds, never by a connection that hangs or a server that runs out of memory.
+Requests holding a KV slot are not counted, and a prefill-only request (``max_new_tokens: 0``)
+never queues.
+
+What SGLang 0.5.23 does (``Scheduler._abort_on_queued_limit``): the bound counts its waiting
+queue only; the default is no bound; a refused non-streamed ``/generate`` is HTTP 503 with
+``{"object": "error", "message": "The request queue is full.", "code": 503}`` and no
+``Retry-After`` header; a refused streamed one is an error chunk in an HTTP 200 stream. Here a
+refusal is HTTP 503 with ``Retry-After: RETRY_AFTER_S`` and this project's error body (its message
+starts with SGLang's sentence), streamed or not: the bound is checked before a stream's headers are
+sent, and again when its requests enter the queue (another call may have filled it meanwhile; the
+stream then ends with an error event of code 503). A batch (several prompts, or ``n`` choices) is
+admitted whole or refused whole. The default bound is ``DEFAULT_MAX_QUEUED`` (not unbounded):
+each waiting request holds its prompt as Python ints (~36 bytes a token) and an open connection.
+
+``InferenceClient`` retries a 503 after its ``Retry-After`` (SGLang's, without the header, after
+its own backoff), within a bounded time (``client.py``).
+"""
+
+from __future__ import annotations
+
+DEFAULT_MAX_QUEUED = 1024  # requests waiting for a KV slot, per server (inference.max_queued_requests)
+# seconds a refused caller waits before it asks again: about the time the tiny CPU models need to
+# work through a few decode batches; a client retries sooner only if it ignores the header
+RETRY_AFTER_S = 1
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue holds ``max_queued`` requests: a new one is refused (HTTP 503).
+
+    ``waiting``: requests waiting when it was refused; ``asked``: how many this call brought.
+    """
+
+    def __init__(self, waiting: int, max_queued: int, asked: int = 1):
+        self.waiting, self.max_queued, self.asked = waiting, max_queued, asked
+        super().__init__(
+            f"The request queue is full. {waiting} request(s) wait for a KV slot and the server holds at most "
+            f"{max_queued} (--max-queued-requests; this call brings {asked}); retry after the Retry-After "
+            f"header's {RETRY_AFTER_S} s, or send fewer requests at once, or raise --max-queued-requests "
+            f"/ --max-running-requests")
+
+
+def retry_after_headers() -> dict[str, str]:
+    """The headers of a 503 refusal: ``Retry-After`` in whole seconds (RFC 9110's delay-seconds)."""
+    return {"Retry-After": str(RETRY_AFTER_S)}
