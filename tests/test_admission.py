@@ -54,25 +54,27 @@ def test_a_full_queue_answers_503_with_retry_after_on_every_generation_endpoint(
     }
 
     async def main():
+        # room for 2: the free slot and one waiting place
         async with bounded(tiny_model_dir, max_queued=1) as (url, http, engine):
             await engine.pause("in_place")  # nothing is admitted to a slot: requests stay waiting
-            # a batch of 2 into a queue of 1 is refused whole (nothing of it queued)
-            batch = await post(http, url + "/generate", {**generate, "input_ids": [PROMPT, PROMPT]})
+            # a batch of 3 into room for 2 is refused whole (nothing of it queued)
+            batch = await post(http, url + "/generate", {**generate, "input_ids": [PROMPT] * 3})
             n_after_batch = engine.num_waiting
-            first = asyncio.create_task(post(http, url + "/generate", generate))
-            await until(lambda: engine.num_waiting == 1, "the first request to wait")
+            first = [asyncio.create_task(post(http, url + "/generate", generate)) for _ in range(2)]
+            await until(lambda: engine.num_waiting == 2, "the first two requests to wait")
             answers = {path: await post(http, url + path.strip(), body) for path, body in refused.items()}
             engine.resume()
-            return batch, n_after_batch, answers, await first, await post(http, url + "/generate", generate)
+            return batch, n_after_batch, answers, await asyncio.gather(*first), await post(http, url + "/generate",
+                                                                                            generate)
 
     batch, n_after_batch, answers, first, after = asyncio.run(main())
-    assert batch[0] == 503 and "this call brings 2" in batch[2] and n_after_batch == 0
+    assert batch[0] == 503 and "this call brings 3" in batch[2] and n_after_batch == 0
     for path, (status, headers, text) in answers.items():
         assert status == 503, (path, status, text)
         assert headers.get("Retry-After") == "1", (path, headers)
-        assert "The request queue is full. 1 request(s) wait" in text and "--max-queued-requests" in text, text
+        assert "The request queue is full. 2 request(s) wait for a KV slot (1 free)" in text, text
     assert json.loads(answers["/v1/completions"][2])["error"]["code"] == 503  # OpenAI's error body
-    assert first[0] == 200 and after[0] == 200, (first, after)
+    assert [a[0] for a in first] == [200, 200] and after[0] == 200, (first, after)
 
 
 def test_requests_whose_clients_left_do_not_fill_the_queue(tiny_model_dir):
@@ -81,10 +83,11 @@ def test_requests_whose_clients_left_do_not_fill_the_queue(tiny_model_dir):
     async def main():
         async with bounded(tiny_model_dir, max_queued=1) as (url, http, engine):
             await engine.pause("in_place")
-            gone = asyncio.create_task(post(http, url + "/generate", body))
-            await until(lambda: engine.num_waiting == 1, "the first request to wait")
-            gone.cancel()  # its client disconnects: the server aborts it, it stays in the deque
-            await until(lambda: engine.num_waiting == 0, "the abort")
+            gone = [asyncio.create_task(post(http, url + "/generate", body)) for _ in range(2)]  # room for 2
+            await until(lambda: engine.num_waiting == 2, "the first two requests to wait")
+            for task in gone:
+                task.cancel()  # its client disconnects: the server aborts it, it stays in the deque
+            await until(lambda: engine.num_waiting == 0, "the aborts")
             second = asyncio.create_task(post(http, url + "/generate", body))
             await until(lambda: engine.num_waiting == 1 or second.done(), "the second request to wait")
             engine.resume()
@@ -95,7 +98,7 @@ def test_requests_whose_clients_left_do_not_fill_the_queue(tiny_model_dir):
 
 
 def test_the_client_waits_out_refusals_so_every_request_of_a_flood_completes(tiny_model_dir):
-    # 1 slot and 1 waiting place for 4 requests at once: two are refused (503) at first, and
+    # room for 2 (1 slot, 1 waiting place) for 4 requests at once: two are refused (503) at first, and
     # the client asks again after Retry-After until they are in: the rollout worker sees no error
     async def main():
         async with bounded(tiny_model_dir, max_queued=1) as (url, _, engine):

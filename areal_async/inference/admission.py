@@ -5,11 +5,13 @@ others wait in its queue. ``max_queued_requests`` bounds that queue, as SGLang's
 ``--max-queued-requests`` does: a request arriving when it is full is refused at once instead of
 waiting behind it, so a flood of requests (a misconfigured rollout, 1,000 clients at once) is
 answered within milliseconds, never by a connection that hangs or a server that runs out of memory.
-Requests holding a KV slot are not counted, and a prefill-only request (``max_new_tokens: 0``)
-never queues.
+Requests holding a KV slot are not counted, nor are as many waiting ones as there are free slots
+(the next step admits them): a burst into an idle server gets ``max_running_requests +
+max_queued_requests`` requests in. A prefill-only request (``max_new_tokens: 0``) never queues.
 
 What SGLang 0.5.23 does (``Scheduler._abort_on_queued_limit``): the bound counts its waiting
-queue only; the default is no bound; a refused non-streamed ``/generate`` is HTTP 503 with
+queue only, free slots or not (a burst that arrives between two scheduler iterations is queued
+before the next batch is formed, so it gets ``max_queued_requests`` in); the default is no bound; a refused non-streamed ``/generate`` is HTTP 503 with
 ``{"object": "error", "message": "The request queue is full.", "code": 503}`` and no
 ``Retry-After`` header; a refused streamed one is an error chunk in an HTTP 200 stream. Here a
 refusal is HTTP 503 with ``Retry-After: RETRY_AFTER_S`` and this project's error body (its message
@@ -32,18 +34,19 @@ RETRY_AFTER_S = 1
 
 
 class QueueFull(RuntimeError):
-    """The engine's waiting queue holds ``max_queued`` requests: a new one is refused (HTTP 503).
+    """The engine's waiting queue is full: a new request is refused (HTTP 503).
 
-    ``waiting``: requests waiting when it was refused; ``asked``: how many this call brought.
+    ``waiting``: requests waiting for a KV slot when it was refused; ``free``: KV slots free then;
+    ``asked``: requests this call brought (a batch counts each prompt and choice).
     """
 
-    def __init__(self, waiting: int, max_queued: int, asked: int = 1):
-        self.waiting, self.max_queued, self.asked = waiting, max_queued, asked
+    def __init__(self, waiting: int, max_queued: int, asked: int = 1, free: int = 0):
+        self.waiting, self.max_queued, self.asked, self.free = waiting, max_queued, asked, free
         super().__init__(
-            f"The request queue is full. {waiting} request(s) wait for a KV slot and the server holds at most "
-            f"{max_queued} (--max-queued-requests; this call brings {asked}); retry after the Retry-After "
-            f"header's {RETRY_AFTER_S} s, or send fewer requests at once, or raise --max-queued-requests "
-            f"/ --max-running-requests")
+            f"The request queue is full. {waiting} request(s) wait for a KV slot ({free} free) and at most "
+            f"{max_queued} may wait beyond the free slots (--max-queued-requests; this call brings {asked}); "
+            f"retry after the Retry-After header's {RETRY_AFTER_S} s, or send fewer requests at once, or raise "
+            f"--max-queued-requests / --max-running-requests")
 
 
 def retry_after_headers() -> dict[str, str]:
