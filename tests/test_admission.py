@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 
 import aiohttp
@@ -109,6 +110,27 @@ def test_the_client_waits_out_refusals_so_every_request_of_a_flood_completes(tin
 
     outs, refusals = asyncio.run(main())
     assert [len(o.output_ids) for o in outs] == [3] * 4 and refusals >= 2
+
+
+def test_a_burst_of_connections_is_held_by_the_kernel_until_the_server_accepts_them(tiny_model_dir):
+    # 600 connections while the event loop cannot accept (this coroutine blocks it): the kernel
+    # completes them up to the listen backlog only (aiohttp's default 128; SGLang's 2048), and a
+    # connect beyond it waits for a SYN retransmission (1 s) instead of being queued
+    async def main():
+        async with bounded(tiny_model_dir, max_queued=1) as (url, _, _):
+            port = int(url.rsplit(":", 1)[1])
+            opened = []
+            try:
+                for _ in range(600):
+                    opened.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))
+            except OSError:  # TimeoutError: the accept queue was full
+                pass
+            finally:
+                for sock in opened:
+                    sock.close()
+            return len(opened)
+
+    assert asyncio.run(main()) == 600
 
 
 def _refusing(refusals: int, headers: dict, paths: list[str]):

@@ -13,7 +13,9 @@ the answer is HTTP 401 and the body is not read. Without a token the server star
 loopback ``--host``. A request body over ``--max-request-bytes`` (16 MiB by default, far above a
 batch of long prompts or a weight bucket's names and shapes) is HTTP 413. A ``/generate`` or ``/v1``
 call finding ``--max-queued-requests`` requests already waiting for a KV slot is HTTP 503 with
-``Retry-After`` (``admission.py``, SGLang's flag; ``/health_generate`` is never refused).
+``Retry-After`` (``admission.py``, SGLang's flag; ``/health_generate`` is never refused). The
+listen backlog is SGLang's, 2048: a burst of that many connections waits in the kernel, none for a
+SYN retransmission.
 
 ``--enable-deterministic-inference`` (as SGLang's flag) makes the forward batch-invariant: a
 request's tokens and log-probs do not depend on which other requests share its decode steps.
@@ -98,6 +100,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP API (and request schema) this server follows
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
 MAX_REQUEST_BYTES = 16 * 1024 * 1024  # default body limit (HTTP 413 above it)
+# connections the kernel completes before the server accepts them: SGLang's (uvicorn's default);
+# aiohttp's 128 makes the 129th of a burst of clients wait a second for a SYN retransmission
+LISTEN_BACKLOG = 2048
 _log = logging.getLogger(__name__)
 
 
@@ -744,7 +749,7 @@ async def serve(server: InferenceServer, host: str = "127.0.0.1", port: int = 0)
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
         bound = runner.addresses[0][1]
         yield f"http://{host}:{bound}"
     finally:
