@@ -11,13 +11,14 @@ max_queued_requests`` requests in. A prefill-only request (``max_new_tokens: 0``
 
 What SGLang 0.5.23 does (``Scheduler._abort_on_queued_limit``): the bound counts its waiting
 queue only, free slots or not (a burst that arrives between two scheduler iterations is queued
-before the next batch is formed, so it gets ``max_queued_requests`` in); the default is no bound; a refused non-streamed ``/generate`` is HTTP 503 with
-``{"object": "error", "message": "The request queue is full.", "code": 503}`` and no
-``Retry-After`` header; a refused streamed one is an error chunk in an HTTP 200 stream. Here a
-refusal is HTTP 503 with ``Retry-After: RETRY_AFTER_S`` and this project's error body (its message
-starts with SGLang's sentence), streamed or not: the bound is checked before a stream's headers are
-sent, and again when its requests enter the queue (another call may have filled it meanwhile; the
-stream then ends with an error event of code 503). A batch (several prompts, or ``n`` choices) is
+before the next batch is formed, so it gets ``max_queued_requests`` in); the default is no bound;
+a refused non-streamed ``/generate`` is HTTP 503 with ``{"object": "error", "message": "The
+request queue is full.", "code": 503}`` and no ``Retry-After`` header; a refused streamed one is
+an abort chunk in an HTTP 200 stream. Here a refusal is HTTP 503 with ``Retry-After:
+RETRY_AFTER_S`` and this project's error body (its message starts with SGLang's sentence),
+streamed or not: the bound is checked before a stream's headers are sent, and again when its
+requests enter the queue (another call may have filled it meanwhile; the stream then ends with an
+error event of code 503, ``retryable: true``). A batch (several prompts, or ``n`` choices) is
 admitted whole or refused whole. The default bound is ``DEFAULT_MAX_QUEUED`` (not unbounded):
 each waiting request holds its prompt as Python ints (~36 bytes a token) and an open connection.
 
@@ -28,8 +29,8 @@ its own backoff), within a bounded time (``client.py``).
 from __future__ import annotations
 
 DEFAULT_MAX_QUEUED = 1024  # requests waiting for a KV slot, per server (inference.max_queued_requests)
-# seconds a refused caller waits before it asks again: about the time the tiny CPU models need to
-# work through a few decode batches; a client retries sooner only if it ignores the header
+# seconds a refused caller waits before it asks again: enough for decode steps to free slots,
+# short against a generation (the header takes whole seconds; 1 is its smallest useful value)
 RETRY_AFTER_S = 1
 
 
