@@ -1,13 +1,13 @@
 """Drive the replay-queue service with many small lease + submit cycles; print one table.
 
     PYTHONPATH=. python tools/load_queue.py [--procs 2] [--clients 4] [--inflight 4] [--seconds 10]
-        [--batch-size 256] [--profile]
+        [--lease-groups 1] [--batch-size 256] [--profile]
 
 Starts ``python -m areal_async.queue.server`` as a subprocess (throughput mode, ``max_staleness``
 and ``max_concurrent`` large enough that admission never blocks a worker), then runs ``--procs``
 client processes, each with ``--clients`` connections (``QueueClient``, one worker id each), each
-connection with ``--inflight`` loops of ``lease(worker, 1)`` then ``submit`` of a one-sample
-group (4 prompt and 4 output tokens: ~300 bytes). A trainer connection in this process takes
+connection with ``--inflight`` loops of ``lease(worker, --lease-groups)`` (default 1) then a
+``submit`` of each leased group (one sample, 4 prompt and 4 output tokens: ~300 bytes). A trainer connection in this process takes
 batch after batch (``get_batch``, then ``set_version``), so the staleness bound keeps admitting.
 Reports the submits/s all clients achieved together over ``--seconds``, lease and submit latency
 (p50 / p99), and the CPU each side used (the server's from ``/proc/<pid>/stat``, the clients'
@@ -64,20 +64,22 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-async def _cycles(queue: QueueClient, worker_id: int, until: float, lease_s: list, submit_s: list) -> None:
+async def _cycles(queue: QueueClient, worker_id: int, groups: int, until: float, lease_s: list,
+                  submit_s: list) -> None:
     clock = time.perf_counter
     while clock() < until:
         t0 = clock()
-        ids = await queue.lease(worker_id, 1)
-        t1 = clock()
+        ids = await queue.lease(worker_id, groups)
+        lease_s.append(clock() - t0)
         if not ids:  # the queue closed
             return
-        await queue.submit(_group(ids[0]))
-        lease_s.append(t1 - t0)
-        submit_s.append(clock() - t1)
+        for g in ids:
+            t1 = clock()
+            await queue.submit(_group(g))
+            submit_s.append(clock() - t1)
 
 
-async def _client_proc(port: int, first_worker: int, clients: int, inflight: int, start: float,
+async def _client_proc(port: int, first_worker: int, clients: int, inflight: int, groups: int, start: float,
                        seconds: float) -> dict:
     queues = [await QueueClient.connect("127.0.0.1", port, timeout_s=30) for _ in range(clients)]
     await asyncio.sleep(max(0.0, start - time.time()))  # every process starts at the same wall time
@@ -89,7 +91,7 @@ async def _client_proc(port: int, first_worker: int, clients: int, inflight: int
     async with asyncio.TaskGroup() as tg:
         for c, queue in enumerate(queues):
             for _ in range(inflight):
-                tg.create_task(_cycles(queue, first_worker + c, until, lease_s, submit_s))
+                tg.create_task(_cycles(queue, first_worker + c, groups, until, lease_s, submit_s))
     elapsed = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_SELF)
     for queue in queues:
@@ -133,7 +135,7 @@ async def _drive(args, port: int, server_pid: int) -> dict:
     for i in range(args.procs):
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_run_client_proc, args=((port, 1 + i * args.clients, args.clients, args.inflight,
-                                                          start, args.seconds), send))
+                                                          args.lease_groups, start, args.seconds), send))
         proc.start()
         procs.append(proc)
         pipes.append(recv)
@@ -156,11 +158,11 @@ def _table(args, r: dict) -> str:
     ms = lambda xs, q: f"{1000 * _percentile(xs, q):.2f}"  # noqa: E731
     client_cpu = [res["cpu_s"] / res["elapsed"] for res in r["results"]]
     rows = [
-        ("clients", f"{args.procs} process(es) x {args.clients} connection(s) x {args.inflight} loop(s) in flight"
-                    f"{' (server under cProfile)' if args.profile else ''}"),
+        ("clients", f"{args.procs} process(es) x {args.clients} connection(s) x {args.inflight} loop(s) in flight, "
+                    f"{args.lease_groups} group(s) a lease{' (server under cProfile)' if args.profile else ''}"),
         ("submits", f"{len(submit)} in {seconds:.1f} s"),
         ("submits/s", f"{len(submit) / seconds:.0f}"),
-        ("queue calls/s (lease + submit)", f"{2 * len(submit) / seconds:.0f}"),
+        ("queue calls/s (lease + submit)", f"{(len(lease) + len(submit)) / seconds:.0f}"),
         ("lease p50 / p99 ms", f"{ms(lease, 0.5)} / {ms(lease, 0.99)}"),
         ("submit p50 / p99 ms", f"{ms(submit, 0.5)} / {ms(submit, 0.99)}"),
         ("server CPU", f"{100 * r['server_cpu_s'] / r['wall_s']:.0f} % of one core"),
@@ -189,17 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="connections per process (one worker id each)")
     p.add_argument("--inflight", type=int, default=4, help="lease + submit loops per connection")
     p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--lease-groups", type=int, default=1, help="groups a lease asks for (each then submitted)")
     p.add_argument("--batch-size", type=int, default=256, help="groups per training batch (the trainer's get_batch)")
     p.add_argument("--profile", action="store_true", help="run the server under cProfile, print its top functions")
     args = p.parse_args(argv)
-    for flag in ("procs", "clients", "inflight", "batch_size"):
+    for flag in ("procs", "clients", "inflight", "lease_groups", "batch_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         # admission never the limit: a staleness bound of 10^6 batches, max_concurrent above every loop
         cfg = {"name": "load-queue", "mode": "throughput",
                "queue": {"port": 0, "batch_size": args.batch_size, "max_staleness": 10**6,
-                         "max_concurrent": 2 * args.procs * args.clients * args.inflight + 1}}
+                         "max_concurrent": 2 * args.procs * args.clients * args.inflight * args.lease_groups + 1}}
         config = pathlib.Path(tmp) / "config.yaml"
         config.write_text(yaml.safe_dump(cfg))
         profile = pathlib.Path(tmp) / "queue.prof"
