@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from areal_async.inference.admission import DEFAULT_MAX_QUEUED
+
 
 # Range-checked field types: a value outside the range fails at load time, naming the key.
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -65,6 +67,9 @@ class InferenceConfig(_Cfg):
     host: str = "127.0.0.1"
     base_port: Port = 0  # server i on base_port + i; 0: consecutive free ports chosen at start
     max_running_requests: PosInt = 32
+    # requests a server lets wait for a KV slot; one more is HTTP 503 + Retry-After, which the
+    # client retries (areal_async/inference/admission.py; SGLang's --max-queued-requests)
+    max_queued_requests: PosInt = DEFAULT_MAX_QUEUED
     max_seq_len: PosInt = 1024
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every server)
     threads: NonNegInt = 0

@@ -79,6 +79,7 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
             "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
             "--max-request-bytes", str(cfg.max_request_bytes),
             "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
+            "--max-queued-requests", str(cfg.max_queued_requests),
             "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads),
             "--weight-version", str(weight_version), "--prefix-cache-entries", str(cfg.prefix_cache_entries)]
     if mode == "deterministic":
@@ -103,6 +104,7 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
     argv = [PY, "-m", "sglang.launch_server", "--model-path", model.path, "--host", cfg.host,
             "--port", str(port), "--dtype", model.dtype,
             "--max-running-requests", str(cfg.max_running_requests),
+            "--max-queued-requests", str(cfg.max_queued_requests),
             "--context-length", str(cfg.max_seq_len),
             # The client needs integer versions; SGLang's default weight version is "default".
             "--weight-version", str(weight_version)]

@@ -346,6 +346,7 @@ def test_weight_group_rank_zero_is_refused(tiny_model_dir):
     (["--max-running-requests", "0"], "--max-running-requests 0: must be >= 1"),
     (["--max-seq-len", "0"], "--max-seq-len 0: must be >= 1"),
     (["--prefix-cache-entries", "0"], "--prefix-cache-entries 0: must be >= 1"),
+    (["--max-queued-requests", "0"], "--max-queued-requests 0: must be >= 1"),
     (["--port", "99999"], "--port 99999: must be in [0, 65535]"),
     (["--device", "gpu"], "--device='gpu' is not a device"),
     (["--weight-version", "-3"], "--weight-version -3: must be >= 0"),

@@ -12,9 +12,15 @@ Each response's ``output_token_logprobs`` are checked against its ``output_ids``
 ``LogprobAlignmentError``. A resubmitted request's response holds only the new segment, so the
 check is per segment and the concatenated output stays aligned.
 
-Retries: only connection errors (server not up yet, connection reset) are retried, ``max_retries``
-times with exponential backoff; HTTP errors raise ``ServerError`` at once (HTTP 401: the job's
-token is missing or wrong, ``areal_async/auth.py``).
+Retries, at the network boundary only: connection errors (server not up yet, connection reset)
+are retried ``max_retries`` times with exponential backoff. HTTP 503 from a server whose waiting
+queue is full (``admission.py``: the embedded server sends ``Retry-After``; SGLang's
+``--max-queued-requests`` refusal of ``/generate`` has none) is asked again after the
+``Retry-After`` delay (without it: the backoff, doubling to 16x), spread by up to 25 % so refused
+callers do not all return at once, until ``overload_timeout_s`` has passed since the first
+attempt; then ``ServerError`` (status 503). A refused request never entered the server's queue, so
+asking again is safe (same rid, same seed). Other HTTP errors raise ``ServerError`` at once (HTTP
+401: the job's token is missing or wrong, ``areal_async/auth.py``).
 
 ``token``: sent as ``Authorization: Bearer <token>`` on every request, SGLang's ``--api-key`` scheme.
 """
@@ -22,8 +28,11 @@ token is missing or wrong, ``areal_async/auth.py``).
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import itertools
 import math
+import random
+import time
 
 import aiohttp
 import msgspec
@@ -64,6 +73,21 @@ def _segment_logprobs(url: str, rid: str, version: int, ids: list[int], entries:
                                     f"numbers (first: {bad[0]!r}) under weight version {version}: those "
                                     f"weights are broken (e.g. a diverged update); load good weights")
     return [float(x) for x in logprobs]
+
+
+def _delay_s(retry_after: str | None, default_s: float) -> float:
+    """Seconds to wait from a ``Retry-After`` header (delay-seconds, or an HTTP date), at most 60;
+    ``default_s`` when it is absent or unreadable."""
+    if retry_after is None:
+        return default_s
+    try:
+        delay_s = float(retry_after)
+    except ValueError:
+        try:
+            delay_s = email.utils.parsedate_to_datetime(retry_after).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return default_s
+    return min(max(delay_s, 0.0), 60.0) if math.isfinite(delay_s) else default_s
 
 
 class GenResult(msgspec.Struct):
@@ -127,14 +151,18 @@ class InferenceClient:
         max_retries: retries of a call that failed to connect.
         backoff_s: first retry delay, doubled each retry.
         token: the job's token (``auth.job_token()``), sent as a bearer token; ``None``: none sent.
+        overload_timeout_s: how long a call refused with HTTP 503 (a full server queue) keeps
+            asking again, counted from its first attempt; ``None``: ``timeout_s``.
     """
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 token: str | None = None):
+                 token: str | None = None, overload_timeout_s: float | None = None):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+        self.overload_timeout_s = timeout_s if overload_timeout_s is None else overload_timeout_s
+        self.refusals = 0  # HTTP 503 answers (full server queues) retried so far, all calls together
         self._http_pool: aiohttp.ClientSession | None = None
         self._next_server = itertools.cycle(range(len(self.urls)))
         self._aborted: set[str] = set()
@@ -162,17 +190,34 @@ class InferenceClient:
 
     async def _call(self, server: int, method: str, path: str, payload: dict | None = None):
         url = self.urls[server] + path
-        for attempt in range(self.max_retries + 1):
+        started = time.monotonic()
+        failures = refusals = 0
+        while True:
             try:
                 async with self._http().request(method, url, json=payload) as resp:
                     text = await resp.text()
-                    if resp.status != 200:
-                        raise ServerError(url, resp.status, text)
-                    return msgspec.json.decode(text) if resp.content_type == "application/json" else text
+                    status, retry_after, kind = resp.status, resp.headers.get("Retry-After"), resp.content_type
             except aiohttp.ClientConnectionError:
-                if attempt == self.max_retries:
+                if failures == self.max_retries:
                     raise
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await asyncio.sleep(self.backoff_s * 2**failures)
+                failures += 1
+                continue
+            if status == 503 and (retry_after is not None or path == "/generate"):
+                # the server's waiting queue is full: the request was not queued, ask again later
+                wait_s = _delay_s(retry_after, self.backoff_s * 2**min(refusals, 4)) * (1 + 0.25 * random.random())
+                waited_s = time.monotonic() - started
+                if waited_s + wait_s > self.overload_timeout_s:
+                    raise ServerError(url, status, f"{text} (refused {refusals + 1} time(s) in {waited_s:.1f} s; "
+                                                   f"gave up after overload_timeout_s {self.overload_timeout_s:g}: "
+                                                   f"send fewer requests at once or add servers)")
+                refusals += 1
+                self.refusals += 1
+                await asyncio.sleep(wait_s)
+                continue
+            if status != 200:
+                raise ServerError(url, status, text)
+            return msgspec.json.decode(text) if kind == "application/json" else text
 
     async def _all(self, method: str, path: str, payload: dict | None = None) -> list:
         return list(await asyncio.gather(*(self._call(i, method, path, payload) for i in range(len(self.urls)))))
@@ -205,8 +250,9 @@ class InferenceClient:
             rid: request id (also what ``abort(rid)`` names).
             server: index into ``urls``; round-robin when ``None``.
         Raises:
-            ServerError: the server rejected the request (e.g. HTTP 400 for a too-long prompt), or
-                answered with log-probs that are not finite numbers.
+            ServerError: the server rejected the request (e.g. HTTP 400 for a too-long prompt),
+                answered with log-probs that are not finite numbers, or still refused it with HTTP
+                503 (full queue) after ``overload_timeout_s``.
             LogprobAlignmentError: a response's ``output_token_logprobs`` differ in count from its
                 ``output_ids`` or carry another token id at some position (names the rid, the
                 server, the position and both ids). Never retried: the same request gets the

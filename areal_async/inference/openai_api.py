@@ -35,6 +35,8 @@ refused where ``/generate`` would refuse it.
   flat ``{"object": "error", ...}``; OpenAI's clients read either). Not supported: log-probs,
   ``echo``, ``suffix``, ``best_of > n``, ``logit_bias``, tools and tool calls, structured output,
   reasoning parsers, images and audio.
+- **Overload**: a call whose requests (every choice of every prompt) do not fit the engine's
+  waiting queue is HTTP 503 with ``Retry-After`` and OpenAI's error body (``admission.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import msgspec
 from aiohttp import web
 
 from ..types import sample_seed
+from .admission import QueueFull, retry_after_headers
 from .engine import Completion, Engine
 from .request import decode_sampling
 from .stop import answer_text, hold_back
@@ -88,7 +91,8 @@ class OpenAIError(ValueError):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.status}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        headers = retry_after_headers() if self.status == 503 else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 class OpenAIApi:
@@ -118,6 +122,7 @@ class OpenAIApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
+            _room(self.engine, 1)  # a full queue refuses before the body is read
             body = await _json_object(request)
             prompts = self._completion_prompts(body.get("prompt"))
             sampling = _sampling(body, _COMPLETION_NEUTRAL, {"max_new_tokens": _get(body, "max_tokens", 16)})
@@ -149,6 +154,7 @@ class OpenAIApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
+            _room(self.engine, 1)  # a full queue refuses before the body is read
             body = await _json_object(request)
             prompt = self._chat_prompt(body.get("messages"), _get(body, "chat_template_kwargs", {}, dict))
             limit = _get(body, "max_completion_tokens", None)
@@ -222,6 +228,7 @@ class OpenAIApi:
             raise OpenAIError(f"stream_options.include_usage {usage!r} is not a boolean; send true or false",
                               "stream_options")
         model = _get(body, "model", self.model_id, str)
+        _room(self.engine, len(all_prompts))  # every choice of every prompt, admitted whole or refused whole
         return _Call(self, rid, model, all_prompts, all_params, rids, n, stream, usage)
 
 
@@ -260,6 +267,8 @@ class _Call:
                 done = await run_requests(engine, self.prompts, self.params, self.rids, None, _ignore)
             except NonFiniteLogprobs as exc:  # broken weights (the other requests are aborted)
                 return OpenAIError(str(exc), status=500).response()
+            except QueueFull as exc:  # other calls filled the queue since _call checked it
+                return OpenAIError(str(exc), status=503).response()
             except ValueError as exc:  # a rid taken since validation (not one a client chose: cannot happen)
                 return OpenAIError(str(exc)).response()
             choices = [fmt.choice(i, self.text(i, c), c) for i, c in enumerate(done)]
@@ -287,8 +296,8 @@ class _Call:
                 await response.write(self.chunk(fmt, [], usage=self.usage(done)))
         except ConnectionResetError:  # the client went away; its requests were aborted
             return response
-        except (ValueError, NonFiniteLogprobs) as exc:
-            status = 500 if isinstance(exc, NonFiniteLogprobs) else 400
+        except (ValueError, NonFiniteLogprobs, QueueFull) as exc:
+            status = 500 if isinstance(exc, NonFiniteLogprobs) else 503 if isinstance(exc, QueueFull) else 400
             await response.write(sse_event(OpenAIError(str(exc), status=status).body()))
         await response.write(SSE_DONE)
         await response.write_eof()
@@ -340,6 +349,14 @@ class _ChatFormat:
         if c.finish_reason is not None:
             events.append(event({}, c.finish_reason, _matched(c)))
         return events
+
+
+def _room(engine: Engine, asked: int) -> None:
+    """``engine.check_room(asked)``, its ``QueueFull`` as an ``OpenAIError`` of status 503."""
+    try:
+        engine.check_room(asked)
+    except QueueFull as exc:
+        raise OpenAIError(str(exc), status=503) from None
 
 
 def _matched(c: Completion):

@@ -1,7 +1,7 @@
 """The embedded inference server: SGLang's HTTP endpoints (same JSON shapes) over ``Engine``.
 
 Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--dtype bfloat16]
-[--device cpu] [--max-running-requests 32] [--max-seq-len 1024] [--threads N] [--weight-version 0]
+[--device cpu] [--max-running-requests 32] [--max-queued-requests 1024] [--max-seq-len 1024] [--threads N] [--weight-version 0]
 [--enable-deterministic-inference] [--disable-radix-cache] [--prefix-cache-entries 8]
 [--stream-interval 1] [--served-model-name NAME] [--max-request-bytes 16777216] [--api-key TOKEN]
 [--debug-jitter-ms MS --debug-jitter-seed S]``.
@@ -11,7 +11,11 @@ Access (``areal_async/auth.py``): with a token (``--api-key``, SGLang's flag, or
 ``Authorization: Bearer <token>``, as SGLang's ``--api-key`` does; without one, or a wrong one,
 the answer is HTTP 401 and the body is not read. Without a token the server starts only on a
 loopback ``--host``. A request body over ``--max-request-bytes`` (16 MiB by default, far above a
-batch of long prompts or a weight bucket's names and shapes) is HTTP 413.
+batch of long prompts or a weight bucket's names and shapes) is HTTP 413. A ``/generate`` or ``/v1``
+call finding ``--max-queued-requests`` requests already waiting for a KV slot is HTTP 503 with
+``Retry-After`` (``admission.py``, SGLang's flag; ``/health_generate`` is never refused). The
+listen backlog is SGLang's, 2048: a burst of that many connections waits in the kernel, none for a
+SYN retransmission.
 
 ``--enable-deterministic-inference`` (as SGLang's flag) makes the forward batch-invariant: a
 request's tokens and log-probs do not depend on which other requests share its decode steps.
@@ -80,6 +84,7 @@ from safetensors.torch import load_file
 from .. import auth, weight_group
 from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
+from .admission import DEFAULT_MAX_QUEUED, QueueFull, retry_after_headers
 from .engine import Completion, Engine
 from . import weight_requests
 from .forward import BatchedForward, check_weight_names
@@ -95,6 +100,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP API (and request schema) this server follows
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
 MAX_REQUEST_BYTES = 16 * 1024 * 1024  # default body limit (HTTP 413 above it)
+# connections the kernel completes before the server accepts them: SGLang's (uvicorn's default);
+# aiohttp's 128 makes the 129th of a burst of clients wait a second for a SYN retransmission
+LISTEN_BACKLOG = 2048
 _log = logging.getLogger(__name__)
 
 
@@ -111,16 +119,18 @@ def load_engine(
     cuda_graph: bool = True,
     prefix_cache: bool = True,
     prefix_cache_entries: int = 8,
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED,
 ):
     """Load an HF causal-LM directory into an ``Engine``; returns ``(engine, tokenizer)``.
 
     ``deterministic``: batch-invariant forward (see ``forward.py``); ``jitter``: per-step delays;
     ``cuda_graph``: replay captured decode steps on CUDA (``cuda_graph.py``); ``prefix_cache``:
-    reuse prompts' keys and values (``engine.py``), in ``prefix_cache_entries`` extra KV rows.
+    reuse prompts' keys and values (``engine.py``), in ``prefix_cache_entries`` extra KV rows;
+    ``max_queued_requests``: requests that may wait for a KV slot (``admission.py``; ``None``: no bound).
 
     Raises:
-        ValueError: unknown dtype, ``prefix_cache_entries < 1`` with the prefix cache on, or an
-            unsupported architecture.
+        ValueError: unknown dtype, ``prefix_cache_entries < 1`` with the prefix cache on,
+            ``max_queued_requests < 1``, or an unsupported architecture.
     """
     if prefix_cache and prefix_cache_entries < 1:
         raise ValueError(f"prefix_cache_entries {prefix_cache_entries}: the prefix cache needs at least one "
@@ -149,7 +159,8 @@ def load_engine(
     rows = prefix_cache_entries if prefix_cache and not deterministic else 0
     forward = BatchedForward(model, max_running_requests, max_seq_len, batch_invariant=deterministic,
                              cuda_graph=cuda_graph, prefix_rows=rows)
-    return Engine(forward, eos, max_prefill_tokens, weight_version, jitter, prefix_cache, tokenizer), tokenizer
+    return Engine(forward, eos, max_prefill_tokens, weight_version, jitter, prefix_cache, tokenizer,
+                  max_queued_requests), tokenizer
 
 
 def _project_version() -> str:
@@ -174,6 +185,12 @@ def _error(message: str, status: int = 400) -> web.Response:
 def _bad_request(message: str) -> web.HTTPBadRequest:
     """HTTP 400 with the ``_error_json`` body, for code that raises rather than returns (``_body``)."""
     return web.HTTPBadRequest(text=_error_json(message), content_type="application/json")
+
+
+def _overloaded(exc: QueueFull) -> web.Response:
+    """HTTP 503 with ``Retry-After`` for a call the waiting queue has no room for (``admission.py``)."""
+    return web.Response(text=_error_json(str(exc)), status=503, content_type="application/json",
+                        headers=retry_after_headers())
 
 
 def _result(success: bool, message: str, **extra) -> web.Response:
@@ -340,9 +357,13 @@ class InferenceServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()  # meta_info.e2e_latency counts from here, as SGLang's from receipt
-        body = await _body(request)
         try:
-            call = self._parse_generate(body)
+            # a full queue refuses before the body is read: under a flood, refusals cost no memory
+            self.engine.check_room()
+            call = self._parse_generate(await _body(request))
+            self.engine.check_room(len(call.prompts))  # a batch is admitted whole or refused whole
+        except QueueFull as exc:
+            return _overloaded(exc)
         except ValueError as exc:
             return _error(str(exc))
         if call.stream:
@@ -354,6 +375,8 @@ class InferenceServer:
                 running = [tasks.create_task(self._run(p)) for p in call.prompts]
         except ExceptionGroup as failed:
             first = failed.exceptions[0]  # the first prompt's error, as a single call raises it
+            if isinstance(first, QueueFull):  # other calls filled the queue since the check above
+                return _overloaded(first)
             if isinstance(first, ValueError):  # its rid was taken by a request queued since the check
                 return _error(str(first))
             raise first from None
@@ -392,6 +415,8 @@ class InferenceServer:
                                [p.rid for p in prompts], self.stream_interval, emit)
         except ConnectionResetError:  # the client went away; its requests were aborted
             return response
+        except QueueFull as exc:  # filled by other calls since the check before the headers went out
+            await response.write(sse_error(str(exc), 503))
         except (ValueError, NonFiniteLogprobs) as exc:
             await response.write(sse_error(str(exc), 500 if isinstance(exc, NonFiniteLogprobs) else 400))
         await response.write(SSE_DONE)
@@ -510,7 +535,8 @@ class InferenceServer:
         start = next(iter(self.engine.eos_token_ids), 0)
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         rid = f"health-{uuid.uuid4().hex}"
-        broken = non_finite([await self.engine.generate([start], params, rid)], [rid])
+        # not bounded by max_queued_requests: a busy server is alive, and says so
+        broken = non_finite([await self.engine.generate([start], params, rid, bounded=False)], [rid])
         if broken:  # SGLang answers 503 when its health generation fails
             return _error(broken, status=503)
         return web.Response(text="")
@@ -544,6 +570,7 @@ class InferenceServer:
             "max_req_input_len": engine.max_seq_len - 1,
             "max_running_requests": engine.max_running,
             "max_prefill_tokens": engine.max_prefill_tokens,
+            "max_queued_requests": engine.max_queued,
             "max_total_num_tokens": engine.max_running * engine.max_seq_len,
             "disable_radix_cache": not engine.share_prompts,
             "enable_deterministic_inference": forward.batch_invariant,
@@ -722,7 +749,7 @@ async def serve(server: InferenceServer, host: str = "127.0.0.1", port: int = 0)
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
         bound = runner.addresses[0][1]
         yield f"http://{host}:{bound}"
     finally:
@@ -739,6 +766,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=1024)
     p.add_argument("--max-prefill-tokens", type=int, default=4096)
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
+                   help="requests that may wait for a KV slot; one more is HTTP 503 with Retry-After (SGLang's flag)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument("--enable-deterministic-inference", action="store_true",
@@ -762,6 +791,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # bad values exit here with argparse's usage line (code 2), before the model loads
     for flag, value in (("--max-running-requests", args.max_running_requests), ("--max-seq-len", args.max_seq_len),
                         ("--max-prefill-tokens", args.max_prefill_tokens),
+                        ("--max-queued-requests", args.max_queued_requests),
                         ("--prefix-cache-entries", args.prefix_cache_entries),
                         ("--stream-interval", args.stream_interval),
                         ("--max-request-bytes", args.max_request_bytes)):
@@ -801,7 +831,8 @@ async def main(argv: list[str] | None = None) -> None:
                                     args.enable_deterministic_inference, jitter if jitter.enabled else None,
                                     cuda_graph=not args.disable_cuda_graph,
                                     prefix_cache=not args.disable_radix_cache,
-                                    prefix_cache_entries=args.prefix_cache_entries)
+                                    prefix_cache_entries=args.prefix_cache_entries,
+                                    max_queued_requests=args.max_queued_requests)
     server = InferenceServer(engine, tokenizer, args.model_path, args.stream_interval, args.served_model_name,
                              token=args.api_key, max_request_bytes=args.max_request_bytes)
     async with serve(server, args.host, args.port) as url:

@@ -79,7 +79,8 @@ def sse_event(payload) -> bytes:
 def sse_error(message: str, status: int) -> bytes:
     """The event of an error once a stream has begun (SGLang's ``/generate`` stream shape)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return sse_event({"error": {"message": message, "type": kind, "code": status, "retryable": False}})
+    # 503: the waiting queue was full (admission.py), the same call may succeed later
+    return sse_event({"error": {"message": message, "type": kind, "code": status, "retryable": status == 503}})
 
 
 class _Progress:
