@@ -5,18 +5,14 @@ the queue (HTTP 401 / ``Unauthorized`` without it, nothing changed), body limits
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import os
 import subprocess
 import sys
-import threading
-import time
 
 import aiohttp
 import msgspec
 import pytest
-import torch.distributed as dist
 
 from areal_async import auth, weight_group
 from areal_async.config import InferenceConfig, ModelConfig, QueueConfig
@@ -29,6 +25,7 @@ from areal_async.queue.server import serve as serve_queue
 from launcher.local import SERVER_ARGV, _job_env
 from tests.listening import listening, needs_proc, off_loopback
 from tests.sglang_ref import needs_sglang, run_sglang
+from tests.test_sglang_weight_group import _peer, host_group_in_thread
 from tests.test_server import free_port
 
 TOKEN = "job-token-for-tests"
@@ -42,20 +39,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @needs_proc
 def test_weight_group_store_listens_on_loopback_only():
     port = free_port()
-    joined: dict = {}
-    trainer = threading.Thread(target=lambda: joined.update(group=weight_group.new_weight_group(
-        "gloo", "127.0.0.1", port, 0, 2, timeout_s=30, group_name="loopback")), daemon=True)
-    trainer.start()
-    deadline = time.monotonic() + 20
-    while True:  # rank 0 hosts the store: join as the server rank once it listens
-        try:
-            store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
-            break
-        except (RuntimeError, dist.DistError):
-            assert time.monotonic() < deadline, "rank 0 does not host the store"
-            time.sleep(0.05)
-    prefixed = dist.PrefixStore("cpu/", dist.PrefixStore("loopback/", dist.PrefixStore("loopback", store)))
-    peer = dist.ProcessGroupGloo(prefixed, 1, 2, datetime.timedelta(seconds=30))
+    trainer, joined, store = host_group_in_thread(port, "loopback")  # join as the server rank
+    peer = _peer(store, "loopback", 1)
     trainer.join(timeout=30)
     sockets = [s for s in listening(os.getpid()) if s[1] == port]
     weight_group.destroy_weight_group(joined["group"])

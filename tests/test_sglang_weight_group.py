@@ -251,20 +251,26 @@ def test_a_server_rank_writes_sglangs_keys(group):
     assert torch.equal(received, tensor)
 
 
-def test_the_trainer_rank_hosts_the_store_and_writes_sglangs_keys():
-    port = free_port()
+def host_group_in_thread(port: int, group: str) -> tuple[threading.Thread, dict, dist.TCPStore]:
+    """Rank 0 of a two-rank gloo weight group ``group`` joining in a thread (it hosts the store on
+    ``port``), and a client of that store once it listens. Returns (the thread, the dict that gets
+    ``"group"`` when rank 0 has joined, the store)."""
     joined: dict = {}
     trainer = threading.Thread(target=lambda: joined.update(group=weight_group.new_weight_group(
-        "gloo", "127.0.0.1", port, 0, 2, timeout_s=30, group_name="g")), daemon=True)
+        "gloo", "127.0.0.1", port, 0, 2, timeout_s=30, group_name=group)), daemon=True)
     trainer.start()
     deadline = time.monotonic() + 20
     while True:  # rank 0 hosts the store: connect once it listens
         try:
             store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
-            break
+            return trainer, joined, store
         except (RuntimeError, dist.DistError):
             assert time.monotonic() < deadline, "rank 0 does not host the store"
             time.sleep(0.05)
+
+
+def test_the_trainer_rank_hosts_the_store_and_writes_sglangs_keys():
+    trainer, joined, store = host_group_in_thread(free_port(), "g")
     keys = _watch_keys(store, 1)
     peer = _peer(store, "g", 1)
     trainer.join(timeout=30)
