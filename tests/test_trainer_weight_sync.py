@@ -30,7 +30,8 @@ def _server_main(commands, replies):
     """Server side of the group: runs commands until ``stop``; replies ``(ok, payload)``."""
     import torch
 
-    from areal_async.weight_group import broadcast_, dtype_from_name, new_weight_group
+    from areal_async.dtypes import dtype_from_name
+    from areal_async.weight_group import broadcast_, new_weight_group
 
     torch.set_num_threads(1)
     group, weights, version = None, {}, None

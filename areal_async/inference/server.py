@@ -82,6 +82,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from .. import auth, weight_group
+from ..dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
 from .admission import DEFAULT_MAX_QUEUED, QueueFull, retry_after_headers
@@ -96,7 +97,6 @@ from .sampling import SamplingParams
 from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, running_text, sse_error, sse_event,
                         start_sse)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP API (and request schema) this server follows
 _MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
 MAX_REQUEST_BYTES = 16 * 1024 * 1024  # default body limit (HTTP 413 above it)
@@ -140,11 +140,11 @@ def load_engine(
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per process clutters the job's console
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not supported; use one of {sorted(FLOAT_DTYPES)}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=FLOAT_DTYPES[dtype]).to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     eos: set[int] = set()
@@ -563,7 +563,7 @@ class InferenceServer:
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
             "served_model_name": self.model_path,
-            "dtype": str(forward.dtype).removeprefix("torch."),
+            "dtype": dtype_name(forward.dtype),
             "device": forward.device.type,
             "context_length": engine.max_seq_len,
             "max_context_length": engine.max_seq_len,
@@ -654,7 +654,7 @@ class InferenceServer:
             names = bucket.names
             check_weight_names(self.engine.forward.named_tensors(), dict(zip(names, map(tuple, bucket.shapes))))
             received, tensors = weight_group.receive_buffers(
-                [weight_group.dtype_from_name(d) for d in bucket.dtypes], bucket.shapes,
+                [dtype_from_name(d, what="weight dtype") for d in bucket.dtypes], bucket.shapes,
                 self.engine.forward.device, flattened=bucket.load_format == "flattened_bucket")
         except ValueError as exc:
             return _result(False, f"update_weights_from_distributed rejected: {type(exc).__name__}: {exc}")
@@ -761,7 +761,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="HF causal-LM directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(FLOAT_DTYPES))
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=1024)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from areal_async import auth
 from areal_async.atomic_dir import new_staging_dir, staging_dir
 from areal_async.config import Config, load_config, to_dict
+from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.jitter import Jitter
 from areal_async.progress import Progress, progress_mode
 from areal_async.trainer.contract import check_batch, dump_batch
@@ -54,9 +55,6 @@ from areal_async.trainer.schedule import make_scheduler
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 from areal_async.types import Trajectory
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class Services:
     """Rank 0's connections: queue, inference client, metrics, evaluation (``None`` elsewhere)."""
@@ -147,7 +145,7 @@ class Services:
 def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torch.device) -> WeightSender:
     """The ``trainer.weight_sync`` implementation, sending in the servers' dtype (``model.dtype``),
     interrupting the generations in flight or waiting for them (``rollout.interrupt_on_update``)."""
-    n, dtype = cfg.inference.num_servers, _DTYPES[cfg.model.dtype]
+    n, dtype = cfg.inference.num_servers, dtype_from_name(cfg.model.dtype, FLOAT_DTYPES, "model.dtype")
     interrupt = cfg.rollout.interrupt_on_update
     if cfg.trainer.weight_sync == "disk":
         return DiskWeightSender(policy, client, n, cfg.model.path, run_dir / "weights", dtype, interrupt)
