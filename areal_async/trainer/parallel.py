@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_async.batch_invariant import make_linears_batch_invariant
 from areal_async.config import TrainerConfig
+from areal_async.determinism import check_compile
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.tcp_store import hosted_store
 from areal_async.trainer.attention import use_packed_attention
@@ -134,9 +135,7 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
     Raises:
         ValueError: ``cfg.compile`` together with ``batch_invariant``.
     """
-    if cfg.compile and batch_invariant:
-        raise ValueError("trainer.compile=true is not supported with mode: deterministic (batch-invariant "
-                         "kernels are checked eagerly only); set trainer.compile=false")
+    check_compile(cfg.compile, batch_invariant)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank clutters the job's console
