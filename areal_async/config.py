@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from areal_async.determinism import check_compile
 from areal_async.inference.admission import DEFAULT_MAX_QUEUED
 
 
@@ -447,9 +448,7 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"trainer.warmup_steps={cfg.trainer.warmup_steps} is more than trainer.total_steps="
                          f"{cfg.trainer.total_steps}: the run would end before reaching trainer.lr; lower "
                          f"trainer.warmup_steps (e.g. to {max(1, cfg.trainer.total_steps // 10)})")
-    if cfg.trainer.compile and cfg.mode == "deterministic":
-        raise ValueError("trainer.compile=true is not supported with mode: deterministic (batch-invariant "
-                         "kernels are checked eagerly only); set trainer.compile=false")
+    check_compile(cfg.trainer.compile, cfg.mode == "deterministic")
     last_port = cfg.inference.base_port + cfg.inference.num_servers - 1
     if last_port > 65535:
         raise ValueError(f"inference.base_port ({cfg.inference.base_port}) + inference.num_servers "

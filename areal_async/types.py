@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import msgspec
 
+from .splitmix import GOLDEN, MIX1, MIX2, mix64
+
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
     """A dense array as raw little-endian bytes. ``dtype`` is a numpy dtype name."""
@@ -86,13 +88,7 @@ def sample_seed(run_seed: int, group_id: int, index: int) -> int:
     """Sampling seed of sample (g, i): a hash of (run seed, g, i), in ``[0, 2**63)``.
 
     Distinct within a group and independent of which worker or server runs the request
-    (docs/design.md, "Determinism"). Uses splitmix64 finalisation over the three integers.
+    (docs/design.md, "Determinism"). Uses splitmix64's output function (``splitmix.mix64``) over
+    a weighted sum of the three integers.
     """
-    x = (run_seed * 0x9E3779B97F4A7C15 + group_id * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB)
-    x &= 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    return x >> 1
+    return mix64(run_seed * GOLDEN + group_id * MIX1 + index * MIX2) >> 1

@@ -39,30 +39,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .dtypes import dtype_name
 from .tcp_store import hosted_store
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name of both weight endpoints
-
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` → ``"bfloat16"`` (the form SGLang's ``dtypes`` field uses)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of ``dtype_name``; raises ``ValueError`` for an unsupported dtype name."""
-    try:
-        return _DTYPES[name.removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unsupported weight dtype '{name}'; use one of {sorted(_DTYPES)}") from None
 
 
 def new_weight_group(

@@ -61,6 +61,7 @@ import msgspec
 from areal_async import auth
 from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
                                 load_config, port_in_use)
+from areal_async.determinism import deterministic_env
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
@@ -128,16 +129,6 @@ def check_backend(cfg: InferenceConfig) -> None:
     if cfg.backend == "sglang" and importlib.util.find_spec("sglang") is None:
         raise ValueError(f"inference.backend=sglang but SGLang is not installed for {PY}; install it "
                          f"there (pip install sglang) or set inference.backend=embedded")
-
-
-def _nccl_env(cfg: Config) -> dict[str, str]:
-    """Deterministic mode: one NCCL algorithm and protocol, so collectives (the trainer's
-    all-reduce, the weight broadcast) reduce in a fixed order. Values already set win."""
-    if cfg.mode != "deterministic":
-        return {}
-    return {"NCCL_ALGO": os.environ.get("NCCL_ALGO", "Ring"),
-            "NCCL_PROTO": os.environ.get("NCCL_PROTO", "Simple"),
-            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
 
 
 def _job_env(token: str) -> dict[str, str]:
@@ -317,7 +308,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
     for i, url in enumerate(inf.urls()):
         sup.start(f"server{i}", make_argv(inf, model, inf.base_port + i, cfg.mode,
-                                          server_threads, cfg.debug, version, token), env=_nccl_env(cfg))
+                                          server_threads, cfg.debug, version, token), env=deterministic_env(cfg.mode))
     for url in inf.urls():
         _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
                     inf.startup_timeout_s)
@@ -335,7 +326,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(trainer_threads)),
              # its output reaches this terminal through a pipe: tell it whether bars can be drawn
              PROGRESS_ENV: os.environ.get(PROGRESS_ENV) or ("bar" if sys.stdout.isatty() else "lines"),
-             **_nccl_env(cfg)},
+             **deterministic_env(cfg.mode)},
         echo=True, expect_exit=True, stop_leader_first=True,  # torchrun stops its ranks itself
     )
     for w in range(cfg.rollout.num_workers):

@@ -88,6 +88,13 @@ def test_sampling_and_algorithm_values_are_checked_at_load(override, message):
         load_config(None, [override])
 
 
+def test_compile_is_refused_in_deterministic_mode_at_load():
+    with pytest.raises(ValueError, match=r"trainer.compile=true is not supported with mode: deterministic.*"
+                                         r"set trainer.compile=false"):
+        load_config(None, ["mode=deterministic", "trainer.compile=true"])
+    assert load_config(None, ["mode=throughput", "trainer.compile=true"]).trainer.compile
+
+
 def test_server_ports_past_65535_and_non_yaml_files_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"= 65536 is above 65535; lower inference.base_port"):
         load_config(None, ["inference.base_port=65535", "inference.num_servers=2"])

@@ -95,7 +95,7 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen3_dir):
 
 
 def test_fused_gumbel_argmax_matches_the_torch_path():
-    from areal_async.inference.sampling import gumbel_from_keys, noise_keys
+    from areal_async.inference.noise_hash import gumbel_from_keys, noise_keys
     from areal_async.inference.triton_sampling import fused_gumbel_argmax
 
     torch.manual_seed(0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from areal_async.inference.request import decode_sampling
-from areal_async.inference.sampling import gumbel_noise, noise_key, noise_uniform, sample
+from areal_async.inference.noise_hash import gumbel_noise, noise_key, noise_uniform
+from areal_async.inference.sampling import sample
 
 
 def _params(b: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1):

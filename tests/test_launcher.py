@@ -8,7 +8,8 @@ import time
 import pytest
 
 from areal_async.config import load_config
-from launcher.local import SERVER_ARGV, _nccl_env
+from areal_async.determinism import deterministic_env
+from launcher.local import SERVER_ARGV
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -98,10 +99,10 @@ def test_jitter_flags_and_deterministic_env():
     emb = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, cfg.mode, 1, cfg.debug)
     flags = dict(zip(emb[emb.index("--debug-jitter-ms")::2], emb[emb.index("--debug-jitter-ms") + 1::2]))
     assert flags == {"--debug-jitter-ms": "5.0", "--debug-jitter-seed": "7", "--debug-jitter-stream": "31001"}
-    env = _nccl_env(cfg)
-    if "NCCL_ALGO" not in os.environ:
-        assert env["NCCL_ALGO"] == "Ring" and env["NCCL_PROTO"] == "Simple"
-    assert _nccl_env(load_config(None, ["mode=throughput"])) == {}
+    env = deterministic_env(cfg.mode, environ={})
+    assert env == {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert deterministic_env(cfg.mode, environ={"NCCL_ALGO": "Tree"})["NCCL_ALGO"] == "Tree"  # a set value wins
+    assert deterministic_env(load_config(None, ["mode=throughput"]).mode) == {}
 
 
 def test_ports_in_use_or_shared_are_named():

@@ -582,9 +582,12 @@ def test_sigterm_stops_a_server_blocked_receiving_a_weight_broadcast(tiny_model_
         joiner.join(timeout=30)
         assert replies["/init_weights_update_group"][0] == 200, replies
         updater = _post_in_thread(url, "/update_weights_from_distributed", {
-            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "weight_version": "1"},
-            replies)
-        time.sleep(1.0)  # the call reaches the receive; no broadcast follows
+            "names": ["model.norm.weight", "model.layers.0.input_layernorm.weight"], "dtypes": ["float32"] * 2,
+            "shapes": [[64], [64]], "weight_version": "1"}, replies)
+        # The first of the bucket's two tensors: gloo's broadcast returns at the root only once the
+        # receiver has posted its receive, so the server is inside the receive when this returns
+        # (bounded by the group's 60 s timeout); the second broadcast never comes.
+        weight_group.broadcast_(group, [torch.ones(64)], src=0)
         _stops_on_sigterm(proc, "receiving a weight broadcast")
         updater.join(timeout=10)
         weight_group.destroy_weight_group(group)

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from areal_async import weight_group
+from areal_async.dtypes import dtype_name
 from tests.sglang_ref import needs_sglang, popen_sglang, run_sglang
 from tests.test_server import perturbed, prompt_ids, recompute_logprobs, running, server_logprobs
 
@@ -93,7 +94,7 @@ def test_our_trainer_side_broadcasts_into_sglangs_server_side():
     tensors["model.embed_tokens.weight"][0, :3] = torch.tensor([float("inf"), float("-inf"), -0.0])  # exact bits
     port = free_port()
     job = {"port": port, "group_name": GROUP, "names": list(tensors),
-           "dtypes": [weight_group.dtype_name(t.dtype) for t in tensors.values()],
+           "dtypes": [dtype_name(t.dtype) for t in tensors.values()],
            "shapes": [list(t.shape) for t in tensors.values()]}
     out: dict = {}
     sglang = threading.Thread(target=lambda: out.update(run_sglang(_SGLANG_SERVER, job, timeout=240)), daemon=True)

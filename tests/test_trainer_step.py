@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch import Tensor
 
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.types import Array, Sample, Trajectory
@@ -138,32 +139,92 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_dir, tmp_path):
                            before["model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_ppo_minibatches_recompute_prox(tiny_model_dir):
-    # Two minibatches (groups 0–1, then 2–3), one AdamW update each. The second minibatch's
-    # π_prox is recomputed before the first update, so there π_θ ≠ π_prox: the mean ratio over
-    # the whole step moves away from 1, while with one minibatch it is exactly 1.
+def _initial_logprobs(model_dir, seqs, temperature: float) -> list[Tensor]:
+    """log π(token t+1 | tokens ≤ t) at temperature ``temperature`` of each sequence ``[L]`` (0
+    off the loss mask) under the checkpoint's weights: a plain HF forward per sequence, no packing."""
     from transformers import AutoModelForCausalLM
 
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.tensor([s.ids])
+            logp = torch.log_softmax(lm(ids).logits[0] / temperature, dim=-1)
+            per_token = torch.zeros(len(s.ids))
+            per_token[:-1] = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+            out.append(torch.where(s.loss_mask, per_token, 0.0))
+    return out
+
+
+def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
+    # algo.ppo_minibatches = 2: groups 0–1, then groups 2–3, one AdamW update each. π_prox is the
+    # policy before the step's first update for both (trainer/step.py: one no-grad proximal pass
+    # over the whole batch), so every proximal log-prob the loss receives equals the checkpoint's
+    # own log-prob of that token (recomputed here by a plain HF forward per sequence, at the
+    # rollout temperature), in the second minibatch too, where π_θ has moved (the first update,
+    # lr 1e-2, changes log-probs by far more than the tolerance). The first minibatch runs before
+    # any update: there π_θ = π_prox bitwise (the same forward on the same weights). With one
+    # minibatch π_prox is π_θ itself, detached. Tolerance against the plain forward: the log-probs
+    # are about -6 nats, where one float32 ulp is 2**-21 ≈ 4.8e-7 (packed and per-sequence
+    # attention differ by about one); atol 4e-6 is 8 ulps, while the broken variants (π_prox at
+    # temperature 1, or taken after the first update) are off by 0.1–0.6.
+    from transformers import AutoModelForCausalLM
+
+    from areal_async.trainer import step as step_module
     from areal_async.trainer.attention import use_packed_attention
     from areal_async.trainer.logprobs import PackedPolicy
-    from areal_async.trainer.step import train_step
 
     torch.set_num_threads(1)
+    temperature = 0.7
+    trajs = make_trajectories(384)
+    seqs = step_module.build_sequences(trajs, AlgoConfig())
+    expected = _initial_logprobs(tiny_model_dir, seqs, temperature)
+    first_minibatch = set(range(len(seqs) // 2))  # groups 0–1: 2 samples each
+
+    packed, calls = [], []  # sequence indices of each packed micro-batch; what each loss call got
+    pack, loss = step_module._pack, step_module.decoupled_ppo_loss
+
+    def recording_pack(seqs, idx, *args, **kwargs):
+        packed.append(list(idx))
+        return pack(seqs, idx, *args, **kwargs)
+
+    def recording_loss(theta, prox, behav, advantages, mask, *args, **kwargs):
+        calls.append((packed[-1], theta.detach().clone(), prox.detach().clone(), mask.clone()))
+        return loss(theta, prox, behav, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "_pack", recording_pack)
+    monkeypatch.setattr(step_module, "decoupled_ppo_loss", recording_loss)
     results = {}
     for n in (1, 2):
+        calls.clear()
         lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        assert lm.config.vocab_size == 384
         use_packed_attention(lm)
         policy = PackedPolicy(lm)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-        results[n] = train_step(policy, optimizer, make_trajectories(lm.config.vocab_size),
-                                AlgoConfig(ppo_minibatches=n), TrainerConfig(max_tokens_per_mb=24), 1.0,
-                                torch.device("cpu"))
+        results[n] = step_module.train_step(policy, optimizer, trajs, AlgoConfig(ppo_minibatches=n),
+                                            TrainerConfig(max_tokens_per_mb=24), temperature, torch.device("cpu"))
+        seen = {i for idx, *_ in calls for i in idx}
+        assert {i for i in range(len(seqs)) if step_module.runs_forward(seqs[i])} <= seen
+        for idx, theta, prox, mask in calls:
+            assert idx, "one rank runs no dummy micro-batch"
+            if n == 1:
+                assert torch.equal(prox, theta)
+                continue
+            want = torch.cat([expected[i] for i in idx])
+            torch.testing.assert_close(prox[mask], want[mask], rtol=0, atol=4e-6)
+            if set(idx) <= first_minibatch:
+                assert torch.equal(theta[mask], prox[mask])
+            else:
+                assert not set(idx) & first_minibatch
+                assert (theta[mask] - prox[mask]).abs().max() > 1e-2  # π_θ moved; π_prox did not
+        if n == 2:  # the second minibatch ran (group 2 has mixed rewards)
+            assert any(mask.any() and not set(idx) & first_minibatch for idx, _, _, mask in calls)
     assert results[1]["train/ratio"] == pytest.approx(1.0, abs=1e-6)
-    assert abs(results[2]["train/ratio"] - 1.0) > 1e-4
-    assert results[2]["train/approx_kl"] > 0
+    assert abs(results[2]["train/ratio"] - 1.0) > 1e-4 and results[2]["train/approx_kl"] > 0
     with pytest.raises(ValueError, match="ppo_minibatches"):
-        train_step(policy, optimizer, make_trajectories(300), AlgoConfig(ppo_minibatches=5), TrainerConfig(), 1.0,
-                   torch.device("cpu"))
+        step_module.train_step(policy, optimizer, trajs, AlgoConfig(ppo_minibatches=5), TrainerConfig(), 1.0,
+                               torch.device("cpu"))
 
 
 def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, tmp_path):

@@ -54,7 +54,7 @@ def test_fused_layer_kernels_match_the_module_path(tiny_model_dir, tiny_qwen3_di
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_sample_matches_the_torch_sampler(device):
-    from areal_async.inference.sampling import gumbel_from_keys, noise_keys
+    from areal_async.inference.noise_hash import gumbel_from_keys, noise_keys
     from areal_async.inference.triton_sampling import fused_sample
 
     torch.manual_seed(0)

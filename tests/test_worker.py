@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from aiohttp import web
 
@@ -198,6 +199,24 @@ def test_worker_streams_scored_versioned_groups(tokenizer, rewards):
         assert sp["sampling_seed"] == sample_seed(SEED, g, i)
         assert sp["max_new_tokens"] == 32 and sp["stop_token_ids"] == [tokenizer.eos_token_id]
         assert req["input_ids"] == prompts.for_group(g).prompt_ids and req["return_logprob"]
+
+
+def test_worker_jitter_is_seeded_by_the_jitter_seed_and_the_worker_id(tokenizer, rewards):
+    # The delays before each request are numpy's uniform draws in [0, jitter_ms) from the
+    # generator seeded with the words [jitter_seed, worker_id]: reproducible per worker, distinct
+    # between workers of one run.
+    prompts = PromptSet(FourTask(), tokenizer, max_prompt_len=256, seed=SEED)
+    rollout = RolloutConfig(n_samples=N_SAMPLES, max_new_tokens=32)
+
+    def delays_s(worker_id: int, jitter_seed: int) -> list[float]:
+        worker = GenerationWorker(worker_id, None, None, prompts, rewards, rollout, SEED,
+                                  DebugConfig(jitter_ms=5.0, jitter_seed=jitter_seed))
+        return [worker._jitter.draw_s() for _ in range(4)]
+
+    for worker_id, jitter_seed in ((0, 7), (3, 7), (0, 8)):
+        expected = np.random.default_rng([jitter_seed, worker_id]).uniform(0.0, 0.005, 4).tolist()
+        assert delays_s(worker_id, jitter_seed) == expected
+    assert delays_s(0, 7) != delays_s(3, 7) and delays_s(0, 7) != delays_s(0, 8)
 
 
 @pytest.mark.parametrize("fault,error,match", [

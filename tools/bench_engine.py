@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from areal_async.dtypes import FLOAT_DTYPES
 from areal_async.inference.client import InferenceClient
 from areal_async.inference.server import InferenceServer, load_engine, serve
 
@@ -52,7 +53,7 @@ async def _bench_server(args, concurrency: list[int]) -> list[tuple[int, int, fl
 def _bench_hf(args, batch: int) -> tuple[int, int, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = getattr(torch, args.dtype)
+    dtype = FLOAT_DTYPES[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     tokenizer.padding_side = "left"
@@ -73,7 +74,7 @@ def _bench_hf(args, batch: int) -> tuple[int, int, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(FLOAT_DTYPES))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=1024)

@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from areal_async.dtypes import FLOAT_DTYPES
 from areal_async.trainer import attention
 from areal_async.trainer.packing import allocate_micro_batches
 from areal_async.trainer.tree import ChainLayout, _sorted_with_lcp, cut_units, pack_tree
@@ -295,7 +296,7 @@ def compare(res: dict, base: dict, rtol: float, atol: float) -> tuple[float, flo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+    ap.add_argument("--dtype", default=None, choices=sorted(FLOAT_DTYPES),
                     help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--heads", default="9,3,64", help="query heads, K/V heads, head dim (Qwen3-0.6B: 16,8,128)")
     ap.add_argument("--groups", type=int, default=32)
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch.cuda.is_available() is False; use --device cpu for the CPU check")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = FLOAT_DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     try:
         h, h_kv, dim = (int(x) for x in args.heads.split(","))
         p_len = tuple(int(x) for x in args.prompt_len.split(","))

@@ -1,4 +1,4 @@
-"""Decoding of request bodies with SGLang's meaning: the field checker and ``/generate``.
+"""Decoding of request bodies with SGLang's meaning: ``sampling_params`` and ``/generate``.
 
 SGLang 0.5.23 admits a ``/generate`` body in two steps: FastAPI parses it into
 ``GenerateReqInput`` (pydantic, lax), then ``api_contract.generate_contract_error`` decodes it again
@@ -8,7 +8,7 @@ a float), unknown top-level keys ignored, unknown ``sampling_params`` keys refus
 meaning "absent" for every field. So ``/generate`` coerces no numeric string (the weight
 endpoints, parsed by pydantic alone, do). This module decodes the same way:
 
-- top-level fields through ``field`` (exact JSON types, messages naming the value and the fix);
+- top-level fields through ``fields.field`` (exact JSON types, messages naming the value and the fix);
 - ``sampling_params`` through msgspec typed decoding into ``_WireSampling`` (strict, unknown fields
   forbidden: the struct is the schema, one line per SGLang field), then mapped onto the engine's
   ``SamplingParams`` with SGLang's normalisation (``SamplingParams.__post_init__`` / ``normalize`` /
@@ -35,47 +35,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from .fields import field, per_prompt, rids
 from .sampling import GREEDY_BELOW, SamplingParams
-
-# ---- the field checker (every endpoint) ---------------------------------------------------------
-
-KINDS = {  # the JSON type a request field must have: (check, what to send)
-    "bool": (lambda v: type(v) is bool, "a JSON boolean (true or false)"),
-    "int": (lambda v: type(v) is int, "an integer"),
-    "port": (lambda v: type(v) is int and 1 <= v <= 65535, "a port number in [1, 65535]"),
-    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-    "strs": (lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
-             "a list of non-empty strings"),
-    "shapes": (lambda v: isinstance(v, list) and all(isinstance(s, list) and all(type(d) is int and d >= 0 for d in s)
-                                                     for s in v), "a list of shapes, each a list of integers >= 0"),
-    "text": (lambda v: isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(t, str) for t in v)),
-             "a string, or a non-empty list of strings (a batch)"),
-}
-REQUIRED = object()  # ``field``'s default for a field the request must carry
-
-
-def field(body: dict, key: str, kind: str, default=REQUIRED, send: str | None = None):
-    """``body[key]``, checked to be of ``kind`` (a key of ``KINDS``: exact JSON types, so ``true``
-    is not an integer and ``"false"`` not a boolean); a missing or null field is ``default``.
-
-    Raises:
-        ValueError: the field is missing and has no default, or is of another type; the message
-            names the value and what to send (``send``, else the kind's description).
-    """
-    value = body.get(key)
-    if value is None and default is not REQUIRED:
-        return default
-    check, want = KINDS[kind]
-    if key not in body:
-        raise ValueError(f"{key} is missing; send {send or want}")
-    if not check(value):
-        raise ValueError(f"{key} {value!r} is not {want}; send {send or want}")
-    return value
-
 
 # ---- sampling_params ----------------------------------------------------------------------------
 
@@ -270,21 +236,59 @@ class GenerateCall(msgspec.Struct, frozen=True, kw_only=True):
     return_text_in_logprobs: bool = False
 
 
-def per_prompt(body: dict, key: str, kind: str, default, n: int, batch: bool) -> list:
-    """``body[key]`` for each of ``n`` prompts: one value (``kind``, see ``field``) for all, or, in a
-    batch, a list of ``n`` such values (SGLang's ``BoolOrList`` / ``Int64OrList``); missing or null
-    is ``default`` for all.
+def parse_generate(body: dict, max_seq_len: int, tokenize: Callable[[str | list[str]], list],
+                   validate: Callable[[list[int], SamplingParams, str], None]) -> GenerateCall:
+    """A ``/generate`` body decoded with SGLang's meaning: its prompts (token ids, rid, sampling
+    params, log-prob options), whether it is a batch, ``stream`` and ``return_text_in_logprobs``.
+
+    Args:
+        body: the decoded JSON object.
+        max_seq_len: the engine's context length (what ``max_new_tokens: null`` fills).
+        tokenize: ``text`` (one prompt, or a list for a batch) → token ids (a list, or a list of lists).
+        validate: raises ``ValueError`` for a prompt the engine cannot run (``Engine.validate``).
 
     Raises:
-        ValueError: a value of another type, or a list of another length.
+        ValueError: naming the field that is wrong, its value and what to send.
     """
-    value = body.get(key)
-    if batch and isinstance(value, list):
-        if len(value) != n:
-            raise ValueError(f"{key} has {len(value)} values for a batch of {n} prompts; send one value "
-                             f"for all, or one per prompt")
-        return [field({key: v}, key, kind, default) for v in value]
-    return [field(body, key, kind, default)] * n
+    stream = field(body, "stream", "bool", False)
+    text_in_logprobs = field(body, "return_text_in_logprobs", "bool", False)
+    refuse_unsupported(body)
+    ids = body.get("input_ids")
+    if ids is not None and body.get("text") is not None:  # SGLang refuses both as well
+        raise ValueError("send either 'input_ids' or 'text', not both")
+    if ids is None and body.get("text") is not None:
+        ids = tokenize(field(body, "text", "text"))
+    if not isinstance(ids, list):
+        raise ValueError("send 'input_ids' (a list of token ids, or a list of such lists) or 'text'")
+    batch = bool(ids) and isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    if not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts):
+        raise ValueError("'input_ids' must be a list of integer token ids, or a list of such lists")
+    n = len(prompts)
+    logprob = per_prompt(body, "return_logprob", "bool", False, n, batch)
+    start = per_prompt(body, "logprob_start_len", "int", -1, n, batch)
+    request_ids = rids(body.get("rid"), n, batch)
+    raw = body.get("sampling_params")
+    if batch and isinstance(raw, list):  # SGLang: one object for all, or one per prompt
+        if len(raw) != n:
+            raise ValueError(f"sampling_params has {len(raw)} objects for a batch of {n} prompts; send "
+                             f"one object for all, or one per prompt")
+    elif isinstance(raw, list):
+        raise ValueError("'sampling_params' must be a JSON object for one prompt, e.g. {\"max_new_tokens\": 16}")
+    else:
+        raw = [raw] * n
+    out = []
+    for prompt, rid, sampling, lp, st in zip(prompts, request_ids, raw, logprob, start):
+        # max_new_tokens: null is "the rest of the context" (SGLang's)
+        params = decode_sampling(sampling, max(max_seq_len - len(prompt), 0))
+        if st < -1:
+            raise ValueError(f"logprob_start_len {st} is not -1 (output tokens only) or a prompt position >= 0")
+        if lp and st >= len(prompt):
+            raise ValueError(f"logprob_start_len {st} is not below the prompt's {len(prompt)} tokens; send -1 "
+                             f"(output tokens only) or a position in [0, {len(prompt)})")
+        validate(prompt, params, rid)
+        out.append(Prompt(input_ids=prompt, rid=rid, params=params, return_logprob=lp, logprob_start_len=st))
+    return GenerateCall(prompts=out, batch=batch, stream=stream, return_text_in_logprobs=text_in_logprobs)
 
 
 def refuse_unsupported(body: dict) -> None:

@@ -2,8 +2,8 @@
 
 A request's randomness is a pure function of ``(sampling_seed, absolute position, vocab index)``:
 the Gumbel noise added to the scaled logits at position p, vocab index i, comes from output i of a
-hash keyed by ``splitmix64(seed, p)`` (counter-based: computed directly, never drawn
-from a generator shared across requests). So a
+hash keyed by ``splitmix64(seed, p)`` (``noise_hash.py``; counter-based: computed directly, never
+drawn from a generator shared across requests). So a
 request's tokens do not depend on which other requests share its batch, and a request resubmitted
 as prompt + partial output with the same seed continues exactly as it would have uninterrupted.
 
@@ -16,13 +16,13 @@ top-p filtered the draw. ``T == 0`` is greedy and reports ``log_softmax(logits)`
 
 from __future__ import annotations
 
-import functools
-
 import msgspec
 import torch
 
-_MASK64 = (1 << 64) - 1
+from .noise_hash import gumbel_from_keys, noise_keys
+
 GREEDY_BELOW = 1e-6  # temperatures below this sample greedily (SGLang 0.5.23's _SAMPLING_EPS)
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """The sampling part of one ``/generate`` request, decoded (``request.decode_sampling``: SGLang
@@ -49,110 +49,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     sampling_seed: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-
-
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _splitmix64(x: int) -> int:
-    """splitmix64 (Steele et al. 2014) of a Python int, as an unsigned 64-bit int: the first
-    output of the stream seeded with ``x``."""
-    x = (x + _GOLDEN) & _MASK64
-    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
-    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
-    return x ^ (x >> 31)
-
-
-def noise_key(seed: int, position: int) -> int:
-    """The 64-bit key of the noise row drawn for ``position`` of a request seeded ``seed``."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
-
-
-_WEYL32 = 0x9E3779B9
-_FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35
-_MASK32 = (1 << 32) - 1
-
-
-def _fmix32(x: int) -> int:
-    """MurmurHash3's 32-bit finalizer (Appleby 2011) of an unsigned 32-bit int."""
-    x = ((x ^ (x >> 16)) * _FMIX1) & _MASK32
-    x = ((x ^ (x >> 13)) * _FMIX2) & _MASK32
-    return x ^ (x >> 16)
-
-
-def noise_uniform(key: int, index: int) -> float:
-    """Reference (pure Python) of the uniform at vocab ``index`` of the row keyed ``key``.
-
-    The 64-bit key is folded to 32 bits ``k = (key >> 32) ^ (key & 0xFFFFFFFF)``; entry ``index``
-    is ``fmix32(k + index * 0x9E3779B9 mod 2**32)``, whose top 23 bits give
-    ``u = (bits + 0.5) / 2**23`` in ``(0, 1)``, exact in float32. (32-bit lanes: on CPUs torch's
-    int32 arithmetic is vectorised, its int64 multiply is not.)
-    """
-    k = (key >> 32) ^ (key & _MASK32)
-    return ((_fmix32((k + index * _WEYL32) & _MASK32) >> 9) + 0.5) / 2.0**23
-
-
-def _signed(x: int, bits: int = 64) -> int:
-    """An unsigned int of ``bits`` bits as the signed int with the same bits."""
-    return x - (1 << bits) if x >= 1 << (bits - 1) else x
-
-
-def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """Logical right shift of an int64 / int32 tensor (torch's ``>>`` is arithmetic)."""
-    bits = 64 if x.dtype == torch.int64 else 32
-    return (x >> shift) & ((1 << (bits - shift)) - 1)
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's output function on int64 tensors (multiplication wraps modulo 2**64)."""
-    x = (x ^ _lsr(x, 30)) * _signed(_MIX1)
-    x = (x ^ _lsr(x, 27)) * _signed(_MIX2)
-    return x ^ _lsr(x, 31)
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _seed_key(seed: int) -> int:
-    """``splitmix64(seed)`` as a signed int64 (cached: a request's seed is hashed every step)."""
-    return _signed(_splitmix64(seed & _MASK64))
-
-
-def noise_keys(seeds: list[int], positions: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """``noise_key`` of each (seed, position) pair as ``[B] int64`` (the bits of the unsigned key)."""
-    seed_keys = torch.tensor([_seed_key(s) for s in seeds], dtype=torch.int64)
-    pos = torch.tensor(positions, dtype=torch.int64)
-    return _mix64((seed_keys ^ pos) + _signed(_GOLDEN)).to(device)
-
-
-def gumbel_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[B, V] float32`` for ``keys: [B] int64`` (``noise_keys``): entry (b, i)
-    is ``-log(-log(u))`` with ``u = noise_uniform(keys[b], i)``; a pure function of (key, i)."""
-    folded = (_lsr(keys, 32) ^ (keys & _MASK32)).to(torch.int32)  # wraps to the same 32 bits
-    counter = torch.arange(vocab, dtype=torch.int32, device=keys.device) * _signed(_WEYL32, 32)
-    x = folded[:, None] + counter[None, :]
-    x ^= _lsr(x, 16)
-    x *= _signed(_FMIX1, 32)
-    x ^= _lsr(x, 13)
-    x *= _signed(_FMIX2, 32)
-    x ^= _lsr(x, 16)
-    return _lsr(x, 9).to(torch.float32).add_(0.5).mul_(2.0**-23).log_().neg_().log_().neg_()
-
-
-def gumbel_noise(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Gumbel(0, 1) noise that is a pure function of (seed, position, vocab index).
-
-    Row b is keyed by ``noise_key(seeds[b], positions[b])``; entry i is ``-log(-log(u))`` with
-    ``u = noise_uniform(key, i)``, a hash of (key, i) (a counter-based generator: any entry is
-    computed directly, so all rows come from a few vectorised kernels and none depends on the
-    other rows).
-
-    Args:
-        seeds: B sampling seeds (ints); positions: B absolute positions (0-based, prompt included)
-            of the tokens being drawn; vocab: vocabulary size V.
-    Returns:
-        ``[B, V] float32``.
-    """
-    return gumbel_from_keys(noise_keys(seeds, positions, device), vocab)
 
 
 def gumbel_argmax(z: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -204,7 +100,7 @@ def sample(
         logits: ``[B, V] float32`` next-token logits.
         temperature: ``[B] float32``; 0 ⇒ greedy.
         top_p: ``[B] float32`` in (0, 1]; top_k: ``[B] int64``, -1 ⇒ whole vocabulary.
-        seeds, positions: B ints each — see ``gumbel_noise``.
+        seeds, positions: B ints each — see ``noise_hash.gumbel_noise``.
         bans: ``(row, token ids)`` pairs: those tokens are not drawn in that row (``-inf`` before
             temperature, top-k and top-p, as SGLang's min-new-tokens penalizer does), while the
             returned log-prob stays that of the unmasked distribution, like top-k / top-p's.

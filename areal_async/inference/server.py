@@ -40,7 +40,7 @@ directory), and the OpenAI-compatible ``/v1/models``, ``/v1/completions``, ``/v1
 (``openai_api.py``; the model id is ``--served-model-name``, by default ``--model-path``, as on
 SGLang). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
 SGLang's ``{"success": false, "message": ...}``), naming the field; fields have exact JSON types
-(``return_logprob`` is ``true``/``false``, never ``"false"``; the two weight-group endpoints read
+(``fields.py``: ``return_logprob`` is ``true``/``false``, never ``"false"``; the two weight-group endpoints read
 their scalars as SGLang's schemas do, ``"29612"`` as a port: ``weight_requests``;
 ``text`` a string or a list of strings; a missing or null field takes SGLang's default, e.g.
 ``group_name`` ``"weight_update_group"``). ``rid`` is a string (one prompt) or a list of distinct
@@ -65,13 +65,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import functools
 import importlib.metadata
 import json
 import logging
-import math
 import pathlib
 import signal
 import time
@@ -82,23 +80,22 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from .. import auth, weight_group
+from ..dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
 from .admission import DEFAULT_MAX_QUEUED, QueueFull, retry_after_headers
 from .engine import Completion, Engine
+from . import fields
 from . import weight_requests
 from .forward import BatchedForward, check_weight_names
 from . import stop
 from .openai_api import OpenAIApi
-from .request import GenerateCall, Prompt, decode_sampling, per_prompt, refuse_unsupported
-from .request import field as _field
+from .request import GenerateCall, Prompt, parse_generate
 from .sampling import SamplingParams
 from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, running_text, sse_error, sse_event,
                         start_sse)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP API (and request schema) this server follows
-_MAX_WEIGHT_VERSION = 2**63  # the first version refused: versions are int64 step counts
 MAX_REQUEST_BYTES = 16 * 1024 * 1024  # default body limit (HTTP 413 above it)
 # connections the kernel completes before the server accepts them: SGLang's (uvicorn's default);
 # aiohttp's 128 makes the 129th of a burst of clients wait a second for a SYN retransmission
@@ -140,11 +137,11 @@ def load_engine(
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per process clutters the job's console
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not supported; use one of {sorted(FLOAT_DTYPES)}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=FLOAT_DTYPES[dtype]).to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     eos: set[int] = set()
@@ -200,63 +197,6 @@ def _result(success: bool, message: str, **extra) -> web.Response:
 def _shutting_down(what: str) -> web.Response:
     return web.json_response({"success": False, "message": f"{what} abandoned: the server is shutting down"},
                              status=503)
-
-
-def _rids(raw, n: int, batch: bool) -> list[str]:
-    """The request ids of ``n`` prompts: ``raw`` is SGLang's ``rid`` field, a string for one prompt,
-    a list of ``n`` strings for a batch, or ``None`` (fresh ids).
-
-    Raises:
-        ValueError: any other shape or element type, an empty id, or one id given to two prompts.
-    """
-    if raw is None:
-        return [uuid.uuid4().hex for _ in range(n)]
-    if not batch:
-        if not isinstance(raw, str) or not raw:
-            raise ValueError(f"rid {raw!r} is not a non-empty string; send a string request id for one "
-                             f"prompt (or leave rid out)")
-        return [raw]
-    if not isinstance(raw, list) or len(raw) != n or not all(isinstance(r, str) and r for r in raw):
-        raise ValueError(f"rid {raw!r} is not a list of {n} non-empty strings; send a list of {n} string "
-                         f"request ids, one per prompt (or leave rid out)")
-    repeated = _first_repeated(raw)
-    if repeated is not None:
-        raise ValueError(f"rid {repeated!r} is given to {raw.count(repeated)} prompts of the batch; send "
-                         f"a distinct request id for each prompt (or leave rid out)")
-    return raw
-
-
-def _first_repeated(items: list[str]) -> str | None:
-    """The first item of ``items`` that appears more than once, or ``None``."""
-    return next((item for item, count in collections.Counter(items).items() if count > 1), None)
-
-
-def _weight_version(raw, current: int) -> int:
-    """SGLang's ``weight_version`` field as an int: ``None`` keeps ``current``; an int or its decimal
-    string (``"3"``, the form SGLang's clients send) in ``[current, _MAX_WEIGHT_VERSION)`` is the new
-    version. ``current`` itself is allowed: every bucket of a distributed update carries the
-    version, which the first bucket already set.
-
-    Raises:
-        ValueError: anything else (negative, fractional, a bool, a non-numeric string), a version
-            behind ``current`` or one of ``_MAX_WEIGHT_VERSION`` or more.
-    """
-    if raw is None:
-        return current
-    if type(raw) is int and raw >= 0:
-        version = raw
-    elif isinstance(raw, str) and raw.isascii() and raw.isdigit():
-        version = int(raw)
-    else:
-        raise ValueError(f"weight_version {raw!r} is not a non-negative integer; send the policy version "
-                         f'as a decimal string, e.g. "3" (or leave it out to keep version {current})')
-    if version >= _MAX_WEIGHT_VERSION:
-        raise ValueError(f"weight_version {raw!r} is not below 2**63 (versions are int64); send the policy "
-                         f"version, the trainer's step count (this server is at version {current})")
-    if version < current:
-        raise ValueError(f"weight_version {raw!r} is behind this server's current version {current}; a "
-                         f"weight update never goes back: send a version >= {current}")
-    return version
 
 
 async def _body(request: web.Request) -> dict:
@@ -436,48 +376,8 @@ class InferenceServer:
         return await self.engine.generate(prompt.input_ids, prompt.params, prompt.rid), inputs
 
     def _parse_generate(self, body: dict) -> GenerateCall:
-        """A ``/generate`` body decoded with SGLang's meaning (``request.py``): its prompts (token ids,
-        rid, sampling params, log-prob options), whether it is a batch, ``stream`` and
-        ``return_text_in_logprobs``. Raises ``ValueError`` naming the field that is wrong."""
-        stream = _field(body, "stream", "bool", False)
-        text_in_logprobs = _field(body, "return_text_in_logprobs", "bool", False)
-        refuse_unsupported(body)
-        ids = body.get("input_ids")
-        if ids is not None and body.get("text") is not None:  # SGLang refuses both as well
-            raise ValueError("send either 'input_ids' or 'text', not both")
-        if ids is None and body.get("text") is not None:
-            ids = self._tokenize(_field(body, "text", "text"))
-        if not isinstance(ids, list):
-            raise ValueError("send 'input_ids' (a list of token ids, or a list of such lists) or 'text'")
-        batch = bool(ids) and isinstance(ids[0], list)
-        prompts = ids if batch else [ids]
-        if not all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompts):
-            raise ValueError("'input_ids' must be a list of integer token ids, or a list of such lists")
-        n = len(prompts)
-        logprob = per_prompt(body, "return_logprob", "bool", False, n, batch)
-        start = per_prompt(body, "logprob_start_len", "int", -1, n, batch)
-        rids = _rids(body.get("rid"), n, batch)
-        raw = body.get("sampling_params")
-        if batch and isinstance(raw, list):  # SGLang: one object for all, or one per prompt
-            if len(raw) != n:
-                raise ValueError(f"sampling_params has {len(raw)} objects for a batch of {n} prompts; send "
-                                 f"one object for all, or one per prompt")
-        elif isinstance(raw, list):
-            raise ValueError("'sampling_params' must be a JSON object for one prompt, e.g. {\"max_new_tokens\": 16}")
-        else:
-            raw = [raw] * n
-        out = []
-        for prompt, rid, sampling, lp, st in zip(prompts, rids, raw, logprob, start):
-            # max_new_tokens: null is "the rest of the context" (SGLang's)
-            params = decode_sampling(sampling, max(self.engine.max_seq_len - len(prompt), 0))
-            if st < -1:
-                raise ValueError(f"logprob_start_len {st} is not -1 (output tokens only) or a prompt position >= 0")
-            if lp and st >= len(prompt):
-                raise ValueError(f"logprob_start_len {st} is not below the prompt's {len(prompt)} tokens; send -1 "
-                                 f"(output tokens only) or a position in [0, {len(prompt)})")
-            self.engine.validate(prompt, params, rid)
-            out.append(Prompt(input_ids=prompt, rid=rid, params=params, return_logprob=lp, logprob_start_len=st))
-        return GenerateCall(prompts=out, batch=batch, stream=stream, return_text_in_logprobs=text_in_logprobs)
+        """A ``/generate`` body decoded for this server's engine (``request.parse_generate``)."""
+        return parse_generate(body, self.engine.max_seq_len, self._tokenize, self.engine.validate)
 
     def _tokenize(self, text: str | list[str]) -> list[int] | list[list[int]]:
         """``text`` (one prompt, or a list for a batch) as token ids; raises ``ValueError`` for a
@@ -563,7 +463,7 @@ class InferenceServer:
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
             "served_model_name": self.model_path,
-            "dtype": str(forward.dtype).removeprefix("torch."),
+            "dtype": dtype_name(forward.dtype),
             "device": forward.device.type,
             "context_length": engine.max_seq_len,
             "max_context_length": engine.max_seq_len,
@@ -595,7 +495,7 @@ class InferenceServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
-            await self.engine.pause(_field(await _body(request), "mode", "str", "abort"))
+            await self.engine.pause(fields.field(await _body(request), "mode", "str", "abort"))
         except ValueError as exc:
             return _error(str(exc))
         return web.json_response({"success": True, "message": "Generation paused."})
@@ -607,7 +507,7 @@ class InferenceServer:
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
         try:
-            rid = None if _field(body, "abort_all", "bool", False) else _field(
+            rid = None if fields.field(body, "abort_all", "bool", False) else fields.field(
                 body, "rid", "str", send='one request id as a string, {"rid": "..."}, or {"abort_all": true}')
         except ValueError as exc:
             return _error(str(exc))
@@ -642,7 +542,7 @@ class InferenceServer:
         body = await _body(request)
         try:
             bucket = weight_requests.parse_bucket(body)
-            version = _weight_version(bucket.weight_version, self.engine.weight_version)
+            version = fields.weight_version(bucket.weight_version, self.engine.weight_version)
             # flush_cache is read but not obeyed: every weight update flushes the prefix cache (stale
             # keys and values are never right)
             group = self.groups.get(bucket.group_name)
@@ -654,7 +554,7 @@ class InferenceServer:
             names = bucket.names
             check_weight_names(self.engine.forward.named_tensors(), dict(zip(names, map(tuple, bucket.shapes))))
             received, tensors = weight_group.receive_buffers(
-                [weight_group.dtype_from_name(d) for d in bucket.dtypes], bucket.shapes,
+                [dtype_from_name(d, what="weight dtype") for d in bucket.dtypes], bucket.shapes,
                 self.engine.forward.device, flattened=bucket.load_format == "flattened_bucket")
         except ValueError as exc:
             return _result(False, f"update_weights_from_distributed rejected: {type(exc).__name__}: {exc}")
@@ -668,8 +568,8 @@ class InferenceServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _body(request)
         try:
-            version = _weight_version(body.get("weight_version"), self.engine.weight_version)
-            abort_all = _field(body, "abort_all_requests", "bool", False)
+            version = fields.weight_version(body.get("weight_version"), self.engine.weight_version)
+            abort_all = fields.field(body, "abort_all_requests", "bool", False)
         except ValueError as exc:
             return _result(False, f"update_weights_from_disk rejected: {exc}", num_paused_requests=0)
         raw = body.get("model_path")
@@ -761,7 +661,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="HF causal-LM directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(FLOAT_DTYPES))
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=1024)
@@ -808,7 +708,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if why:
         p.error(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({why}); "
                 f"another process holds it, pick another port (0 picks a free one)")
-    if not 0 <= args.weight_version < _MAX_WEIGHT_VERSION:
+    if not 0 <= args.weight_version < fields.MAX_WEIGHT_VERSION:
         p.error(f"--weight-version {args.weight_version}: must be >= 0 and < 2**63 (the policy version "
                 f"being served)")
     if not (pathlib.Path(args.model_path) / "config.json").is_file():

@@ -14,7 +14,7 @@ drawn from ``z + g`` rather than ``log_softmax(z) + g`` (the same arg-max up to 
 token can differ only at a near-tie) and the log-prob is rounded differently (last bits).
 
 ``fused_gumbel_argmax(z, keys)`` returns ``argmax_i(z[r, i] + g(keys[r], i))`` where ``g`` is the
-counter-based Gumbel noise of ``sampling.gumbel_from_keys``: ``fmix32(k + i * 0x9E3779B9)`` with
+counter-based Gumbel noise of ``noise_hash.gumbel_from_keys``: ``fmix32(k + i * 0x9E3779B9)`` with
 ``k`` the 32-bit fold of ``keys[r]``, top 23 bits → ``u = (bits + 0.5) / 2**23`` →
 ``-log(-log(u))``. It reads ``z`` once and writes one int64 per row, where the torch formulation
 makes and reads a ``[R, V]`` int32 tensor a dozen times (at R = 256, V = 151,936: ~2 GB of
@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from .sampling import _FMIX1, _FMIX2, _WEYL32
+from .noise_hash import FMIX1, FMIX2, WEYL32
 
 
 try:
@@ -49,7 +49,7 @@ if triton is not None:
 
     @triton.jit
     def _gumbel(key, idx, WEYL: tl.constexpr, FMIX1: tl.constexpr, FMIX2: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """Gumbel noise at vocab indices ``idx`` of the row keyed ``key`` (``sampling.noise_uniform``).
+        """Gumbel noise at vocab indices ``idx`` of the row keyed ``key`` (``noise_hash.noise_uniform``).
         32-bit lanes kept in int64 and masked after every multiply: exact whatever Triton's integer
         promotion rules, and every shift acts on a non-negative value."""
         k = ((key >> 32) ^ key) & 0xFFFFFFFF
@@ -144,7 +144,7 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor,
     Args:
         logits: ``[R, V] float32`` CUDA, rows contiguous.
         temperature: ``[R] float32`` on the same device; ``<= 0`` ⇒ greedy (arg-max of ``logits``).
-        keys: ``[R] int64`` noise keys (``sampling.noise_keys``); ignored for greedy rows.
+        keys: ``[R] int64`` noise keys (``noise_hash.noise_keys``); ignored for greedy rows.
     Returns:
         ``(tokens [R] int64, logprobs [R] float32)``, or ``None`` without Triton.
     """
@@ -160,8 +160,8 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor,
         parts = torch.empty(rows, n_pieces, 4, dtype=torch.float32, device=logits.device)
         temperature, keys = temperature.contiguous(), keys.contiguous()
         _sample_pieces_kernel[(rows, n_pieces)](logits, temperature, keys, parts, logits.stride(0), n_pieces,
-                                                vocab=vocab, CHUNK=CHUNK, WEYL=_WEYL32, FMIX1=_FMIX1,
-                                                FMIX2=_FMIX2, LIBDEVICE=_LIBDEVICE, num_warps=4)
+                                                vocab=vocab, CHUNK=CHUNK, WEYL=WEYL32, FMIX1=FMIX1,
+                                                FMIX2=FMIX2, LIBDEVICE=_LIBDEVICE, num_warps=4)
         _sample_combine_kernel[(rows,)](logits, temperature, parts, tokens, logprobs, logits.stride(0), n_pieces,
                                         vocab=vocab, BLOCK=max(16, triton.next_power_of_2(n_pieces)), num_warps=1)
     return tokens, logprobs
@@ -172,7 +172,7 @@ def fused_gumbel_argmax(z: torch.Tensor, keys: torch.Tensor, block: int = 4096) 
 
     Args:
         z: ``[R, V] float32`` CUDA, rows contiguous (``-inf`` entries are never drawn).
-        keys: ``[R] int64`` noise keys (``sampling.noise_keys``), same device.
+        keys: ``[R] int64`` noise keys (``noise_hash.noise_keys``), same device.
         block: vocab entries per loop iteration.
     Returns:
         ``[R] int64`` token ids, or ``None`` without Triton.
@@ -183,5 +183,5 @@ def fused_gumbel_argmax(z: torch.Tensor, keys: torch.Tensor, block: int = 4096) 
     out = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
     if z.shape[0]:
         _gumbel_argmax_kernel[(z.shape[0],)](z, keys.contiguous(), out, z.stride(0), vocab=z.shape[1], BLOCK=block,
-                     WEYL=_WEYL32, FMIX1=_FMIX1, FMIX2=_FMIX2, LIBDEVICE=_LIBDEVICE)
+                     WEYL=WEYL32, FMIX1=FMIX1, FMIX2=FMIX2, LIBDEVICE=_LIBDEVICE)
     return out

@@ -24,11 +24,10 @@ import argparse
 import asyncio
 import time
 
-import numpy as np
-
 from areal_async import auth
 from areal_async.config import Config, DebugConfig, RolloutConfig, load_config
 from areal_async.data.prompts import PromptItem, PromptSet
+from areal_async.jitter import Jitter
 from areal_async.reward.pool import RewardPool
 from areal_async.types import Array, Sample, Trajectory, sample_seed
 
@@ -58,8 +57,7 @@ class GenerationWorker:
         self._queue, self._client = queue, client
         self._prompts, self._rewards = prompts, rewards
         self._rollout, self._seed = rollout, seed
-        self._jitter_s = debug.jitter_ms / 1000.0
-        self._jitter = np.random.default_rng([debug.jitter_seed, worker_id])
+        self._jitter = Jitter(debug.jitter_ms, debug.jitter_seed, worker_id)
         self._in_flight = 0
         self._slot_freed = asyncio.Event()
         self.groups_done = 0
@@ -107,8 +105,7 @@ class GenerationWorker:
             self._slot_freed.set()
 
     async def _run_sample(self, g: int, i: int, item: PromptItem) -> Sample:
-        if self._jitter_s > 0:  # injected timing noise (debug.jitter_ms), never on by default
-            await asyncio.sleep(float(self._jitter.uniform(0.0, self._jitter_s)))
+        await self._jitter()  # injected timing noise (debug.jitter_ms), never on by default
         r = self._rollout
         seed = sample_seed(self._seed, g, i)
         sampling = {

@@ -13,9 +13,9 @@ is the directory of the config file.
 
 Deterministic mode additionally: every rank checks each batch against the id/seed/version
 contract (``contract.check_batch``, a violation raises), the model's linears compute in fixed row
-tiles (``batch_invariant``), ``torch.use_deterministic_algorithms(True)``, and on CUDA
-``CUBLAS_WORKSPACE_CONFIG`` plus ``NCCL_ALGO=Ring`` / ``NCCL_PROTO=Simple`` (fixed all-reduce
-order) unless already set. ``logging.dump_trajectories`` makes rank 0 append every batch to
+tiles (``batch_invariant``), ``torch.use_deterministic_algorithms(True)``, and the environment
+of ``determinism.deterministic_env`` (``CUBLAS_WORKSPACE_CONFIG``, ``NCCL_ALGO=Ring`` /
+``NCCL_PROTO=Simple``: a fixed all-reduce order) unless already set. ``logging.dump_trajectories`` makes rank 0 append every batch to
 ``RUN_DIR/trajectories.jsonl``; ``debug.jitter_ms`` sleeps a seeded random delay before taking a
 batch and before announcing a version. Any exception ends the process with its traceback and a
 non-zero status (torchrun then stops the other ranks, the launcher the job).
@@ -41,6 +41,8 @@ import torch.distributed as dist
 from areal_async import auth
 from areal_async.atomic_dir import new_staging_dir, staging_dir
 from areal_async.config import Config, load_config, to_dict
+from areal_async.determinism import deterministic_env
+from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.jitter import Jitter
 from areal_async.progress import Progress, progress_mode
 from areal_async.trainer.contract import check_batch, dump_batch
@@ -54,9 +56,6 @@ from areal_async.trainer.schedule import make_scheduler
 from areal_async.trainer.step import train_step
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 from areal_async.types import Trajectory
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class Services:
     """Rank 0's connections: queue, inference client, metrics, evaluation (``None`` elsewhere)."""
@@ -147,7 +146,7 @@ class Services:
 def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torch.device) -> WeightSender:
     """The ``trainer.weight_sync`` implementation, sending in the servers' dtype (``model.dtype``),
     interrupting the generations in flight or waiting for them (``rollout.interrupt_on_update``)."""
-    n, dtype = cfg.inference.num_servers, _DTYPES[cfg.model.dtype]
+    n, dtype = cfg.inference.num_servers, dtype_from_name(cfg.model.dtype, FLOAT_DTYPES, "model.dtype")
     interrupt = cfg.rollout.interrupt_on_update
     if cfg.trainer.weight_sync == "disk":
         return DiskWeightSender(policy, client, n, cfg.model.path, run_dir / "weights", dtype, interrupt)
@@ -201,10 +200,7 @@ def save_checkpoint(cfg: Config, policy, optimizer, scheduler, run_dir: pathlib.
 
 async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     deterministic = cfg.mode == "deterministic"
-    if deterministic:  # before CUDA / NCCL initialise
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        os.environ.setdefault("NCCL_ALGO", "Ring")
-        os.environ.setdefault("NCCL_PROTO", "Simple")
+    os.environ.update(deterministic_env(cfg.mode))  # before CUDA / NCCL initialise
     device = init_distributed(cfg.trainer.device)
     rank, t, q = dist.get_rank(), cfg.trainer, cfg.queue
     torch.manual_seed(cfg.seed)

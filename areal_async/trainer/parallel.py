@@ -40,11 +40,14 @@ from transformers import AutoModelForCausalLM
 
 from areal_async.batch_invariant import make_linears_batch_invariant
 from areal_async.config import TrainerConfig
+from areal_async.determinism import check_compile
+from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.tcp_store import hosted_store
 from areal_async.trainer.attention import use_packed_attention
 from areal_async.trainer.logprobs import PackedPolicy
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# trainer.dtype's choices (config.TrainerConfig; "auto" is resolved before): no float16 compute
+_COMPUTE_DTYPES = {name: FLOAT_DTYPES[name] for name in ("float32", "bfloat16")}
 
 
 def init_distributed(device: str, timeout_s: float = 1800.0) -> torch.device:
@@ -132,9 +135,7 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
     Raises:
         ValueError: ``cfg.compile`` together with ``batch_invariant``.
     """
-    if cfg.compile and batch_invariant:
-        raise ValueError("trainer.compile=true is not supported with mode: deterministic (batch-invariant "
-                         "kernels are checked eagerly only); set trainer.compile=false")
+    check_compile(cfg.compile, batch_invariant)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank clutters the job's console
@@ -147,7 +148,7 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
         make_linears_batch_invariant(lm)
     if cfg.compile:
         compile_decoder_layers(lm)
-    compute_dtype = _DTYPES[cfg.dtype]
+    compute_dtype = dtype_from_name(cfg.dtype, _COMPUTE_DTYPES, "trainer.dtype")
     if cfg.parallel == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -56,10 +56,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from areal_async.dtypes import dtype_name
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
 from areal_async.trainer.parallel import full_parameters
-from areal_async.weight_group import (DEFAULT_GROUP_NAME, broadcast_, dtype_name, in_daemon_thread,
-                                      new_weight_group)
+from areal_async.weight_group import DEFAULT_GROUP_NAME, broadcast_, in_daemon_thread, new_weight_group
 
 GROUP_NAME = DEFAULT_GROUP_NAME
 
