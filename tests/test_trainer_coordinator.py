@@ -1,8 +1,9 @@
 """Rank 0's ``Coordinator`` over an in-process ``ReplayQueue``, and its ``Follower`` twin.
 
 The queue is the real state machine (it refuses ``set_version(v)`` in deterministic mode until
-every group of version ≤ v-1 has finished); sender, evaluations and learner are recorders that
-append to one shared list of events, so the tests read the order of the coordinator's calls.
+every group of version ≤ v-1 has finished, and checks its accounting); sender, evaluations,
+learner, logger and inference client are one recorder that appends to one list of events, so the
+tests read the order of the coordinator's calls.
 "Still blocked" means not done after the loop ran every ready callback (``_settle``).
 """
 
@@ -15,18 +16,28 @@ import pytest
 
 from areal_async.config import load_config
 from areal_async.jitter import Jitter
-from areal_async.queue.core import ReplayQueue
+from areal_async.queue.core import AccountingError, ReplayQueue
 from areal_async.trainer.coordinator import Coordinator, Follower, checkpoint_due
 from areal_async.trainer.report import Timer
 from tests.test_queue_core import _settle, traj
 
 
 class Recorder:
-    """Sender, evaluations and learner in one: each call appends an event."""
+    """Sender, evaluations, learner, metrics logger and inference client in one: each call
+    appends an event."""
 
     def __init__(self):
         self.events: list[tuple] = []
         self.elapsed_before_s = 0.0
+
+    def log(self, step, metrics):
+        self.events.append(("log", step, metrics))
+
+    def start(self, version):
+        self.events.append(("eval_start", version))
+
+    async def get_weight_version(self, server):
+        return 1
 
     async def send(self, version):
         self.events.append(("send", version))
@@ -44,7 +55,7 @@ def coordinator(mode: str, checkpoint_every: int) -> tuple[Coordinator, ReplayQu
                              "queue.max_concurrent=8", "trainer.total_steps=4",
                              f"trainer.checkpoint_every={checkpoint_every}"])
     queue, rec = ReplayQueue(cfg.queue, mode), Recorder()
-    coord = Coordinator(cfg, rec, rec, Jitter(0, 0), None, queue, None, rec, None)
+    coord = Coordinator(cfg, rec, rec, Jitter(0, 0), rec, queue, rec, rec, None)
     return coord, queue, rec
 
 
@@ -68,7 +79,7 @@ def test_deterministic_publish_waits_for_the_drain_and_keeps_the_ready_groups():
         await queue.submit(traj(3))
         await publish
         assert rec.events == [("eval_wait",), ("send", 1)]
-        assert queue.stats().version == 1
+        assert (await queue.stats()).version == 1
         await coord.settle(0)  # the checkpoint of version 1 keeps the finished, unconsumed 2 and 3
         assert rec.events[-1] == ("save", 1, [2, 3])
 
@@ -99,7 +110,31 @@ def test_throughput_publish_does_not_wait_and_a_checkpoint_keeps_no_groups():
         await coord.publish(1, Timer())  # groups 2 and 3 still generating: no wait
         await coord.settle(0)
         assert rec.events == [("eval_wait",), ("send", 1), ("save", 1, [])]
-        assert queue.stats().version == 1
+        assert (await queue.stats()).version == 1
+
+    asyncio.run(body())
+
+
+def test_log_completes_the_step_metrics_from_the_queues_checked_accounting():
+    async def body():
+        coord, queue, rec = coordinator("throughput", checkpoint_every=0)
+        await queue.lease(0, 8)
+        for g in (0, 1, 2):
+            await queue.submit(traj(g))
+        trajs = await queue.get_batch(0)
+        timer = Timer()
+        with timer("step_s"):
+            pass
+        await coord.log(0, trajs, {"train/tokens": 8.0}, timer)
+        assert [e[:2] for e in rec.events] == [("log", 0), ("eval_start", 1)]
+        metrics = rec.events[0][2]
+        # leased 4 (0..3), ready 1 (2), running 1 (3): QueueStats of check_accounting
+        assert (metrics["queue/ready"], metrics["queue/running"]) == (1.0, 1.0)
+        assert (metrics["version/trainer"], metrics["version/servers"]) == (1, 1)
+        assert metrics["rollout/response_len"] == 2.0 and metrics["staleness/max"] == 0.0  # traj(): 2 tokens of version 0
+        queue._consumed += 1  # a count with no group behind it
+        with pytest.raises(AccountingError, match="consumed"):
+            await coord.log(1, trajs, {"train/tokens": 8.0}, timer)
 
     asyncio.run(body())
 

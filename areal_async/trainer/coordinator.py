@@ -45,6 +45,7 @@ from areal_async import auth
 from areal_async.config import Config, TrainerConfig, to_dict
 from areal_async.jitter import Jitter
 from areal_async.progress import Progress, following
+from areal_async.queue.interface import TrainerQueue
 from areal_async.queue.staleness import group_id_limit
 from areal_async.trainer.contract import check_batch, dump_batch
 from areal_async.trainer.evaluation import Evaluations
@@ -57,7 +58,6 @@ from areal_async.types import Trajectory
 if TYPE_CHECKING:
     from areal_async.inference.client import InferenceClient
     from areal_async.metrics import MetricsLogger
-    from areal_async.queue.client import QueueClient
 
 # make_sender(cfg, policy, client, run_dir, device): the weight sender of this rank (client: rank
 # 0's inference client, None elsewhere)
@@ -124,12 +124,13 @@ class Coordinator:
     Args:
         cfg: the run's config. learner: this rank's ``Learner``.
         sender: the weight sender (set up). jitter: this rank's ``Jitter``.
-        client: the inference client; queue: the replay queue's client; logger: the metrics log.
+        client: the inference client; queue: the replay queue (its client, or an in-process one);
+            logger: the metrics log.
         evals: the evaluation schedule. dump: ``trajectories.jsonl``, open, or ``None``.
     """
 
     def __init__(self, cfg: Config, learner: Learner, sender: WeightSender, jitter: Jitter,
-                 client: InferenceClient, queue: QueueClient, logger: MetricsLogger, evals: Evaluations,
+                 client: InferenceClient, queue: TrainerQueue, logger: MetricsLogger, evals: Evaluations,
                  dump: IO[str] | None):
         self._cfg, self._learner, self._sender, self._jitter = cfg, learner, sender, jitter
         self._client, self._queue, self._logger, self._evals, self._dump = client, queue, logger, evals, dump

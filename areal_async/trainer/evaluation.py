@@ -16,12 +16,12 @@ import pathlib
 from typing import TYPE_CHECKING
 
 from areal_async.config import Config
+from areal_async.inference.interface import GenerationClient
 from areal_async.progress import Progress, following, progress_mode
 from areal_async.trainer.resume import has_eval_row
 
 if TYPE_CHECKING:
     from areal_async.data.prompts import PromptSet
-    from areal_async.inference.client import InferenceClient
     from areal_async.metrics import MetricsLogger
     from areal_async.reward.pool import RewardPool
 
@@ -36,7 +36,7 @@ class Evaluations:
         prompts: the test prompts; rewards: the reward pool; logger: where results go.
     """
 
-    def __init__(self, cfg: Config, run_dir: pathlib.Path, client: InferenceClient, prompts: PromptSet,
+    def __init__(self, cfg: Config, run_dir: pathlib.Path, client: GenerationClient, prompts: PromptSet,
                  rewards: RewardPool, logger: MetricsLogger):
         self._eval, self._total_steps = cfg.eval, cfg.trainer.total_steps
         self._metrics_path = run_dir / "metrics.jsonl"
