@@ -37,7 +37,8 @@ def check_calls(proto: type, cls: type) -> None:
         have_p = list(inspect.signature(have).parameters.values())
         assert [p.name for p in have_p[:len(want_p)]] == [p.name for p in want_p], \
             f"{where} takes {[p.name for p in have_p]}, the Protocol {[p.name for p in want_p]}"
-        assert all(p.default is not p.empty for p in have_p[len(want_p):]), f"{where}: an extra parameter without default"
+        assert all(p.default is not p.empty for p in have_p[len(want_p):]), \
+            f"{where}: an extra parameter without default"
         for w, h in zip(want_p, have_p):
             if w.default is not w.empty:
                 assert h.default == w.default, f"{where}: {h.name} defaults to {h.default!r}, not {w.default!r}"

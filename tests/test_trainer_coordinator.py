@@ -131,7 +131,8 @@ def test_log_completes_the_step_metrics_from_the_queues_checked_accounting():
         # leased 4 (0..3), ready 1 (2), running 1 (3): QueueStats of check_accounting
         assert (metrics["queue/ready"], metrics["queue/running"]) == (1.0, 1.0)
         assert (metrics["version/trainer"], metrics["version/servers"]) == (1, 1)
-        assert metrics["rollout/response_len"] == 2.0 and metrics["staleness/max"] == 0.0  # traj(): 2 tokens of version 0
+        # traj(): 2 tokens per sample, of version 0, taken at step 0
+        assert metrics["rollout/response_len"] == 2.0 and metrics["staleness/max"] == 0.0
         queue._consumed += 1  # a count with no group behind it
         with pytest.raises(AccountingError, match="consumed"):
             await coord.log(1, trajs, {"train/tokens": 8.0}, timer)

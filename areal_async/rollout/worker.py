@@ -49,8 +49,8 @@ class GenerationWorker:
         debug: ``jitter_ms``, ``jitter_seed``.
     """
 
-    def __init__(self, worker_id: int, queue: WorkerQueue, client: GenerationClient, prompts: PromptSet, rewards: RewardPool,
-                 rollout: RolloutConfig, seed: int, debug: DebugConfig = DebugConfig()):
+    def __init__(self, worker_id: int, queue: WorkerQueue, client: GenerationClient, prompts: PromptSet,
+                 rewards: RewardPool, rollout: RolloutConfig, seed: int, debug: DebugConfig = DebugConfig()):
         if rollout.n_samples < 1 or rollout.max_groups_in_flight < 1 or rollout.max_new_tokens < 1:
             raise ValueError(
                 f"rollout.n_samples ({rollout.n_samples}), max_groups_in_flight "

@@ -100,8 +100,9 @@ class DistributedWeightSender:
             the update wait for the generations in flight (module docstring).
     """
 
-    def __init__(self, policy, client: WeightUpdateClient | None, num_servers: int, master_address: str, master_port: int,
-                 bucket_bytes: int, send_dtype: torch.dtype, device: torch.device, interrupt_on_update: bool = True):
+    def __init__(self, policy, client: WeightUpdateClient | None, num_servers: int, master_address: str,
+                 master_port: int, bucket_bytes: int, send_dtype: torch.dtype, device: torch.device,
+                 interrupt_on_update: bool = True):
         assert bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}"
         self.policy, self.client, self.num_servers = policy, client, num_servers
         self.master_address, self.master_port = master_address, master_port
@@ -196,8 +197,8 @@ class DiskWeightSender:
             server's load waits for its generations in flight (module docstring).
     """
 
-    def __init__(self, policy, client: WeightUpdateClient | None, num_servers: int, base_model_path: str, weights_dir: pathlib.Path,
-                 save_dtype: torch.dtype, interrupt_on_update: bool = True):
+    def __init__(self, policy, client: WeightUpdateClient | None, num_servers: int, base_model_path: str,
+                 weights_dir: pathlib.Path, save_dtype: torch.dtype, interrupt_on_update: bool = True):
         self.policy, self.client, self.num_servers = policy, client, num_servers
         self.interrupt_on_update = interrupt_on_update
         self.base_model_path, self.weights_dir, self.save_dtype = base_model_path, pathlib.Path(weights_dir), save_dtype
