@@ -19,10 +19,11 @@ Updates cost a counter increment and a clock read; nothing here touches a device
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 ENV = "AREAL_ASYNC_PROGRESS"
 MODES = ("bar", "lines", "off")
@@ -128,3 +129,13 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.asynccontextmanager
+async def following(prog: Progress, poll: Callable[[], Awaitable[int]] | None = None) -> AsyncIterator[None]:
+    """Run ``prog.follow(poll)`` as a task while the block runs (cancelled when it ends)."""
+    task = asyncio.create_task(prog.follow(poll))
+    try:
+        yield
+    finally:
+        task.cancel()

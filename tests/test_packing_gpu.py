@@ -193,7 +193,7 @@ def test_tree_packing_matches_unshared_on_cuda(tiny_qwen3_dir, dtype, path, n_pr
 
 def _deterministic_tree_run(rank: int, port: int, model_dir: str, dtype: str, out_path: str,
                             device_type: str = "cuda") -> None:
-    """Deterministic mode's settings (``trainer/main.py``: ``CUBLAS_WORKSPACE_CONFIG`` before CUDA
+    """Deterministic mode's settings (``trainer/learner.py``: ``CUBLAS_WORKSPACE_CONFIG`` before CUDA
     starts, ``torch.use_deterministic_algorithms(True)``, batch-invariant linears), one rank of
     FSDP2, ``trainer.share_prefixes=true``: two runs of two ``train_step`` s each from the same
     weights, on the shared-prefix batch of ``tests/test_trainer_step.py`` at a budget of one tree
@@ -277,7 +277,7 @@ def test_deterministic_tree_steps_are_bit_identical_on_cuda(tiny_qwen3_dir, dtyp
     # sdpa (no FlexAttention under deterministic algorithms); torch must raise no "does not have a
     # deterministic implementation" error, and two identical runs must agree bit for bit in loss,
     # gradients and updated weights (after each of two steps, AdamW). Run in a fresh process so
-    # that CUBLAS_WORKSPACE_CONFIG is set before cuBLAS starts, as trainer/main.py does.
+    # that CUBLAS_WORKSPACE_CONFIG is set before cuBLAS starts, as trainer/learner.py does.
     import torch.multiprocessing as mp
 
     from tests.test_trainer_step import _free_port

@@ -89,11 +89,11 @@ def test_every_group_accounted_throughput():
         await q.submit(traj(0))
         await q.reject(1, "prompt too long")
         # accepted 2, running 1: min(4 - 1, 4 - 3) = 1 -> the rejected slot is refilled.
-        assert q.stats().capacity == 1
+        assert (await q.stats()).capacity == 1
         assert await q.lease(1, 10) == [4]
         batch = await q.get_batch(0)  # the first two to finish, sorted by id
         assert [t.group_id for t in batch] == [0, 2]
-        s = q.stats()
+        s = await q.stats()
         assert (s.leased, s.running, s.ready, s.consumed, s.rejected, s.accepted) == (
             5, 2, 0, 2, 1, 2)
         assert s.leased == s.running + s.ready + s.consumed + s.rejected
@@ -192,7 +192,7 @@ def test_close_releases_blocked_callers():
         with pytest.raises(QueueClosed):
             await drain
         await q.submit(traj(0))  # leased before close: still recorded
-        assert q.stats().ready == 1 and q.stats().closed
+        assert (await q.stats()).ready == 1 and (await q.stats()).closed
 
     asyncio.run(body())
 
@@ -220,7 +220,7 @@ def test_misuse_is_a_clear_error():
 def test_resume_restarts_accepted_at_v_times_b():
     async def body():
         q = make("deterministic", b=2, eta=1, conc=16, start_version=3)
-        s = q.stats()
+        s = await q.stats()
         # accepted = 3*2 = 6: capacity min(16, (1+3+1)*2 - 6) = 4.
         assert (s.accepted, s.capacity, s.next_step, s.version) == (6, 4, 3, 3)
         assert await q.lease(0, 16) == [6, 7, 8, 9]
@@ -245,10 +245,10 @@ def test_resume_with_restored_buffer_continues_like_an_unbroken_run():
             saved = await q.peek_ready((step + 2) * 2)
             await q.set_version(step + 1)
         assert [t.group_id for t in saved] == [6, 7]
-        assert q.stats().ready == 2  # peeking consumed nothing
+        assert (await q.stats()).ready == 2  # peeking consumed nothing
         r = ReplayQueue(QueueConfig(batch_size=2, max_staleness=1, max_concurrent=16),
                         "deterministic", start_version=3, restored=saved)
-        s = r.stats()
+        s = await r.stats()
         # accepted = 6 + 2 restored: capacity min(16, (1 + 3 + 1) * 2 - 8) = 2, the groups of v = 3.
         assert (s.accepted, s.capacity, s.ready, s.leased) == (8, 2, 2, 2)
         assert await r.lease(0, 16) == [8, 9]
@@ -268,7 +268,7 @@ def test_release_requeues_the_same_ids_before_new_ones():
         # worker 0 dies holding group 1: running 3 -> 2, requeued 1; leased counts ids, still 4
         assert await q.release(0) == [1]
         assert await q.release(0) == []  # idempotent
-        s = q.check_accounting()
+        s = await q.check_accounting()
         assert (s.leased, s.running, s.ready, s.requeued, s.released, s.accepted) == (4, 2, 1, 1, 1, 1)
         # accepted 1, running 2: min(4 - 2, 2*2 - 3) = 1, the requeued group's slot and no more
         assert s.capacity == 1
@@ -277,7 +277,7 @@ def test_release_requeues_the_same_ids_before_new_ones():
             await q.submit(traj(1))  # a late submit of the dead worker's group is refused
         assert await q.lease(2, 4) == [1]  # the same id, not the new id 4
         await q.submit(traj(1))
-        s = q.check_accounting()
+        s = await q.check_accounting()
         # accepted once for group 1: 2; running 2 (groups 2, 3): min(4 - 2, 4 - 4) = 0
         assert (s.leased, s.running, s.ready, s.requeued, s.released, s.accepted, s.capacity) == (
             4, 2, 2, 0, 1, 2, 0)
@@ -296,11 +296,11 @@ def test_requeued_ids_go_before_new_ones_lowest_first_with_a_worker_restart():
         assert await q.lease(1, 1) == [3]
         await q.release(1)
         await q.release(0, restart=True)  # the launcher's call: counted as a restart
-        s = q.stats()
+        s = await q.stats()
         assert (s.requeued, s.running, s.released, s.worker_restarts) == (4, 0, 4, 1)
         assert await q.lease(5, 2) == [0, 1]
         assert await q.lease(6, 8) == [2, 3, 4, 5]  # the rest of the requeued, then new ids
-        q.check_accounting()
+        await q.check_accounting()
 
     asyncio.run(asyncio.wait_for(body(), 10))
 
@@ -319,14 +319,14 @@ def test_deterministic_release_holds_the_version_until_the_group_is_done_again()
         with pytest.raises(ValueError, match="wait_drained"):
             await q.set_version(1)
         # η = 0: group_id_limit(0) - next_id = 2 - 2 = 0 new ids, but the requeued id may go
-        assert q.stats().capacity == 1
+        assert (await q.stats()).capacity == 1
         assert await q.lease(1, 8) == [1]  # lease's version assertion holds: v(1) = 0 is live
         await q.submit(traj(1))
         await drain
         assert [t.group_id for t in await getter] == [0, 1]
         await q.set_version(1)
         assert await q.lease(1, 8) == [2, 3]
-        s = q.check_accounting()
+        s = await q.check_accounting()
         assert (s.leased, s.consumed, s.running, s.released, s.accepted) == (4, 2, 2, 1, 2)
 
     asyncio.run(asyncio.wait_for(body(), 10))
@@ -348,10 +348,10 @@ def test_check_accounting_names_the_counts_of_a_lost_group():
         q = make("throughput")
         assert await q.lease(0, 2) == [0, 1]
         await q.submit(traj(0))
-        q.check_accounting()
+        await q.check_accounting()
         del q._holder[1]  # a group dropped without a state change: what the check is for
         with pytest.raises(AccountingError, match=r"counters \{'running': 0, 'ready': 1.* but groups by state \{'running': 1, 'ready': 1"):
-            q.check_accounting()
+            await q.check_accounting()
         with pytest.raises(AccountingError, match=r"leased 5 != running 1 \+ ready 1 \+ consumed 0 \+ "
                                                   r"rejected 2 \+ requeued 0 = 4"):
             QueueStats(version=0, leased=5, running=1, ready=1, consumed=0, rejected=2, accepted=0,

@@ -162,7 +162,7 @@ def test_a_broken_accounting_stops_the_service_and_names_the_counts(tmp_path):
                 await c.check_accounting()
             assert isinstance(handler.failed.result(), AccountingError)
             with pytest.raises(AccountingError):
-                handler.write_accounting()
+                await handler.write_accounting()
         acct = json.loads((tmp_path / "acct.json").read_text())
         assert "consumed" in acct["violation"] and acct["groups"] == {"0": "running", "1": "running"}
         server.close()

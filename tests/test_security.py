@@ -171,7 +171,7 @@ def test_queue_needs_the_token_and_changes_nothing_without_it():
         assert isinstance(reply, p.Error) and reply.kind == "Unauthorized" and reply.rid == p.CONNECTION
         assert await reader.read() == b""  # and the connection is closed
         writer.close()
-        assert not queue.stats().closed and queue.stats().leased == 0  # nothing changed
+        assert not (await queue.stats()).closed and (await queue.stats()).leased == 0  # nothing changed
         async with await QueueClient.connect("127.0.0.1", port, timeout_s=5, token=TOKEN) as client:
             assert await client.lease(0, 8) == [0, 1]
         server.close()

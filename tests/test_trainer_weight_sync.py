@@ -56,7 +56,8 @@ def _server_main(commands, replies):
 
 
 class FakeClient:
-    """The sender-facing subset of ``InferenceClient``, backed by server processes."""
+    """A ``WeightUpdateClient`` (``inference/interface.py``; ``tests/test_interfaces.py`` checks it),
+    backed by server processes."""
 
     def __init__(self, num_servers: int):
         ctx = mp.get_context("spawn")

@@ -158,7 +158,7 @@ def test_worker_streams_scored_versioned_groups(tokenizer, rewards):
             # Two groups of three samples are in flight at once, and no third group starts.
             await fake.gate_reached.wait()
             await _settle()
-            assert fake.in_flight == 2 * N_SAMPLES and queue.stats().running == 2
+            assert fake.in_flight == 2 * N_SAMPLES and (await queue.stats()).running == 2
             fake.gate.set()
 
             batch0 = await trainer.get_batch(0)

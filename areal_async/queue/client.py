@@ -1,6 +1,6 @@
 """``QueueClient``: the async TCP client of the replay-queue service.
 
-Same calls as ``ReplayQueue`` (all ``async``, ``stats`` included), over one connection. Calls may
+Same calls as ``ReplayQueue``, all ``async`` as there (``interface.py``), over one connection. Calls may
 overlap: each request carries an id and a background reader task routes every reply to its
 waiting call. Errors come back as the queue raised them: ``ValueError`` for misuse,
 ``QueueClosed`` from ``get_batch``/``wait_drained`` on a closed queue, ``AccountingError`` from

@@ -322,8 +322,9 @@ class ReplayQueue:
     def closed(self) -> bool:
         return self._closed
 
-    def stats(self) -> QueueStats:
-        """A consistent snapshot of the counters (synchronous: no await inside)."""
+    async def stats(self) -> QueueStats:
+        """A consistent snapshot of the counters (no await inside; ``async`` as ``QueueClient.stats``,
+        see ``interface.py``)."""
         return QueueStats(
             version=self._version,
             leased=self._next_id - self._first_id,
@@ -340,7 +341,7 @@ class ReplayQueue:
             worker_restarts=self._worker_restarts,
         )
 
-    def check_accounting(self) -> QueueStats:
+    async def check_accounting(self) -> QueueStats:
         """``stats()``, after checking it against every group's state: each id from the first
         one up to the allocator is in exactly one state, the counters equal the number of groups
         in each state, and the invariant of ``QueueStats.check`` holds.
@@ -348,7 +349,7 @@ class ReplayQueue:
         Raises:
             AccountingError: they disagree; the message names the counts.
         """
-        s = self.stats()
+        s = await self.stats()
         counts = {st: 0 for st in (RUNNING, READY, CONSUMED, REJECTED, REQUEUED)}
         for st in self._state.values():
             counts[st] += 1

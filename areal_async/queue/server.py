@@ -182,15 +182,15 @@ class QueueServer:
             case p.PeekReady():
                 return p.Batch(rid=rid, trajectories=await q.peek_ready(req.below))
             case p.GetStats():
-                return p.Stats(rid=rid, stats=q.check_accounting() if req.check else q.stats())
+                return p.Stats(rid=rid, stats=await (q.check_accounting() if req.check else q.stats()))
             case p.Close():
                 await q.close()
-                self.write_accounting()
+                await self.write_accounting()
             case _:
                 raise AssertionError(f"unhandled request {type(req).__name__}")
         return p.Ack(rid=rid)
 
-    def write_accounting(self) -> None:
+    async def write_accounting(self) -> None:
         """Check the accounting, then write ``stats()`` plus every group's state to
         ``accounting_path`` (atomically; ``violation``: the failed check's message).
 
@@ -199,11 +199,11 @@ class QueueServer:
         """
         violation = None
         try:
-            self.queue.check_accounting()
+            await self.queue.check_accounting()
         except AccountingError as exc:
             violation = exc
         if self.accounting_path is not None:
-            data = msgspec.to_builtins(self.queue.stats())
+            data = msgspec.to_builtins(await self.queue.stats())
             if violation is not None:
                 data["violation"] = str(violation)
             data["groups"] = {str(g): s for g, s in self.queue.accounting().items()}
@@ -257,7 +257,7 @@ async def main(config_path: str, start_version: int, restore: str | None = None)
     stopped.cancel()
     server.close()
     try:
-        handler.write_accounting()
+        await handler.write_accounting()
     except AccountingError as exc:
         if not handler.failed.done():
             handler.failed.set_result(exc)

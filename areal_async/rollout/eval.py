@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Callable
 
 from areal_async.data.prompts import PromptSet
+from areal_async.inference.interface import GenerationClient
 from areal_async.reward.pool import RewardPool
 
 
@@ -24,13 +25,13 @@ class MixedVersionError(RuntimeError):
     """An evaluation's responses came from more than the one policy version it was to measure."""
 
 
-async def evaluate(client, prompts: PromptSet, rewards: RewardPool, num_prompts: int,
+async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: RewardPool, num_prompts: int,
                    max_new_tokens: int, version: int,
                    on_done: Callable[[], None] | None = None) -> dict[str, float]:
     """Greedy pass@1 of the served policy (version ``version``).
 
     Args:
-        client: an ``InferenceClient`` (``generate``, ``urls``).
+        client: an ``InferenceClient``, or a stand-in for it.
         prompts: the test prompts (``PromptSet`` of the task's ``"test"`` split).
         rewards: the reward pool; scores with ``prompts.task.reward_fn``.
         num_prompts: how many of the first test prompts to use (capped at ``len(prompts)``).

@@ -28,6 +28,8 @@ from areal_async import auth
 from areal_async.config import Config, DebugConfig, RolloutConfig, load_config
 from areal_async.data.prompts import PromptItem, PromptSet
 from areal_async.jitter import Jitter
+from areal_async.inference.interface import GenerationClient
+from areal_async.queue.interface import WorkerQueue
 from areal_async.reward.pool import RewardPool
 from areal_async.types import Array, Sample, Trajectory, sample_seed
 
@@ -37,8 +39,8 @@ class GenerationWorker:
 
     Args:
         worker_id: this worker's id (``--worker-id``).
-        queue: a ``QueueClient`` (or an in-process ``ReplayQueue``): ``lease``/``submit``.
-        client: an ``InferenceClient`` (``generate``, ``urls``).
+        queue: a ``QueueClient`` or an in-process ``ReplayQueue``.
+        client: an ``InferenceClient``, or a stand-in for it.
         prompts: the training prompts.
         rewards: the reward pool; responses are scored with ``prompts.task.reward_fn``.
         rollout: ``n_samples``, ``max_new_tokens``, sampling parameters, ``max_groups_in_flight``.
@@ -46,8 +48,8 @@ class GenerationWorker:
         debug: ``jitter_ms``, ``jitter_seed``.
     """
 
-    def __init__(self, worker_id: int, queue, client, prompts: PromptSet, rewards: RewardPool,
-                 rollout: RolloutConfig, seed: int, debug: DebugConfig = DebugConfig()):
+    def __init__(self, worker_id: int, queue: WorkerQueue, client: GenerationClient, prompts: PromptSet,
+                 rewards: RewardPool, rollout: RolloutConfig, seed: int, debug: DebugConfig = DebugConfig()):
         if rollout.n_samples < 1 or rollout.max_groups_in_flight < 1 or rollout.max_new_tokens < 1:
             raise ValueError(
                 f"rollout.n_samples ({rollout.n_samples}), max_groups_in_flight "

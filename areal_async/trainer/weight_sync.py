@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from areal_async.dtypes import dtype_name
+from areal_async.inference.interface import WeightUpdateClient
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
 from areal_async.trainer.parallel import full_parameters
 from areal_async.weight_group import DEFAULT_GROUP_NAME, broadcast_, in_daemon_thread, new_weight_group
@@ -88,7 +89,7 @@ class DistributedWeightSender:
 
     Args:
         policy: the (FSDP2/DDP-wrapped) ``PackedPolicy``.
-        client: ``InferenceClient`` (rank 0; ``None`` on other ranks) with ``num_servers`` URLs.
+        client: ``InferenceClient`` or a stand-in (rank 0; ``None`` on other ranks), ``num_servers`` servers.
         num_servers: number of inference servers (each is one rank of the group).
         master_address, master_port: where rank 0 hosts the group's rendezvous (``TCPStore``).
         bucket_bytes: most bytes of tensors per ``/update_weights_from_distributed`` call (with
@@ -99,8 +100,9 @@ class DistributedWeightSender:
             the update wait for the generations in flight (module docstring).
     """
 
-    def __init__(self, policy, client, num_servers: int, master_address: str, master_port: int,
-                 bucket_bytes: int, send_dtype: torch.dtype, device: torch.device, interrupt_on_update: bool = True):
+    def __init__(self, policy, client: WeightUpdateClient | None, num_servers: int, master_address: str,
+                 master_port: int, bucket_bytes: int, send_dtype: torch.dtype, device: torch.device,
+                 interrupt_on_update: bool = True):
         assert bucket_bytes > 0, f"bucket_bytes must be > 0, got {bucket_bytes}"
         self.policy, self.client, self.num_servers = policy, client, num_servers
         self.master_address, self.master_port = master_address, master_port
@@ -184,7 +186,7 @@ class DiskWeightSender:
 
     Args:
         policy: the (FSDP2/DDP-wrapped) ``PackedPolicy``.
-        client: ``InferenceClient`` on rank 0, ``None`` elsewhere.
+        client: ``InferenceClient`` or a stand-in on rank 0, ``None`` elsewhere.
         num_servers: number of inference servers.
         base_model_path: the starting HF directory (config, generation config and tokenizer to
             copy).
@@ -195,8 +197,8 @@ class DiskWeightSender:
             server's load waits for its generations in flight (module docstring).
     """
 
-    def __init__(self, policy, client, num_servers: int, base_model_path: str, weights_dir: pathlib.Path,
-                 save_dtype: torch.dtype, interrupt_on_update: bool = True):
+    def __init__(self, policy, client: WeightUpdateClient | None, num_servers: int, base_model_path: str,
+                 weights_dir: pathlib.Path, save_dtype: torch.dtype, interrupt_on_update: bool = True):
         self.policy, self.client, self.num_servers = policy, client, num_servers
         self.interrupt_on_update = interrupt_on_update
         self.base_model_path, self.weights_dir, self.save_dtype = base_model_path, pathlib.Path(weights_dir), save_dtype

@@ -1,0 +1,59 @@
+"""The inference servers as their callers see them: ``GenerationClient`` (the generation worker
+and the evaluator) and ``WeightUpdateClient`` (the trainer's ``WeightSender`` on rank 0).
+
+``client.InferenceClient`` satisfies both; test fakes implement only the one they stand in for.
+``tests/test_interfaces.py`` checks each implementation against its Protocol, method by method
+(``async`` on both sides, the same parameters). What each call does is documented once, on
+``InferenceClient``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from areal_async.inference.client import GenResult
+
+
+@runtime_checkable
+class GenerationClient(Protocol):
+    """What ``rollout.worker.GenerationWorker`` and ``rollout.eval.evaluate`` call.
+
+    Attributes:
+        urls: one base URL per server; a caller picks server ``i`` in ``range(len(urls))``.
+    """
+
+    urls: list[str]
+
+    async def generate(self, input_ids: list[int], sampling: dict, rid: str, server: int | None = None) -> GenResult:
+        """Once per sample (worker) or test prompt (evaluator): generate on ``server`` until a
+        stop token or ``max_new_tokens``, resubmitting across weight-update interruptions; the
+        result carries each token's log-prob and policy version."""
+        ...
+
+
+@runtime_checkable
+class WeightUpdateClient(Protocol):
+    """What ``trainer.weight_sync``'s senders call on rank 0 (the servers' answers are unused)."""
+
+    async def init_weights_update_group(self, server: int, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, backend: str, group_name: str) -> object:
+        """Once per server, at ``DistributedWeightSender.setup``: join the trainer's weight group."""
+        ...
+
+    async def update_weights_from_distributed(self, server: int, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], version: int, group_name: str) -> object:
+        """Per bucket and server, while rank 0 broadcasts the bucket: receive it as ``version``."""
+        ...
+
+    async def update_weights_from_disk(self, server: int, path: str, version: int) -> object:
+        """Per server, at ``DiskWeightSender.send``: load the HF directory ``path`` as ``version``."""
+        ...
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Before an update (``rollout.interrupt_on_update``): pause generation on every server."""
+        ...
+
+    async def resume(self) -> None:
+        """After an update, also a failed one: continue generation on every server."""
+        ...

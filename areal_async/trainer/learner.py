@@ -1,0 +1,90 @@
+"""``Learner``: one trainer rank's trainable state (policy, AdamW, learning-rate schedule).
+
+Every rank builds one. Construction joins the torchrun default group and builds the policy
+(FSDP2 shard or DDP replica, ``parallel.build_policy``) from ``model.path``, or, with
+``trainer.resume``, from ``RUN_DIR/checkpoint`` with the optimizer, schedule and RNG restored
+(``resume.load_training_state``). ``step`` runs one decoupled-PPO step (``step.train_step``) and
+one scheduler step; ``save_checkpoint`` writes ``RUN_DIR/checkpoint``. All three are collectives.
+
+Deterministic mode (``mode: deterministic``) is set up here, once: the environment of
+``determinism.deterministic_env`` (on CUDA ``CUBLAS_WORKSPACE_CONFIG`` plus ``NCCL_ALGO=Ring`` /
+``NCCL_PROTO=Simple``: a fixed all-reduce order; values already set win), before CUDA and NCCL start; ``torch.use_deterministic_algorithms(True)``;
+and the model's linears in fixed row tiles (``batch_invariant``).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Callable
+
+import torch
+
+from areal_async.atomic_dir import new_staging_dir, staging_dir
+from areal_async.config import Config
+from areal_async.determinism import deterministic_env
+from areal_async.trainer.checkpoint import save_hf_checkpoint
+from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
+from areal_async.trainer.resume import (load_training_state, publish_checkpoint, read_elapsed,
+                                        save_training_state)
+from areal_async.trainer.schedule import make_scheduler
+from areal_async.trainer.step import train_step
+from areal_async.types import Trajectory
+
+
+class Learner:
+    """This rank's policy, optimizer and scheduler, at step ``start`` (0, or the checkpoint's).
+
+    Attributes:
+        device: this rank's device. policy, optimizer, scheduler: as built (or restored).
+        start: steps already done (the policy's version).
+        elapsed_before_s: training wall time of the run before this job, seconds (the
+            checkpoint's; 0.0 for a fresh run): ``perf/elapsed_s`` continues from it.
+    """
+
+    def __init__(self, cfg: Config, run_dir: pathlib.Path):
+        t = cfg.trainer
+        deterministic = cfg.mode == "deterministic"
+        os.environ.update(deterministic_env(cfg.mode))  # before CUDA / NCCL initialise
+        self.device = init_distributed(t.device)
+        torch.manual_seed(cfg.seed)
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.cfg, self.run_dir = cfg, run_dir
+        ckpt_dir = run_dir / "checkpoint"
+        self.policy = build_policy(str(ckpt_dir) if t.resume else cfg.model.path, t, self.device,
+                                   batch_invariant=deterministic)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=t.lr, betas=t.adam_betas,
+                                           weight_decay=t.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, t)  # stepped once per training step
+        self.start = load_training_state(self.policy, self.optimizer, self.scheduler, ckpt_dir) if t.resume else 0
+        # perf/elapsed_s: training wall time from the first step on, summed over resumes (a stopped
+        # job's time after its checkpoint, and the pause before the resume, are not counted)
+        self.elapsed_before_s = read_elapsed(ckpt_dir) if t.resume else 0.0
+
+    def step(self, trajs: list[Trajectory], on_micro_batch: Callable[[int, int], None] | None = None) -> dict:
+        """Collective: one training step on batch ``trajs`` (the same on every rank), then one
+        scheduler step; returns ``train_step``'s metrics (``train/*``)."""
+        cfg = self.cfg
+        metrics = train_step(self.policy, self.optimizer, trajs, cfg.algo, cfg.trainer, cfg.rollout.temperature,
+                             self.device, on_micro_batch=on_micro_batch)
+        self.scheduler.step()
+        return metrics
+
+    def save_checkpoint(self, step: int, buffer: list[Trajectory], elapsed_s: float) -> None:
+        """Collective: ``save_checkpoint`` of this rank's state into ``RUN_DIR/checkpoint``."""
+        save_checkpoint(self.cfg, self.policy, self.optimizer, self.scheduler, self.run_dir, step, buffer, elapsed_s)
+
+
+def save_checkpoint(cfg: Config, policy, optimizer, scheduler, run_dir: pathlib.Path, step: int,
+                    buffer: list[Trajectory], elapsed_s: float = 0.0) -> None:
+    """Collective: rank 0 writes ``RUN_DIR/checkpoint``: the fp32 master weights (HF directory),
+    then the training state of ``step`` and the queue's saved ``buffer`` (``resume.py``), all into
+    a staging directory that replaces the previous checkpoint only once complete."""
+    ckpt = run_dir / "checkpoint"
+    state = full_state_dict(policy)
+    if state is not None:
+        save_hf_checkpoint(state, cfg.model.path, new_staging_dir(ckpt), torch.float32)
+    save_training_state(policy, optimizer, scheduler, staging_dir(ckpt), step, buffer, elapsed_s)
+    if state is not None:
+        publish_checkpoint(ckpt)
