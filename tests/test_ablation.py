@@ -35,16 +35,17 @@ def _check_report(root, names, missing=()):
 
 
 def _study(tmp_path, model_dir, *extra) -> list[str]:
-    return [CONFIG, "--etas", "0,2", "--name", "s", "--parallel", "4", "--poll-s", "0.2", f"run_root={tmp_path}",
+    return [CONFIG, "--etas", "2", "--name", "s", "--parallel", "2", "--poll-s", "0.2", f"run_root={tmp_path}",
             *tiny_job_overrides(model_dir), *extra]
 
 
 def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    # 2 η × 2 objectives, 2 steps each, side by side. First run: cell eta2-naive-s1 is made to fail
-    # (a bad override given to it alone: its launcher refuses it, so the test costs three jobs, not
-    # four); it is reported with its error and last lines, the other three finish, exit 1, and the
-    # report lists it as missing. Second run: the three are skipped, the failed one runs and
-    # finishes, exit 0, the report has all four. Third run: all four skipped.
+    # η = 2 × both objectives, 2 steps each, side by side. First run: cell eta2-naive-s1 is made to
+    # fail (a bad override given to it alone: its launcher refuses it, so the test costs two jobs,
+    # not three); it is reported with its error and last lines, the other finishes, exit 1, and the
+    # report lists it as missing. Second run: the finished cell is skipped, the failed one runs and
+    # finishes, exit 0, the report has both. Third run: both skipped. (The grid's other axes and
+    # their overrides: the tests below, which start no job.)
     real = launcher.ablation.cell_overrides
 
     def one_bad(eta, objective, seed, study, root, *interrupt):
@@ -57,19 +58,18 @@ def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_mode
     assert "[ablation] eta2-naive-s1: FAILED after" in out and "(exit 2): [launcher] error: invalid config " \
         "value for 'trainer.lr' = -1" in out, out
     assert "failed cell eta2-naive-s1 (exit 2); last lines of" in err and "'trainer.lr' = -1" in err, err
-    assert "3/4 cells finished, 1 failed" in out
+    assert "1/2 cells finished, 1 failed" in out
     root = tmp_path / "s"
-    names = ["eta0-decoupled-s1", "eta0-naive-s1", "eta2-decoupled-s1", "eta2-naive-s1"]
+    names = ["eta2-decoupled-s1", "eta2-naive-s1"]
     assert f"[ablation] report: {root / 'report.html'} (table: {root / 'summary.csv'})" in out
     _check_report(root, names, missing=["eta2-naive-s1"])
     study = json.loads((root / "study.json").read_text())
     assert [c["name"] for c in study["cells"]] == names
-    assert [c["state"] for c in study["cells"]] == ["finished"] * 3 + ["failed"]
-    assert study["cells"][3]["error"].startswith("exit 2: [launcher] error: invalid config value for 'trainer.lr'")
+    assert [c["state"] for c in study["cells"]] == ["finished", "failed"]
+    assert study["cells"][1]["error"].startswith("exit 2: [launcher] error: invalid config value for 'trainer.lr'")
     assert (study["etas"], study["objectives"], study["seeds"], study["total_steps"]) == (
-        [0, 2], ["decoupled", "naive"], [1], 2)
-    for name, eta, decoupled in (("eta0-decoupled-s1", 0, True), ("eta0-naive-s1", 0, False),
-                                 ("eta2-decoupled-s1", 2, True)):
+        [2], ["decoupled", "naive"], [1], 2)
+    for name, eta, decoupled in (("eta2-decoupled-s1", 2, True),):
         from areal_async.config import load_config
 
         cfg = load_config(root / name / "config.yaml")
@@ -82,12 +82,12 @@ def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_mode
     monkeypatch.setattr(launcher.ablation, "cell_overrides", real)
     assert main(_study(tmp_path, tiny_model_dir)) == 0
     out, _ = capsys.readouterr()
-    assert "3 finished before, 1 to run" in out and "eta2-naive-s1: started (new)" in out, out
-    assert [c["state"] for c in json.loads((root / "study.json").read_text())["cells"]] == ["finished"] * 4
+    assert "1 finished before, 1 to run" in out and "eta2-naive-s1: started (new)" in out, out
+    assert [c["state"] for c in json.loads((root / "study.json").read_text())["cells"]] == ["finished"] * 2
     _check_report(root, names)
     assert main(_study(tmp_path, tiny_model_dir)) == 0
     out, _ = capsys.readouterr()
-    assert "4 finished before, 0 to run" in out and "started" not in out, out
+    assert "2 finished before, 0 to run" in out and "started" not in out, out
 
 
 def test_cell_states(tmp_path):
