@@ -156,10 +156,10 @@ class TrainerConfig(_Cfg):
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # compute dtype (master weights stay fp32)
     # torch.compile each decoder layer's forward and the fused LM head's chunk kernels
-    # (trainer/parallel.py); not with mode: deterministic
+    # (trainer/policy.py); not with mode: deterministic
     compile: bool = False
     # packed attention on CUDA: "flash" (torch's varlen_attn) or "triton" (this project's kernels,
-    # trainer/triton_attention.py)
+    # trainer/triton_packed_attention.py)
     attention_backend: Literal["flash", "triton"] = "flash"
     # attention over a prefix forest (share_prefixes, docs/trainer.md "Tree attention paths"):
     # varlen (torch's varlen_attn over gathered ancestor K/V), flex (FlexAttention, compiled), sdpa

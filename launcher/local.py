@@ -215,7 +215,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     import torch
 
     from areal_async.config import check_devices, resolve_dtypes, resolve_tree_attention
-    from areal_async.model.hub import resolve_model_path
+    from areal_async.model.source import resolve_model_path
 
     from areal_async.data import TASKS, load_task
     from areal_async.reward.pool import resolve_reward_fn

@@ -99,7 +99,7 @@ def test_engine_request_is_bitwise_batch_invariant_on_cuda(tiny_model_dir, dtype
 
 
 def _sequence_logprobs(lm, seqs: list[list[int]], target: int) -> torch.Tensor:
-    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.packed_policy import PackedPolicy
     from areal_async.trainer.packing import pack_sequences
 
     batch = pack_sequences(seqs).to(next(lm.parameters()).device)

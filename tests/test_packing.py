@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from areal_async.trainer.attention import packed_kwargs, use_packed_attention
-from areal_async.trainer.logprobs import PackedPolicy, packed_logprobs
+from areal_async.trainer.packed_policy import PackedPolicy, packed_logprobs
 from areal_async.trainer.packing import allocate_micro_batches, assign_to_ranks, pack_sequences
 
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_async.trainer.attention import packed_kwargs, use_packed_attention
-from areal_async.trainer.logprobs import PackedPolicy, packed_logprobs
+from areal_async.trainer.packed_policy import PackedPolicy, packed_logprobs
 from areal_async.trainer.packing import pack_sequences
 
 pytestmark = pytest.mark.gpu
@@ -213,7 +213,7 @@ def _deterministic_tree_run(rank: int, port: int, model_dir: str, dtype: str, ou
 
     from areal_async.config import AlgoConfig, TrainerConfig
     from areal_async.trainer import attention
-    from areal_async.trainer.parallel import build_policy, full_state_dict, hf_model
+    from areal_async.trainer.policy import build_policy, full_state_dict, hf_model
     from areal_async.trainer.step import train_step
     from tests.test_trainer_step import shared_prefix_trajectories
 

@@ -107,7 +107,7 @@ def test_micro_batches_trained_are_counted_of_the_plans_total(tiny_model_dir):
 
     from areal_async.config import AlgoConfig, TrainerConfig
     from areal_async.trainer.attention import use_packed_attention
-    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.packed_policy import PackedPolicy
     from areal_async.trainer.step import train_step
     from tests.test_trainer_step import make_trajectories
 

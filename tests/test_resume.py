@@ -77,7 +77,7 @@ def test_a_checkpoint_is_written_into_its_staging_directory_and_swapped_in(tiny_
     from transformers import AutoModelForCausalLM
 
     from areal_async.config import load_config
-    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.packed_policy import PackedPolicy
     from areal_async.trainer.learner import save_checkpoint
     from areal_async.trainer.resume import read_step
     from areal_async.trainer.schedule import make_scheduler
@@ -108,7 +108,7 @@ def test_checkpoint_and_weight_update_files_get_the_users_file_mode(tiny_model_d
 
     from areal_async.config import load_config
     from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
-    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.packed_policy import PackedPolicy
     from areal_async.trainer.learner import save_checkpoint
 
     from areal_async.trainer.schedule import make_scheduler

@@ -422,7 +422,7 @@ def _nccl_member(rank: int, port: int, default_port: int, results) -> None:
 
     device = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(device)
-    if rank == 0:  # the trainer: its default group bound to its GPU, as trainer/parallel.py makes it
+    if rank == 0:  # the trainer: its default group bound to its GPU, as trainer/policy.py makes it
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{default_port}", rank=0, world_size=1,
                                 device_id=device)
     group = weight_group.new_weight_group("nccl", "127.0.0.1", port, rank, 2, timeout_s=120)

@@ -26,7 +26,7 @@ PACKINGS = [
 
 
 def test_compile_rejected_in_deterministic_mode(tiny_model_dir):
-    from areal_async.trainer.parallel import build_policy
+    from areal_async.trainer.policy import build_policy
 
     with pytest.raises(ValueError, match="trainer.compile"):
         build_policy(str(tiny_model_dir), TrainerConfig(compile=True), torch.device("cpu"), batch_invariant=True)
@@ -51,7 +51,7 @@ def _logp_and_grads(policy, seqs):
 def test_compiled_policy_matches_eager(tiny_qwen3_dir, one_torch_thread):
     import torch.distributed as dist
 
-    from areal_async.trainer.parallel import build_policy
+    from areal_async.trainer.policy import build_policy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)

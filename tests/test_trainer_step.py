@@ -52,7 +52,7 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, p
               device_type: str = "cpu", dtype: str = "float32", all_equal: bool = False) -> None:
     import torch.distributed as dist
 
-    from areal_async.trainer.parallel import build_policy, full_state_dict, hf_model
+    from areal_async.trainer.policy import build_policy, full_state_dict, hf_model
     from areal_async.trainer.step import train_step
 
     torch.set_num_threads(1)
@@ -172,7 +172,7 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
 
     from areal_async.trainer import step as step_module
     from areal_async.trainer.attention import use_packed_attention
-    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.packed_policy import PackedPolicy
 
     torch.set_num_threads(1)
     temperature = 0.7
@@ -244,7 +244,7 @@ def test_a_non_finite_gradient_skips_the_update(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from areal_async.trainer.attention import use_packed_attention
-    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.packed_policy import PackedPolicy
     from areal_async.trainer.step import train_step
 
     torch.set_num_threads(1)
@@ -288,7 +288,7 @@ def _tiny_policy(model_dir):
     from transformers import AutoModelForCausalLM
 
     from areal_async.trainer.attention import use_packed_attention
-    from areal_async.trainer.logprobs import PackedPolicy
+    from areal_async.trainer.packed_policy import PackedPolicy
 
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     use_packed_attention(lm)
@@ -419,7 +419,7 @@ def test_naive_ppo_runs_no_proximal_forward(tiny_model_dir):
 
 def _own_logprobs(policy, trajs: list[Trajectory]) -> list[Trajectory]:
     """``trajs`` with every behaviour log-prob replaced by the policy's own (fresh, η = 0 data)."""
-    from areal_async.trainer.logprobs import packed_logprobs
+    from areal_async.trainer.packed_policy import packed_logprobs
     from areal_async.trainer.packing import pack_sequences
 
     out = []

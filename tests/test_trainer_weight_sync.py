@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from areal_async.trainer.attention import use_packed_attention
-from areal_async.trainer.logprobs import PackedPolicy
+from areal_async.trainer.packed_policy import PackedPolicy
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
 
 torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_async.trainer.attention import _sdpa_per_tree, tree_mask_mod, use_packed_attention
-from areal_async.trainer.logprobs import PackedPolicy, packed_logprobs
+from areal_async.trainer.packed_policy import PackedPolicy, packed_logprobs
 from areal_async.trainer.packing import pack_sequences
 from areal_async.trainer.tree import chain_layout, cut_units, pack_tree, unique_tokens
 
@@ -202,7 +202,7 @@ def test_tree_with_batch_invariant_linears(tiny_model_dir):
     # deterministic mode: tiled linears and the checkpointed LM head (not the fused one); the
     # forest gives the unshared log-probs and gradients, and the same forest twice the same bits
     from areal_async.batch_invariant import make_linears_batch_invariant
-    from areal_async.trainer.logprobs import _fusable
+    from areal_async.trainer.packed_policy import _fusable
 
     policy = _load(tiny_model_dir)
     make_linears_batch_invariant(policy.lm)

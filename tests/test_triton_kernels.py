@@ -75,7 +75,7 @@ def test_fused_sample_matches_the_torch_sampler(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_attention_matches_softmax_attention(device):
-    from areal_async.inference.triton_attention import decode_attention
+    from areal_async.inference.triton_decode_attention import decode_attention
 
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length = 5, 4, 2, 32, 150

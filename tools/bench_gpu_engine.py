@@ -158,7 +158,7 @@ def time_decode(model, forward, batch: int, context: int, reps: int, bandwidth: 
 def time_attention(forward, batch: int, context: int, configs: list[str], reps: int, device) -> list[dict]:
     """The fused decode-attention kernel alone on one layer's cache, each ``BLOCK_N,warps,stages``
     config: ms per call and the K/V bytes it must read per ms (every row at ``context``)."""
-    from areal_async.inference.triton_attention import decode_attention
+    from areal_async.inference.triton_decode_attention import decode_attention
 
     cache = forward.cache
     k, v = torch.randn_like(cache.k[0]), torch.randn_like(cache.v[0])

@@ -32,7 +32,7 @@ Variants:
   ``cN`` LM-head chunks of N rows (default ``--chunks[0]``);
   ``gqa`` K/V with their own head count (8 for Qwen3-0.6B) into ``varlen_attn``, no
   ``repeat_interleave``;
-  ``fusedhead`` the fused LM head + log-softmax autograd function (``trainer/logprobs.py``);
+  ``fusedhead`` the fused LM head + log-softmax autograd function (``trainer/packed_policy.py``);
   ``headcompile`` its per-chunk kernels compiled (implies ``fusedhead``);
   ``compile`` every decoder layer's ``forward`` through ``torch.compile``;
   ``triton`` the project's Triton attention kernels instead of ``varlen_attn``
@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 from areal_async.trainer.attention import use_packed_attention
-from areal_async.trainer.logprobs import PackedPolicy, _FusedHeadLogp, _head_logp
+from areal_async.trainer.packed_policy import PackedPolicy, _FusedHeadLogp, _head_logp
 from areal_async.trainer.packing import allocate_micro_batches, pack_sequences
 from qwen3_shapes import build_model
 
@@ -300,7 +300,7 @@ class Switches:
     layer forwards and head kernels are built once and kept."""
 
     def __init__(self, policy: PackedPolicy):
-        from areal_async.trainer.parallel import compile_decoder_layers
+        from areal_async.trainer.policy import compile_decoder_layers
 
         self.policy, self.lm = policy, policy.lm
         self.eager_kernels = policy.head_kernels
@@ -386,9 +386,9 @@ TRITON_SWEEP = {
 def sweep_triton_configs(q, k, v, cu, max_len: int, grad_out, fwd_flops: float, reps: int) -> None:
     """Each Triton kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` choices of
     ``TRITON_SWEEP`` in turn (the other kernels at their current configs), timed on the same
-    inputs; the fastest of each is kept in ``trainer.triton_attention`` for the variants that
+    inputs; the fastest of each is kept in ``trainer.triton_packed_attention`` for the variants that
     follow, and printed."""
-    from areal_async.trainer import triton_attention as ta
+    from areal_async.trainer import triton_packed_attention as ta
 
     q3, k3, v3 = (t[0].transpose(0, 1).detach().requires_grad_() for t in (q, k, v))
     g3 = grad_out[0]
@@ -520,7 +520,7 @@ def main() -> None:
     if args.fsdp2 or variants:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from areal_async.trainer.parallel import init_distributed, use_fused_rms_norm
+        from areal_async.trainer.policy import init_distributed, use_fused_rms_norm
 
         init_distributed(device.type)
         use_packed_attention(lm, native_gqa=False)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from areal_async.config import AlgoConfig, DataConfig, ModelConfig, TrainerConfig
-from areal_async.trainer.parallel import build_policy, full_parameters, hf_model, init_distributed
+from areal_async.trainer.policy import build_policy, full_parameters, hf_model, init_distributed
 from areal_async.trainer.step import train_step
 from areal_async.types import Array, Sample, Trajectory
 
@@ -84,7 +84,7 @@ class QuickstartPrompts:
 
     def __init__(self, model_dir: str, seed: int = 1):
         from areal_async.data import PromptSet, load_task
-        from areal_async.model.hub import load_tokenizer
+        from areal_async.model.source import load_tokenizer
 
         data = DataConfig(task="arith", few_shot=3, max_prompt_len=384)
         self.tokenizer = load_tokenizer(model_dir)
@@ -121,7 +121,7 @@ def main() -> None:
     if args.max_tokens_per_mb is None:
         args.max_tokens_per_mb = {"quickstart": 512, "gpu": 32768, "synthetic": 4096}[args.shape]
     torch.set_num_threads(args.threads)
-    from areal_async.model.hub import resolve_model_path
+    from areal_async.model.source import resolve_model_path
 
     model_dir = str(resolve_model_path(ModelConfig(path=args.model)))
     device = init_distributed(args.device)

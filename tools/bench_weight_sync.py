@@ -100,7 +100,7 @@ def bench_shape(shape: str, args) -> dict:
     import torch.distributed as dist
 
     from areal_async.config import TrainerConfig
-    from areal_async.trainer.parallel import build_policy, full_parameters, hf_model
+    from areal_async.trainer.policy import build_policy, full_parameters, hf_model
     from qwen3_shapes import write_model_dir
 
     ctx = mp.get_context("spawn")

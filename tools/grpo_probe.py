@@ -22,7 +22,7 @@ from areal_async.algo.advantages import group_advantages
 from areal_async.algo.loss import decoupled_ppo_loss
 from areal_async.config import DataConfig, ModelConfig
 from areal_async.data import load_task
-from areal_async.model.hub import load_tokenizer, resolve_model_path
+from areal_async.model.source import load_tokenizer, resolve_model_path
 from areal_async.reward.math import math_reward
 
 

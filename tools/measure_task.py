@@ -178,7 +178,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from areal_async.config import ModelConfig
-    from areal_async.model.hub import load_tokenizer, resolve_model_path
+    from areal_async.model.source import load_tokenizer, resolve_model_path
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

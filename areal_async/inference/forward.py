@@ -14,7 +14,7 @@ their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module on
 - **decode**: one token per running slot; attention over the packed cache view up to the longest
   running sequence, shorter rows masked; on CUDA each step replays a captured CUDA graph
   (``cuda_graph.py``) of a padded batch size, so a step costs a few launches instead of ~1,000;
-  attention is one Triton kernel per layer (``triton_attention.py``) that reads only each row's
+  attention is one Triton kernel per layer (``triton_decode_attention.py``) that reads only each row's
   own cached positions, and the rest of a layer's element-wise work is 4 fused Triton kernels
   (``triton_fused.py``: add + RMSNorm, q/k norm + RoPE + KV-cache store, SiLU · up), so a layer
   is 9 launches (``fused_layers``; power-of-two head dims, SiLU MLPs and HF RMSNorms);
@@ -53,7 +53,7 @@ from torch import nn
 from ..batch_invariant import tiled_linear
 from .cuda_graph import DecodeGraphs, decode_bucket, padded_inputs
 from .kv_cache import KVCache
-from .triton_attention import decode_attention, triton
+from .triton_decode_attention import decode_attention, triton
 from .triton_fused import add_rms_norm, qkv_rope_store, silu_mul
 
 

@@ -135,7 +135,7 @@ class GenerationWorker:
 async def main(cfg: Config, worker_id: int) -> None:
     from areal_async.data import load_task
     from areal_async.inference.client import InferenceClient
-    from areal_async.model.hub import load_tokenizer, resolve_model_path
+    from areal_async.model.source import load_tokenizer, resolve_model_path
     from areal_async.queue.client import QueueClient
 
     tag = f"[worker{worker_id}]"

@@ -12,7 +12,7 @@ Attention never crosses a sequence boundary:
 
 - CUDA, bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (flash varlen kernel) with
   ``window_size=(-1, 0)`` (causal); or, with ``backend="triton"`` (``trainer.attention_backend``),
-  this project's Triton kernels (``trainer/triton_attention.py``: FlashAttention-2 forward and a
+  this project's Triton kernels (``trainer/triton_packed_attention.py``: FlashAttention-2 forward and a
   deterministic backward, native GQA).
 - Otherwise (CPU, or fp32 anywhere): ``scaled_dot_product_attention`` with ``is_causal=True``
   applied to each sequence's slice in turn. This is the block-diagonal causal mask built from
@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.nn.attention import varlen
 from transformers import AttentionInterface
 
-from areal_async.trainer.triton_attention import varlen_attention
+from areal_async.trainer.triton_packed_attention import varlen_attention
 
 NAME = "packed"
 REPEAT_KV_NAME = "packed_repeat_kv"

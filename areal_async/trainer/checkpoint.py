@@ -43,7 +43,7 @@ def save_hf_checkpoint(
 
     Args:
         state_dict: full tensors keyed by HF parameter name (e.g. from
-            ``parallel.full_state_dict``); a tied ``lm_head.weight`` may be absent.
+            ``policy.full_state_dict``); a tied ``lm_head.weight`` may be absent.
         base_model_path: the starting HF directory (config, tokenizer, chat template).
         out_dir: where the files are written (created if absent). Not atomic by itself: the
             trainer writes into the checkpoint's staging directory (``atomic_dir.new_staging_dir``)

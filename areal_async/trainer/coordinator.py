@@ -151,7 +151,7 @@ class Coordinator:
         from areal_async.data.prompts import PromptSet
         from areal_async.inference.client import InferenceClient
         from areal_async.metrics import MetricsLogger
-        from areal_async.model.hub import load_tokenizer
+        from areal_async.model.source import load_tokenizer
         from areal_async.queue.client import QueueClient
         from areal_async.reward.pool import RewardPool
 

@@ -1,7 +1,7 @@
 """``Learner``: one trainer rank's trainable state (policy, AdamW, learning-rate schedule).
 
 Every rank builds one. Construction joins the torchrun default group and builds the policy
-(FSDP2 shard or DDP replica, ``parallel.build_policy``) from ``model.path``, or, with
+(FSDP2 shard or DDP replica, ``policy.build_policy``) from ``model.path``, or, with
 ``trainer.resume``, from ``RUN_DIR/checkpoint`` with the optimizer, schedule and RNG restored
 (``resume.load_training_state``). ``step`` runs one decoupled-PPO step (``step.train_step``) and
 one scheduler step; ``save_checkpoint`` writes ``RUN_DIR/checkpoint``. All three are collectives.
@@ -24,7 +24,7 @@ from areal_async.atomic_dir import new_staging_dir, staging_dir
 from areal_async.config import Config
 from areal_async.determinism import deterministic_env
 from areal_async.trainer.checkpoint import save_hf_checkpoint
-from areal_async.trainer.parallel import build_policy, full_state_dict, init_distributed
+from areal_async.trainer.policy import build_policy, full_state_dict, init_distributed
 from areal_async.trainer.resume import (load_training_state, publish_checkpoint, read_elapsed,
                                         save_training_state)
 from areal_async.trainer.schedule import make_scheduler

@@ -40,7 +40,7 @@ collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
 ``inference.request_timeout_s``.
 
 Under FSDP2 every trainer rank takes part in gathering the full tensors (one all-gather per
-parameter, ``parallel.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
+parameter, ``policy.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
 ``send_dtype`` (the servers' dtype, so no bytes are wasted on precision they drop).
 """
 
@@ -59,7 +59,7 @@ import torch.distributed as dist
 from areal_async.dtypes import dtype_name
 from areal_async.inference.interface import WeightUpdateClient
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
-from areal_async.trainer.parallel import full_parameters
+from areal_async.trainer.policy import full_parameters
 from areal_async.weight_group import DEFAULT_GROUP_NAME, broadcast_, in_daemon_thread, new_weight_group
 
 GROUP_NAME = DEFAULT_GROUP_NAME

