@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from areal_async.inference.client import GenResult, InferenceClient, LogprobAlignmentError, ServerError
+from areal_async.inference.client import (GenResult, InferenceClient, LogprobAlignmentError, NoServerLeft,
+                                          ServerError)
 
 from tests.test_server import free_port, prompt_ids, running
 
@@ -303,3 +305,100 @@ def test_server_entry_point_serves_and_stops_on_sigterm(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def server_processes(model_dir, *extra_args: list[str]):
+    """One embedded server process per ``extra_args`` (deterministic inference, float32, 1 thread);
+    yields ``(urls, procs)``; every process is killed at the end."""
+    procs, urls = [], []
+    try:
+        for extra in extra_args:
+            port = free_port()
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir),
+                 "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256",
+                 "--threads", "1", "--enable-deterministic-inference", *extra],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            urls.append(f"http://127.0.0.1:{port}")
+        yield urls, procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+class RecordingClient(InferenceClient):
+    """Records ``(server, len(input_ids))`` of every ``/generate`` call it makes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generate_calls: list[tuple[int, list[int]]] = []
+
+    async def _call(self, server, method, path, payload=None, failover=False):
+        if path == "/generate":
+            self.generate_calls.append((server, list(payload["input_ids"])))
+        return await super()._call(server, method, path, payload, failover)
+
+
+async def _tokens_streamed(url: str, prompt: list[int], n: int) -> None:
+    """Stream a generation from ``url`` until it has made ``n`` tokens (its chunks are cumulative)."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}, "stream": True,
+            "rid": "clock"}
+    async with aiohttp.ClientSession() as http, http.post(url + "/generate", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {") and len(json.loads(line[6:])["output_ids"]) >= n:
+                return
+    raise AssertionError(f"the stream of {url} ended before {n} tokens")
+
+
+def test_a_generation_whose_server_is_killed_finishes_on_the_other_token_for_token(tiny_model_dir):
+    # Server 0 steps slowly (a random delay of up to 30 ms before each step). Its request is
+    # paused once (it returns a partial output, resubmitted to server 0 with prompt + partial), then
+    # server 0 is SIGKILLed: the client resubmits prompt + the partial output to server 1 with the
+    # same rid and seed, and the output equals an undisturbed generation's token for token (the
+    # noise is a function of seed and absolute position).
+    prompt = prompt_ids(tiny_model_dir)
+    sampling = {"max_new_tokens": 32, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
+
+    async def main(urls, procs):
+        async with RecordingClient(urls, backoff_s=0.05, probe_timeout_s=2.0) as client:
+            await client.wait_healthy(timeout_s=120)
+            plain = await client.generate(prompt, sampling, "plain", server=1)
+            task = asyncio.create_task(client.generate(prompt, sampling, "moved", server=0))
+            while (await client._call(0, "GET", "/get_server_info"))["internal_states"][0]["num_running_reqs"] == 0:
+                assert not task.done()
+                await asyncio.sleep(0.01)
+            await _tokens_streamed(urls[0], prompt, 3)  # a request admitted after it: "moved" has tokens too
+            await client._call(0, "POST", "/pause_generation", {"mode": "abort"})  # held once resubmitted
+            while len(client.generate_calls) < 3:  # plain's, and the resubmission after the abort
+                await asyncio.sleep(0.01)
+            procs[0].kill()
+            return plain, await task, client
+
+    with server_processes(tiny_model_dir, ["--debug-jitter-ms", "30"], []) as (urls, procs):
+        plain, moved, client = asyncio.run(main(urls, procs))
+    assert moved.finish_reason == plain.finish_reason == "length"
+    assert moved.output_ids == plain.output_ids
+    # the first tokens after a resubmission are scored by its prefill, not a decode step: rounding apart
+    assert torch.allclose(torch.tensor(moved.logprobs), torch.tensor(plain.logprobs), atol=1e-5)
+    assert moved.versions == [0] * 32
+    assert client.server_failures == 1 and client.servers.live() == [1]
+    (s1, first), (s2, again), (s3, last) = client.generate_calls[1:]
+    assert (s1, s2, s3) == (0, 0, 1) and first == prompt
+    assert again == last and last[:len(prompt)] == prompt and len(prompt) < len(last), "no partial output"
+    assert last[len(prompt):] == plain.output_ids[:len(last) - len(prompt)]
+
+
+def test_no_server_left_is_a_clear_error():
+    urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+
+    async def main():
+        async with InferenceClient(urls, backoff_s=0.01, probe_timeout_s=0.5) as client:
+            with pytest.raises(NoServerLeft, match=r"no inference server left: all 2 were taken out of routing "
+                                                   r"\(http://127.0.0.1:\d+: /generate: ClientConnectorError"):
+                await client.generate([1, 2], {"max_new_tokens": 2}, "r")
+            return client.server_failures
+
+    assert asyncio.run(main()) == 2

@@ -1,0 +1,143 @@
+"""``ServerPool``: which inference servers a client routes to, and how a dead one leaves and rejoins.
+
+A server leaves routing when a call to it could not connect or lost its connection (refused,
+reset: the process died or was killed) and a short ``GET /health`` (``probe_timeout_s``) does not
+answer either; one that answers was a transient failure, which the caller retries on the same
+server. Each departure is counted (``failures``) and printed once. A hung server (alive, never
+answering) is not detected here: the launcher's health check kills it (``launcher/local.py``), and
+the caller then sees the reset.
+
+A departed server is asked again, at most every ``reprobe_interval_s`` while some server is out,
+in a background task the routing starts (``route``): it rejoins when it answers
+``GET /health_generate`` (a one-token generation) and its ``GET /get_weight_version`` is at least
+the highest version any live server reports, i.e. it serves the current weights (a server the
+launcher restarted comes up with the initial weights, and the trainer's next update brings it up
+to date). The trainer's weight senders ask without the version rule (``probe(require_version=False)``)
+just before an update, which then brings the rejoined server up to date.
+
+Routing (``route``): the caller's preferred server while it is live, else the next live one in
+index order (``(preferred + 1) % n``, ...), so the choice is a function of which servers are out,
+never of timing. No server left: ``NoServerLeft``, naming each server and why it left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+
+class NoServerLeft(ConnectionError):
+    """Every inference server of a client was taken out of routing; the message names each one
+    and why it left."""
+
+
+class ServerPool:
+    """The live subset of ``urls`` (indices), for one ``InferenceClient``.
+
+    Args:
+        urls: server base URLs (index ``i`` is server ``i``).
+        http: returns the client's ``aiohttp.ClientSession`` (created lazily on the running loop).
+        probe_timeout_s: timeout of each probe (``/health``, ``/health_generate``,
+            ``/get_weight_version``), seconds.
+        reprobe_interval_s: least time between two background probes of departed servers, seconds.
+    """
+
+    def __init__(self, urls: list[str], http: Callable[[], aiohttp.ClientSession],
+                 probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0):
+        self.urls, self._http = urls, http
+        self.probe_timeout_s, self.reprobe_interval_s = probe_timeout_s, reprobe_interval_s
+        self.failures = 0  # servers taken out of routing so far
+        self._down: dict[int, str] = {}  # departed server -> why it left
+        self._probing: asyncio.Task | None = None
+        self._last_probe = -float("inf")
+
+    def live(self) -> list[int]:
+        """Indices of the servers in routing, ascending."""
+        return [i for i in range(len(self.urls)) if i not in self._down]
+
+    def route(self, preferred: int) -> int:
+        """``preferred`` if it is live, else the next live index after it (cyclically); starts a
+        background probe of the departed servers when one is due.
+
+        Raises:
+            NoServerLeft: no server is live.
+        """
+        if self._down:
+            self._maybe_probe()
+        n = len(self.urls)
+        for j in range(n):
+            if (preferred + j) % n not in self._down:
+                return (preferred + j) % n
+        reasons = "; ".join(f"{self.urls[i]}: {why}" for i, why in sorted(self._down.items()))
+        raise NoServerLeft(f"no inference server left: all {n} were taken out of routing ({reasons}); "
+                           f"see the servers' logs (RUN_DIR/logs/server*.log)")
+
+    def take_out(self, server: int, why: str) -> None:
+        """Remove ``server`` from routing (counted once per departure)."""
+        if server in self._down:
+            return
+        self._down[server] = why
+        self.failures += 1
+        print(f"[client] inference server {self.urls[server]} taken out of routing ({why}); "
+              f"{len(self.live())} of {len(self.urls)} left", flush=True)
+
+    async def answers(self, server: int, path: str = "/health") -> bool:
+        """Whether ``server`` answers ``GET path`` with 200 within ``probe_timeout_s``."""
+        try:
+            async with self._http().get(self.urls[server] + path,
+                                        timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def version(self, server: int) -> int | None:
+        """``server``'s ``weight_version`` as an int, ``None`` when it does not answer with one."""
+        try:
+            async with self._http().get(self.urls[server] + "/get_weight_version",
+                                        timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+                if resp.status != 200:
+                    return None
+                return int((await resp.json(content_type=None))["weight_version"])
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, KeyError):
+            return None
+
+    async def probe(self, require_version: bool = True) -> list[int]:
+        """Ask every departed server again (module docstring); returns the ones that rejoined.
+        ``require_version``: only one serving the highest version a live server reports."""
+        self._last_probe = time.monotonic()
+        down = sorted(self._down)
+        if not down:
+            return []
+        healthy = await asyncio.gather(*(self.answers(i, "/health_generate") for i in down))
+        back = [i for i, ok in zip(down, healthy) if ok]
+        if back and require_version:
+            live = [v for v in await asyncio.gather(*(self.version(i) for i in self.live())) if v is not None]
+            current = max(live, default=0)
+            versions = await asyncio.gather(*(self.version(i) for i in back))
+            back = [i for i, v in zip(back, versions) if v is not None and v >= current]
+        for i in back:
+            if self._down.pop(i, None) is not None:
+                print(f"[client] inference server {self.urls[i]} is back in routing", flush=True)
+        return back
+
+    def _maybe_probe(self) -> None:
+        if self._probing is not None and not self._probing.done():
+            return
+        if time.monotonic() - self._last_probe < self.reprobe_interval_s:
+            return
+        self._last_probe = time.monotonic()
+        self._probing = asyncio.get_running_loop().create_task(self.probe(), name="reprobe-servers")
+
+    async def close(self) -> None:
+        """Cancel a background probe still running."""
+        if self._probing is not None and not self._probing.done():
+            self._probing.cancel()
+            try:
+                await self._probing
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._probing = None
