@@ -141,7 +141,7 @@ class Services:
             await task
 
     async def server_version(self) -> int:
-        return min([await self.client.get_weight_version(i) for i in range(self.cfg.inference.num_servers)])
+        return min((await self.client.weight_versions()).values())  # of the live servers
 
 
 def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torch.device) -> WeightSender:
