@@ -402,3 +402,35 @@ def test_no_server_left_is_a_clear_error():
             return client.server_failures
 
     assert asyncio.run(main()) == 2
+
+
+def test_a_server_restarted_between_calls_is_found_by_its_version_going_back():
+    # Server 0 answered under version 5, then (restarted with the initial weights) under version 0:
+    # that segment is dropped and generated again on server 1; a new client keeps server 0 out.
+    def reply_of(versions: list[str], calls: list[str]):
+        async def reply(request: web.Request) -> web.Response:
+            if request.path == "/get_weight_version":
+                return web.json_response({"weight_version": versions[0]})
+            if request.path != "/generate":
+                return web.Response(text="")
+            calls.append((await request.json())["rid"])
+            meta = {**SGLANG_FINISHED["meta_info"], "weight_version": versions.pop(0) if len(versions) > 1 else versions[0]}
+            return web.json_response({**SGLANG_FINISHED, "meta_info": meta})
+        return reply
+
+    calls0, calls1 = [], []
+
+    async def main():
+        async with fake_server(reply_of(["5", "0"], calls0)) as url0, fake_server(reply_of(["5"], calls1)) as url1:
+            async with InferenceClient([url0, url1]) as client:
+                first = await client.generate([1, 2, 3], {"max_new_tokens": 4}, "a", server=0)
+                again = await client.generate([1, 2, 3], {"max_new_tokens": 4}, "b", server=0)
+                seen = (client.server_failures, client.servers.live())
+            async with InferenceClient([url0, url1]) as fresh:
+                await fresh.wait_healthy(timeout_s=5)
+                return first, again, seen, (fresh.server_failures, fresh.servers.live())
+
+    first, again, seen, fresh = asyncio.run(main())
+    assert first.versions == [5, 5] and again.versions == [5, 5] and again.output_ids == [9, 2]
+    assert calls0 == ["a", "b"] and calls1 == ["b"]
+    assert seen == (1, [1]) and fresh == (0, [1])

@@ -188,6 +188,7 @@ class InferenceClient:
         self._aborted: set[str] = set()
         self._headers = auth.bearer_headers(token)
         self.servers = ServerPool(self.urls, self._http, probe_timeout_s, reprobe_interval_s)
+        self._versions: dict[int, int] = {}  # the last weight_version each server answered with
 
     @property
     def server_failures(self) -> int:
@@ -285,7 +286,9 @@ class InferenceClient:
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Wait until every server answers ``/health``; raises ``ConnectionError`` naming the first
-        URL that did not come up within ``timeout_s`` seconds."""
+        URL that did not come up within ``timeout_s`` seconds. Then a server behind the highest
+        ``weight_version`` of them (one restarted with the initial weights) stays out of routing
+        until it serves the current weights (``routing.py``; not counted as a failure)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         for url in self.urls:
@@ -299,6 +302,12 @@ class InferenceClient:
                 if loop.time() >= deadline:
                     raise ConnectionError(f"inference server {url} did not become healthy within {timeout_s:.0f} s")
                 await asyncio.sleep(0.2)
+        if len(self.urls) > 1:
+            versions = await asyncio.gather(*(self.servers.version(i) for i in range(len(self.urls))))
+            current = max((v for v in versions if v is not None), default=0)
+            for i, v in enumerate(versions):
+                if v is not None and v < current:
+                    self.servers.take_out(i, f"serves weight version {v}, behind version {current}", failed=False)
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -345,6 +354,12 @@ class InferenceClient:
             meta = resp["meta_info"]
             ids = list(resp["output_ids"])
             version = _version(self.urls[server], meta.get("weight_version"))
+            if version < self._versions.get(server, version):  # a new process: restarted behind our back
+                self.servers.take_out(server, f"restarted: weight version {version} after "
+                                              f"{self._versions[server]}")
+                del self._versions[server]
+                continue  # this segment came from old weights: generated again on the next live server
+            self._versions[server] = version
             # checked per response, so a resubmission's segment pairs with its own tokens only
             out.logprobs += _segment_logprobs(self.urls[server], rid, version, ids,
                                               meta.get("output_token_logprobs", []), len(out.output_ids))

@@ -7,6 +7,14 @@ server. Each departure is counted (``failures``) and printed once. A hung server
 answering) is not detected here: the launcher's health check kills it (``launcher/local.py``), and
 the caller then sees the reset.
 
+A server that was restarted behind the client's back (it died and came back between two of the
+client's calls, so no call failed) is found by its ``weight_version``, which only a new process
+moves backwards: a response of a lower version than that server's previous one is dropped, the
+server leaves routing as a failure, and the segment is generated again on the next live one. A
+client that starts (``wait_healthy``) keeps out of routing the servers behind the highest version
+any of them serves. Not caught: a server restarted at exactly the version the client last saw
+from it while the others moved on, with no call of the client to it in between.
+
 A departed server is asked again, at most every ``reprobe_interval_s`` while some server is out,
 in a background task the routing starts (``route``): it rejoins when it answers
 ``GET /health_generate`` (a one-token generation) and its ``GET /get_weight_version`` is at least
@@ -75,12 +83,13 @@ class ServerPool:
         raise NoServerLeft(f"no inference server left: all {n} were taken out of routing ({reasons}); "
                            f"see the servers' logs (RUN_DIR/logs/server*.log)")
 
-    def take_out(self, server: int, why: str) -> None:
-        """Remove ``server`` from routing (counted once per departure)."""
+    def take_out(self, server: int, why: str, failed: bool = True) -> None:
+        """Remove ``server`` from routing; ``failed``: count it as a failure (once per departure;
+        not for a server found behind the current weights at start, ``InferenceClient.wait_healthy``)."""
         if server in self._down:
             return
         self._down[server] = why
-        self.failures += 1
+        self.failures += int(failed)
         print(f"[client] inference server {self.urls[server]} taken out of routing ({why}); "
               f"{len(self.live())} of {len(self.urls)} left", flush=True)
 
