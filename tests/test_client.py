@@ -308,25 +308,21 @@ def test_server_entry_point_serves_and_stops_on_sigterm(tiny_model_dir):
 
 
 @contextlib.contextmanager
-def server_processes(model_dir, *extra_args: list[str]):
-    """One embedded server process per ``extra_args`` (deterministic inference, float32, 1 thread);
-    yields ``(urls, procs)``; every process is killed at the end."""
-    procs, urls = [], []
+def server_process(model_dir, *extra: str):
+    """An embedded server process (deterministic inference, float32, 1 thread); yields
+    ``(url, proc)``; the process is killed at the end."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir),
+         "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256",
+         "--threads", "1", "--enable-deterministic-inference", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        for extra in extra_args:
-            port = free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir),
-                 "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256",
-                 "--threads", "1", "--enable-deterministic-inference", *extra],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}))
-            urls.append(f"http://127.0.0.1:{port}")
-        yield urls, procs
+        yield f"http://127.0.0.1:{port}", proc
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 class RecordingClient(InferenceClient):
@@ -354,7 +350,8 @@ async def _tokens_streamed(url: str, prompt: list[int], n: int) -> None:
 
 
 def test_a_generation_whose_server_is_killed_finishes_on_the_other_token_for_token(tiny_model_dir):
-    # Server 0 steps slowly (a random delay of up to 30 ms before each step). Its request is
+    # Server 0 (a process) steps slowly (a random delay of up to 30 ms before each step); server 1
+    # runs in this process, as deterministic. Server 0's request is
     # paused once (it returns a partial output, resubmitted to server 0 with prompt + partial), then
     # server 0 is SIGKILLed: the client resubmits prompt + the partial output to server 1 with the
     # same rid and seed, and the output equals an undisturbed generation's token for token (the
@@ -362,23 +359,27 @@ def test_a_generation_whose_server_is_killed_finishes_on_the_other_token_for_tok
     prompt = prompt_ids(tiny_model_dir)
     sampling = {"max_new_tokens": 32, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
 
-    async def main(urls, procs):
-        async with RecordingClient(urls, backoff_s=0.05, probe_timeout_s=2.0) as client:
+    async def main(url0, proc0):
+        from areal_async.inference.server import InferenceServer, load_engine, serve
+
+        engine, tokenizer = load_engine(str(tiny_model_dir), "float32", "cpu", 4, 256, deterministic=True)
+        async with serve(InferenceServer(engine, tokenizer, str(tiny_model_dir))) as url1, \
+                RecordingClient([url0, url1], backoff_s=0.05, probe_timeout_s=2.0) as client:
             await client.wait_healthy(timeout_s=120)
             plain = await client.generate(prompt, sampling, "plain", server=1)
             task = asyncio.create_task(client.generate(prompt, sampling, "moved", server=0))
             while (await client._call(0, "GET", "/get_server_info"))["internal_states"][0]["num_running_reqs"] == 0:
                 assert not task.done()
                 await asyncio.sleep(0.01)
-            await _tokens_streamed(urls[0], prompt, 3)  # a request admitted after it: "moved" has tokens too
+            await _tokens_streamed(url0, prompt, 3)  # a request admitted after it: "moved" has tokens too
             await client._call(0, "POST", "/pause_generation", {"mode": "abort"})  # held once resubmitted
             while len(client.generate_calls) < 3:  # plain's, and the resubmission after the abort
                 await asyncio.sleep(0.01)
-            procs[0].kill()
+            proc0.kill()
             return plain, await task, client
 
-    with server_processes(tiny_model_dir, ["--debug-jitter-ms", "30"], []) as (urls, procs):
-        plain, moved, client = asyncio.run(main(urls, procs))
+    with server_process(tiny_model_dir, "--debug-jitter-ms", "30") as (url0, proc0):
+        plain, moved, client = asyncio.run(main(url0, proc0))
     assert moved.finish_reason == plain.finish_reason == "length"
     assert moved.output_ids == plain.output_ids
     # the first tokens after a resubmission are scored by its prefill, not a decode step: rounding apart
