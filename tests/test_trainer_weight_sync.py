@@ -379,3 +379,29 @@ def _app(handler):
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
     return app
+
+
+def test_the_distributed_sender_names_the_fix_when_a_server_has_left(tiny_model_dir):
+    # The weight group was built with both servers; one has died (out of routing): the send
+    # stops at once, naming trainer.weight_sync=disk, and resumes the live server it paused.
+    class OneLeft(AllLive):
+        def live(self) -> list[int]:
+            return [0]
+
+    class Client:
+        urls = ["http://server-0", "http://server-1"]
+        servers = OneLeft(2)
+        calls: list[str] = []
+
+        async def pause(self, mode="abort"):
+            self.calls.append("pause")
+
+        async def resume(self):
+            self.calls.append("resume")
+
+    client = Client()
+    sender = DistributedWeightSender(_policy(tiny_model_dir), client, 2, "127.0.0.1", 0, 1 << 30, torch.float32,
+                                     torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"\['http://server-1'\] left routing .* set trainer.weight_sync=disk"):
+        asyncio.run(sender.send(1))
+    assert client.calls == ["pause", "resume"]

@@ -135,17 +135,17 @@ class DistributedWeightSender:
 
     async def send(self, version: int) -> None:
         interrupt = self.interrupt_on_update
-        if _rank() == 0 and len(self.client.servers.live()) < self.num_servers:
-            gone = [self.client.urls[i] for i in range(self.num_servers) if i not in self.client.servers.live()]
-            raise RuntimeError(f"inference server(s) {gone} left routing (died); the distributed weight-update "
-                               f"group cannot take a restarted server back (trainer.weight_sync=distributed): "
-                               f"set trainer.weight_sync=disk to survive server deaths")
         if interrupt and _rank() == 0:
-            await self.client.pause()
+            await self.client.pause()  # finds a server that died unseen (it leaves routing)
         # without a pause, each call waits for the servers' requests in flight on its own, and those
         # held behind one bucket would run before the next: one call for the whole model
         bucket_bytes = self.bucket_bytes if interrupt else math.inf
         try:
+            if _rank() == 0 and len(self.client.servers.live()) < self.num_servers:
+                gone = [self.client.urls[i] for i in range(self.num_servers) if i not in self.client.servers.live()]
+                raise RuntimeError(f"inference server(s) {gone} left routing (died); the distributed weight-update "
+                                   f"group cannot take a restarted server back (trainer.weight_sync=distributed): "
+                                   f"set trainer.weight_sync=disk to survive server deaths")
             bucket: list[tuple[str, torch.Tensor]] = []
             size = 0
             for name, full in full_parameters(self.policy):
