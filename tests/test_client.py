@@ -435,3 +435,36 @@ def test_a_server_restarted_between_calls_is_found_by_its_version_going_back():
     assert first.versions == [5, 5] and again.versions == [5, 5] and again.output_ids == [9, 2]
     assert calls0 == ["a", "b"] and calls1 == ["b"]
     assert seen == (1, [1]) and fresh == (0, [1])
+
+
+def test_a_generation_on_a_hung_server_moves_on_after_a_failed_health_check():
+    # Server 0 accepts connections and never answers (/generate nor /health_generate): while the
+    # generation waits, its health check times out, server 0 leaves routing and the generation is
+    # resubmitted to server 1, same rid.
+    never = asyncio.Event()
+    asked: list[tuple[int, str]] = []
+
+    def server(i: int):
+        async def reply(request: web.Request) -> web.Response:
+            asked.append((i, request.path))
+            if i == 0:
+                await never.wait()
+            if request.path == "/generate":
+                assert (await request.json())["rid"] == "r"
+                return web.json_response(SGLANG_FINISHED)
+            return web.Response(text="")
+        return reply
+
+    async def main():
+        async with fake_server(server(0)) as url0, fake_server(server(1)) as url1:
+            try:
+                async with InferenceClient([url0, url1], health_check_interval_s=0.2) as client:
+                    out = await asyncio.wait_for(client.generate([1, 2, 3], {"max_new_tokens": 4}, "r", server=0), 10)
+                    return out, client.server_failures, client.servers.live()
+            finally:
+                never.set()
+
+    out, failures, live = asyncio.run(main())
+    assert out.output_ids == [9, 2] and out.versions == [5, 5]
+    assert (failures, live) == (1, [1])
+    assert asked[:2] == [(0, "/generate"), (0, "/health_generate")] and (1, "/generate") in asked

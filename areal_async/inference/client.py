@@ -13,7 +13,8 @@ Each response's ``output_token_logprobs`` are checked against its ``output_ids``
 check is per segment and the concatenated output stays aligned.
 
 Failover (several servers): a generation whose server dies (the connection is refused or reset
-and the server no longer answers ``/health``) is resubmitted to the next live server
+and the server no longer answers ``/health``, or, with ``health_check_interval_s``, the server
+does not answer ``/health_generate`` in that time while the generation waits) is resubmitted to the next live server
 (``routing.py``) with the same rid and ``sampling_seed`` and ``input_ids + output so far``, the
 output of the segments already returned (a request's sampling noise depends on the seed and the
 absolute position only, so in deterministic mode the continuation is bit for bit the one the dead
@@ -172,11 +173,15 @@ class InferenceClient:
             asking again, counted from its first attempt; ``None``: ``timeout_s``.
         probe_timeout_s, reprobe_interval_s: of the failover's probes of servers (``routing.py``),
             seconds.
+        health_check_interval_s: while a generation waits, its server is asked
+            ``/health_generate`` this often (seconds; the same timeout); one that does not answer
+            leaves routing and the generation goes on elsewhere. ``None``: no such check.
     """
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
                  token: str | None = None, overload_timeout_s: float | None = None,
-                 probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0):
+                 probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
+                 health_check_interval_s: float | None = None):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -187,7 +192,8 @@ class InferenceClient:
         self._next_server = itertools.cycle(range(len(self.urls)))
         self._aborted: set[str] = set()
         self._headers = auth.bearer_headers(token)
-        self.servers = ServerPool(self.urls, self._http, probe_timeout_s, reprobe_interval_s)
+        self.servers = ServerPool(self.urls, self._http, probe_timeout_s, reprobe_interval_s,
+                                  health_check_interval_s)
         self._versions: dict[int, int] = {}  # the last weight_version each server answered with
 
     @property
@@ -346,7 +352,8 @@ class InferenceClient:
             }
             server = self.servers.route(preferred)
             try:
-                resp = await self._call(server, "POST", "/generate", payload, failover=True)
+                call = asyncio.ensure_future(self._call(server, "POST", "/generate", payload, failover=True))
+                resp = await self.servers.watch(server, call)
             except aiohttp.ClientConnectionError:
                 if server in self.servers.live():
                     raise  # it still answers /health: not a dead server, retries used up

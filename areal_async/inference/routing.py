@@ -4,8 +4,10 @@ A server leaves routing when a call to it could not connect or lost its connecti
 reset: the process died or was killed) and a short ``GET /health`` (``probe_timeout_s``) does not
 answer either; one that answers was a transient failure, which the caller retries on the same
 server. Each departure is counted (``failures``) and printed once. A hung server (alive, never
-answering) is not detected here: the launcher's health check kills it (``launcher/local.py``), and
-the caller then sees the reset.
+answering): while a call to it waits, every ``health_check_interval_s`` (``watch``) it is asked
+``GET /health_generate``, which a live server answers even when busy (SGLang's rule, which the
+embedded server follows); one that does not answer within ``health_check_interval_s`` leaves
+routing and the call is cancelled (the launcher's health check, with the same interval, kills it).
 
 A server that was restarted behind the client's back (it died and came back between two of the
 client's calls, so no call failed) is found by its ``weight_version``, which only a new process
@@ -54,9 +56,12 @@ class ServerPool:
     """
 
     def __init__(self, urls: list[str], http: Callable[[], aiohttp.ClientSession],
-                 probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0):
+                 probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
+                 health_check_interval_s: float | None = None):
         self.urls, self._http = urls, http
         self.probe_timeout_s, self.reprobe_interval_s = probe_timeout_s, reprobe_interval_s
+        self.health_check_interval_s = health_check_interval_s
+        self._checks: dict[int, asyncio.Task] = {}  # a /health_generate check in flight, per server
         self.failures = 0  # servers taken out of routing so far
         self._down: dict[int, str] = {}  # departed server -> why it left
         self._probing: asyncio.Task | None = None
@@ -93,11 +98,36 @@ class ServerPool:
         print(f"[client] inference server {self.urls[server]} taken out of routing ({why}); "
               f"{len(self.live())} of {len(self.urls)} left", flush=True)
 
-    async def answers(self, server: int, path: str = "/health") -> bool:
-        """Whether ``server`` answers ``GET path`` with 200 within ``probe_timeout_s``."""
+    async def watch(self, server: int, call: asyncio.Future):
+        """``call``'s result (a call to ``server``); while it waits, ``server`` is health-checked
+        every ``health_check_interval_s`` (module docstring; ``None``: never).
+
+        Raises:
+            aiohttp.ServerTimeoutError: ``server`` failed a check: it left routing, ``call`` was
+                cancelled.
+            Exception: what ``call`` raised.
+        """
+        interval_s = self.health_check_interval_s
         try:
-            async with self._http().get(self.urls[server] + path,
-                                        timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+            while interval_s is not None and not (await asyncio.wait([call], timeout=interval_s))[0]:
+                check = self._checks.get(server)
+                if check is None or check.done():  # one check per server for all its calls
+                    check = self._checks[server] = asyncio.ensure_future(
+                        self.answers(server, "/health_generate", timeout_s=interval_s))
+                if not await asyncio.shield(check) and not call.done():
+                    self.take_out(server, f"no answer to /health_generate within {interval_s:g} s")
+                    raise aiohttp.ServerTimeoutError(f"{self.urls[server]} failed its health check")
+            return await call
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def answers(self, server: int, path: str = "/health", timeout_s: float | None = None) -> bool:
+        """Whether ``server`` answers ``GET path`` with 200 within ``timeout_s`` seconds
+        (``None``: ``probe_timeout_s``)."""
+        try:
+            async with self._http().get(self.urls[server] + path, timeout=aiohttp.ClientTimeout(
+                    total=self.probe_timeout_s if timeout_s is None else timeout_s)) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -143,6 +173,9 @@ class ServerPool:
 
     async def close(self) -> None:
         """Cancel a background probe still running."""
+        for check in self._checks.values():
+            check.cancel()
+        self._checks.clear()
         if self._probing is not None and not self._probing.done():
             self._probing.cancel()
             try:

@@ -79,7 +79,8 @@ class Services:
         cfg, inf = self.cfg, self.cfg.inference
         urls = inf.urls()
         self.client = await self.stack.enter_async_context(
-            InferenceClient(urls, timeout_s=inf.request_timeout_s, token=auth.job_token()))
+            InferenceClient(urls, timeout_s=inf.request_timeout_s, token=auth.job_token(),
+                            health_check_interval_s=inf.health_check_interval_s))
         await self.client.wait_healthy(inf.startup_timeout_s)
         self.queue = await self.stack.enter_async_context(
             await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token()))
