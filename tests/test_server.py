@@ -957,3 +957,16 @@ def test_health_generate_answers_while_every_slot_is_busy(tiny_model_dir):
 
     health, busy, running_after = asyncio.run(main())
     assert health == (200, "") and busy and running_after == 0
+
+
+def test_health_generate_answers_at_once_while_paused_for_an_update(tiny_model_dir):
+    # a paused server makes no step until the update is in; it is alive, and must not be taken for
+    # a hung one by the launcher's health check
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            await api.post("/pause_generation", {"mode": "abort"})
+            paused = await asyncio.wait_for(api.get("/health_generate"), 5)
+            await api.post("/continue_generation", {})
+            return paused, await api.get("/health_generate")
+
+    assert asyncio.run(main()) == ((200, ""), (200, ""))

@@ -15,7 +15,8 @@ batch of long prompts or a weight bucket's names and shapes) is HTTP 413. A ``/g
 call finding ``--max-queued-requests`` requests already waiting for a KV slot is HTTP 503 with
 ``Retry-After`` (``admission.py``, SGLang's flag; ``/health_generate`` is never refused, and
 answers 200 once its one-token generation ends or, as SGLang's, once any step of other requests
-commits, so a server whose slots are all busy answers without waiting for one). The
+commits, so a server whose slots are all busy answers without waiting for one; at once while
+generation is paused or a weight update waits). The
 listen backlog is SGLang's, 2048: a burst of that many connections waits in the kernel, none for a
 SYN retransmission.
 
@@ -536,6 +537,8 @@ class InferenceServer:
     async def health_generate(self, request: web.Request) -> web.Response:
         start = next(iter(self.engine.eos_token_ids), 0)
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        if self.engine.holding:  # paused or updating weights on purpose: alive, and no step is due
+            return web.Response(text="")
         rid = f"health-{uuid.uuid4().hex}"
         # not bounded by max_queued_requests: a busy server is alive, and says so
         probe = asyncio.ensure_future(self.engine.generate([start], params, rid, bounded=False))
