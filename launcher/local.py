@@ -11,9 +11,16 @@ for ``/health`` → start the replay queue and wait for its port → start the t
 (``torch.distributed.run``) and the generation workers. The job ends when the trainer exits 0.
 A generation worker that dies is started again, up to ``rollout.max_worker_restarts`` times
 each, after the queue took back its groups (``release_worker``; they are generated again with the
-same ids and seeds) and a back-off (``launcher/supervisor.py``, ``Restart``).
-If any other process exits non-zero (or a long-lived one exits at all), or a worker dies once
-more, every process is stopped and
+same ids and seeds) and a back-off (``launcher/supervisor.py``, ``Restart``). An inference server
+is checked with ``GET /health_generate`` every ``inference.health_check_interval_s`` (the same
+timeout, ``HealthCheck``); one that exited, or failed a check (then it is killed), is started again
+on its port with the command line it started with (the initial weights), up to
+``inference.max_server_restarts`` times each, after the queue counted it (``server_failed``); the
+clients route around it meanwhile and take it back once the trainer's next weight update has
+loaded the current weights on it (``areal_async/inference/routing.py``). Only with
+``trainer.weight_sync=disk`` and two servers or more: otherwise a server's death stops the job.
+If any other process exits non-zero (or a long-lived one exits at all), or a worker or a server dies once
+more than allowed, every process is stopped and
 the launcher exits 1, printing that process's last lines; except once: when a process could not
 bind a port the launcher chose (another process took it in between), the job is started again
 with newly chosen ports (the logs go on after a ``===== new ports ... =====`` line). Ctrl-C or
@@ -65,7 +72,7 @@ from areal_async.determinism import deterministic_env
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
-from launcher.supervisor import JobFailed, Restart, Supervisor
+from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
 
 PY = sys.executable
 
@@ -157,6 +164,57 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+
+
+def probe_http(url: str, path: str, timeout_s: float) -> str | None:
+    """``None`` if ``GET url + path`` answers 200 within ``timeout_s`` seconds, else why not."""
+    try:
+        with urllib.request.urlopen(url + path, timeout=timeout_s) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read(300).decode(errors='replace')}"
+    except (TimeoutError, socket.timeout):
+        return f"no answer within {timeout_s:g} s"
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, (TimeoutError, socket.timeout)):
+            return f"no answer within {timeout_s:g} s"
+        return str(exc.reason)
+    except OSError as exc:  # e.g. the connection reset while the answer was read
+        return f"{type(exc).__name__}: {exc}"
+
+
+def server_failed(cfg: Config, token: str | None, sup: Supervisor, server: int, why: str) -> str:
+    """Before inference server ``server`` is started again (``why``: how it died): the queue counts
+    it (``rollout/server_failures``, ``rollout/server_restarts``); returns a note for the
+    launcher's line.
+
+    Raises:
+        RuntimeError: ``trainer.weight_sync=distributed`` (a restarted server cannot rejoin the
+            trainer's weight-update group, ``trainer/weight_sync.py``), one server only (no other
+            to generate meanwhile, nor to tell the clients the current version), or the job was
+            still starting (no queue yet): the job stops with the server's error.
+        ConnectionError, TimeoutError: the queue is not reachable (10 s) or does not answer (30 s).
+    """
+    from areal_async.queue.client import QueueClient
+
+    if cfg.trainer.weight_sync == "distributed":
+        raise RuntimeError("with trainer.weight_sync=distributed a restarted server cannot rejoin the trainer's "
+                           "weight-update group (built once, with a fixed world size); set "
+                           "trainer.weight_sync=disk to survive the death of a server")
+    if cfg.inference.num_servers == 1:
+        raise RuntimeError("a job with one inference server cannot go on without it (no other server generates "
+                           "meanwhile or tells the clients the current weight version); set "
+                           "inference.num_servers=2 or more to survive the death of a server")
+    if not any(child.name == "queue" for child in sup.children):
+        raise RuntimeError("it died while the job was starting")
+
+    async def count() -> None:
+        async with await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=10.0, token=token) as q:
+            await asyncio.wait_for(q.server_failed(server, restart=True), 30.0)
+
+    asyncio.run(count())
+    return ("it starts again on its port with the initial weights, rejoins the generation once the trainer's "
+            "next weight update brings it up to date")
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -307,8 +365,11 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
     for i, url in enumerate(inf.urls()):
+        restart = Restart(inf.max_server_restarts, functools.partial(server_failed, cfg, token, sup, i))
+        health = HealthCheck(functools.partial(probe_http, url), inf.health_check_interval_s, inf.startup_timeout_s)
         sup.start(f"server{i}", make_argv(inf, model, inf.base_port + i, cfg.mode,
-                                          server_threads, cfg.debug, version, token), env=deterministic_env(cfg.mode))
+                                          server_threads, cfg.debug, version, token), env=deterministic_env(cfg.mode),
+                  restart=restart, health=health)
     for url in inf.urls():
         _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
                     inf.startup_timeout_s)

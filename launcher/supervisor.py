@@ -16,12 +16,20 @@ at most ``max_restarts`` times, each after ``Restart.before`` (the launcher hand
 groups back to the queue) and a back-off of ``backoff_s`` doubling up to 30 s, during which the
 other children are still watched; its log goes on after a ``===== restart i of n ... =====`` line.
 One more death, or any death of a child without a policy, stops the job as before.
+
+A child started with a ``HealthCheck`` (the inference servers) is also asked, from a thread so the
+watch goes on meanwhile: after each (re)start ``probe("/health")`` every 0.5 s until it answers
+(at most ``startup_timeout_s``), then ``probe("/health_generate")`` every ``interval_s``, each with
+``interval_s`` as its timeout. A child that fails a check once it was up, or does not come up in
+time, is killed (its process group, SIGKILL) and counts as dead, its cause ``did not answer
+/health_generate: <why>``: restarted by its policy, or the end of the job.
 """
 
 from __future__ import annotations
 
 import codecs
 import collections
+import concurrent.futures
 import ctypes
 import os
 import pathlib
@@ -56,14 +64,30 @@ class Restart:
     backoff_s: float = 1.0
 
 
+@dataclass(frozen=True)
+class HealthCheck:
+    """How a running child is checked (module docstring).
+
+    ``probe(path, timeout_s)``: ``None`` when the child answered ``GET path`` with 200 within
+    ``timeout_s`` seconds, else why not (e.g. ``"no answer within 10 s"``); called in a thread.
+    ``interval_s``: seconds between two checks once it is up, and each check's timeout.
+    ``startup_timeout_s``: seconds a (re)started child may take to answer ``/health``.
+    """
+
+    probe: Callable[[str, float], str | None]
+    interval_s: float
+    startup_timeout_s: float
+
+
 class Child:
     """One supervised process. ``expect_exit``: its exit (status 0) is part of a normal run;
-    ``restart``: how it is started again when it dies (``None``: never)."""
+    ``restart``: how it is started again when it dies (``None``: never); ``health``: how it is
+    checked while it runs (``None``: not at all)."""
 
     def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict,
                  echo: bool = False, expect_exit: bool = False, tail_lines: int = 40,
                  log_header: str | None = None, stop_leader_first: bool = False,
-                 restart: Restart | None = None):
+                 restart: Restart | None = None, health: HealthCheck | None = None):
         self.name = name
         self.argv = argv
         self.env = env
@@ -74,6 +98,11 @@ class Child:
         self.restarts = 0  # done so far
         self.restart_at: float | None = None  # monotonic time of a scheduled restart
         self.why = ""  # how it died last
+        self.health = health
+        self.hung: str | None = None  # why the health check killed it
+        self.up = False  # answered /health since its (re)start
+        self.check: concurrent.futures.Future | None = None  # a probe in flight
+        self.check_at = 0.0  # monotonic time of the next probe
         self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.echo = echo
         self._spawn("w" if log_header is None else "a", log_header)
@@ -83,6 +112,8 @@ class Child:
         if log_header is not None:
             self._log.write(log_header + "\n")
         self._log.write("$ " + " ".join(self.argv) + "\n")
+        self.hung, self.up, self.check = None, False, None
+        self.spawned_at = self.check_at = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=self.env, start_new_session=True, preexec_fn=_die_with_parent, bufsize=0,
@@ -161,6 +192,7 @@ class Supervisor:
     def __init__(self, log_dir: pathlib.Path, env: dict | None = None, log_header: str | None = None):
         """``log_header``: append to existing logs, each after this line (a resumed job);
         ``None``: start every log afresh."""
+        self._probes = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="health")
         self.log_dir = pathlib.Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -169,10 +201,10 @@ class Supervisor:
 
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
               expect_exit: bool = False, stop_leader_first: bool = False,
-              restart: Restart | None = None) -> Child:
+              restart: Restart | None = None, health: HealthCheck | None = None) -> Child:
         child = Child(name, argv, self.log_dir, {**self.env, **(env or {})}, echo, expect_exit,
                       log_header=self.log_header, stop_leader_first=stop_leader_first,
-                      restart=restart)
+                      restart=restart, health=health)
         self.children.append(child)
         return child
 
@@ -185,6 +217,8 @@ class Supervisor:
                 if time.monotonic() >= child.restart_at:
                     self._restart(child)
                 continue
+            if child.health is not None and child.poll() is None:
+                self._check_health(child)
             if not self._failed(child):
                 continue
             time.sleep(0.2)  # let the reader thread drain the child's last output
@@ -194,6 +228,34 @@ class Supervisor:
                 continue
             raise self._failure(child)
 
+    def _check_health(self, child: Child) -> None:
+        """Start a probe when one is due; act on the one that finished (module docstring)."""
+        h, now = child.health, time.monotonic()
+        if child.check is None:
+            if now >= child.check_at:
+                path, timeout_s = ("/health_generate", h.interval_s) if child.up else ("/health", 2.0)
+                child.check = self._probes.submit(h.probe, path, timeout_s)
+            return
+        if not child.check.done():
+            return
+        try:
+            why = child.check.result()
+        except Exception as exc:  # a probe that broke tells nothing about the child: ask again
+            why = None if child.up else f"{type(exc).__name__}: {exc}"
+            print(f"[launcher] the health probe of {child.name} failed: {exc!r}", file=sys.stderr, flush=True)
+        child.check = None
+        if why is None:
+            child.up = True
+        elif child.up:
+            child.hung = f"did not answer /health_generate: {why}"
+        elif now - child.spawned_at > h.startup_timeout_s:
+            child.hung = f"did not answer /health within {h.startup_timeout_s:g} s of its start: {why}"
+        child.check_at = now + (h.interval_s if child.up else 0.5)
+        if child.hung is not None:
+            print(f"[launcher] {child.name} {child.hung}; killing it", file=sys.stderr, flush=True)
+            _signal_group(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+
     @staticmethod
     def _failed(child: Child) -> bool:
         rc = child.poll()
@@ -202,6 +264,8 @@ class Supervisor:
     @staticmethod
     def _why(child: Child) -> str:
         rc = child.poll()
+        if child.hung is not None:
+            return f"{child.hung} (killed)"
         if rc < 0:
             return f"was killed by {signal.Signals(-rc).name}"
         return f"exited with status {rc}" if rc else "exited unexpectedly (status 0)"
@@ -250,6 +314,7 @@ class Supervisor:
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """Stop children in reverse start order (consumers before producers before servers)."""
+        self._probes.shutdown(wait=False, cancel_futures=True)
         for child in self.children:
             child.echo = False  # what a child prints while being stopped would bury the cause
         for child in reversed(self.children):

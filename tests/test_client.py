@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from areal_async.inference.client import GenResult, InferenceClient, LogprobAlignmentError, ServerError
+from areal_async.inference.client import (GenResult, InferenceClient, LogprobAlignmentError, NoServerLeft,
+                                          ServerError)
 
 from tests.test_server import free_port, prompt_ids, running
 
@@ -303,3 +305,166 @@ def test_server_entry_point_serves_and_stops_on_sigterm(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def server_process(model_dir, *extra: str):
+    """An embedded server process (deterministic inference, float32, 1 thread); yields
+    ``(url, proc)``; the process is killed at the end."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir),
+         "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256",
+         "--threads", "1", "--enable-deterministic-inference", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+class RecordingClient(InferenceClient):
+    """Records ``(server, len(input_ids))`` of every ``/generate`` call it makes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generate_calls: list[tuple[int, list[int]]] = []
+
+    async def _call(self, server, method, path, payload=None, failover=False):
+        if path == "/generate":
+            self.generate_calls.append((server, list(payload["input_ids"])))
+        return await super()._call(server, method, path, payload, failover)
+
+
+async def _tokens_streamed(url: str, prompt: list[int], n: int) -> None:
+    """Stream a generation from ``url`` until it has made ``n`` tokens (its chunks are cumulative)."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}, "stream": True,
+            "rid": "clock"}
+    async with aiohttp.ClientSession() as http, http.post(url + "/generate", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {") and len(json.loads(line[6:])["output_ids"]) >= n:
+                return
+    raise AssertionError(f"the stream of {url} ended before {n} tokens")
+
+
+def test_a_generation_whose_server_is_killed_finishes_on_the_other_token_for_token(tiny_model_dir):
+    # Server 0 (a process) steps slowly (a random delay of up to 30 ms before each step); server 1
+    # runs in this process, as deterministic. Server 0's request is
+    # paused once (it returns a partial output, resubmitted to server 0 with prompt + partial), then
+    # server 0 is SIGKILLed: the client resubmits prompt + the partial output to server 1 with the
+    # same rid and seed, and the output equals an undisturbed generation's token for token (the
+    # noise is a function of seed and absolute position).
+    prompt = prompt_ids(tiny_model_dir)
+    sampling = {"max_new_tokens": 32, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
+
+    async def main(url0, proc0):
+        from areal_async.inference.server import InferenceServer, load_engine, serve
+
+        engine, tokenizer = load_engine(str(tiny_model_dir), "float32", "cpu", 4, 256, deterministic=True)
+        async with serve(InferenceServer(engine, tokenizer, str(tiny_model_dir))) as url1, \
+                RecordingClient([url0, url1], backoff_s=0.05, probe_timeout_s=2.0) as client:
+            await client.wait_healthy(timeout_s=120)
+            plain = await client.generate(prompt, sampling, "plain", server=1)
+            task = asyncio.create_task(client.generate(prompt, sampling, "moved", server=0))
+            while (await client._call(0, "GET", "/get_server_info"))["internal_states"][0]["num_running_reqs"] == 0:
+                assert not task.done()
+                await asyncio.sleep(0.01)
+            await _tokens_streamed(url0, prompt, 3)  # a request admitted after it: "moved" has tokens too
+            await client._call(0, "POST", "/pause_generation", {"mode": "abort"})  # held once resubmitted
+            while len(client.generate_calls) < 3:  # plain's, and the resubmission after the abort
+                await asyncio.sleep(0.01)
+            proc0.kill()
+            return plain, await task, client
+
+    with server_process(tiny_model_dir, "--debug-jitter-ms", "30") as (url0, proc0):
+        plain, moved, client = asyncio.run(main(url0, proc0))
+    assert moved.finish_reason == plain.finish_reason == "length"
+    assert moved.output_ids == plain.output_ids
+    # the first tokens after a resubmission are scored by its prefill, not a decode step: rounding apart
+    assert torch.allclose(torch.tensor(moved.logprobs), torch.tensor(plain.logprobs), atol=1e-5)
+    assert moved.versions == [0] * 32
+    assert client.server_failures == 1 and client.servers.live() == [1]
+    (s1, first), (s2, again), (s3, last) = client.generate_calls[1:]
+    assert (s1, s2, s3) == (0, 0, 1) and first == prompt
+    assert again == last and last[:len(prompt)] == prompt and len(prompt) < len(last), "no partial output"
+    assert last[len(prompt):] == plain.output_ids[:len(last) - len(prompt)]
+
+
+def test_no_server_left_is_a_clear_error():
+    urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+
+    async def main():
+        async with InferenceClient(urls, backoff_s=0.01, probe_timeout_s=0.5) as client:
+            with pytest.raises(NoServerLeft, match=r"no inference server left: all 2 were taken out of routing "
+                                                   r"\(http://127.0.0.1:\d+: /generate: ClientConnectorError"):
+                await client.generate([1, 2], {"max_new_tokens": 2}, "r")
+            return client.server_failures
+
+    assert asyncio.run(main()) == 2
+
+
+def test_a_server_restarted_between_calls_is_found_by_its_version_going_back():
+    # Server 0 answered under version 5, then (restarted with the initial weights) under version 0:
+    # that segment is dropped and generated again on server 1; a new client keeps server 0 out.
+    def reply_of(versions: list[str], calls: list[str]):
+        async def reply(request: web.Request) -> web.Response:
+            if request.path == "/get_weight_version":
+                return web.json_response({"weight_version": versions[0]})
+            if request.path != "/generate":
+                return web.Response(text="")
+            calls.append((await request.json())["rid"])
+            meta = {**SGLANG_FINISHED["meta_info"], "weight_version": versions.pop(0) if len(versions) > 1 else versions[0]}
+            return web.json_response({**SGLANG_FINISHED, "meta_info": meta})
+        return reply
+
+    calls0, calls1 = [], []
+
+    async def main():
+        async with fake_server(reply_of(["5", "0"], calls0)) as url0, fake_server(reply_of(["5"], calls1)) as url1:
+            async with InferenceClient([url0, url1]) as client:
+                first = await client.generate([1, 2, 3], {"max_new_tokens": 4}, "a", server=0)
+                again = await client.generate([1, 2, 3], {"max_new_tokens": 4}, "b", server=0)
+                seen = (client.server_failures, client.servers.live())
+            async with InferenceClient([url0, url1]) as fresh:
+                await fresh.wait_healthy(timeout_s=5)
+                return first, again, seen, (fresh.server_failures, fresh.servers.live())
+
+    first, again, seen, fresh = asyncio.run(main())
+    assert first.versions == [5, 5] and again.versions == [5, 5] and again.output_ids == [9, 2]
+    assert calls0 == ["a", "b"] and calls1 == ["b"]
+    assert seen == (1, [1]) and fresh == (0, [1])
+
+
+def test_a_generation_on_a_hung_server_moves_on_after_a_failed_health_check():
+    # Server 0 accepts connections and never answers (/generate nor /health_generate): while the
+    # generation waits, its health check times out, server 0 leaves routing and the generation is
+    # resubmitted to server 1, same rid.
+    never = asyncio.Event()
+    asked: list[tuple[int, str]] = []
+
+    def server(i: int):
+        async def reply(request: web.Request) -> web.Response:
+            asked.append((i, request.path))
+            if i == 0:
+                await never.wait()
+            if request.path == "/generate":
+                assert (await request.json())["rid"] == "r"
+                return web.json_response(SGLANG_FINISHED)
+            return web.Response(text="")
+        return reply
+
+    async def main():
+        async with fake_server(server(0)) as url0, fake_server(server(1)) as url1:
+            try:
+                async with InferenceClient([url0, url1], health_check_interval_s=0.2) as client:
+                    out = await asyncio.wait_for(client.generate([1, 2, 3], {"max_new_tokens": 4}, "r", server=0), 10)
+                    return out, client.server_failures, client.servers.live()
+            finally:
+                never.set()
+
+    out, failures, live = asyncio.run(main())
+    assert out.output_ids == [9, 2] and out.versions == [5, 5]
+    assert (failures, live) == (1, [1])
+    assert asked[:2] == [(0, "/generate"), (0, "/health_generate")] and (1, "/generate") in asked

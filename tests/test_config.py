@@ -198,3 +198,15 @@ def test_tree_attention_auto_and_its_errors():
     assert resolve_tree_attention(cfg, cuda_available=False).trainer.tree_attention == "sdpa"
     with pytest.raises(ValueError, match="runs on CPU"):
         resolve_tree_attention(load_config(None, ["trainer.tree_attention=varlen"]), cuda_available=False)
+
+
+def test_server_health_check_and_restart_keys_default_and_reject_bad_values():
+    inf = load_config(None, []).inference
+    assert (inf.health_check_interval_s, inf.max_server_restarts) == (10.0, 3)
+    assert load_config(None, ["inference.max_server_restarts=0"]).inference.max_server_restarts == 0
+    with pytest.raises(ValueError, match=r"'inference.health_check_interval_s' = 0.0: Expected `float` > 0"):
+        load_config(None, ["inference.health_check_interval_s=0.0"])
+    with pytest.raises(ValueError, match=r"'inference.max_server_restarts' = -1: Expected `int` >= 0"):
+        load_config(None, ["inference.max_server_restarts=-1"])
+    with pytest.raises(ValueError, match="inference.max_server_restarts"):  # the closest valid name
+        load_config(None, ["inference.max_server_restart=1"])

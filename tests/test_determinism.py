@@ -7,10 +7,13 @@ and queue-snapshot numbers excluded, see ``TIMING_KEYS``), identical trajectorie
 ``trajectories.jsonl``) and identical final weights (SHA-256 over the state dict). The same pair of
 runs in ``mode: throughput`` must differ, which shows the comparison can fail.
 
-Faults: a deterministic job whose only worker is SIGKILLed while it holds groups must finish
-(the launcher restarts the worker, the queue hands the groups out again), train every group once,
-and equal the undisturbed run; without the queue's release it hangs at the batch of the lost
-groups, and the test fails at its 150 s bound. A ``--resume`` of that run for two more steps then
+Faults: a deterministic job (disk weight sync) whose inference server 1 is SIGKILLed while a group
+runs, and then its only worker while it holds groups, must finish (the clients move the dead
+server's generations to server 0, same rids and seeds; the launcher restarts the server, which
+rejoins at the trainer's next update, and the worker, and the queue hands the worker's groups out
+again), train every group once, count one server failure and restart, and equal the undisturbed
+run; without the queue's release it hangs at the batch of the lost groups, and the test fails at
+its 150 s bound; without the failover the worker dies at every try. A ``--resume`` of that run for two more steps then
 trains groups 0..N-1 exactly once each.
 """
 
@@ -21,6 +24,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from safetensors.torch import load_file
@@ -113,18 +117,20 @@ def test_throughput_runs_differ_under_jitter(runs):
 
 
 # Counters of the restart itself: 0 in an undisturbed run, what the fault changed on purpose.
-FAULT_KEYS = {"queue/released", "queue/requeued", "rollout/worker_restarts"}
+FAULT_KEYS = {"queue/released", "queue/requeued", "rollout/worker_restarts", "rollout/server_failures",
+              "rollout/server_restarts"}
 
 
-def _worker_pids(config_path: pathlib.Path) -> list[int]:
-    """Processes whose command line runs ``areal_async.rollout.worker`` on ``config_path``."""
+def _pids(config_path: pathlib.Path, module: bytes = b"areal_async.rollout.worker") -> list[int]:
+    """Processes whose command line runs ``module`` on ``config_path``, or (a server, which takes
+    no config) with ``config_path`` as its ``--port``."""
     pids = []
     for d in pathlib.Path("/proc").iterdir():
         try:
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:  # not a process, or it just ended
             continue
-        if b"areal_async.rollout.worker" in argv and str(config_path).encode() in argv:
+        if module in argv and str(config_path).encode() in argv:
             pids.append(int(d.name))
     return pids
 
@@ -140,7 +146,8 @@ def _wait(what: str, ready, timeout_s: float, proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def killed_run(tiny_model_dir, tmp_path_factory):
     """One worker (the worker count decides nothing in deterministic mode), SIGKILLed while it holds
-    groups, after step 0 was logged; returns (exit status, the launcher's output, run directory)."""
+    groups, after inference server 1 was SIGKILLed while a group ran, after step 0 was logged;
+    returns (exit status, the launcher's output, run directory)."""
     import signal
 
     from areal_async.config import load_config
@@ -151,20 +158,33 @@ def killed_run(tiny_model_dir, tmp_path_factory):
     out = (root / "launcher.out").open("w+")
     token = "chaos-test-token"  # the job's token, given to the launcher, so the test can ask the queue
     proc = subprocess.Popen(job_argv(tiny_model_dir, root, name, "deterministic", 3,
-                                     extra=("rollout.num_workers=1",)),
+                                     extra=("rollout.num_workers=1", "trainer.weight_sync=disk")),
                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "AREAL_ASYNC_TOKEN": token})
     try:
         metrics = run_dir / "metrics.jsonl"
         _wait("step 0", lambda: metrics.exists() and "train/loss" in metrics.read_text(), 150, proc)
-        queue = load_config(run_dir / "config.yaml").queue
+        cfg = load_config(run_dir / "config.yaml")
+        queue = cfg.queue
 
-        async def holding() -> bool:  # the worker is mid-group: some group is running
+        async def holding(step: int) -> bool:  # the worker is mid-group, the trainer past step `step` - 1
             async with await QueueClient.connect(queue.host, queue.port, timeout_s=5, token=token) as q:
-                return (await q.stats()).running > 0
+                stats = await q.stats()
+                return stats.running > 0 and stats.next_step >= step
 
-        _wait("a running group", lambda: asyncio.run(holding()), 60, proc)
-        [pid] = _worker_pids(run_dir / "config.yaml")
+        def generating() -> bool:  # server 1 runs a request: a generation is in flight there
+            ask = urllib.request.Request(f"{cfg.inference.urls()[1]}/get_server_info",
+                                         headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(ask, timeout=5) as resp:
+                return json.load(resp)["internal_states"][0]["num_running_reqs"] > 0
+
+        _wait("a generation on server 1", generating, 60, proc)
+        [server] = _pids(str(cfg.inference.base_port + 1), b"areal_async.inference.server")
+        os.kill(server, signal.SIGKILL)
+        log = run_dir / "logs" / "worker0.log"
+        _wait("the worker's failover", lambda: "taken out of routing (/generate: " in log.read_text(), 60, proc)
+        _wait("a running group of a later step", lambda: asyncio.run(holding(2)), 90, proc)
+        [pid] = _pids(run_dir / "config.yaml")
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=150)  # without the release the batch of the lost groups never completes
     finally:
@@ -187,10 +207,13 @@ def test_a_killed_worker_is_restarted_and_the_run_equals_an_undisturbed_one(kill
     rc, output, run_dir = killed_run
     assert rc == 0, output[-4000:]
     assert "worker0 was killed by SIGKILL; restart 1 of 3" in output
+    assert "server1 was killed by SIGKILL; restart 1 of 3" in output
+    assert "===== restart 1 of 3: server1 was killed by SIGKILL" in (run_dir / "logs/server1.log").read_text()
     assert "===== restart 1 of 3: worker0 was killed by SIGKILL" in (run_dir / "logs/worker0.log").read_text()
 
     acct = json.loads((run_dir / "queue_accounting.json").read_text())
     assert acct["released"] >= 1 and acct["worker_restarts"] == 1, "the worker held no group when killed"
+    assert (acct["server_failures"], acct["server_restarts"]) == (1, 1)
     assert acct["leased"] == acct["consumed"] + acct["ready"] + acct["running"] + acct["rejected"] + acct["requeued"]
     consumed = sorted(int(g) for g, s in acct["groups"].items() if s == "consumed")
     assert consumed == list(range(STEPS * 2)) and acct["requeued"] == 0
@@ -198,6 +221,8 @@ def test_a_killed_worker_is_restarted_and_the_run_equals_an_undisturbed_one(kill
 
     killed, calm = fingerprint(run_dir), runs["deterministic", 1]
     assert killed["metrics"][-1]["rollout/worker_restarts"] == 1
+    assert killed["metrics"][-1]["rollout/server_failures"] == killed["metrics"][-1]["rollout/server_restarts"] == 1
+    assert killed["metrics"][0]["rollout/server_failures"] == 0
     strip = lambda rows: [{k: v for k, v in r.items() if k not in FAULT_KEYS} for r in rows]  # noqa: E731
     assert strip(killed["metrics"]) == strip(calm["metrics"])
     assert killed["trajectories"] == calm["trajectories"]

@@ -662,3 +662,58 @@ def test_a_restarted_child_runs_on_and_a_dead_queue_still_stops_the_job(tmp_path
             time.sleep(0.02)
     sup.stop_all(grace_s=2)
     assert trainer.poll() is not None
+
+
+def test_a_child_failing_its_health_check_is_killed_and_restarted_then_stops_the_job(tmp_path):
+    # Like a hung server: alive, answers /health, never /health_generate. Each start is killed by
+    # the check and restarted once; the second hang stops the job with the check's words.
+    from launcher.supervisor import HealthCheck, Restart
+
+    asked = []
+
+    def probe(path: str, timeout_s: float) -> str | None:
+        asked.append(path)
+        return None if path == "/health" else f"no answer within {timeout_s:g} s"
+
+    sup = Supervisor(tmp_path / "logs")
+    trainer = sup.start("trainer", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    server = sup.start("server0", [PY, "-c", "import time; print('serving', flush=True); time.sleep(600)"],
+                       restart=Restart(1, lambda why: f"counted: {why}", backoff_s=0.05),
+                       health=HealthCheck(probe, interval_s=0.1, startup_timeout_s=5))
+    first = server.proc.pid
+    with pytest.raises(JobFailed, match=r"server0 did not answer /health_generate: no answer within 0.1 s "
+                                        r"\(killed\) after 1 restart\(s\)"):
+        sup.wait_for(trainer, poll_s=0.02)
+    assert server.proc.pid != first and not _alive(first, within_s=0.1)
+    assert asked[0] == "/health" and asked.count("/health_generate") == 2
+    sup.stop_all(grace_s=2)
+    log = (tmp_path / "logs" / "server0.log").read_text()
+    assert "===== restart 1 of 1: server0 did not answer /health_generate: no answer within 0.1 s (killed), " in log
+
+
+def test_a_server_that_does_not_come_up_after_a_restart_is_killed(tmp_path):
+    from launcher.supervisor import HealthCheck
+
+    sup = Supervisor(tmp_path / "logs")
+    sup.start("server0", [PY, "-c", "import time; time.sleep(600)"],
+              health=HealthCheck(lambda path, timeout_s: "Connection refused", interval_s=0.1, startup_timeout_s=0.3))
+    with pytest.raises(JobFailed, match=r"server0 did not answer /health within 0.3 s of its start: "
+                                        r"Connection refused \(killed\)"):
+        while True:
+            sup.check()
+            time.sleep(0.02)
+    sup.stop_all(grace_s=2)
+
+
+def test_a_server_death_that_cannot_be_survived_stops_the_job_naming_the_fix(tmp_path):
+    from launcher.local import server_failed
+
+    cfg = load_config(None, ["trainer.weight_sync=distributed"])
+    with pytest.raises(RuntimeError, match="set trainer.weight_sync=disk to survive the death of a server"):
+        server_failed(cfg, None, Supervisor(tmp_path / "logs"), 0, "was killed by SIGKILL")
+    cfg = load_config(None, ["trainer.weight_sync=disk", "inference.num_servers=1"])
+    with pytest.raises(RuntimeError, match="set inference.num_servers=2 or more to survive the death of a server"):
+        server_failed(cfg, None, Supervisor(tmp_path / "logs"), 0, "was killed by SIGKILL")
+    cfg = load_config(None, ["trainer.weight_sync=disk", "inference.num_servers=2"])
+    with pytest.raises(RuntimeError, match="it died while the job was starting"):
+        server_failed(cfg, None, Supervisor(tmp_path / "logs"), 0, "was killed by SIGKILL")

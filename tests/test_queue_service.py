@@ -16,6 +16,7 @@ from areal_async.config import QueueConfig
 from areal_async.queue.client import QueueClient
 from areal_async.queue.core import AccountingError, QueueClosed, ReplayQueue
 from areal_async.queue.server import serve
+from areal_async.trainer.report import queue_metrics
 from tests.test_queue_core import _settle, traj
 
 
@@ -138,8 +139,16 @@ def test_a_closed_connection_releases_its_groups_and_spares_a_restarted_worker(t
         assert await trainer.release(0, restart=True) == [1, 2, 3, 4]
         s = await trainer.check_accounting()
         assert (s.requeued, s.released, s.worker_restarts) == (4, 5, 1)
+        # the launcher found server 1 dead and restarts it, then server 0 dead beyond its budget:
+        # counted only, no group changes state
+        await trainer.server_failed(1, restart=True)
+        await trainer.server_failed(0)
+        s = await trainer.check_accounting()
+        assert (s.server_failures, s.server_restarts, s.requeued, s.running) == (2, 1, 4, 0)
+        assert queue_metrics(s)["rollout/server_failures"] == 2.0 and queue_metrics(s)["rollout/server_restarts"] == 1.0
         await trainer.close()
         acct = json.loads((tmp_path / "acct.json").read_text())
+        assert (acct["server_failures"], acct["server_restarts"]) == (2, 1)
         assert acct["groups"] == {"0": "ready", "1": "requeued", "2": "requeued", "3": "requeued",
                                   "4": "requeued"} and "violation" not in acct
         for c in (again, trainer):

@@ -943,3 +943,33 @@ def test_a_weight_update_without_group_name_names_the_default_and_the_joined_gro
     assert joined[0] == 200, joined
     assert status == 400 and "no weight group 'weight_update_group' (joined: 'g')" in out["message"], out
     assert "call /init_weights_update_group with group_name 'weight_update_group' first" in out["message"]
+
+
+def test_health_generate_answers_while_every_slot_is_busy(tiny_model_dir):
+    # One slot, held by a long generation: the health probe's own request waits for the slot, but a
+    # committed step of the long one proves the server alive (SGLang's rule), so the launcher's
+    # health check does not take a busy server for a hung one.
+    async def main():
+        async with running(tiny_model_dir, slots=1) as (api, engine):
+            long = asyncio.create_task(api.generate(prompt_ids(tiny_model_dir), max_new_tokens=200, ignore_eos=True))
+            await engine.next_step()
+            health = await api.get("/health_generate")
+            busy = not long.done()
+            await long
+            return health, busy, engine.num_running
+
+    health, busy, running_after = asyncio.run(main())
+    assert health == (200, "") and busy and running_after == 0
+
+
+def test_health_generate_answers_at_once_while_paused_for_an_update(tiny_model_dir):
+    # a paused server makes no step until the update is in; it is alive, and must not be taken for
+    # a hung one by the launcher's health check
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            await api.post("/pause_generation", {"mode": "abort"})
+            paused = await asyncio.wait_for(api.get("/health_generate"), 5)
+            await api.post("/continue_generation", {})
+            return paused, await api.get("/health_generate")
+
+    assert asyncio.run(main()) == ((200, ""), (200, ""))

@@ -55,9 +55,29 @@ def _server_main(commands, replies):
             replies.put((True, len(names)))
 
 
+class AllLive:
+    """``InferenceClient.servers`` of a client whose servers never die."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def live(self) -> list[int]:
+        return list(range(self.n))
+
+    async def probe(self, require_version: bool = True) -> list[int]:
+        return []
+
+
 class FakeClient:
     """A ``WeightUpdateClient`` (``inference/interface.py``; ``tests/test_interfaces.py`` checks it),
     backed by server processes."""
+
+    servers = AllLive(2)
+    urls = ["fake://server0", "fake://server1"]  # what error messages name
+
+    async def each_live(self, call):
+        live = self.servers.live()
+        return dict(zip(live, await asyncio.gather(*(call(i) for i in live))))
 
     def __init__(self, num_servers: int):
         ctx = mp.get_context("spawn")
@@ -261,6 +281,7 @@ def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
 
     class RefusingClient:
         calls: list[str] = []
+        servers = AllLive(1)
 
         async def pause(self, mode="abort"):
             self.calls.append("pause")
@@ -310,3 +331,82 @@ def test_a_refused_join_fails_the_setup_at_once(tiny_model_dir, monkeypatch):
         assert time.perf_counter() - start < 10, "setup waited for the rendezvous"
     finally:
         released.set()
+
+
+def test_the_disk_sender_skips_a_dead_server_and_brings_a_restarted_one_up_to_date(tiny_model_dir, tmp_path):
+    # Two servers that answer SGLang's calls (tests/test_client.py's recording server); server 1
+    # dies before update 1, which goes to server 0 alone, without waiting; server 1 comes back on
+    # its port with the initial weights (version 0), and update 2 loads on both.
+    from aiohttp import web
+
+    from areal_async.inference.client import InferenceClient
+    from tests.test_client import fake_server
+
+    loads: list[tuple[int, int]] = []
+
+    def handler(server: int):
+        async def reply(request: web.Request) -> web.Response:
+            if request.path == "/update_weights_from_disk":
+                loads.append((server, int((await request.json())["weight_version"])))
+                return web.json_response({"success": True, "message": "", "num_paused_requests": 0})
+            if request.path == "/get_weight_version":
+                return web.json_response({"weight_version": "0"})
+            return web.json_response({"success": True}) if request.method == "POST" else web.Response(text="")
+        return reply
+
+    async def main():
+        async with fake_server(handler(0)) as url0:
+            async with fake_server(handler(1)) as url1:
+                client = InferenceClient([url0, url1], backoff_s=0.01, probe_timeout_s=1.0)
+            sender = DiskWeightSender(_policy(tiny_model_dir), client, 2, str(tiny_model_dir), tmp_path / "weights",
+                                      torch.float32)
+            await sender.send(1)  # server 1 is gone
+            after_1 = (list(loads), client.server_failures, client.servers.live())
+            port1 = int(url1.rsplit(":", 1)[1])
+            runner = web.AppRunner(_app(handler(1)))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port1).start()  # restarted on the same port
+            try:
+                await sender.send(2)
+            finally:
+                await runner.cleanup()
+                await client.close()
+            return after_1, client.servers.live()
+
+    (loads_1, failures, live_1), live_2 = asyncio.run(main())
+    assert loads_1 == [(0, 1)] and failures == 1 and live_1 == [0]
+    assert sorted(loads[1:]) == [(0, 2), (1, 2)] and live_2 == [0, 1]
+
+
+def _app(handler):
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    return app
+
+
+def test_the_distributed_sender_names_the_fix_when_a_server_has_left(tiny_model_dir):
+    # The weight group was built with both servers; one has died (out of routing): the send
+    # stops at once, naming trainer.weight_sync=disk, and resumes the live server it paused.
+    class OneLeft(AllLive):
+        def live(self) -> list[int]:
+            return [0]
+
+    class Client:
+        urls = ["http://server-0", "http://server-1"]
+        servers = OneLeft(2)
+        calls: list[str] = []
+
+        async def pause(self, mode="abort"):
+            self.calls.append("pause")
+
+        async def resume(self):
+            self.calls.append("resume")
+
+    client = Client()
+    sender = DistributedWeightSender(_policy(tiny_model_dir), client, 2, "127.0.0.1", 0, 1 << 30, torch.float32,
+                                     torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"\['http://server-1'\] left routing .* set trainer.weight_sync=disk"):
+        asyncio.run(sender.send(1))
+    assert client.calls == ["pause", "resume"]

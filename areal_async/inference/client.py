@@ -12,8 +12,20 @@ Each response's ``output_token_logprobs`` are checked against its ``output_ids``
 ``LogprobAlignmentError``. A resubmitted request's response holds only the new segment, so the
 check is per segment and the concatenated output stays aligned.
 
+Failover (several servers): a generation whose server dies (the connection is refused or reset
+and the server no longer answers ``/health``, or, with ``health_check_interval_s``, the server
+does not answer ``/health_generate`` in that time while the generation waits) is resubmitted to the next live server
+(``routing.py``) with the same rid and ``sampling_seed`` and ``input_ids + output so far``, the
+output of the segments already returned (a request's sampling noise depends on the seed and the
+absolute position only, so in deterministic mode the continuation is bit for bit the one the dead
+server would have made; the tokens of its unfinished segment were never received and are drawn
+again). The dead server leaves routing (``server_failures`` counts departures) and rejoins once it
+serves the current weights again; the calls to every server (pause, resume, abort, weight updates
+through ``each_live``) skip it. ``NoServerLeft`` when none is left.
+
 Retries, at the network boundary only: connection errors (server not up yet, connection reset)
-are retried ``max_retries`` times with exponential backoff. HTTP 503 from a server whose waiting
+are retried ``max_retries`` times with exponential backoff (a generation and the calls to every
+server: only while the server still answers ``/health``). HTTP 503 from a server whose waiting
 queue is full (``admission.py``: the embedded server sends ``Retry-After``; SGLang's
 ``--max-queued-requests`` refusal of ``/generate`` has none) is asked again after the
 ``Retry-After`` delay (without it: the backoff, doubling to 16x), spread by up to 25 % so refused
@@ -33,11 +45,17 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
 import msgspec
 
 from .. import auth
+from .routing import NoServerLeft, ServerPool
+
+T = TypeVar("T")
+__all__ = ["GenResult", "InferenceClient", "LogprobAlignmentError", "NoServerLeft", "ServerError"]
 
 
 def _segment_logprobs(url: str, rid: str, version: int, ids: list[int], entries: list,
@@ -153,10 +171,17 @@ class InferenceClient:
         token: the job's token (``auth.job_token()``), sent as a bearer token; ``None``: none sent.
         overload_timeout_s: how long a call refused with HTTP 503 (a full server queue) keeps
             asking again, counted from its first attempt; ``None``: ``timeout_s``.
+        probe_timeout_s, reprobe_interval_s: of the failover's probes of servers (``routing.py``),
+            seconds.
+        health_check_interval_s: while a generation waits, its server is asked
+            ``/health_generate`` this often (seconds; the same timeout); one that does not answer
+            leaves routing and the generation goes on elsewhere. ``None``: no such check.
     """
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 token: str | None = None, overload_timeout_s: float | None = None):
+                 token: str | None = None, overload_timeout_s: float | None = None,
+                 probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
+                 health_check_interval_s: float | None = None):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -167,6 +192,14 @@ class InferenceClient:
         self._next_server = itertools.cycle(range(len(self.urls)))
         self._aborted: set[str] = set()
         self._headers = auth.bearer_headers(token)
+        self.servers = ServerPool(self.urls, self._http, probe_timeout_s, reprobe_interval_s,
+                                  health_check_interval_s)
+        self._versions: dict[int, int] = {}  # the last weight_version each server answered with
+
+    @property
+    def server_failures(self) -> int:
+        """Servers taken out of routing so far (each departure once)."""
+        return self.servers.failures
 
     async def __aenter__(self) -> "InferenceClient":
         return self
@@ -175,6 +208,7 @@ class InferenceClient:
         await self.close()
 
     async def close(self) -> None:
+        await self.servers.close()
         if self._http_pool is not None:
             await self._http_pool.close()
             self._http_pool = None
@@ -188,7 +222,11 @@ class InferenceClient:
             )
         return self._http_pool
 
-    async def _call(self, server: int, method: str, path: str, payload: dict | None = None):
+    async def _call(self, server: int, method: str, path: str, payload: dict | None = None,
+                    failover: bool = False):
+        """One HTTP call, retried as the module docstring says. ``failover``: a connection error
+        is retried only while the server answers ``/health``; otherwise the server is taken out of
+        routing and the error raised."""
         url = self.urls[server] + path
         started = time.monotonic()
         failures = refusals = 0
@@ -197,7 +235,10 @@ class InferenceClient:
                 async with self._http().request(method, url, json=payload) as resp:
                     text = await resp.text()
                     status, retry_after, kind = resp.status, resp.headers.get("Retry-After"), resp.content_type
-            except aiohttp.ClientConnectionError:
+            except aiohttp.ClientConnectionError as exc:
+                if failover and not await self.servers.answers(server):
+                    self.servers.take_out(server, f"{path}: {type(exc).__name__}: {exc}")
+                    raise
                 if failures == self.max_retries:
                     raise
                 await asyncio.sleep(self.backoff_s * 2**failures)
@@ -219,12 +260,41 @@ class InferenceClient:
                 raise ServerError(url, status, text)
             return msgspec.json.decode(text) if kind == "application/json" else text
 
+    async def each_live(self, call: Callable[[int], Awaitable[T]]) -> dict[int, T]:
+        """``call(i)`` for every live server ``i`` at once; returns ``{i: result}`` of those still
+        live after it. A server whose call failed to connect and that no longer answers
+        ``/health`` is taken out of routing and left out (a weight sender skips a dead server).
+
+        Raises:
+            NoServerLeft: no server is live (before, or after the calls).
+            Exception: any other error of a call (the first one, in server order).
+        """
+        servers = self.servers.live()
+        if not servers:
+            self.servers.route(0)  # raises NoServerLeft naming each server
+        results = await asyncio.gather(*(call(i) for i in servers), return_exceptions=True)
+        out = {}
+        for i, result in zip(servers, results):
+            if isinstance(result, aiohttp.ClientConnectionError) and i not in self.servers.live():
+                continue  # taken out by _call(failover=True)
+            if isinstance(result, aiohttp.ClientConnectionError) and not await self.servers.answers(i):
+                self.servers.take_out(i, f"{type(result).__name__}: {result}")
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            out[i] = result
+        if not out:
+            self.servers.route(0)
+        return out
+
     async def _all(self, method: str, path: str, payload: dict | None = None) -> list:
-        return list(await asyncio.gather(*(self._call(i, method, path, payload) for i in range(len(self.urls)))))
+        return list((await self.each_live(lambda i: self._call(i, method, path, payload, failover=True))).values())
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Wait until every server answers ``/health``; raises ``ConnectionError`` naming the first
-        URL that did not come up within ``timeout_s`` seconds."""
+        URL that did not come up within ``timeout_s`` seconds. Then a server behind the highest
+        ``weight_version`` of them (one restarted with the initial weights) stays out of routing
+        until it serves the current weights (``routing.py``; not counted as a failure)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         for url in self.urls:
@@ -238,6 +308,12 @@ class InferenceClient:
                 if loop.time() >= deadline:
                     raise ConnectionError(f"inference server {url} did not become healthy within {timeout_s:.0f} s")
                 await asyncio.sleep(0.2)
+        if len(self.urls) > 1:
+            versions = await asyncio.gather(*(self.servers.version(i) for i in range(len(self.urls))))
+            current = max((v for v in versions if v is not None), default=0)
+            for i, v in enumerate(versions):
+                if v is not None and v < current:
+                    self.servers.take_out(i, f"serves weight version {v}, behind version {current}", failed=False)
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -248,8 +324,10 @@ class InferenceClient:
             input_ids: prompt token ids.
             sampling: SGLang ``sampling_params`` (``max_new_tokens``, ``temperature``, ``sampling_seed``…).
             rid: request id (also what ``abort(rid)`` names).
-            server: index into ``urls``; round-robin when ``None``.
+            server: index into ``urls``; round-robin when ``None``. While it is out of routing,
+                the next live one (``routing.py``).
         Raises:
+            NoServerLeft: every server was taken out of routing.
             ServerError: the server rejected the request (e.g. HTTP 400 for a too-long prompt),
                 answered with log-probs that are not finite numbers, or still refused it with HTTP
                 503 (full queue) after ``overload_timeout_s``.
@@ -258,7 +336,7 @@ class InferenceClient:
                 server, the position and both ids). Never retried: the same request gets the
                 same answer; in the rollout worker it stops the job like any ``ServerError``.
         """
-        server = next(self._next_server) if server is None else server
+        preferred = next(self._next_server) if server is None else server
         remaining = int(sampling.get("max_new_tokens", 128))
         at_least = int(sampling.get("min_new_tokens") or 0)
         out = GenResult([], [], [], "length")
@@ -272,10 +350,23 @@ class InferenceClient:
                 "return_logprob": True,
                 "rid": rid,
             }
-            resp = await self._call(server, "POST", "/generate", payload)
+            server = self.servers.route(preferred)
+            try:
+                call = asyncio.ensure_future(self._call(server, "POST", "/generate", payload, failover=True))
+                resp = await self.servers.watch(server, call)
+            except aiohttp.ClientConnectionError:
+                if server in self.servers.live():
+                    raise  # it still answers /health: not a dead server, retries used up
+                continue  # resubmitted to the next live server: same rid, seed, output so far
             meta = resp["meta_info"]
             ids = list(resp["output_ids"])
             version = _version(self.urls[server], meta.get("weight_version"))
+            if version < self._versions.get(server, version):  # a new process: restarted behind our back
+                self.servers.take_out(server, f"restarted: weight version {version} after "
+                                              f"{self._versions[server]}")
+                del self._versions[server]
+                continue  # this segment came from old weights: generated again on the next live server
+            self._versions[server] = version
             # checked per response, so a resubmission's segment pairs with its own tokens only
             out.logprobs += _segment_logprobs(self.urls[server], rid, version, ids,
                                               meta.get("output_token_logprobs", []), len(out.output_ids))
@@ -314,6 +405,14 @@ class InferenceClient:
 
     async def get_weight_version(self, server: int) -> int:
         return _version(self.urls[server], (await self._call(server, "GET", "/get_weight_version"))["weight_version"])
+
+    async def weight_versions(self) -> dict[int, int]:
+        """``{i: weight_version}`` of every live server (``each_live``: a dead one is left out)."""
+        async def version(i: int) -> int:
+            raw = (await self._call(i, "GET", "/get_weight_version", failover=True))["weight_version"]
+            return _version(self.urls[i], raw)
+
+        return await self.each_live(version)
 
     async def get_model_info(self, server: int) -> dict:
         return await self._call(server, "GET", "/get_model_info")

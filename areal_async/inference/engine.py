@@ -387,6 +387,12 @@ class Engine:
             raise QueueFull(waiting, self.max_queued, asked, limit - self.max_queued)
 
     @property
+    def holding(self) -> bool:
+        """Generation is held on purpose: paused (``pause``) or a weight update waits (``update_weights``
+        without a pause), so no step may come for a while."""
+        return self._paused or self._updates_waiting > 0
+
+    @property
     def num_waiting(self) -> int:
         """Unfinished requests waiting for a KV slot (queued, or held for a weight update)."""
         return sum(not r.finished for r in (*self._waiting, *self._held))

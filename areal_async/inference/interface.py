@@ -9,10 +9,15 @@ and the evaluator) and ``WeightUpdateClient`` (the trainer's ``WeightSender`` on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from areal_async.inference.client import GenResult
+    from areal_async.inference.routing import ServerPool
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -34,7 +39,21 @@ class GenerationClient(Protocol):
 
 @runtime_checkable
 class WeightUpdateClient(Protocol):
-    """What ``trainer.weight_sync``'s senders call on rank 0 (the servers' answers are unused)."""
+    """What ``trainer.weight_sync``'s senders call on rank 0 (the servers' answers are unused).
+
+    Attributes:
+        urls: one base URL per server.
+        servers: the routing state (``routing.ServerPool``): ``live()`` → the indices of the
+            servers in routing; ``probe(require_version=...)`` lets dropped servers that answer
+            again back in (the disk sender calls it before each update).
+    """
+
+    urls: list[str]
+    servers: "ServerPool"
+
+    async def each_live(self, call: "Callable[[int], Awaitable[T]]") -> "dict[int, T]":
+        """``call(i)`` for every live server at once; a server that died during it is left out."""
+        ...
 
     async def init_weights_update_group(self, server: int, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, backend: str, group_name: str) -> object:

@@ -13,7 +13,10 @@ the answer is HTTP 401 and the body is not read. Without a token the server star
 loopback ``--host``. A request body over ``--max-request-bytes`` (16 MiB by default, far above a
 batch of long prompts or a weight bucket's names and shapes) is HTTP 413. A ``/generate`` or ``/v1``
 call finding ``--max-queued-requests`` requests already waiting for a KV slot is HTTP 503 with
-``Retry-After`` (``admission.py``, SGLang's flag; ``/health_generate`` is never refused). The
+``Retry-After`` (``admission.py``, SGLang's flag; ``/health_generate`` is never refused, and
+answers 200 once its one-token generation ends or, as SGLang's, once any step of other requests
+commits, so a server whose slots are all busy answers without waiting for one; at once while
+generation is paused or a weight update waits). The
 listen backlog is SGLang's, 2048: a burst of that many connections waits in the kernel, none for a
 SYN retransmission.
 
@@ -434,9 +437,23 @@ class InferenceServer:
     async def health_generate(self, request: web.Request) -> web.Response:
         start = next(iter(self.engine.eos_token_ids), 0)
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        if self.engine.holding:  # paused or updating weights on purpose: alive, and no step is due
+            return web.Response(text="")
         rid = f"health-{uuid.uuid4().hex}"
         # not bounded by max_queued_requests: a busy server is alive, and says so
-        broken = non_finite([await self.engine.generate([start], params, rid, bounded=False)], [rid])
+        probe = asyncio.ensure_future(self.engine.generate([start], params, rid, bounded=False))
+        # as SGLang's: a step of other requests committed meanwhile proves the server alive too, so a
+        # server whose slots are all taken by long generations answers without waiting for a slot
+        progress = asyncio.ensure_future(self.engine.next_step())
+        try:
+            await asyncio.wait([probe, progress], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for work in (probe, progress):
+                if not work.done():
+                    work.cancel()  # the probe's request is aborted (Engine.generate)
+        if not probe.done() or probe.cancelled():
+            return web.Response(text="")
+        broken = non_finite([probe.result()], [rid])
         if broken:  # SGLang answers 503 when its health generation fails
             return _error(broken, status=503)
         return web.Response(text="")

@@ -104,6 +104,10 @@ class QueueClient:
         (running → requeued); returns their ids. ``restart``: the launcher starts it again."""
         return (await self._call(p.Release, worker_id=worker_id, restart=restart)).group_ids
 
+    async def server_failed(self, server: int, restart: bool = False) -> None:
+        """Count inference server ``server`` found dead or hung (``restart``: started again)."""
+        await self._call(p.ServerFailed, server=server, restart=restart)
+
     async def get_batch(self, step: int) -> list[Trajectory]:
         """Training batch ``step``, sorted by group id; blocks until complete."""
         return (await self._call(p.GetBatch, step=step)).trajectories

@@ -64,7 +64,9 @@ class QueueStats(msgspec.Struct, frozen=True, kw_only=True):
     Invariant: ``leased == running + ready + consumed + rejected + requeued`` (``check``).
     ``leased`` counts distinct ids, so a group leased again after a release counts once;
     ``released`` counts every return of a group by ``release`` and ``worker_restarts`` the
-    launcher's restarts of a dead worker (``release(..., restart=True)``).
+    launcher's restarts of a dead worker (``release(..., restart=True)``); ``server_failures``
+    and ``server_restarts`` the inference servers the launcher found dead or hung and started
+    again (``server_failed``).
     """
 
     version: int
@@ -80,6 +82,8 @@ class QueueStats(msgspec.Struct, frozen=True, kw_only=True):
     requeued: int = 0
     released: int = 0
     worker_restarts: int = 0
+    server_failures: int = 0
+    server_restarts: int = 0
 
     def check(self) -> None:
         """Raise ``AccountingError`` naming the counts unless ``leased`` is the sum of the
@@ -143,6 +147,7 @@ class ReplayQueue:
         self._consumed = 0
         self._released = 0
         self._worker_restarts = 0
+        self._server_failures = self._server_restarts = 0
         self._closed = False
         self._changed = asyncio.Event()
         restored = sorted(restored, key=lambda t: t.group_id)
@@ -237,6 +242,15 @@ class ReplayQueue:
         self._worker_restarts += int(restart)
         self._notify()
         return ids
+
+    async def server_failed(self, server: int, restart: bool) -> None:
+        """Count inference server ``server`` found dead or hung by the launcher (``restart``: it
+        is being started again). No group changes state: a generation in flight on it goes on
+        on another server (``areal_async/inference/routing.py``)."""
+        assert server >= 0, f"server index must be >= 0, got {server}"
+        self._server_failures += 1
+        self._server_restarts += int(restart)
+        self._notify()
 
     # ---- trainer -------------------------------------------------------------------------
 
@@ -339,6 +353,8 @@ class ReplayQueue:
             requeued=len(self._requeued),
             released=self._released,
             worker_restarts=self._worker_restarts,
+            server_failures=self._server_failures,
+            server_restarts=self._server_restarts,
         )
 
     async def check_accounting(self) -> QueueStats:

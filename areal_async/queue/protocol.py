@@ -74,6 +74,13 @@ class Release(_Msg):
     restart: bool = False
 
 
+class ServerFailed(_Msg):
+    """The launcher found inference server ``server`` dead or hung (``restart``: it starts it again)."""
+
+    server: int
+    restart: bool = False
+
+
 class Close(_Msg):
     pass
 
@@ -89,7 +96,7 @@ class Auth(_Msg):
 
 
 Request = (Lease | Submit | Reject | GetBatch | SetVersion | WaitDrained | GetStats | Close | PeekReady
-           | Release | Auth)
+           | Release | ServerFailed | Auth)
 
 
 # ---- replies (queue → client) --------------------------------------------------------------

@@ -13,7 +13,9 @@ closed; a payload that is not a request gets ``BadRequest`` and the connection g
 unanswered calls are cancelled, then the groups it leased and did not finish go back to the queue
 (``ReplayQueue.release`` of each worker id that leased on it, unless that worker id has leased on a
 newer connection since: a restarted worker is never robbed), one ``[queue]`` line names them. The
-launcher also sends ``Release(worker_id, restart=True)`` before it starts a dead worker again.
+launcher also sends ``Release(worker_id, restart=True)`` before it starts a dead worker again, and
+``ServerFailed(server, restart=True)`` before it starts a dead or hung inference server again (counted
+only: no group changes state).
 Every ``GetStats(check=True)`` (the trainer's, once a step) checks the accounting against every
 group's state; when the trainer closes the queue, and again at shutdown, it is checked too and the
 counters and every group's state are written to ``RUN_DIR/queue_accounting.json`` (with
@@ -169,6 +171,10 @@ class QueueServer:
                       f"{' (restarting)' if req.restart else ''}: groups {ids} go back to be leased again",
                       file=sys.stderr, flush=True)
                 return p.Released(rid=rid, group_ids=ids)
+            case p.ServerFailed():
+                await q.server_failed(req.server, req.restart)
+                print(f"[queue] inference server {req.server} failed"
+                      f"{' (restarting)' if req.restart else ''}", file=sys.stderr, flush=True)
             case p.Submit():
                 await q.submit(req.traj)
             case p.Reject():

@@ -5,7 +5,8 @@
 For each leased group g: prompt = ``PromptSet.for_group(g)``; ``n_samples`` requests go out at
 once, sample i with ``sampling_seed = sample_seed(seed, g, i)``, ``rid = "g{g}-s{i}"``, to
 server ``(g * n_samples + i) % num_servers`` — all functions of (g, i), never of timing or of
-which worker runs it. Each response is decoded and scored in the reward pool as soon as it
+which worker runs it (while that server is out of routing, dead or restarting, the inference client
+sends it to the next live one with the same rid and seed, ``areal_async/inference/routing.py``). Each response is decoded and scored in the reward pool as soon as it
 returns; the group's ``Trajectory`` (per-token versions included, as the inference client
 recorded them) is submitted the moment its last sample is scored. At most
 ``rollout.max_groups_in_flight`` groups are in flight. When the queue closes (``lease`` returns
@@ -147,7 +148,8 @@ async def main(cfg: Config, worker_id: int) -> None:
     urls = inf.urls()
     t0 = time.perf_counter()
     with RewardPool(cfg.reward) as rewards:
-        async with InferenceClient(urls, timeout_s=inf.request_timeout_s, token=auth.job_token()) as client:
+        async with InferenceClient(urls, timeout_s=inf.request_timeout_s, token=auth.job_token(),
+                                   health_check_interval_s=inf.health_check_interval_s) as client:
             await client.wait_healthy(inf.startup_timeout_s)
             queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token())
             async with queue:

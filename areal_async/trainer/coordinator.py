@@ -161,7 +161,8 @@ class Coordinator:
                 drop_superseded_rows(run_dir / log, learner.start)
         jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "trainer", 0, learner.start)
         client = await stack.enter_async_context(
-            InferenceClient(inf.urls(), timeout_s=inf.request_timeout_s, token=auth.job_token()))
+            InferenceClient(inf.urls(), timeout_s=inf.request_timeout_s, token=auth.job_token(),
+                            health_check_interval_s=inf.health_check_interval_s))
         await client.wait_healthy(inf.startup_timeout_s)
         queue = await stack.enter_async_context(
             await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token()))
@@ -255,7 +256,7 @@ class Coordinator:
         """Throughput mode: versions go live without waiting; a checkpoint keeps no groups."""
 
     async def _server_version(self) -> int:
-        return min([await self._client.get_weight_version(i) for i in range(self._cfg.inference.num_servers)])
+        return min((await self._client.weight_versions()).values())  # of the live servers
 
     def _elapsed_s(self) -> float:
         return self._learner.elapsed_before_s + time.monotonic() - self._clock

@@ -67,11 +67,14 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
 
 def queue_metrics(stats) -> dict:
     """``queue/*`` from a ``QueueStats`` snapshot, and ``rollout/worker_restarts`` (the
-    launcher's restarts of dead workers so far); ``queue/released``: groups handed back by a dead
-    worker so far (generated again), ``queue/requeued``: those of them not leased again yet."""
+    launcher's restarts of dead workers so far), ``rollout/server_failures`` and
+    ``rollout/server_restarts`` (inference servers it found dead or hung, and started again, so
+    far); ``queue/released``: groups handed back by a dead worker so far (generated again),
+    ``queue/requeued``: those of them not leased again yet."""
     out = {f"queue/{k}": float(getattr(stats, k))
            for k in ("ready", "running", "rejected", "capacity", "requeued", "released")}
-    return out | {"rollout/worker_restarts": float(stats.worker_restarts)}
+    return out | {f"rollout/{k}": float(getattr(stats, k))
+                  for k in ("worker_restarts", "server_failures", "server_restarts")}
 
 
 def perf_metrics(seconds: dict[str, float], tokens: float) -> dict:

@@ -39,6 +39,16 @@ holds the lock, so there the longest generation in flight must end within the we
 collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
 ``inference.request_timeout_s``.
 
+Dead servers (``areal_async/inference/routing.py``): both senders pause, update and resume only the
+servers in the client's routing, so a dead one is skipped, never waited for (a call to it fails to
+connect; a hung one fails once the launcher's health check has killed it). ``DiskWeightSender``
+first asks the departed servers again (``probe(require_version=False)``): a server the launcher
+restarted, which serves the initial weights, is loaded with the update like the others and so
+rejoins with the current version. ``DistributedWeightSender`` cannot take a server back: its group
+was built once with a fixed world size, and a restarted server is a new process outside it. It
+raises ``RuntimeError`` (naming the server and ``trainer.weight_sync=disk``) when a server has left
+routing, and the launcher does not restart servers of such a job.
+
 Under FSDP2 every trainer rank takes part in gathering the full tensors (one all-gather per
 parameter, ``policy.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
 ``send_dtype`` (the servers' dtype, so no bytes are wasted on precision they drop).
@@ -76,8 +86,8 @@ class WeightSender(Protocol):
         """Called once, before the first training step (and before the start-of-run eval)."""
 
     async def send(self, version: int) -> None:
-        """Called after optimizer step k with ``version = k + 1``; returns once every server
-        serves ``version`` (its ``weight_version`` reports it)."""
+        """Called after optimizer step k with ``version = k + 1``; returns once every live server
+        serves ``version`` (its ``weight_version`` reports it; module docstring: dead servers)."""
 
 
 def _rank() -> int:
@@ -128,11 +138,16 @@ class DistributedWeightSender:
     async def send(self, version: int) -> None:
         interrupt = self.interrupt_on_update
         if interrupt and _rank() == 0:
-            await self.client.pause()
+            await self.client.pause()  # finds a server that died unseen (it leaves routing)
         # without a pause, each call waits for the servers' requests in flight on its own, and those
         # held behind one bucket would run before the next: one call for the whole model
         bucket_bytes = self.bucket_bytes if interrupt else math.inf
         try:
+            if _rank() == 0 and len(self.client.servers.live()) < self.num_servers:
+                gone = [self.client.urls[i] for i in range(self.num_servers) if i not in self.client.servers.live()]
+                raise RuntimeError(f"inference server(s) {gone} left routing (died); the distributed weight-update "
+                                   f"group cannot take a restarted server back (trainer.weight_sync=distributed): "
+                                   f"set trainer.weight_sync=disk to survive server deaths")
             bucket: list[tuple[str, torch.Tensor]] = []
             size = 0
             for name, full in full_parameters(self.policy):
@@ -222,11 +237,11 @@ class DiskWeightSender:
         if self._metadata is None:
             self._metadata = hf_metadata_files(self.base_model_path, self.save_dtype)
         path = await asyncio.to_thread(write_hf_directory, self.weights_dir / f"v{version}", tensors, self._metadata)
+        await self.client.servers.probe(require_version=False)  # a restarted server gets this version too
         if self.interrupt_on_update:
             await self.client.pause()
         try:
-            await asyncio.gather(*(self.client.update_weights_from_disk(i, str(path.resolve()), version)
-                                   for i in range(self.num_servers)))
+            await self.client.each_live(lambda i: self.client.update_weights_from_disk(i, str(path.resolve()), version))
         finally:
             if self.interrupt_on_update:
                 await self.client.resume()

@@ -1,0 +1,185 @@
+"""``ServerPool``: which inference servers a client routes to, and how a dead one leaves and rejoins.
+
+A server leaves routing when a call to it could not connect or lost its connection (refused,
+reset: the process died or was killed) and a short ``GET /health`` (``probe_timeout_s``) does not
+answer either; one that answers was a transient failure, which the caller retries on the same
+server. Each departure is counted (``failures``) and printed once. A hung server (alive, never
+answering): while a call to it waits, every ``health_check_interval_s`` (``watch``) it is asked
+``GET /health_generate``, which a live server answers even when busy (SGLang's rule, which the
+embedded server follows); one that does not answer within ``health_check_interval_s`` leaves
+routing and the call is cancelled (the launcher's health check, with the same interval, kills it).
+
+A server that was restarted behind the client's back (it died and came back between two of the
+client's calls, so no call failed) is found by its ``weight_version``, which only a new process
+moves backwards: a response of a lower version than that server's previous one is dropped, the
+server leaves routing as a failure, and the segment is generated again on the next live one. A
+client that starts (``wait_healthy``) keeps out of routing the servers behind the highest version
+any of them serves. Not caught: a server restarted at exactly the version the client last saw
+from it while the others moved on, with no call of the client to it in between.
+
+A departed server is asked again, at most every ``reprobe_interval_s`` while some server is out,
+in a background task the routing starts (``route``): it rejoins when it answers
+``GET /health_generate`` (a one-token generation) and its ``GET /get_weight_version`` is at least
+the highest version any live server reports, i.e. it serves the current weights (a server the
+launcher restarted comes up with the initial weights, and the trainer's next update brings it up
+to date). The trainer's weight senders ask without the version rule (``probe(require_version=False)``)
+just before an update, which then brings the rejoined server up to date.
+
+Routing (``route``): the caller's preferred server while it is live, else the next live one in
+index order (``(preferred + 1) % n``, ...), so the choice is a function of which servers are out,
+never of timing. No server left: ``NoServerLeft``, naming each server and why it left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+
+class NoServerLeft(ConnectionError):
+    """Every inference server of a client was taken out of routing; the message names each one
+    and why it left."""
+
+
+class ServerPool:
+    """The live subset of ``urls`` (indices), for one ``InferenceClient``.
+
+    Args:
+        urls: server base URLs (index ``i`` is server ``i``).
+        http: returns the client's ``aiohttp.ClientSession`` (created lazily on the running loop).
+        probe_timeout_s: timeout of each probe (``/health``, ``/health_generate``,
+            ``/get_weight_version``), seconds.
+        reprobe_interval_s: least time between two background probes of departed servers, seconds.
+    """
+
+    def __init__(self, urls: list[str], http: Callable[[], aiohttp.ClientSession],
+                 probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
+                 health_check_interval_s: float | None = None):
+        self.urls, self._http = urls, http
+        self.probe_timeout_s, self.reprobe_interval_s = probe_timeout_s, reprobe_interval_s
+        self.health_check_interval_s = health_check_interval_s
+        self._checks: dict[int, asyncio.Task] = {}  # a /health_generate check in flight, per server
+        self.failures = 0  # servers taken out of routing so far
+        self._down: dict[int, str] = {}  # departed server -> why it left
+        self._probing: asyncio.Task | None = None
+        self._last_probe = -float("inf")
+
+    def live(self) -> list[int]:
+        """Indices of the servers in routing, ascending."""
+        return [i for i in range(len(self.urls)) if i not in self._down]
+
+    def route(self, preferred: int) -> int:
+        """``preferred`` if it is live, else the next live index after it (cyclically); starts a
+        background probe of the departed servers when one is due.
+
+        Raises:
+            NoServerLeft: no server is live.
+        """
+        if self._down:
+            self._maybe_probe()
+        n = len(self.urls)
+        for j in range(n):
+            if (preferred + j) % n not in self._down:
+                return (preferred + j) % n
+        reasons = "; ".join(f"{self.urls[i]}: {why}" for i, why in sorted(self._down.items()))
+        raise NoServerLeft(f"no inference server left: all {n} were taken out of routing ({reasons}); "
+                           f"see the servers' logs (RUN_DIR/logs/server*.log)")
+
+    def take_out(self, server: int, why: str, failed: bool = True) -> None:
+        """Remove ``server`` from routing; ``failed``: count it as a failure (once per departure;
+        not for a server found behind the current weights at start, ``InferenceClient.wait_healthy``)."""
+        if server in self._down:
+            return
+        self._down[server] = why
+        self.failures += int(failed)
+        print(f"[client] inference server {self.urls[server]} taken out of routing ({why}); "
+              f"{len(self.live())} of {len(self.urls)} left", flush=True)
+
+    async def watch(self, server: int, call: asyncio.Future):
+        """``call``'s result (a call to ``server``); while it waits, ``server`` is health-checked
+        every ``health_check_interval_s`` (module docstring; ``None``: never).
+
+        Raises:
+            aiohttp.ServerTimeoutError: ``server`` failed a check: it left routing, ``call`` was
+                cancelled.
+            Exception: what ``call`` raised.
+        """
+        interval_s = self.health_check_interval_s
+        try:
+            while interval_s is not None and not (await asyncio.wait([call], timeout=interval_s))[0]:
+                check = self._checks.get(server)
+                if check is None or check.done():  # one check per server for all its calls
+                    check = self._checks[server] = asyncio.ensure_future(
+                        self.answers(server, "/health_generate", timeout_s=interval_s))
+                if not await asyncio.shield(check) and not call.done():
+                    self.take_out(server, f"no answer to /health_generate within {interval_s:g} s")
+                    raise aiohttp.ServerTimeoutError(f"{self.urls[server]} failed its health check")
+            return await call
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def answers(self, server: int, path: str = "/health", timeout_s: float | None = None) -> bool:
+        """Whether ``server`` answers ``GET path`` with 200 within ``timeout_s`` seconds
+        (``None``: ``probe_timeout_s``)."""
+        try:
+            async with self._http().get(self.urls[server] + path, timeout=aiohttp.ClientTimeout(
+                    total=self.probe_timeout_s if timeout_s is None else timeout_s)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def version(self, server: int) -> int | None:
+        """``server``'s ``weight_version`` as an int, ``None`` when it does not answer with one."""
+        try:
+            async with self._http().get(self.urls[server] + "/get_weight_version",
+                                        timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as resp:
+                if resp.status != 200:
+                    return None
+                return int((await resp.json(content_type=None))["weight_version"])
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, KeyError):
+            return None
+
+    async def probe(self, require_version: bool = True) -> list[int]:
+        """Ask every departed server again (module docstring); returns the ones that rejoined.
+        ``require_version``: only one serving the highest version a live server reports."""
+        self._last_probe = time.monotonic()
+        down = sorted(self._down)
+        if not down:
+            return []
+        healthy = await asyncio.gather(*(self.answers(i, "/health_generate") for i in down))
+        back = [i for i, ok in zip(down, healthy) if ok]
+        if back and require_version:
+            live = [v for v in await asyncio.gather(*(self.version(i) for i in self.live())) if v is not None]
+            current = max(live, default=0)
+            versions = await asyncio.gather(*(self.version(i) for i in back))
+            back = [i for i, v in zip(back, versions) if v is not None and v >= current]
+        for i in back:
+            if self._down.pop(i, None) is not None:
+                print(f"[client] inference server {self.urls[i]} is back in routing", flush=True)
+        return back
+
+    def _maybe_probe(self) -> None:
+        if self._probing is not None and not self._probing.done():
+            return
+        if time.monotonic() - self._last_probe < self.reprobe_interval_s:
+            return
+        self._last_probe = time.monotonic()
+        self._probing = asyncio.get_running_loop().create_task(self.probe(), name="reprobe-servers")
+
+    async def close(self) -> None:
+        """Cancel a background probe still running."""
+        for check in self._checks.values():
+            check.cancel()
+        self._checks.clear()
+        if self._probing is not None and not self._probing.done():
+            self._probing.cancel()
+            try:
+                await self._probing
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._probing = None
