@@ -46,6 +46,7 @@ import math
 import os
 import pathlib
 import re
+import signal
 import sys
 from collections.abc import Callable
 
@@ -77,12 +78,25 @@ class Placement:
                  node_of: list[tuple[str, str]], driver_node: str | None):
         self.pg, self.bundles, self.resources = pg, bundles, resources
         self.node_of, self.driver_node = node_of, driver_node
+        # one actor per bundle made at once, so that Ray starts their worker processes while the
+        # launcher waits for the servers (each takes seconds to start); used up by actor()
+        self._ready = {i: self._new_actor(i) for i in range(len(resources))}
 
     def on_driver_node(self, bundle: int) -> bool:
         return self.node_of[bundle][0] == self.driver_node
 
     def actor(self, bundle: int):
-        """A new ``ProcessActor`` in ``bundle``, holding all of its resources."""
+        """A ``ProcessActor`` in ``bundle``, holding all of its resources: the one made ahead for
+        it, the first time, else a new one (a restarted process whose actor died)."""
+        return self._ready.pop(bundle, None) or self._new_actor(bundle)
+
+    def release(self) -> None:
+        """Kill the actors made ahead and not used (a job that failed during start-up)."""
+        for actor in self._ready.values():
+            ray.kill(actor)
+        self._ready.clear()
+
+    def _new_actor(self, bundle: int):
         res = self.resources[bundle]
         return ray.remote(ProcessActor).options(
             num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_restarts=0,
@@ -218,9 +232,17 @@ class RayChild:
                 self._rc = None
                 return
         ray.kill(self.actor)
+        self._sweep()
         if not self._local_log:
             self._copy.close()
         self._spawn(log_header, "a")
+
+    def _sweep(self) -> None:
+        """SIGKILL the process's group, which may outlive a killed actor (as ``Child.stop`` sweeps);
+        from this node only: a remote group died with its actor's ``PR_SET_PDEATHSIG`` leader."""
+        if self._local_log:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
 
     def stop(self, grace_s: float) -> None:
         """Stop the process (SIGTERM, SIGKILL of its group after ``grace_s``), then kill the actor."""
@@ -230,10 +252,8 @@ class RayChild:
             if not self._local_log:
                 self._pump()
         ray.kill(self.actor)
-        if self._local_log:  # the group may outlive a killed actor: sweep it, as Child.stop does
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, 9)
-        else:
+        self._sweep()
+        if not self._local_log:
             self._copy.close()
 
 
@@ -365,7 +385,8 @@ def connect(address: str | None, cfg: Config) -> None:
     _, resources = bundles_of(cfg)
     cpus = math.ceil(sum(b["CPU"] for b in resources))
     ray.init(num_cpus=max(cpus, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+             # the job's actors are made at once (Placement): no idle workers started ahead of them
+             _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
 
 
 def run_on_ray(cfg: Config, address: str | None) -> int:
@@ -386,6 +407,7 @@ def run_on_ray(cfg: Config, address: str | None) -> int:
                       f"({cfg.cluster.placement}) on node(s) {', '.join(nodes)}", flush=True)
                 return local.launch(cfg, supervisor=lambda *a, **kw: RaySupervisor(*a, placement=placement, **kw))
             finally:
+                placement.release()
                 remove_placement_group(placement.pg)
     except KeyboardInterrupt:
         return local._interrupted()
