@@ -51,7 +51,7 @@ import sys
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -174,12 +174,18 @@ class RayChild:
         self._spawn(log_header, "w" if log_header is None else "a")
 
     def _spawn(self, log_header: str | None, log_mode: str) -> None:
+        """Start the process in a new actor. Raises ``JobFailed`` naming it if the actor cannot
+        (it died, or ``before_start`` or the start raised: Ray's message holds the cause)."""
         self.actor = self._make_actor()
-        if self._before_start is not None:
-            self._before_start(self.actor)
         log_dir = str(self.log_path.parent) if self._local_log else None
-        self.pid, remote_path = ray.get(self.actor.start.remote(
-            self.name, self.argv, os.getcwd(), log_dir, self.env, not self._local_log, self.expect_exit, log_header))
+        try:
+            if self._before_start is not None:
+                self._before_start(self.actor)
+            self.pid, _ = ray.get(self.actor.start.remote(self.name, self.argv, os.getcwd(), log_dir, self.env,
+                                                          not self._local_log, self.expect_exit, log_header))
+        except RayError as exc:
+            ray.kill(self.actor)
+            raise JobFailed(f"{self.name} could not be started in its Ray actor: {exc}") from None
         self._offset, self._rc, self.actor_error = 0, None, None
         if not self._local_log:  # this node's copy, filled by _pump
             self._copy = open(self.log_path, log_mode, buffering=1)
@@ -353,6 +359,10 @@ class RaySupervisor(Supervisor):
         # torchrun's rendezvous listens on 127.0.0.1; across nodes, on rank 0's node address
         master = "127.0.0.1" if len(set(nodes)) == 1 else self.placement.node_of[bundles[0]][1]
         gpus = self.placement.resources[bundles[0]].get("GPU", 0)
+
+        def host(actor) -> None:  # rank 0's actor hosts the store, as torchrun's agent does
+            ray.get(actor.host_store.remote(master, port, nproc, 600.0))
+
         ranks = []
         for rank, bundle in enumerate(bundles):
             local_rank = nodes[:rank].count(nodes[rank])
@@ -362,12 +372,14 @@ class RaySupervisor(Supervisor):
                         "LOCAL_RANK": "0" if gpus else str(local_rank),
                         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
 
-            def host(actor, master=master):  # rank 0 hosts the store, as torchrun's agent does
-                ray.get(actor.host_store.remote(master, port, nproc, 600.0))
-
-            ranks.append(self._child("trainer" if rank == 0 else f"trainer_rank{rank}", argv, bundle, rank_env,
-                                     echo=echo and rank == 0, expect_exit=True,
-                                     before_start=host if rank == 0 else None))
+            try:
+                ranks.append(self._child("trainer" if rank == 0 else f"trainer_rank{rank}", argv, bundle,
+                                         rank_env, echo=echo and rank == 0, expect_exit=True,
+                                         before_start=host if rank == 0 else None))
+            except BaseException:  # the ranks started so far are no child of the supervisor yet
+                for started in ranks:
+                    started.stop(0.0)
+                raise
         return RankGroup(ranks)
 
     @staticmethod

@@ -191,3 +191,11 @@ def test_tree_attention_auto_and_its_errors():
     assert resolve_tree_attention(cfg, cuda_available=False).trainer.tree_attention == "sdpa"
     with pytest.raises(ValueError, match="runs on CPU"):
         resolve_tree_attention(load_config(None, ["trainer.tree_attention=varlen"]), cuda_available=False)
+
+
+@pytest.mark.parametrize("role", ["server", "queue", "trainer", "worker"])
+def test_a_node_pin_that_is_no_ip_address_fails_at_load(role):
+    # launcher.ray pins through Ray's node:<ip> resource: a host name would never be granted
+    with pytest.raises(ValueError, match=rf"cluster.{role}_node='node-b' is not an IP address.*cluster.{role}_node=10"):
+        load_config(None, [f"cluster.{role}_node=node-b"])
+    assert getattr(load_config(None, [f"cluster.{role}_node=10.0.0.2"]).cluster, f"{role}_node") == "10.0.0.2"

@@ -108,6 +108,7 @@ def test_deterministic_runs_are_bitwise_identical_under_jitter(runs):
     assert a["weights"] == b["weights"]
 
 
+@pytest.mark.timeout(600)  # run alone (-k), it runs the launcher.local job too
 def test_the_ray_launcher_runs_the_same_job_bit_for_bit(runs, tiny_model_dir, tmp_path):
     # launcher.ray on a local Ray instance: every process in a Ray actor, the trainer's 2 ranks
     # started by their actors (no torchrun), 1 worker and other jitter; the job must equal

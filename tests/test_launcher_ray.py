@@ -19,7 +19,7 @@ pytest.importorskip("ray", reason="launcher.ray needs Ray: pip install -e '.[dev
 
 from areal_async.config import load_config  # noqa: E402
 from launcher.local import PY  # noqa: E402
-from launcher.ray import _rank_argv, bundles_of  # noqa: E402
+from launcher.ray import RankGroup, _rank_argv, bundles_of  # noqa: E402
 from tests.test_determinism import REPO, job_argv  # noqa: E402
 
 
@@ -40,6 +40,30 @@ def test_a_rank_runs_the_module_that_torchrun_would_start():
                 "-m", "areal_async.trainer.main", "--config", "runs/x/config.yaml"]
     assert _rank_argv(torchrun) == (2, 4321, [PY, "-u", "-m", "areal_async.trainer.main",
                                               "--config", "runs/x/config.yaml"])
+
+
+class FakeRank:
+    def __init__(self, name: str):
+        self.name, self.rc, self.echo, self.actor_error = name, None, False, None
+        self.log_path, self.tail = pathlib.Path(f"{name}.log"), [f"{name}'s last line"]
+
+    def poll(self):
+        return self.rc
+
+
+def test_the_ranks_run_as_one_child_as_under_torchrun():
+    ranks = [FakeRank("trainer"), FakeRank("trainer_rank1")]
+    group = RankGroup(ranks)
+    ranks[0].rc = 0
+    assert group.poll() is None, "rank 1 still runs"
+    ranks[1].rc = -9  # rank 1 killed: the group fails with its status, name, log and lines
+    assert group.poll() == -9
+    assert (group.name, group.log_path, group.tail) == ("trainer (rank 1)", ranks[1].log_path,
+                                                        ["trainer_rank1's last line"])
+    done = [FakeRank("trainer"), FakeRank("trainer_rank1")]
+    for rank in done:
+        rank.rc = 0
+    assert RankGroup(done).poll() == 0 and RankGroup(done).name == "trainer"
 
 
 def _processes() -> dict[int, tuple[int, str]]:
