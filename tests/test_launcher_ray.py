@@ -19,7 +19,8 @@ pytest.importorskip("ray", reason="launcher.ray needs Ray: pip install -e '.[dev
 
 from areal_async.config import load_config  # noqa: E402
 from launcher.local import PY  # noqa: E402
-from launcher.ray import RankGroup, _rank_argv, bundles_of  # noqa: E402
+from launcher.ray import RankGroup, RayChild, _rank_argv, bundles_of  # noqa: E402
+from launcher.ray_actor import ProcessActor  # noqa: E402
 from tests.test_determinism import REPO, job_argv  # noqa: E402
 
 
@@ -64,6 +65,30 @@ def test_the_ranks_run_as_one_child_as_under_torchrun():
     for rank in done:
         rank.rc = 0
     assert RankGroup(done).poll() == 0 and RankGroup(done).name == "trainer"
+
+
+def test_the_log_of_an_actor_on_another_node_is_copied_to_the_launchers(tmp_path, capsys):
+    # one node here: the actor is treated as remote (local_log=False), so it writes a log of its
+    # own node's and the launcher pulls the lines into logs/<name>.log, and echoes them
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        child = RayChild("echoer", [PY, "-c", "print('one'); print('two')"],
+                         lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote(), tmp_path,
+                         dict(os.environ), local_log=False, echo=True, expect_exit=True)
+        deadline = time.monotonic() + 60
+        while child.poll() is None:
+            assert time.monotonic() < deadline, "the child did not exit within 60 s"
+            time.sleep(0.05)
+        assert child.poll() == 0
+        theirs = ray.get(child.actor.read_log.remote(0))[0]
+        child.stop(1.0)
+    finally:
+        ray.shutdown()
+    ours = (tmp_path / "echoer.log").read_text()
+    assert ours == theirs and ours.splitlines()[1:] == ["one", "two"] and ours.startswith("$ ")
+    assert capsys.readouterr().out == "one\ntwo\n"
 
 
 def _processes() -> dict[int, tuple[int, str]]:
