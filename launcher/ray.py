@@ -64,6 +64,7 @@ ROLES = ("server", "queue", "trainer", "worker")
 _ROLE_OF = re.compile(r"(server|worker)\d+|queue|trainer")
 _STOP_RPC_S = 30.0  # beyond the child's grace: the actor is then killed anyway
 _TAIL_LINES = 40
+_RemoteProcess = ray.remote(ProcessActor)  # the actor class, exported to the cluster once
 
 
 class Placement:
@@ -98,7 +99,7 @@ class Placement:
 
     def _new_actor(self, bundle: int):
         res = self.resources[bundle]
-        return ray.remote(ProcessActor).options(
+        return _RemoteProcess.options(
             num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
         ).remote()

@@ -1,10 +1,11 @@
 """``launcher.ray``: the placement it asks for, the trainer ranks' command line, and faults.
 
 That a Ray job equals ``launcher.local``'s bit for bit is tested in ``test_determinism.py``.
-Fault test: on a local Ray instance, a generation worker whose actor is killed is started again
+Fault tests, on a local Ray instance: a generation worker whose actor is killed is started again
 in a new actor (``release_worker`` first, as ``launcher.local`` does); then the replay queue is
 SIGKILLed, which must stop the job with exit 1, naming the queue, and leave no process behind:
-every process the launcher started (the Ray instance's included) is gone when it exits.
+every process the launcher started (the Ray instance's included) is gone when it exits. SIGTERM
+to the launcher must do the same with exit 130.
 """
 
 import os
@@ -167,5 +168,26 @@ def test_a_lost_worker_actor_is_replaced_and_a_dead_queue_stops_the_job_leaving_
     assert "job failed: queue was killed by SIGKILL" in output, output[-4000:]
     assert "===== restart 1 of 3: worker0 lost its Ray actor" in (run_dir / "logs/worker0.log").read_text()
     # a pid alive with the same start time is the same process, still running
+    alive = {pid for pid, (_, start) in _processes().items() if started.get(pid) == start}
+    assert len(started) >= 8 and not alive, f"left running: {alive} of {len(started)} processes the job started"
+
+
+def test_sigterm_stops_every_process_and_actor_and_exits_130(tiny_model_dir, tmp_path):
+    out = (tmp_path / "launcher.out").open("w+")
+    proc = subprocess.Popen(job_argv(tiny_model_dir, tmp_path, "stopped", "deterministic", 1,
+                                     extra=("rollout.num_workers=1",), launcher="ray"),
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait("the worker's start", lambda: "worker(s) started" in (tmp_path / "launcher.out").read_text(), proc)
+        started = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.seek(0)
+        output = out.read()
+    assert rc == 130 and "interrupted; stopping every process" in output, output[-4000:]
     alive = {pid for pid, (_, start) in _processes().items() if started.get(pid) == start}
     assert len(started) >= 8 and not alive, f"left running: {alive} of {len(started)} processes the job started"
