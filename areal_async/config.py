@@ -11,6 +11,7 @@ and given to wandb.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import math
 import pathlib
@@ -248,6 +249,32 @@ class DebugConfig(_Cfg):
     jitter_seed: int = 0
 
 
+class ClusterConfig(_Cfg):
+    """Where the processes of a job run under ``launcher.ray`` (``launcher.local`` ignores it).
+
+    Every process (each inference server, the replay queue, each trainer rank, each generation
+    worker) runs in one Ray actor; the actors' bundles (``{"CPU": cpus_per_*, "GPU": gpus_per_*}``,
+    Ray's logical resources, not threads) form one placement group, laid out by ``placement``:
+    ``pack`` (as few nodes as fit, Ray's ``PACK``) or ``spread`` (over as many nodes as there are,
+    ``SPREAD``). ``*_node``: a node's IP address (Ray's ``node:<ip>`` resource) that every
+    process of that role must run on; empty: wherever the placement puts it.
+    ``placement_timeout_s``: how long the cluster may take to grant every bundle.
+    """
+
+    placement: Literal["pack", "spread"] = "pack"
+    cpus_per_server: PosFloat = 1.0
+    gpus_per_server: NonNegFloat = 0.0
+    cpus_per_trainer_rank: PosFloat = 1.0
+    gpus_per_trainer_rank: NonNegFloat = 0.0
+    cpus_per_worker: PosFloat = 1.0
+    cpus_per_queue: PosFloat = 1.0
+    server_node: str = ""
+    queue_node: str = ""
+    trainer_node: str = ""
+    worker_node: str = ""
+    placement_timeout_s: PosFloat = 120.0
+
+
 class Config(_Cfg):
     """The root of an experiment's config. Only the launcher holds the root."""
 
@@ -266,6 +293,7 @@ class Config(_Cfg):
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     debug: DebugConfig = DebugConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @property
     def run_dir(self) -> pathlib.Path:
@@ -456,6 +484,14 @@ def check_config(cfg: Config) -> None:
                          f"{cfg.trainer.total_steps}: the run would end before reaching trainer.lr; lower "
                          f"trainer.warmup_steps (e.g. to {max(1, cfg.trainer.total_steps // 10)})")
     check_compile(cfg.trainer.compile, cfg.mode == "deterministic")
+    for role in ("server", "queue", "trainer", "worker"):
+        node = getattr(cfg.cluster, f"{role}_node")
+        try:
+            node and ipaddress.ip_address(node)
+        except ValueError:
+            raise ValueError(f"cluster.{role}_node={node!r} is not an IP address; give the address of a "
+                             f"node of the Ray cluster (`ray status` lists them), e.g. cluster.{role}_node="
+                             f"10.0.0.2, or '' to let cluster.placement choose") from None
     last_port = cfg.inference.base_port + cfg.inference.num_servers - 1
     if last_port > 65535:
         raise ValueError(f"inference.base_port ({cfg.inference.base_port}) + inference.num_servers "

@@ -61,7 +61,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Iterator
+from typing import Callable, Iterator
 
 import msgspec
 
@@ -399,8 +399,10 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     sup.wait_for(trainer)
 
 
-def launch(cfg: Config) -> int:
-    """Run the prepared job under a ``Supervisor``; the launcher's exit status."""
+def launch(cfg: Config, supervisor: Callable[..., Supervisor] = Supervisor) -> int:
+    """Run the prepared job under a ``Supervisor`` (``supervisor``: what makes it, called as
+    ``Supervisor`` is; ``launcher.ray`` gives one that places each process in a Ray actor); the
+    launcher's exit status."""
     print(f"[launcher] run '{cfg.name}' in {cfg.run_dir} (mode {cfg.mode}, "
           f"η = {cfg.queue.max_staleness}, model {cfg.model.path})", flush=True)
     header = None
@@ -415,7 +417,7 @@ def launch(cfg: Config) -> int:
     job_env = _job_env(auth.job_token() or auth.new_token())
     print(f"[launcher] ports: {describe(cfg, chosen)}", flush=True)
     for attempt in (1, 2):
-        sup = Supervisor(cfg.run_dir / "logs", env=job_env, log_header=header)
+        sup = supervisor(cfg.run_dir / "logs", env=job_env, log_header=header)
         rows = _metrics_size(cfg)
         try:
             run_job(cfg, sup)

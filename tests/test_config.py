@@ -210,3 +210,11 @@ def test_server_health_check_and_restart_keys_default_and_reject_bad_values():
         load_config(None, ["inference.max_server_restarts=-1"])
     with pytest.raises(ValueError, match="inference.max_server_restarts"):  # the closest valid name
         load_config(None, ["inference.max_server_restart=1"])
+
+
+@pytest.mark.parametrize("role", ["server", "queue", "trainer", "worker"])
+def test_a_node_pin_that_is_no_ip_address_fails_at_load(role):
+    # launcher.ray pins through Ray's node:<ip> resource: a host name would never be granted
+    with pytest.raises(ValueError, match=rf"cluster.{role}_node='node-b' is not an IP address.*cluster.{role}_node=10"):
+        load_config(None, [f"cluster.{role}_node=node-b"])
+    assert getattr(load_config(None, [f"cluster.{role}_node=10.0.0.2"]).cluster, f"{role}_node") == "10.0.0.2"

@@ -7,6 +7,9 @@ and queue-snapshot numbers excluded, see ``TIMING_KEYS``), identical trajectorie
 ``trajectories.jsonl``) and identical final weights (SHA-256 over the state dict). The same pair of
 runs in ``mode: throughput`` must differ, which shows the comparison can fail.
 
+The same job under ``launcher.ray`` (each process in a Ray actor, one actor per trainer rank)
+must equal the ``launcher.local`` run bit for bit.
+
 Faults: a deterministic job (disk weight sync) whose inference server 1 is SIGKILLed while a group
 runs, and then its only worker while it holds groups, must finish (the clients move the dead
 server's generations to server 0, same rids and seeds; the launcher restarts the server, which
@@ -40,8 +43,8 @@ TIMING_KEYS = {"time", "rollout/tokens_per_s", "queue/ready", "queue/running", "
 
 def job_argv(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
              steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
-             extra: tuple[str, ...] = ()) -> list[str]:
-    """The ``launcher.local`` command line of ``run_job`` (same arguments)."""
+             extra: tuple[str, ...] = (), launcher: str = "local") -> list[str]:
+    """The ``launcher.<launcher>`` command line of ``run_job`` (same arguments)."""
     overrides = [
         f"name={name}", f"run_root={run_root}", "seed=3", f"mode={mode}",
         f"model.path={model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
@@ -57,17 +60,17 @@ def job_argv(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: s
         f"debug.jitter_ms={jitter_ms}", f"debug.jitter_seed={jitter_seed}", *extra,
     ]
     flags = ["--resume"] if resume else []
-    return [sys.executable, "-m", "launcher.local", "configs/gsm8k_smollm2.yaml", *overrides, *flags]
+    return [sys.executable, "-m", f"launcher.{launcher}", "configs/gsm8k_smollm2.yaml", *overrides, *flags]
 
 
 def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
             steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
-            extra: tuple[str, ...] = ()) -> pathlib.Path:
-    """Run one job of ``steps`` steps through ``launcher.local`` (``resume``: continue the run
+            extra: tuple[str, ...] = (), launcher: str = "local") -> pathlib.Path:
+    """Run one job of ``steps`` steps through ``launcher.<launcher>`` (``resume``: continue the run
     ``name`` from its checkpoint; ``extra``: more overrides); returns its run directory (asserts
     exit 0)."""
-    argv = job_argv(model_dir, run_root, name, mode, jitter_seed, steps, resume, jitter_ms, extra)
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
+    argv = job_argv(model_dir, run_root, name, mode, jitter_seed, steps, resume, jitter_ms, extra, launcher)
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_root / name
 
@@ -107,6 +110,18 @@ def test_deterministic_runs_are_bitwise_identical_under_jitter(runs):
     for step, (ta, tb) in enumerate(zip(a["trajectories"], b["trajectories"])):
         assert ta == tb, f"trajectories of step {step} differ"
     assert a["weights"] == b["weights"]
+
+
+@pytest.mark.timeout(600)  # run alone (-k), it runs the launcher.local job too
+def test_the_ray_launcher_runs_the_same_job_bit_for_bit(runs, tiny_model_dir, tmp_path):
+    # launcher.ray on a local Ray instance: every process in a Ray actor, the trainer's 2 ranks
+    # started by their actors (no torchrun), 1 worker and other jitter; the job must equal
+    # launcher.local's run above (the worker count decides nothing in deterministic mode)
+    pytest.importorskip("ray", reason="launcher.ray needs Ray: pip install -e '.[dev]'")
+    on_ray = fingerprint(run_job(tiny_model_dir, tmp_path, "on-ray", "deterministic", 3,
+                                 extra=("rollout.num_workers=1",), launcher="ray"))
+    assert (tmp_path / "on-ray/logs/trainer_rank1.log").exists(), "the ranks did not run in their own actors"
+    assert on_ray == runs["deterministic", 1]
 
 
 def test_throughput_runs_differ_under_jitter(runs):

@@ -1,0 +1,193 @@
+"""``launcher.ray``: the placement it asks for, the trainer ranks' command line, and faults.
+
+That a Ray job equals ``launcher.local``'s bit for bit is tested in ``test_determinism.py``.
+Fault tests, on a local Ray instance: a generation worker whose actor is killed is started again
+in a new actor (``release_worker`` first, as ``launcher.local`` does); then the replay queue is
+SIGKILLed, which must stop the job with exit 1, naming the queue, and leave no process behind:
+every process the launcher started (the Ray instance's included) is gone when it exits. SIGTERM
+to the launcher must do the same with exit 130.
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+import pytest
+
+pytest.importorskip("ray", reason="launcher.ray needs Ray: pip install -e '.[dev]'")
+
+from areal_async.config import load_config  # noqa: E402
+from launcher.local import PY  # noqa: E402
+from launcher.ray import RankGroup, RayChild, _rank_argv, bundles_of  # noqa: E402
+from launcher.ray_actor import ProcessActor  # noqa: E402
+from tests.test_determinism import REPO, job_argv  # noqa: E402
+
+
+def test_one_bundle_per_process_with_the_cluster_sections_resources():
+    cfg = load_config(None, ["inference.num_servers=2", "trainer.nproc=2", "rollout.num_workers=3",
+                             "cluster.cpus_per_server=2", "cluster.gpus_per_trainer_rank=1",
+                             "cluster.cpus_per_queue=0.5", "cluster.worker_node=10.0.0.7"])
+    index, resources = bundles_of(cfg)
+    assert index == {"server": [0, 1], "queue": [2], "trainer": [3, 4], "worker": [5, 6, 7]}
+    assert resources[:5] == [{"CPU": 2.0}] * 2 + [{"CPU": 0.5}] + [{"CPU": 1.0, "GPU": 1.0}] * 2
+    # pinned: a sliver of the node's own resource, which only the node with that address has
+    assert resources[5:] == [{"CPU": 1.0, "node:10.0.0.7": 0.001}] * 3
+
+
+def test_a_rank_runs_the_module_that_torchrun_would_start():
+    # the trainer's command line as launcher.local.run_job builds it
+    torchrun = [PY, "-m", "launcher.torchrun", "--nproc-per-node", "2", "--master-port", "4321",
+                "-m", "areal_async.trainer.main", "--config", "runs/x/config.yaml"]
+    assert _rank_argv(torchrun) == (2, 4321, [PY, "-u", "-m", "areal_async.trainer.main",
+                                              "--config", "runs/x/config.yaml"])
+
+
+class FakeRank:
+    def __init__(self, name: str):
+        self.name, self.rc, self.echo, self.actor_error = name, None, False, None
+        self.log_path, self.tail = pathlib.Path(f"{name}.log"), [f"{name}'s last line"]
+
+    def poll(self):
+        return self.rc
+
+
+def test_the_ranks_run_as_one_child_as_under_torchrun():
+    ranks = [FakeRank("trainer"), FakeRank("trainer_rank1")]
+    group = RankGroup(ranks)
+    ranks[0].rc = 0
+    assert group.poll() is None, "rank 1 still runs"
+    ranks[1].rc = -9  # rank 1 killed: the group fails with its status, name, log and lines
+    assert group.poll() == -9
+    assert (group.name, group.log_path, group.tail) == ("trainer (rank 1)", ranks[1].log_path,
+                                                        ["trainer_rank1's last line"])
+    done = [FakeRank("trainer"), FakeRank("trainer_rank1")]
+    for rank in done:
+        rank.rc = 0
+    assert RankGroup(done).poll() == 0 and RankGroup(done).name == "trainer"
+
+
+def test_the_log_of_an_actor_on_another_node_is_copied_to_the_launchers(tmp_path, capsys):
+    # one node here: the actor is treated as remote (local_log=False), so it writes a log of its
+    # own node's and the launcher pulls the lines into logs/<name>.log, and echoes them
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        child = RayChild("echoer", [PY, "-c", "print('one'); print('two')"],
+                         lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote(), tmp_path,
+                         dict(os.environ), local_log=False, echo=True, expect_exit=True)
+        deadline = time.monotonic() + 60
+        while child.poll() is None:
+            assert time.monotonic() < deadline, "the child did not exit within 60 s"
+            time.sleep(0.05)
+        assert child.poll() == 0
+        theirs = ray.get(child.actor.read_log.remote(0))[0]
+        child.stop(1.0)
+    finally:
+        ray.shutdown()
+    ours = (tmp_path / "echoer.log").read_text()
+    assert ours == theirs and ours.splitlines()[1:] == ["one", "two"] and ours.startswith("$ ")
+    assert capsys.readouterr().out == "one\ntwo\n"
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every live (not zombie) process."""
+    found = {}
+    for d in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:  # not a process, or it just ended
+            continue
+        fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+        if fields[0] != "Z":
+            found[int(d.name)] = (int(fields[1]), fields[19])
+    return found
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``root``."""
+    procs, out, todo = _processes(), {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, start) in procs.items():
+            if ppid == parent and pid not in out:
+                out[pid] = start
+                todo.append(pid)
+    return out
+
+
+def _pids_running(module: str, config: pathlib.Path) -> list[int]:
+    pids = []
+    for d in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() in argv and str(config).encode() in argv:
+            pids.append(int(d.name))
+    return pids
+
+
+def _wait(what: str, ready, proc: subprocess.Popen, timeout_s: float = 240):
+    deadline = time.monotonic() + timeout_s
+    while not (found := ready()):
+        assert proc.poll() is None, f"the job ended ({proc.returncode}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.05)
+    return found
+
+
+def test_a_lost_worker_actor_is_replaced_and_a_dead_queue_stops_the_job_leaving_nothing(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "faults"
+    config = run_dir / "config.yaml"
+    out = (tmp_path / "launcher.out").open("w+")
+    proc = subprocess.Popen(job_argv(tiny_model_dir, tmp_path, "faults", "deterministic", 1,
+                                     extra=("rollout.num_workers=1",), launcher="ray"),
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        [worker] = _wait("a worker", lambda: _pids_running("areal_async.rollout.worker", config), proc)
+        actor = _processes()[worker][0]  # the Ray worker process that hosts worker0's actor
+        os.kill(actor, signal.SIGKILL)
+        [again] = _wait("a restarted worker", lambda: [p for p in _pids_running("areal_async.rollout.worker", config)
+                                                       if p != worker], proc)
+        assert _processes()[again][0] != actor, "the restarted worker runs in a new actor"
+        started = _descendants(proc.pid)
+        [queue] = _pids_running("areal_async.queue.server", config)
+        os.kill(queue, signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        out.seek(0)
+        output = out.read()
+    assert rc == 1, output[-4000:]
+    assert "worker0 lost its Ray actor" in output and "restart 1 of 3" in output, output[-4000:]
+    assert "job failed: queue was killed by SIGKILL" in output, output[-4000:]
+    assert "===== restart 1 of 3: worker0 lost its Ray actor" in (run_dir / "logs/worker0.log").read_text()
+    # a pid alive with the same start time is the same process, still running
+    alive = {pid for pid, (_, start) in _processes().items() if started.get(pid) == start}
+    assert len(started) >= 8 and not alive, f"left running: {alive} of {len(started)} processes the job started"
+
+
+def test_sigterm_stops_every_process_and_actor_and_exits_130(tiny_model_dir, tmp_path):
+    out = (tmp_path / "launcher.out").open("w+")
+    proc = subprocess.Popen(job_argv(tiny_model_dir, tmp_path, "stopped", "deterministic", 1,
+                                     extra=("rollout.num_workers=1",), launcher="ray"),
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait("the worker's start", lambda: "worker(s) started" in (tmp_path / "launcher.out").read_text(), proc)
+        started = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.seek(0)
+        output = out.read()
+    assert rc == 130 and "interrupted; stopping every process" in output, output[-4000:]
+    alive = {pid for pid, (_, start) in _processes().items() if started.get(pid) == start}
+    assert len(started) >= 8 and not alive, f"left running: {alive} of {len(started)} processes the job started"
