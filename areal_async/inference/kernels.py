@@ -8,15 +8,15 @@ construction: the forward passes each phase its own linear.
 The plan for each case (``bi``: ``batch_invariant``; "triton" needs Triton installed and a
 power-of-two head dim ≥ 16; "fused" layers also need SiLU, HF RMSNorms and full-dim RoPE):
 
-=====================  ==============  =============  =============  ==========  ===========  =====  ==========
-case                   prefill linear  decode linear  prefill attn   decode attn fused layers fixed  cuda graph
-=====================  ==============  =============  =============  ==========  ===========  =====  ==========
-CPU fp32 / bf16        F.linear        F.linear       per_sequence   matmul      no           no     no
-CPU bi                 tiled_linear    tiled_linear   per_sequence   matmul      no           no     no
-CUDA bf16 / fp16       F.linear        F.linear       varlen         triton      yes          no     if asked
-CUDA bi (any dtype)    tiled_linear    F.linear       per_sequence   triton      yes          yes    if asked
-CUDA fp32              F.linear        F.linear       per_sequence   triton      yes          no     if asked
-=====================  ==============  =============  =============  ==========  ===========  =====  ==========
+===================  ==============  =============  ============  ===========  ============  =====  ==========
+case                 prefill linear  decode linear  prefill attn  decode attn  fused layers  fixed  cuda graph
+===================  ==============  =============  ============  ===========  ============  =====  ==========
+CPU fp32 / bf16      F.linear        F.linear       per_sequence  matmul       no            no     no
+CPU bi               tiled_linear    tiled_linear   per_sequence  matmul       no            no     no
+CUDA bf16 / fp16     F.linear        F.linear       varlen        triton       yes           no     if asked
+CUDA bi (any dtype)  tiled_linear    F.linear       per_sequence  triton       yes           yes    if asked
+CUDA fp32            F.linear        F.linear       per_sequence  triton       yes           no     if asked
+===================  ==============  =============  ============  ===========  ============  =====  ==========
 
 On CUDA without Triton (or a non-power-of-two head dim) decode attention is "matmul" and layers
 are not fused. "varlen" prefill applies to a forward whose prompts have no cached prefix; one
