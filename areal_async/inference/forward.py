@@ -155,16 +155,16 @@ class BatchedForward:
             cos, sin = core.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [L, D] in the model dtype, as HF applies them
         norms = [self.final_norm] + [n for la in self.layers for n in (la.input_norm, la.post_norm, la.q_norm, la.k_norm)]
-        fusable = (getattr(cfg, "hidden_act", None) in ("silu", "swish") and all(n is None or n.eps is not None for n in norms)
-                   and self.cos.shape[-1] == self.head_dim)
+        fusable = (getattr(cfg, "hidden_act", None) in ("silu", "swish")  # the fused kernels' SiLU, norms and RoPE
+                   and all(n is None or n.eps is not None for n in norms) and self.cos.shape[-1] == self.head_dim)
         self.kernels: KernelPlan = plan_kernels(self.device.type, self.dtype, batch_invariant, self.head_dim,
                                                 triton_available=triton is not None, fusable_layers=fusable,
                                                 cuda_graph=cuda_graph)
         self.cache = KVCache(len(self.layers), max_slots, self.num_kv_heads, max_seq_len, self.head_dim, self.dtype,
                              self.device, keys_transposed=self.kernels.decode_attention != "triton",
                              prefix_rows=prefix_rows)
-        self.graphs = DecodeGraphs(self._decode_step, self.cache, self.embed.weight.shape[0], self.device) \
-            if self.kernels.cuda_graph else None
+        self.graphs = (DecodeGraphs(self._decode_step, self.cache, self.embed.weight.shape[0], self.device)
+                       if self.kernels.cuda_graph else None)
 
     def _qkv(self, linear: Linear, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
         """Projections, q/k norms and RoPE for ``h: [T, hidden]`` → q ``[T, H, D]``, k, v ``[T, Hkv, D]``."""
