@@ -9,6 +9,7 @@ it prints the max abs log-prob difference (a measurement, not an assertion).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def _run_engine(model_dir, deterministic: bool, n_others: int, dtype: str = "flo
     async def main():
         engine, _ = load_engine(str(model_dir), dtype, device, 40, 128, deterministic=deterministic)
         if fixed_shape:
-            engine.forward.fixed_shape, engine.forward.tiled = True, False
+            fwd = engine.forward
+            fwd.kernels = dataclasses.replace(fwd.kernels, decode_linear=F.linear, fixed_shape=True)
         task = asyncio.create_task(engine.run())
         target = [5, 17, 42, 99, 7, 3, 250, 11]
         params = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, sampling_seed=1234)

@@ -8,6 +8,8 @@ modules) agree to float rounding: tolerances are a few ulps of the magnitudes in
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def _forward_pair(model_dir, device):
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     plain, fused = BatchedForward(model, 8, 128, cuda_graph=False), BatchedForward(model, 8, 128, cuda_graph=False)
     for fwd, on in ((plain, False), (fused, True)):
-        fwd.fused_attention = fwd.fused_layers = on
+        fwd.kernels = dataclasses.replace(fwd.kernels, decode_attention="triton" if on else "matmul", fused_layers=on)
         fwd.cache = KVCache(len(fwd.layers), 8, fwd.num_kv_heads, 128, fwd.head_dim, fwd.dtype, fwd.device,
                             keys_transposed=not on)
     return plain, fused

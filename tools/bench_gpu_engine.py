@@ -16,7 +16,7 @@ Three parts, one model (the engine's fused projections are views of the HF param
    The same greedy prompts through an engine with eager decode steps (``cuda_graph=False``) give
    the eager reference that the graph-replaying engine must equal token for token.
 2. **Decode step.** One decode step alone at each batch size, every row at the average context
-   (prompt + new/2), timed with device synchronisation: eager (``BatchedForward.decode``) and
+   (prompt + new/2), timed with device synchronisation: eager (``BatchedForward._decode_step``) and
    replayed CUDA graph (``decode_batch``), beside the roofline floor: (weight bytes + B · context ·
    KV bytes per token) / ``--bandwidth``. Sampling (fused Gumbel-max) is timed separately.
 3. **End to end.** ``Engine`` with B requests of ``--prompt-len`` random tokens, ``ignore_eos``,
@@ -141,7 +141,9 @@ def time_decode(model, forward, batch: int, context: int, reps: int, bandwidth: 
     vocab = model.config.vocab_size
     tokens = torch.randint(3, vocab, (batch,), device=device)
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
-    eager_s = _time(lambda: forward.decode(tokens, positions), reps, device)
+    slots = torch.arange(batch, device=device)  # the eager step at the exact rows and span
+    span = forward.cache.max_seq_len if forward.kernels.full_span else context
+    eager_s = _time(torch.inference_mode()(lambda: forward._decode_step(tokens, positions, slots, span)), reps, device)
     position_list = positions.tolist()  # decode_batch: tokens on the device, positions host ints
     graph_s = _time(lambda: forward.decode_batch(tokens, position_list), reps, device)
     logits = forward.decode_batch(tokens, position_list).clone()
@@ -184,11 +186,11 @@ def profile_decode(model, forward, batch: int, context: int, device, top: int = 
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
     rows, length = forward.decode_shape(batch, context)
     slots = torch.arange(rows, device=device)
-    forward._decode(tokens, positions, slots, length)
+    forward._decode_step(tokens, positions, slots, length)
     _sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with torch.inference_mode():
-            forward._decode(tokens, positions, slots, length)
+            forward._decode_step(tokens, positions, slots, length)
         _sync(device)
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
@@ -261,7 +263,7 @@ def main() -> None:
     context = args.prompt_len + args.new_tokens // 2
     report["decode"] = [time_decode(model, forward, b, context, args.decode_reps, args.bandwidth, device)
                         for b in args.batches]
-    if forward.fused_attention and args.attention_configs:
+    if forward.kernels.decode_attention == "triton" and args.attention_configs:
         report["attention"] = time_attention(forward, max(args.batches), context, args.attention_configs,
                                              args.decode_reps, device)
     if args.profile:

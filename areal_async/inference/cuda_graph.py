@@ -63,36 +63,39 @@ def padded_inputs(tokens: torch.Tensor, positions: list[int], rows: int, scratch
 
 
 class DecodeGraphs:
-    """Capture and replay decode steps of a ``BatchedForward`` (CUDA only).
+    """Capture and replay a decode step (CUDA only).
 
     Args:
-        forward: the ``BatchedForward`` whose ``_decode`` is captured; it picks each step's
-            (rows, length) with ``decode_bucket``.
+        step: the eager decode step ``(tokens, positions, slots: [rows] int64, length: int,
+            out: [rows, V] float32) -> logits`` that is captured (``BatchedForward._decode_step``);
+            the caller picks each step's (rows, length) with ``decode_bucket``.
+        cache: the ``KVCache`` it reads and writes (``num_slots`` rows at most; padding rows write
+            its ``scratch_slot``).
+        vocab_size: V, the logits' width.
+        device: the CUDA device the step runs on.
     """
 
-    def __init__(self, forward):
-        self.forward = forward
-        self.max_rows = forward.cache.num_slots
-        device = forward.device
+    def __init__(self, step, cache, vocab_size: int, device: torch.device):
+        self.step, self.cache, self.device = step, cache, device
+        self.max_rows = cache.num_slots
         self.inputs = torch.zeros(3, self.max_rows, dtype=torch.int64, device=device)
-        self.logits = torch.empty(self.max_rows, forward.embed.weight.shape[0], dtype=torch.float32, device=device)
+        self.logits = torch.empty(self.max_rows, vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     def _capture(self, rows: int, length: int) -> torch.cuda.CUDAGraph:
-        forward, scratch = self.forward, self.forward.cache.scratch_slot
         self.inputs[0, :rows] = 0
         self.inputs[1, :rows] = 0
-        self.inputs[2, :rows] = scratch  # capture-time rows write only the scratch slot
+        self.inputs[2, :rows] = self.cache.scratch_slot  # capture-time rows write only the scratch slot
         args = (self.inputs[0, :rows], self.inputs[1, :rows], self.inputs[2, :rows], length, self.logits[:rows])
-        stream = torch.cuda.Stream(device=forward.device)
-        stream.wait_stream(torch.cuda.current_stream(forward.device))
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up outside the capture: lazy library initialisation
-            forward._decode(*args)
-        torch.cuda.current_stream(forward.device).wait_stream(stream)
+            self.step(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            forward._decode(*args)
+            self.step(*args)
         self.pool = graph.pool()
         return graph
 
@@ -109,6 +112,6 @@ class DecodeGraphs:
         graph = self.graphs.get((rows, length))
         if graph is None:
             graph = self.graphs[(rows, length)] = self._capture(rows, length)
-        padded_inputs(tokens, positions, rows, self.forward.cache.scratch_slot, self.inputs)
+        padded_inputs(tokens, positions, rows, self.cache.scratch_slot, self.inputs)
         graph.replay()
         return self.logits[: len(positions)]

@@ -26,6 +26,10 @@ their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module on
   inside, one rounding) instead of HF's ~8 element-wise kernels, which dominate a decode step's
   launches; on CPU the module itself runs.
 
+Which of these paths runs (linears, attention, fused layers, graphs) is chosen once at construction
+(``kernels.py``: ``self.kernels``, a frozen ``KernelPlan``) and each phase is handed its linear; no
+mode changes during a forward.
+
 Logits are computed only for the positions that sample (the last prompt token, each decode token)
 and returned in float32. Not supported: sliding-window attention, MoE, biases on ``o_proj``.
 
@@ -50,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..batch_invariant import tiled_linear
 from .cuda_graph import DecodeGraphs, decode_bucket, padded_inputs
+from .kernels import KernelPlan, Linear, plan_kernels
 from .kv_cache import KVCache
 from .triton_decode_attention import decode_attention, triton
 from .triton_fused import add_rms_norm, qkv_rope_store, silu_mul
@@ -122,6 +126,11 @@ class BatchedForward:
         cuda_graph: on CUDA, replay captured decode graphs (``False``: eager decode, SGLang's
             ``--disable-cuda-graph``); ignored on CPU.
         prefix_rows: extra KV rows for the prefix cache (``KVCache.prefix_rows``).
+
+    Attributes:
+        kernels: the ``KernelPlan`` chosen from device, dtype, mode, head dim and model config.
+        graphs: the ``DecodeGraphs`` replaying ``_decode_step`` (CUDA with ``cuda_graph``), else ``None``.
+        cache: the slot ``KVCache``.
     """
 
     def __init__(self, model: nn.Module, max_slots: int, max_seq_len: int, batch_invariant: bool = False,
@@ -145,25 +154,21 @@ class BatchedForward:
             positions = torch.arange(max_seq_len, device=self.device)[None]
             cos, sin = core.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [L, D] in the model dtype, as HF applies them
-        on_cuda = self.device.type == "cuda"
-        # the Triton kernels tile head_dim with tl.arange: a power of two ≥ 16 (64, 128, 256)
-        pow2_dim = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
-        self.fused_attention = on_cuda and triton is not None and pow2_dim
         norms = [self.final_norm] + [n for la in self.layers for n in (la.input_norm, la.post_norm, la.q_norm, la.k_norm)]
-        self.fused_layers = (self.fused_attention and getattr(cfg, "hidden_act", None) in ("silu", "swish")
-                             and all(n is None or n.eps is not None for n in norms)
-                             and self.cos.shape[-1] == self.head_dim)
+        fusable = (getattr(cfg, "hidden_act", None) in ("silu", "swish")  # the fused kernels' SiLU, norms and RoPE
+                   and all(n is None or n.eps is not None for n in norms) and self.cos.shape[-1] == self.head_dim)
+        self.kernels: KernelPlan = plan_kernels(self.device.type, self.dtype, batch_invariant, self.head_dim,
+                                                triton_available=triton is not None, fusable_layers=fusable,
+                                                cuda_graph=cuda_graph)
         self.cache = KVCache(len(self.layers), max_slots, self.num_kv_heads, max_seq_len, self.head_dim, self.dtype,
-                             self.device, keys_transposed=not self.fused_attention, prefix_rows=prefix_rows)
-        self.tiled = batch_invariant and not on_cuda
-        self.fixed_shape = batch_invariant and on_cuda
-        self._tiled_now = self.tiled
-        self.varlen_prefill = on_cuda and self.dtype in (torch.bfloat16, torch.float16) and not batch_invariant
-        self.graphs = DecodeGraphs(self) if on_cuda and cuda_graph else None
+                             self.device, keys_transposed=self.kernels.decode_attention != "triton",
+                             prefix_rows=prefix_rows)
+        self.graphs = (DecodeGraphs(self._decode_step, self.cache, self.embed.weight.shape[0], self.device)
+                       if self.kernels.cuda_graph else None)
 
-    def _qkv(self, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, linear: Linear, layer: _Layer, h: torch.Tensor, positions: torch.Tensor):
         """Projections, q/k norms and RoPE for ``h: [T, hidden]`` → q ``[T, H, D]``, k, v ``[T, Hkv, D]``."""
-        qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
+        qkv = linear(h, layer.qkv_w, layer.qkv_b)
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :nq].view(-1, self.num_heads, self.head_dim)
         k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, self.head_dim)
@@ -173,21 +178,18 @@ class BatchedForward:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return tiled_linear(x, weight, bias) if self._tiled_now else F.linear(x, weight, bias)
-
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._linear(layer.post_norm(x), layer.gate_up_w, layer.gate_up_b)
+    def _mlp(self, linear: Linear, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(layer.post_norm(x), layer.gate_up_w, layer.gate_up_b)
         gate, up = gate_up.chunk(2, dim=-1)
         down = layer.down_proj
-        return x + self._linear(layer.act(gate) * up, down.weight, down.bias)
+        return x + linear(layer.act(gate) * up, down.weight, down.bias)
 
-    def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._head(self.final_norm(h), out)
+    def _logits(self, linear: Linear, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._head(linear, self.final_norm(h), out)
 
-    def _head(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _head(self, linear: Linear, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """LM head over final-normed ``h``: float32 logits, or into ``out`` (the graphs' buffer)."""
-        logits = self._linear(h, self.lm_head.weight, self.lm_head.bias)
+        logits = linear(h, self.lm_head.weight, self.lm_head.bias)
         return logits.float() if out is None else out.copy_(logits)
 
     def _prefill_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
@@ -236,7 +238,6 @@ class BatchedForward:
         starts = [0] * len(seqs) if starts is None else starts
         assert all(0 <= st < len(s) for s, st in zip(seqs, starts)), f"bad prefill starts {starts}"
         assert not (self.batch_invariant and any(starts)), "a cached prefix in batch-invariant mode"
-        self._tiled_now = self.tiled or self.fixed_shape  # deterministic: fixed-row GEMM blocks
         lengths = [len(s) - st for s, st in zip(seqs, starts)]
         # built on the host, copied without waiting for the device (a decode step may be running)
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
@@ -246,57 +247,58 @@ class BatchedForward:
             torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(lengths)),
         ])
         tokens, positions, slot_of = host.to(self.device, non_blocking=True)
-        varlen = self.varlen_prefill and not any(starts)
+        varlen = self.kernels.prefill_attention == "varlen" and not any(starts)
         cu_seqlens = cu.to(torch.int32).to(self.device, non_blocking=True) if varlen else None
         last = (cu[1:] - 1).to(self.device, non_blocking=True)
         attend = functools.partial(self._prefill_attention, lengths=lengths, starts=starts, slots=slots,
                                    cu_seqlens=cu_seqlens)
-        if self.fused_layers:
-            return self._prefill_fused(tokens, positions, slot_of, attend, last)
+        linear = self.kernels.prefill_linear
+        if self.kernels.fused_layers:
+            return self._prefill_fused(linear, tokens, positions, slot_of, attend, last)
         index = self.cache.token_index(slot_of, positions)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_norm(x), positions)
+            q, k, v = self._qkv(linear, layer, layer.input_norm(x), positions)
             self.cache.write(i, index, k, v)
-            x = x + self._linear(attend(i, q, k, v), layer.o_proj.weight)
-            x = self._mlp(layer, x)
-        return self._logits(x[last])
+            x = x + linear(attend(i, q, k, v), layer.o_proj.weight)
+            x = self._mlp(linear, layer, x)
+        return self._logits(linear, x[last])
 
-    def _qkv_fused(self, layer: _Layer, i: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   kv_out: bool = False):
+    def _qkv_fused(self, linear: Linear, layer: _Layer, i: int, h: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor, kv_out: bool = False):
         """Projection, then q/k norms, RoPE and the cache store in one kernel (``triton_fused.py``)."""
-        qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
+        qkv = linear(h, layer.qkv_w, layer.qkv_b)
         q_norm = layer.q_norm.params if layer.q_norm is not None else None
         k_norm = layer.k_norm.params if layer.k_norm is not None else None
         return qkv_rope_store(qkv, positions, slots, self.cos, self.sin, q_norm, k_norm, self.cache.k[i],
                               self.cache.v[i], self.num_heads, kv_out=kv_out)
 
-    def _mlp_fused(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def _mlp_fused(self, linear: Linear, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate) · up)`` of the post-attention-normed ``h`` (the residual add is the caller's)."""
         down = layer.down_proj
-        return self._linear(silu_mul(self._linear(h, layer.gate_up_w, layer.gate_up_b)), down.weight, down.bias)
+        return linear(silu_mul(linear(h, layer.gate_up_w, layer.gate_up_b)), down.weight, down.bias)
 
-    def _prefill_fused(self, tokens, positions, slot_of, attend, last) -> torch.Tensor:
+    def _prefill_fused(self, linear: Linear, tokens, positions, slot_of, attend, last) -> torch.Tensor:
         """``prefill`` on CUDA with the fused element-wise kernels (same inputs, same result up to rounding)."""
         x, delta = self.embed(tokens), None
         for i, layer in enumerate(self.layers):
             h = add_rms_norm(x, delta, *layer.input_norm.params)
-            q, k, v = self._qkv_fused(layer, i, h, positions, slot_of, kv_out=True)
-            attn = self._linear(attend(i, q, k, v), layer.o_proj.weight)
-            delta = self._mlp_fused(layer, add_rms_norm(x, attn, *layer.post_norm.params))
-        return self._head(add_rms_norm(x[last], delta[last], *self.final_norm.params))
+            q, k, v = self._qkv_fused(linear, layer, i, h, positions, slot_of, kv_out=True)
+            attn = linear(attend(i, q, k, v), layer.o_proj.weight)
+            delta = self._mlp_fused(linear, layer, add_rms_norm(x, attn, *layer.post_norm.params))
+        return self._head(linear, add_rms_norm(x[last], delta[last], *self.final_norm.params))
 
     def decode_shape(self, batch: int, span: int) -> tuple[int, int]:
         """(rows, attention length) a decode step of ``batch`` running slots, the longest holding
         ``span`` positions after the step, runs with. On CUDA the same with or without graphs, so
         eager steps (``cuda_graph=False``) compute exactly what the replayed graphs compute."""
-        if self.fixed_shape:
+        if self.kernels.fixed_shape:
             return self.cache.num_slots, self.cache.max_seq_len
         if self.device.type == "cuda":
             rows, length = decode_bucket(self.cache.num_slots, self.cache.max_seq_len, batch, span)
             # the fused kernel bounds its loop by each row's own position: one graph per row count
-            return rows, self.cache.max_seq_len if self.fused_attention else length
-        return batch, self.cache.max_seq_len if self.batch_invariant else span
+            return rows, self.cache.max_seq_len if self.kernels.decode_attention == "triton" else length
+        return batch, self.cache.max_seq_len if self.kernels.full_span else span
 
     @torch.inference_mode()
     def decode_batch(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -317,43 +319,32 @@ class BatchedForward:
             return self.graphs.run(tokens, positions, rows, length)
         inputs = torch.empty(3, rows, dtype=torch.int64, device=self.device)
         padded_inputs(tokens, positions, rows, self.cache.scratch_slot, inputs)
-        return self._decode(inputs[0], inputs[1], inputs[2], length)[:n]
+        return self._decode_step(inputs[0], inputs[1], inputs[2], length)[:n]
 
-    @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One eager decode step for slots ``0..B-1``: feed ``tokens[b]`` at ``positions[b]``.
-
-        Args:
-            tokens: ``[B] int64`` the last sampled token of each running slot.
-            positions: ``[B] int64`` its absolute position (= tokens already in the slot's cache).
-        Returns:
-            next-token logits ``[B, V] float32``.
-        """
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """The eager decode step: rows ``b`` (``tokens, positions, slots: [B] int64`` on the device)
+        read slot ``b``'s cache and write ``slots[b]`` (``b`` itself, or the scratch slot for a
+        padding row); attention over positions ``[0, length)``. Returns logits ``[B, V] float32``
+        (into ``out`` when given: the graphs' buffer). No host syncs: this is what ``DecodeGraphs``
+        captures."""
         batch = tokens.shape[0]
-        length = self.cache.max_seq_len if self.batch_invariant else int(positions.max()) + 1
-        return self._decode(tokens, positions, torch.arange(batch, device=self.device), length)
-
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, length: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode rows ``b`` reading slot ``b``'s cache and writing ``slots[b]`` (``b`` itself, or the
-        scratch slot for a padding row); attention over positions ``[0, length)``. No host syncs:
-        this is what a CUDA graph captures (``out``: the logits buffer to fill)."""
-        batch = tokens.shape[0]
-        self._tiled_now = self.tiled
-        if self.fused_layers:
-            return self._decode_fused(tokens, positions, slots, out)
+        linear = self.kernels.decode_linear
+        if self.kernels.fused_layers:
+            return self._decode_fused(linear, tokens, positions, slots, out)
+        triton_attention = self.kernels.decode_attention == "triton"
         groups = self.num_heads // self.num_kv_heads
         index = self.cache.token_index(slots, positions)
-        if not self.fused_attention:
+        if not triton_attention:
             # [B, 1, 1, length] additive mask: row b sees its own positions 0..positions[b]
             hidden = torch.arange(length, device=self.device)[None, :] > positions[:, None]
             bias = torch.zeros(hidden.shape, dtype=torch.float32, device=self.device).masked_fill_(hidden, float("-inf"))
             bias = bias[:, None, None, :]
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_norm(x), positions)
+            q, k, v = self._qkv(linear, layer, layer.input_norm(x), positions)
             self.cache.write(i, index, k, v)
-            if self.fused_attention:  # CUDA: one Triton kernel, reads only each row's positions
+            if triton_attention:  # CUDA: one Triton kernel, reads only each row's positions
                 o = decode_attention(q, self.cache.k[i], self.cache.v[i], positions, self.scaling)
             else:
                 keys_t, values = self.cache.view(i, batch, length)  # [B, Hkv, D, length], [B, Hkv, length, D]
@@ -361,21 +352,21 @@ class BatchedForward:
                 scores = torch.matmul(q.view(batch, self.num_kv_heads, groups, self.head_dim), keys_t)
                 probs = torch.softmax(scores.float() * self.scaling + bias, dim=-1).to(values.dtype)
                 o = torch.matmul(probs, values)  # [B, Hkv, G, D]
-            x = x + self._linear(o.reshape(batch, -1), layer.o_proj.weight)
-            x = self._mlp(layer, x)
-        return self._logits(x, out)
+            x = x + linear(o.reshape(batch, -1), layer.o_proj.weight)
+            x = self._mlp(linear, layer, x)
+        return self._logits(linear, x, out)
 
-    def _decode_fused(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def _decode_fused(self, linear: Linear, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       out: torch.Tensor | None) -> torch.Tensor:
-        """``_decode`` on CUDA: 9 launches per layer (4 GEMMs, attention, 4 fused element-wise)."""
+        """``_decode_step`` on CUDA: 9 launches per layer (4 GEMMs, attention, 4 fused element-wise)."""
         x, delta = self.embed(tokens), None
         for i, layer in enumerate(self.layers):
             h = add_rms_norm(x, delta, *layer.input_norm.params)
-            q = self._qkv_fused(layer, i, h, positions, slots)
+            q = self._qkv_fused(linear, layer, i, h, positions, slots)
             o = decode_attention(q, self.cache.k[i], self.cache.v[i], positions, self.scaling)
-            attn = self._linear(o.reshape(tokens.shape[0], -1), layer.o_proj.weight)
-            delta = self._mlp_fused(layer, add_rms_norm(x, attn, *layer.post_norm.params))
-        return self._head(add_rms_norm(x, delta, *self.final_norm.params), out)
+            attn = linear(o.reshape(tokens.shape[0], -1), layer.o_proj.weight)
+            delta = self._mlp_fused(linear, layer, add_rms_norm(x, attn, *layer.post_norm.params))
+        return self._head(linear, add_rms_norm(x, delta, *self.final_norm.params), out)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF name → parameter/buffer, tied aliases included (``lm_head.weight``)."""
