@@ -64,7 +64,7 @@ def test_a_full_queue_answers_503_with_retry_after_on_every_generation_endpoint(
             first = [asyncio.create_task(post(http, url + "/generate", generate)) for _ in range(2)]
             await until(lambda: engine.num_waiting == 2, "the first two requests to wait")
             answers = {path: await post(http, url + path.strip(), body) for path, body in refused.items()}
-            engine.resume()
+            engine.continue_generation()
             return batch, n_after_batch, answers, await asyncio.gather(*first), await post(http, url + "/generate",
                                                                                             generate)
 
@@ -91,7 +91,7 @@ def test_requests_whose_clients_left_do_not_fill_the_queue(tiny_model_dir):
             await until(lambda: engine.num_waiting == 0, "the aborts")
             second = asyncio.create_task(post(http, url + "/generate", body))
             await until(lambda: engine.num_waiting == 1 or second.done(), "the second request to wait")
-            engine.resume()
+            engine.continue_generation()
             return await second
 
     status, _, text = asyncio.run(main())

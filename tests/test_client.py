@@ -86,7 +86,7 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
                 await client.update_weights_from_distributed(0, ["model.norm.weight"], ["bfloat16"], [(64,)], 5)
                 await client.update_weights_from_disk(0, "/ckpt/step5", 5)
                 await client.pause()
-                await client.resume()
+                await client.continue_generation()
                 return result, await client.get_weight_version(0)
 
     result, version = asyncio.run(main())
@@ -199,7 +199,7 @@ def test_interrupted_generation_resumes_and_reproduces_the_uninterrupted_output(
                     await engine.next_step()
                 await client.pause()
                 await client.update_weights_from_disk(0, str(tmp_path / "same"), 1)
-                await client.resume()
+                await client.continue_generation()
                 return plain, await task
 
     plain, interrupted = asyncio.run(main())

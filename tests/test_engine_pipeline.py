@@ -224,7 +224,7 @@ def test_weight_update_drains_the_pipeline_and_versions_follow_the_weights(tiny_
         trace.release.set()
         await pause
         await engine.update_weights(lambda: {}, 7)
-        engine.resume()
+        engine.continue_generation()
         done = await asyncio.gather(a, b)
         await stop(task)
         return seen, done, trace
@@ -311,7 +311,7 @@ def test_in_place_pause_drains_and_resume_continues_exactly(tiny_model_dir):
             await engine.next_step()
         await engine.pause("in_place")
         state = engine._in_flight, len(trace.commits), len(trace.forward_calls), engine.num_running
-        engine.resume()
+        engine.continue_generation()
         resumed = await run
         await stop(task)
         return alone, resumed, state

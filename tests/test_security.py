@@ -114,7 +114,7 @@ def test_server_endpoints_need_the_token_and_change_nothing_without_it(tiny_mode
                 assert len(out.output_ids) == 2
                 await client.pause()
                 assert engine._paused
-                await client.resume()
+                await client.continue_generation()
             async with InferenceClient([url], token="not-the-token") as client:
                 with pytest.raises(ServerError, match="HTTP 401"):
                     await client.get_weight_version(0)

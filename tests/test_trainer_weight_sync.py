@@ -111,8 +111,8 @@ class FakeClient:
     async def pause(self, mode="abort"):
         self.calls.append("pause")
 
-    async def resume(self):
-        self.calls.append("resume")
+    async def continue_generation(self):
+        self.calls.append("continue_generation")
 
     def stop(self):
         out = []
@@ -162,7 +162,7 @@ def test_distributed_sender_two_servers_receive_trainer_weights(tiny_model_dir):
         results = client.stop()
     expected = dict(policy.lm.named_parameters())
     assert len(client.bucket_sizes) > 1 and sum(client.bucket_sizes) == len(expected)
-    assert client.calls == ["pause", "resume"]
+    assert client.calls == ["pause", "continue_generation"]
     for weights, version in results:
         assert version == 1
         assert weights.keys() == expected.keys()
@@ -224,7 +224,7 @@ def test_distributed_sender_without_interruption_sends_one_bucket_unpaused(tiny_
     names = [name for name, _ in policy.lm.named_parameters()]
     assert [n for b, _ in buckets for n in b] == names and {v for _, v in buckets} == {3}
     assert (len(buckets) > 1 if interrupt else len(buckets) == 1), [len(b) for b, _ in buckets]  # 64 KiB buckets
-    assert client.calls == (["pause", "resume"] if interrupt else [])
+    assert client.calls == (["pause", "continue_generation"] if interrupt else [])
 
 
 @pytest.mark.parametrize("interrupt", [True, False])
@@ -234,7 +234,7 @@ def test_disk_sender_pauses_only_to_interrupt(tiny_model_dir, tmp_path, interrup
                               torch.bfloat16, interrupt_on_update=interrupt)
     asyncio.run(sender.send(1))
     assert [(s, v) for s, _, v in client.disk_updates] == [(0, 1), (1, 1)]
-    assert client.calls == (["pause", "resume"] if interrupt else [])
+    assert client.calls == (["pause", "continue_generation"] if interrupt else [])
 
 
 def test_disk_sender_writes_send_dtype_bitwise(tiny_model_dir, tmp_path):
@@ -286,8 +286,8 @@ def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
         async def pause(self, mode="abort"):
             self.calls.append("pause")
 
-        async def resume(self):
-            self.calls.append("resume")
+        async def continue_generation(self):
+            self.calls.append("continue_generation")
 
         async def update_weights_from_distributed(self, server, *args):
             raise ServerError(f"http://server-{server}", 400, "weight_version -1 is not a non-negative integer")
@@ -301,7 +301,7 @@ def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
         with pytest.raises(RuntimeError, match="refused the bucket .* weight version 3"):
             asyncio.run(sender.send(3))
         assert time.perf_counter() - start < 10, "the send waited for the broadcast"
-        assert client.calls == ["pause", "resume"]
+        assert client.calls == ["pause", "continue_generation"]
     finally:
         released.set()
 
@@ -401,12 +401,12 @@ def test_the_distributed_sender_names_the_fix_when_a_server_has_left(tiny_model_
         async def pause(self, mode="abort"):
             self.calls.append("pause")
 
-        async def resume(self):
-            self.calls.append("resume")
+        async def continue_generation(self):
+            self.calls.append("continue_generation")
 
     client = Client()
     sender = DistributedWeightSender(_policy(tiny_model_dir), client, 2, "127.0.0.1", 0, 1 << 30, torch.float32,
                                      torch.device("cpu"))
     with pytest.raises(RuntimeError, match=r"\['http://server-1'\] left routing .* set trainer.weight_sync=disk"):
         asyncio.run(sender.send(1))
-    assert client.calls == ["pause", "resume"]
+    assert client.calls == ["pause", "continue_generation"]

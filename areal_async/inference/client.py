@@ -20,7 +20,7 @@ output of the segments already returned (a request's sampling noise depends on t
 absolute position only, so in deterministic mode the continuation is bit for bit the one the dead
 server would have made; the tokens of its unfinished segment were never received and are drawn
 again). The dead server leaves routing (``server_failures`` counts departures) and rejoins once it
-serves the current weights again; the calls to every server (pause, resume, abort, weight updates
+serves the current weights again; the calls to every server (pause, continue_generation, abort, weight updates
 through ``each_live``) skip it. ``NoServerLeft`` when none is left.
 
 Retries, at the network boundary only: connection errors (server not up yet, connection reset)
@@ -395,7 +395,8 @@ class InferenceClient:
         """Pause generation on every server (in-flight requests return as ``abort`` and are resubmitted)."""
         await self._all("POST", "/pause_generation", {"mode": mode})
 
-    async def resume(self) -> None:
+    async def continue_generation(self) -> None:
+        """After ``pause``: continue generation on every live server (SGLang's ``/continue_generation``)."""
         await self._all("POST", "/continue_generation", {})
 
     async def flush_cache(self) -> None:

@@ -444,7 +444,7 @@ class Engine:
 
     async def pause(self, mode: str = "abort") -> None:
         """Stop generating. ``abort``: every queued or running request returns now with its partial
-        output; ``in_place``: running requests keep their slots and resume on ``resume``. Requests
+        output; ``in_place``: running requests keep their slots and go on at ``continue_generation``. Requests
         arriving while paused wait. Returns once no step is in flight and every launched step is
         committed."""
         if mode not in ("abort", "in_place"):
@@ -455,7 +455,7 @@ class Engine:
         async with self._quiet():
             pass
 
-    def resume(self) -> None:
+    def continue_generation(self) -> None:
         self._paused = False
         self._error = None
         self._step_waiters = []
@@ -473,7 +473,7 @@ class Engine:
         ``/generate`` holds it as a reader until its response is out):
 
         - paused (``pause``, either mode): at once, between two steps; requests paused in place go
-          on under the new weights on ``resume``, so their tokens span versions;
+          on under the new weights at ``continue_generation``, so their tokens span versions;
         - not paused: after every request unfinished at this call (running or queued) has finished
           under the old weights; requests arriving meanwhile are held and queued after the swap,
           under the new weights (the lock prefers a waiting writer to new readers). Every request

@@ -73,6 +73,6 @@ class WeightUpdateClient(Protocol):
         """Before an update (``rollout.interrupt_on_update``): pause generation on every server."""
         ...
 
-    async def resume(self) -> None:
+    async def continue_generation(self) -> None:
         """After an update, also a failed one: continue generation on every server."""
         ...

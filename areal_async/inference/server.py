@@ -73,8 +73,10 @@ import functools
 import importlib.metadata
 import json
 import logging
+import os
 import pathlib
 import signal
+import sys
 import time
 import uuid
 
@@ -518,7 +520,7 @@ class InferenceServer:
         return web.json_response({"success": True, "message": "Generation paused."})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        self.engine.resume()
+        self.engine.continue_generation()
         return web.json_response({"success": True, "message": "Generation continued."})
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -775,3 +777,10 @@ if __name__ == "__main__":
     import uvloop
 
     uvloop.run(main())
+    # A weight-group call may still be blocked in its daemon thread (a broadcast that never came,
+    # a join whose peers never did): a normal interpreter exit would destroy its gloo/NCCL objects
+    # under it, whose C++ threads then abort the process (SIGABRT, "terminate called without an
+    # active exception"). Everything is answered and flushed here; leave without destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

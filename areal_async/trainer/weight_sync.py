@@ -10,7 +10,7 @@
   partial outputs and are resubmitted by the client), then for each bucket of at most
   ``trainer.weight_bucket_bytes`` the ``/update_weights_from_distributed`` calls are in flight
   while rank 0 broadcasts the bucket's tensors in ``names`` order; every call carries the new
-  ``weight_version`` (generation is paused until the last bucket is in); then resume. gloo on
+  ``weight_version`` (generation is paused until the last bucket is in); then continued (``continue_generation``). gloo on
   CPU, NCCL on CUDA.
 - ``DiskWeightSender`` (fallback, for servers that share the trainer's GPU, where NCCL refuses):
   rank 0 writes an HF directory ``RUN_DIR/weights/v{version}/`` (the weights in ``send_dtype`` as
@@ -39,7 +39,7 @@ holds the lock, so there the longest generation in flight must end within the we
 collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
 ``inference.request_timeout_s``.
 
-Dead servers (``areal_async/inference/routing.py``): both senders pause, update and resume only the
+Dead servers (``areal_async/inference/routing.py``): both senders pause, update and continue only the
 servers in the client's routing, so a dead one is skipped, never waited for (a call to it fails to
 connect; a hung one fails once the launcher's health check has killed it). ``DiskWeightSender``
 first asks the departed servers again (``probe(require_version=False)``): a server the launcher
@@ -163,7 +163,7 @@ class DistributedWeightSender:
                 await self._send_bucket(bucket, version)
         finally:
             if interrupt and _rank() == 0:
-                await self.client.resume()
+                await self.client.continue_generation()
 
     async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
         names = [n for n, _ in bucket]
@@ -244,7 +244,7 @@ class DiskWeightSender:
             await self.client.each_live(lambda i: self.client.update_weights_from_disk(i, str(path.resolve()), version))
         finally:
             if self.interrupt_on_update:
-                await self.client.resume()
+                await self.client.continue_generation()
         if self._previous is not None and self._previous != path:
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = path
