@@ -203,12 +203,20 @@ def killed_run(tiny_model_dir, tmp_path_factory):
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=150)  # without the release the batch of the lost groups never completes
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-        out.seek(0)
-        output = out.read()
+        output = stop_and_read(proc, out)
     return proc.returncode, output, run_dir
+
+
+def stop_and_read(proc: subprocess.Popen, out) -> str:
+    """Stop the launcher ``proc`` if it still runs (SIGTERM, then wait up to 60 s) and return
+    what it wrote to the file ``out``."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    out.seek(0)
+    return out.read()
 
 
 def _trained_ids(run_dir: pathlib.Path) -> list[int]:

@@ -22,7 +22,7 @@ from areal_async.config import load_config  # noqa: E402
 from launcher.local import PY  # noqa: E402
 from launcher.ray import RankGroup, RayChild, _rank_argv, bundles_of  # noqa: E402
 from launcher.ray_actor import ProcessActor  # noqa: E402
-from tests.test_determinism import REPO, job_argv  # noqa: E402
+from tests.test_determinism import REPO, job_argv, stop_and_read  # noqa: E402
 
 
 def test_one_bundle_per_process_with_the_cluster_sections_resources():
@@ -158,11 +158,7 @@ def test_a_lost_worker_actor_is_replaced_and_a_dead_queue_stops_the_job_leaving_
         os.kill(queue, signal.SIGKILL)
         rc = proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-        out.seek(0)
-        output = out.read()
+        output = stop_and_read(proc, out)
     assert rc == 1, output[-4000:]
     assert "worker0 lost its Ray actor" in output and "restart 1 of 3" in output, output[-4000:]
     assert "job failed: queue was killed by SIGKILL" in output, output[-4000:]
