@@ -41,8 +41,10 @@ the one in ``AREAL_ASYNC_TOKEN`` when the launcher's environment sets it) and gi
 only way in); the servers and the queue refuse callers without it. Every port of the job listens
 on its configured host: the servers on ``inference.host``, the queue on ``queue.host`` (both
 ``127.0.0.1`` by default), torchrun's rendezvous and the weight group's store on ``127.0.0.1``
-(``launcher.torchrun``, ``areal_async/tcp_store.py``), and gloo's connections on the loopback
-interface (``GLOO_SOCKET_IFNAME=lo`` unless set).
+(``launcher.torchrun``, ``areal_async/tcp_store.py``), and gloo's and NCCL's own sockets on the
+loopback interface (``GLOO_SOCKET_IFNAME=lo``, ``NCCL_SOCKET_IFNAME=lo``, each unless set: without
+it a one-rank NCCL group listened on four sockets of the H200 machine's ``eth0``,
+``tools/listening_sockets.py``).
 """
 
 from __future__ import annotations
@@ -139,11 +141,14 @@ def check_backend(cfg: InferenceConfig) -> None:
 
 
 def _job_env(token: str) -> dict[str, str]:
-    """What every child of a job gets: the job's token and, unless set, gloo on the loopback
-    interface (gloo listens on the address of this machine's host name otherwise)."""
+    """What every child of a job gets: the job's token and, each unless set, gloo's and NCCL's
+    sockets on the loopback interface (otherwise gloo listens on the address of this machine's host
+    name, NCCL's bootstrap and proxy on its first non-loopback interface)."""
     env = {auth.ENV: token}
-    if "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in {name for _, name in socket.if_nameindex()}:
-        env["GLOO_SOCKET_IFNAME"] = "lo"
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if var not in os.environ:
+                env[var] = "lo"
     return env
 
 

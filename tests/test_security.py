@@ -218,6 +218,16 @@ def test_launcher_gives_sglang_the_token_as_api_key_and_keeps_it_off_the_embedde
     assert len(auth.new_token()) >= 43 and auth.new_token() != auth.new_token()
 
 
+def test_job_env_puts_gloo_and_nccl_sockets_on_loopback_unless_set(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    env = _job_env(TOKEN)
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")  # the user's choice wins (multi-node)
+    env = _job_env(TOKEN)
+    assert "NCCL_SOCKET_IFNAME" not in env and env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
 # ---- SGLang reads the header as this project does ------------------------------------------
 
 HEADERS = [None, "", f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER {TOKEN}", f"Bearer  {TOKEN}", f"Bearer {TOKEN} ",
