@@ -7,8 +7,8 @@ only as ``--api-key``). The clients send it:
 
 - HTTP (``InferenceClient``): ``Authorization: Bearer <token>`` on every request, SGLang's own
   scheme for ``--api-key`` (``sglang.srt.utils.auth.decide_request_auth``): the scheme word in any
-  case, one space, the token; paths starting with ``/health`` are open, as on SGLang, so health
-  probes need no secret. A missing or wrong token is HTTP 401 before the body is read.
+  case, one space, the token; paths starting with ``/health`` or ``/ready`` are open, as on SGLang,
+  so health probes need no secret. A missing or wrong token is HTTP 401 before the body is read.
 - the queue (``QueueClient``): an ``Auth`` frame first on each connection; any other first frame,
   or a wrong token, is answered with an ``Unauthorized`` error and the connection is closed.
 
@@ -27,7 +27,8 @@ import secrets
 
 ENV = "AREAL_ASYNC_TOKEN"
 HEADER = "Authorization"
-OPEN_PREFIX = "/health"  # SGLang leaves /health* open with --api-key (k8s probes); so does the embedded server
+# SGLang leaves /health*, /ready (and /metrics) open with --api-key (k8s probes); so does the embedded server
+OPEN_PREFIXES = ("/health", "/ready")
 
 
 def new_token() -> str:

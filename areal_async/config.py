@@ -85,6 +85,9 @@ class InferenceConfig(_Cfg):
     # the launcher asks each server GET /health_generate (a one-token generation) this often, seconds;
     # a server that exited, or whose check fails or takes longer than this, is killed and restarted
     health_check_interval_s: PosFloat = 10.0
+    # a server that says it is paused (GET /ready 503: SGLang's, while a weight update holds it)
+    # passes those checks for this many seconds in a row, then counts as hung (inference/routing.py)
+    max_pause_s: PosFloat = 300.0
     # restarts of each server (same port, initial weights; the trainer's next update brings it up
     # to date; trainer.weight_sync=disk and num_servers >= 2 only); one more death stops the job with
     # its error. 0: never

@@ -13,7 +13,8 @@ A generation worker that dies is started again, up to ``rollout.max_worker_resta
 each, after the queue took back its groups (``release_worker``; they are generated again with the
 same ids and seeds) and a back-off (``launcher/supervisor.py``, ``Restart``). An inference server
 is checked with ``GET /health_generate`` every ``inference.health_check_interval_s`` (the same
-timeout, ``HealthCheck``); one that exited, or failed a check (then it is killed), is started again
+timeout, ``HealthCheck``), unless its ``GET /ready`` says it is paused, which passes for up to
+``inference.max_pause_s`` in a row (``ServerProbe``); one that exited, or failed a check (then it is killed), is started again
 on its port with the command line it started with (the initial weights), up to
 ``inference.max_server_restarts`` times each, after the queue counted it (``server_failed``); the
 clients route around it meanwhile and take it back once the trainer's next weight update has
@@ -169,6 +170,39 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+
+
+def http_status(url: str, timeout_s: float) -> int | None:
+    """The HTTP status of ``GET url`` within ``timeout_s`` seconds, ``None`` without an answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return None
+
+
+class ServerProbe:
+    """The launcher's health probe of one inference server (``HealthCheck.probe``): a check of
+    ``/health_generate`` first asks ``GET /ready``, and a paused server (503) passes without a
+    generation for up to ``max_pause_s`` seconds in a row (``routing.Readiness``: SGLang's
+    ``/health_generate`` waits behind a pause and then fails); other paths as ``probe_http``."""
+
+    def __init__(self, url: str, max_pause_s: float):
+        from areal_async.inference.routing import Readiness
+
+        self.url, self.readiness = url, Readiness(max_pause_s)
+
+    def __call__(self, path: str, timeout_s: float) -> str | None:
+        if path == "/health_generate":
+            status = http_status(self.url + "/ready", min(timeout_s, 5.0))
+            paused = self.readiness.judge(self.url, status, time.monotonic())
+            if paused is True:
+                return None
+            if paused is not False:
+                return paused
+        return probe_http(self.url, path, timeout_s)
 
 
 def probe_http(url: str, path: str, timeout_s: float) -> str | None:
@@ -371,7 +405,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
     for i, url in enumerate(inf.urls()):
         restart = Restart(inf.max_server_restarts, functools.partial(server_failed, cfg, token, sup, i))
-        health = HealthCheck(functools.partial(probe_http, url), inf.health_check_interval_s, inf.startup_timeout_s)
+        health = HealthCheck(ServerProbe(url, inf.max_pause_s), inf.health_check_interval_s, inf.startup_timeout_s)
         sup.start(f"server{i}", make_argv(inf, model, inf.base_port + i, cfg.mode,
                                           server_threads, cfg.debug, version, token), env=deterministic_env(cfg.mode),
                   restart=restart, health=health)

@@ -467,4 +467,127 @@ def test_a_generation_on_a_hung_server_moves_on_after_a_failed_health_check():
     out, failures, live = asyncio.run(main())
     assert out.output_ids == [9, 2] and out.versions == [5, 5]
     assert (failures, live) == (1, [1])
-    assert asked[:2] == [(0, "/generate"), (0, "/health_generate")] and (1, "/generate") in asked
+    assert asked[:2] == [(0, "/generate"), (0, "/ready")] and (1, "/generate") in asked
+
+
+class SGLangLike:
+    """A server with SGLang 0.5.23's health rules (``http_server.health_generate``, ``/ready``,
+    ``tokenizer_manager.generate_request``): while paused, ``/ready`` is 503 at once and every
+    generation, the health one too, waits for ``continue_generation``; ``hung``: the HTTP layer
+    answers ``/ready`` 200 but no generation ever comes back (a stuck scheduler)."""
+
+    def __init__(self):
+        self.running = asyncio.Event()
+        self.running.set()
+        self.hung = False
+        self.released = asyncio.Event()  # ends the hung handlers, so the server can close
+        self.asked: list[str] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.asked.append(request.path)
+        if request.path == "/ready":
+            return web.Response(status=200 if self.running.is_set() else 503)
+        if self.hung:
+            await self.released.wait()
+            return web.Response(status=500)
+        await self.running.wait()
+        if request.path == "/generate":
+            return web.json_response(SGLANG_FINISHED)
+        return web.Response(text="")
+
+
+@pytest.mark.parametrize("pause_s,max_pause_s,kept", [(1.0, 30.0, True), (1.0, 0.3, False)])
+def test_a_paused_server_is_not_taken_for_hung_while_a_generation_waits(pause_s, max_pause_s, kept):
+    # The server is paused for 5 health-check intervals while a generation waits on it (its
+    # /health_generate would block, as SGLang's does): /ready 503 keeps it in routing, and the
+    # generation completes there once it continues; paused longer than max_pause_s, it leaves.
+    stub = SGLangLike()
+
+    async def main():
+        async with fake_server(stub.handle) as url:
+            async with InferenceClient([url], health_check_interval_s=0.2, max_pause_s=max_pause_s) as client:
+                stub.running.clear()
+                call = asyncio.ensure_future(client.generate([1, 2, 3], {"max_new_tokens": 4}, "r"))
+                await asyncio.sleep(pause_s)
+                stub.running.set()
+                try:
+                    out = await asyncio.wait_for(call, 10)
+                except NoServerLeft as exc:
+                    return None, str(exc), client.server_failures
+                return out, None, client.server_failures
+
+    out, error, failures = asyncio.run(main())
+    assert stub.asked.count("/ready") >= 3
+    if kept:
+        assert out.output_ids == [9, 2] and failures == 0 and "/health_generate" not in stub.asked
+    else:
+        assert out is None and failures == 1 and "longer than inference.max_pause_s = 0.3 s" in error
+
+
+def test_a_server_whose_scheduler_hangs_leaves_routing_although_it_says_ready():
+    stub = SGLangLike()
+    stub.hung = True
+
+    async def main():
+        async with fake_server(stub.handle) as url:
+            async with InferenceClient([url], health_check_interval_s=0.2) as client:
+                try:
+                    with pytest.raises(NoServerLeft, match="no answer to /health_generate within 0.2 s"):
+                        await asyncio.wait_for(client.generate([1, 2, 3], {"max_new_tokens": 4}, "r"), 10)
+                finally:
+                    stub.released.set()
+                return client.server_failures
+
+    assert asyncio.run(main()) == 1
+    assert stub.asked[:3] == ["/generate", "/ready", "/health_generate"]
+
+
+def test_readiness_counts_a_pause_alive_only_up_to_max_pause_s():
+    from areal_async.inference.routing import Readiness
+
+    r = Readiness(max_pause_s=10.0)
+    assert r.judge(0, 200, 0.0) is False and r.judge(0, 404, 1.0) is False  # ask for a generation
+    assert r.judge(0, 503, 2.0) is True and r.judge(0, 503, 12.0) is True
+    assert "for 11 s, longer than inference.max_pause_s = 10 s" in r.judge(0, 503, 13.0)
+    assert r.judge(1, 503, 13.0) is True  # per server
+    assert r.judge(0, 200, 14.0) is False and r.judge(0, 503, 15.0) is True  # a new pause starts again
+    assert r.judge(0, None, 16.0) == "no answer to /ready"
+
+
+def test_the_launchers_server_probe_lets_a_paused_server_pass_and_fails_a_hung_one():
+    import threading
+
+    from launcher.local import ServerProbe
+
+    stub = SGLangLike()
+    started = threading.Event()
+    box: dict = {}
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        box["loop"] = loop
+
+        async def run():
+            async with fake_server(stub.handle) as url:
+                box["url"] = url
+                box["stop"] = asyncio.Event()
+                started.set()
+                await box["stop"].wait()
+        loop.run_until_complete(run())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    try:
+        probe = ServerProbe(box["url"], max_pause_s=60.0)
+        assert probe("/health_generate", 1.0) is None
+        box["loop"].call_soon_threadsafe(stub.running.clear)
+        assert probe("/health_generate", 1.0) is None  # paused: no generation asked
+        assert stub.asked.count("/health_generate") == 1
+        box["loop"].call_soon_threadsafe(stub.running.set)
+        stub.hung = True
+        assert probe("/health_generate", 0.5) == "no answer within 0.5 s"
+    finally:
+        box["loop"].call_soon_threadsafe(stub.released.set)
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(10)

@@ -98,6 +98,7 @@ def test_server_endpoints_need_the_token_and_change_nothing_without_it(tiny_mode
                     return resp.status
 
             assert await status("GET", "/health") == 200  # open, as on SGLang: probes need no secret
+            assert await status("GET", "/ready") == 200
             wrong = auth.bearer_headers("not-the-token")
             for method, path, payload in [("POST", "/pause_generation", {"mode": "abort"}),
                                           ("POST", "/update_weights_from_disk",
@@ -245,7 +246,8 @@ AuthLevel, decide_request_auth = sglang_auth.AuthLevel, sglang_auth.decide_reque
 job = json.load(sys.stdin)
 out = {}
 for path, level in (("/update_weights_from_distributed", AuthLevel.ADMIN_OPTIONAL),
-                    ("/pause_generation", AuthLevel.NORMAL), ("/health", AuthLevel.NORMAL)):
+                    ("/pause_generation", AuthLevel.NORMAL), ("/health", AuthLevel.NORMAL),
+                    ("/ready", AuthLevel.NORMAL)):
     out[path] = [decide_request_auth(method="POST", path=path, authorization_header=h, api_key=job["token"],
                                      admin_api_key=None, auth_level=level).allowed for h in job["headers"]]
 print(json.dumps(out))
@@ -262,4 +264,4 @@ def test_sglang_with_api_key_accepts_exactly_the_headers_the_embedded_server_acc
     assert ours[HEADERS.index(auth.bearer_headers(TOKEN)["Authorization"])]  # what our client sends passes
     assert sglang["/update_weights_from_distributed"] == ours
     assert sglang["/pause_generation"] == ours
-    assert sglang["/health"] == [True] * len(HEADERS)  # open on both (auth.OPEN_PREFIX)
+    assert sglang["/health"] == sglang["/ready"] == [True] * len(HEADERS)  # open on both (auth.OPEN_PREFIXES)

@@ -212,8 +212,10 @@ def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(tiny_model
             tasks = [asyncio.create_task(api.generate(prompt, sampling_seed=i, **kw)) for i in range(2)]
             for _ in range(3):
                 await engine.next_step()
+            assert (await api.get("/ready"))[0] == 200
             status, _ = await api.post("/pause_generation", {"mode": "abort"})
             assert status == 200
+            assert (await api.get("/ready"))[0] == 503  # SGLang's: paused
             aborted = await asyncio.gather(*tasks)
             held = asyncio.create_task(api.generate(prompt, sampling_seed=9, max_new_tokens=5))
             while not engine._waiting:  # the held request reached the engine's queue
@@ -221,6 +223,7 @@ def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(tiny_model
             assert not held.done() and engine.num_running == 0
             status, _ = await api.post("/continue_generation", {})
             assert status == 200
+            assert (await api.get("/ready"))[0] == 200
             return aborted, await held
 
     aborted, held = asyncio.run(main())

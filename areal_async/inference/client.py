@@ -13,7 +13,7 @@ Each response's ``output_token_logprobs`` are checked against its ``output_ids``
 check is per segment and the concatenated output stays aligned.
 
 Failover (several servers): a generation whose server dies (the connection is refused or reset
-and the server no longer answers ``/health``, or, with ``health_check_interval_s``, the server
+and the server no longer answers ``GET /ready`` at all, or, with ``health_check_interval_s``, the server
 does not answer ``/health_generate`` in that time while the generation waits) is resubmitted to the next live server
 (``routing.py``) with the same rid and ``sampling_seed`` and ``input_ids + output so far``, the
 output of the segments already returned (a request's sampling noise depends on the seed and the
@@ -25,7 +25,7 @@ through ``each_live``) skip it. ``NoServerLeft`` when none is left.
 
 Retries, at the network boundary only: connection errors (server not up yet, connection reset)
 are retried ``max_retries`` times with exponential backoff (a generation and the calls to every
-server: only while the server still answers ``/health``). HTTP 503 from a server whose waiting
+server: only while the server still answers ``GET /ready``, with any status). HTTP 503 from a server whose waiting
 queue is full (``admission.py``: the embedded server sends ``Retry-After``; SGLang's
 ``--max-queued-requests`` refusal of ``/generate`` has none) is asked again after the
 ``Retry-After`` delay (without it: the backoff, doubling to 16x), spread by up to 25 % so refused
@@ -176,12 +176,14 @@ class InferenceClient:
         health_check_interval_s: while a generation waits, its server is asked
             ``/health_generate`` this often (seconds; the same timeout); one that does not answer
             leaves routing and the generation goes on elsewhere. ``None``: no such check.
+        max_pause_s: a server that says it is paused (``GET /ready`` 503) counts as alive for this
+            many seconds in a row (``routing.Readiness``).
     """
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
                  token: str | None = None, overload_timeout_s: float | None = None,
                  probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
-                 health_check_interval_s: float | None = None):
+                 health_check_interval_s: float | None = None, max_pause_s: float = 300.0):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -193,7 +195,7 @@ class InferenceClient:
         self._aborted: set[str] = set()
         self._headers = auth.bearer_headers(token)
         self.servers = ServerPool(self.urls, self._http, probe_timeout_s, reprobe_interval_s,
-                                  health_check_interval_s)
+                                  health_check_interval_s, max_pause_s)
         self._versions: dict[int, int] = {}  # the last weight_version each server answered with
 
     @property
@@ -225,7 +227,7 @@ class InferenceClient:
     async def _call(self, server: int, method: str, path: str, payload: dict | None = None,
                     failover: bool = False):
         """One HTTP call, retried as the module docstring says. ``failover``: a connection error
-        is retried only while the server answers ``/health``; otherwise the server is taken out of
+        is retried only while the server answers ``GET /ready`` (any status); otherwise the server is taken out of
         routing and the error raised."""
         url = self.urls[server] + path
         started = time.monotonic()
@@ -236,7 +238,7 @@ class InferenceClient:
                     text = await resp.text()
                     status, retry_after, kind = resp.status, resp.headers.get("Retry-After"), resp.content_type
             except aiohttp.ClientConnectionError as exc:
-                if failover and not await self.servers.answers(server):
+                if failover and not await self.servers.alive(server):
                     self.servers.take_out(server, f"{path}: {type(exc).__name__}: {exc}")
                     raise
                 if failures == self.max_retries:
@@ -263,7 +265,7 @@ class InferenceClient:
     async def each_live(self, call: Callable[[int], Awaitable[T]]) -> dict[int, T]:
         """``call(i)`` for every live server ``i`` at once; returns ``{i: result}`` of those still
         live after it. A server whose call failed to connect and that no longer answers
-        ``/health`` is taken out of routing and left out (a weight sender skips a dead server).
+        ``GET /ready`` is taken out of routing and left out (a weight sender skips a dead server).
 
         Raises:
             NoServerLeft: no server is live (before, or after the calls).
@@ -277,7 +279,7 @@ class InferenceClient:
         for i, result in zip(servers, results):
             if isinstance(result, aiohttp.ClientConnectionError) and i not in self.servers.live():
                 continue  # taken out by _call(failover=True)
-            if isinstance(result, aiohttp.ClientConnectionError) and not await self.servers.answers(i):
+            if isinstance(result, aiohttp.ClientConnectionError) and not await self.servers.alive(i):
                 self.servers.take_out(i, f"{type(result).__name__}: {result}")
                 continue
             if isinstance(result, BaseException):
@@ -356,7 +358,7 @@ class InferenceClient:
                 resp = await self.servers.watch(server, call)
             except aiohttp.ClientConnectionError:
                 if server in self.servers.live():
-                    raise  # it still answers /health: not a dead server, retries used up
+                    raise  # it still answers /ready: not a dead server, retries used up
                 continue  # resubmitted to the next live server: same rid, seed, output so far
             meta = resp["meta_info"]
             ids = list(resp["output_ids"])

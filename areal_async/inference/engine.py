@@ -387,6 +387,11 @@ class Engine:
             raise QueueFull(waiting, self.max_queued, asked, limit - self.max_queued)
 
     @property
+    def paused(self) -> bool:
+        """Generation is paused (``pause``, until ``continue_generation``)."""
+        return self._paused
+
+    @property
     def holding(self) -> bool:
         """Generation is held on purpose: paused (``pause``) or a weight update waits (``update_weights``
         without a pause), so no step may come for a while."""

@@ -1,13 +1,26 @@
 """``ServerPool``: which inference servers a client routes to, and how a dead one leaves and rejoins.
 
 A server leaves routing when a call to it could not connect or lost its connection (refused,
-reset: the process died or was killed) and a short ``GET /health`` (``probe_timeout_s``) does not
-answer either; one that answers was a transient failure, which the caller retries on the same
+reset: the process died or was killed) and a short ``GET /ready`` (``probe_timeout_s``, any status)
+does not answer either; one that answers was a transient failure, which the caller retries on the same
 server. Each departure is counted (``failures``) and printed once. A hung server (alive, never
 answering): while a call to it waits, every ``health_check_interval_s`` (``watch``) it is asked
 ``GET /health_generate``, which a live server answers even when busy (SGLang's rule, which the
 embedded server follows); one that does not answer within ``health_check_interval_s`` leaves
-routing and the call is cancelled (the launcher's health check, with the same interval, kills it).
+routing and the call is cancelled (the launcher's health check, with the same interval, kills it);
+a paused one is not asked (below).
+
+Paused servers: SGLang (0.5.23, ``http_server.health_generate``) answers ``/health_generate`` (and
+``/health``, which runs the same generation by default) only once its scheduler sends something
+back; while generation is paused its health request waits behind the pause, and after
+``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) it answers 503 and marks itself unhealthy. A server paused
+for a long weight update would so fail every check. Each check therefore first asks ``GET
+/ready`` (SGLang's: 503 while paused or unhealthy, at once; open without the token): a 503 counts
+as paused, alive, for up to ``max_pause_s`` seconds in a row (``Readiness``), and only a server
+that said it was ready (or has no ``/ready``, HTTP 404: older SGLang) is asked for a generation. A
+server that is paused and hung at once is not caught here; the trainer's next weight update call to
+it fails instead. The embedded server answers ``/ready`` as SGLang does, and its
+``/health_generate`` at once while paused.
 
 A server that was restarted behind the client's back (it died and came back between two of the
 client's calls, so no call failed) is found by its ``weight_version``, which only a new process
@@ -44,21 +57,54 @@ class NoServerLeft(ConnectionError):
     and why it left."""
 
 
+class Readiness:
+    """What a server's ``GET /ready`` says before its generation check (module docstring,
+    "Paused servers"), per server; used by the clients (``ServerPool.watch``) and the launcher.
+
+    Args:
+        max_pause_s: seconds in a row a server may answer 503 (paused) and still count as alive.
+    """
+
+    def __init__(self, max_pause_s: float):
+        self.max_pause_s = max_pause_s
+        self._since: dict = {}  # server -> when it first said it was paused, this pause
+
+    def judge(self, server, status: int | None, now: float) -> bool | str:
+        """``status``: the HTTP status of ``GET /ready`` (``None``: no answer), ``now``:
+        ``time.monotonic()``. Returns ``True`` when the server is paused and still counts as alive
+        (skip the generation check), ``False`` when the generation check is due, or why the server
+        failed (no answer, or paused for longer than ``max_pause_s``)."""
+        if status is None:
+            self._since.pop(server, None)
+            return "no answer to /ready"
+        if status != 503:  # 200, or 404 from a server without /ready
+            self._since.pop(server, None)
+            return False
+        paused_s = now - self._since.setdefault(server, now)
+        if paused_s > self.max_pause_s:
+            return (f"paused (GET /ready 503) for {paused_s:.0f} s, longer than inference.max_pause_s = "
+                    f"{self.max_pause_s:g} s")
+        return True
+
+
 class ServerPool:
     """The live subset of ``urls`` (indices), for one ``InferenceClient``.
 
     Args:
         urls: server base URLs (index ``i`` is server ``i``).
         http: returns the client's ``aiohttp.ClientSession`` (created lazily on the running loop).
-        probe_timeout_s: timeout of each probe (``/health``, ``/health_generate``,
+        probe_timeout_s: timeout of each probe (``/ready``, ``/health_generate``,
             ``/get_weight_version``), seconds.
         reprobe_interval_s: least time between two background probes of departed servers, seconds.
+        health_check_interval_s: ``watch``'s period, seconds (``None``: no checks).
+        max_pause_s: ``Readiness``'s bound, seconds.
     """
 
     def __init__(self, urls: list[str], http: Callable[[], aiohttp.ClientSession],
                  probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
-                 health_check_interval_s: float | None = None):
+                 health_check_interval_s: float | None = None, max_pause_s: float = 300.0):
         self.urls, self._http = urls, http
+        self.readiness = Readiness(max_pause_s)
         self.probe_timeout_s, self.reprobe_interval_s = probe_timeout_s, reprobe_interval_s
         self.health_check_interval_s = health_check_interval_s
         self._checks: dict[int, asyncio.Task] = {}  # a /health_generate check in flight, per server
@@ -112,15 +158,45 @@ class ServerPool:
             while interval_s is not None and not (await asyncio.wait([call], timeout=interval_s))[0]:
                 check = self._checks.get(server)
                 if check is None or check.done():  # one check per server for all its calls
-                    check = self._checks[server] = asyncio.ensure_future(
-                        self.answers(server, "/health_generate", timeout_s=interval_s))
-                if not await asyncio.shield(check) and not call.done():
-                    self.take_out(server, f"no answer to /health_generate within {interval_s:g} s")
+                    check = self._checks[server] = asyncio.ensure_future(self.healthy(server, interval_s))
+                why = await asyncio.shield(check)
+                if why is not None and not call.done():
+                    self.take_out(server, why)
                     raise aiohttp.ServerTimeoutError(f"{self.urls[server]} failed its health check")
             return await call
         finally:
             if not call.done():
                 call.cancel()
+
+    async def healthy(self, server: int, timeout_s: float) -> str | None:
+        """``None`` when ``server`` is alive: paused (``Readiness``) or it answered ``GET
+        /health_generate`` with 200 within ``timeout_s`` seconds; else why not."""
+        status = await self.status(server, "/ready", min(timeout_s, self.probe_timeout_s))
+        paused = self.readiness.judge(server, status, time.monotonic())
+        if paused is True:
+            return None
+        if paused is not False:
+            return paused
+        if await self.answers(server, "/health_generate", timeout_s=timeout_s):
+            return None
+        return f"no answer to /health_generate within {timeout_s:g} s"
+
+    async def status(self, server: int, path: str, timeout_s: float) -> int | None:
+        """The HTTP status of ``GET path`` on ``server`` within ``timeout_s`` seconds, ``None``
+        without an answer."""
+        try:
+            async with self._http().get(self.urls[server] + path,
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await resp.read()
+                return resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
+    async def alive(self, server: int) -> bool:
+        """Whether ``server``'s HTTP layer answers ``GET /ready`` at all (any status) within
+        ``probe_timeout_s``: the process is up. Not ``/health``: SGLang's runs a generation, which
+        waits behind a pause (module docstring, "Paused servers")."""
+        return await self.status(server, "/ready", self.probe_timeout_s) is not None
 
     async def answers(self, server: int, path: str = "/health", timeout_s: float | None = None) -> bool:
         """Whether ``server`` answers ``GET path`` with 200 within ``timeout_s`` seconds

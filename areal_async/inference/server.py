@@ -7,7 +7,7 @@ Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--d
 [--debug-jitter-ms MS --debug-jitter-seed S]``.
 
 Access (``areal_async/auth.py``): with a token (``--api-key``, SGLang's flag, or the job's
-``AREAL_ASYNC_TOKEN``, which ``launcher.local`` sets) every endpoint but ``/health*`` needs
+``AREAL_ASYNC_TOKEN``, which ``launcher.local`` sets) every endpoint but ``/health*`` and ``/ready`` needs
 ``Authorization: Bearer <token>``, as SGLang's ``--api-key`` does; without one, or a wrong one,
 the answer is HTTP 401 and the body is not read. Without a token the server starts only on a
 loopback ``--host``. A request body over ``--max-request-bytes`` (16 MiB by default, far above a
@@ -33,7 +33,7 @@ events, one cumulative chunk per request every ``--stream-interval`` tokens, see
 ``_generate_stream``; decoded with SGLang 0.5.23's
 meaning by ``request.py``: stop strings, ``min_new_tokens``, ``ignore_eos``, ``max_new_tokens: 0``
 prefill-only, ``logprob_start_len`` → ``meta_info.input_token_logprobs``, ``e2e_latency``),
-``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info`` (and ``/server_info``),
+``/health``, ``/health_generate``, ``/ready`` (503 while paused, as SGLang), ``/get_model_info``, ``/get_server_info`` (and ``/server_info``),
 ``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
@@ -219,7 +219,7 @@ async def _body(request: web.Request) -> dict:
 class InferenceServer:
     """HTTP handlers around one ``Engine``; ``app()`` builds the aiohttp application.
 
-    ``token``: required as ``Authorization: Bearer <token>`` on every path but ``/health*``
+    ``token``: required as ``Authorization: Bearer <token>`` on every path but ``/health*`` and ``/ready``
     (``None``: no check); ``max_request_bytes``: the body limit, HTTP 413 above it.
     """
 
@@ -249,6 +249,7 @@ class InferenceServer:
             ("POST", "/generate", self.generate),
             ("GET", "/health", self.health),
             ("GET", "/health_generate", self.health_generate),
+            ("GET", "/ready", self.ready),
             ("GET", "/get_model_info", self.get_model_info),
             ("GET", "/get_server_info", self.get_server_info),
             ("GET", "/server_info", self.get_server_info),
@@ -273,7 +274,7 @@ class InferenceServer:
     @web.middleware
     async def _check_token(self, request: web.Request, handler) -> web.StreamResponse:
         # before the handler reads the body: a caller without the token changes nothing
-        if request.path.startswith(auth.OPEN_PREFIX) or auth.bearer_ok(request.headers.get(auth.HEADER), self.token):
+        if request.path.startswith(auth.OPEN_PREFIXES) or auth.bearer_ok(request.headers.get(auth.HEADER), self.token):
             return await handler(request)
         return _error("Unauthorized: send the job's token as 'Authorization: Bearer <token>' (AREAL_ASYNC_TOKEN)",
                       status=401)
@@ -435,6 +436,10 @@ class InferenceServer:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
+
+    async def ready(self, request: web.Request) -> web.Response:
+        # SGLang's /ready: 503 while generation is paused (pause_generation), at once
+        return web.Response(status=503 if self.engine.paused else 200, text="")
 
     async def health_generate(self, request: web.Request) -> web.Response:
         start = next(iter(self.engine.eos_token_ids), 0)
@@ -702,7 +707,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="largest request body accepted (HTTP 413 above it)")
     p.add_argument("--api-key", default=None,
-                   help=f"token every path but /health* requires as 'Authorization: Bearer' (default: ${auth.ENV})")
+                   help=f"token every path but /health* and /ready require as 'Authorization: Bearer' (default: ${auth.ENV})")
     p.add_argument("--debug-jitter-ms", type=float, default=0.0, help="random delay before each step")
     p.add_argument("--debug-jitter-seed", type=int, default=0)
     p.add_argument("--debug-jitter-stream", type=int, default=0, help="e.g. the server index")
