@@ -5,8 +5,8 @@
 
 Builds a one-rank weight-update group (``areal_async.weight_group.new_weight_group``, the store on
 127.0.0.1, as the launcher's jobs do), runs one broadcast on it, then prints one line per TCP socket
-this process listens on, read from ``/proc/self/fd`` and ``/proc/net/tcp{,6}``: its local address
-and whether it is loopback only. The store's own socket is on 127.0.0.1 by construction; what this
+this process listens on (``tests/listening.py``, from ``/proc``): its local address and whether it
+is loopback only. Run from the repository root (``PYTHONPATH=.``). The store's own socket is on 127.0.0.1 by construction; what this
 shows is where the backend's own sockets (NCCL's bootstrap and proxy, gloo's pairs) listen.
 Prints the environment variables that steer them (``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``).
 """
@@ -14,49 +14,12 @@ Prints the environment variables that steer them (``NCCL_SOCKET_IFNAME``, ``GLOO
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import socket
 import sys
 
 import torch
 
-
-def _inodes() -> set[str]:
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            found.add(target[len("socket:["):-1])
-    return found
-
-
-def _address(hex_addr: str, family: int) -> str:
-    ip_hex, port_hex = hex_addr.split(":")
-    raw = bytes.fromhex(ip_hex)
-    if family == socket.AF_INET:
-        ip = socket.inet_ntop(family, raw[::-1])
-    else:  # four little-endian 32-bit words
-        ip = socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
-    return f"{ip}:{int(port_hex, 16)}"
-
-
-def listening() -> list[str]:
-    """``ip:port`` of every TCP socket of this process in state LISTEN."""
-    mine, found = _inodes(), []
-    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        try:
-            lines = open(path).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in mine:  # 0A: LISTEN
-                found.append(_address(cols[1], family))
-    return found
+from tests.listening import listening, off_loopback
 
 
 def main() -> int:
@@ -76,12 +39,12 @@ def main() -> int:
         torch.cuda.synchronize()
     env = {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
     print(f"backend {args.backend}, env {env}")
-    addrs = listening()
-    for addr in addrs:
-        host = addr.rsplit(":", 1)[0]
-        loop = ipaddress.ip_address(host).is_loopback
-        print(f"  listening on {addr:<28} {'loopback' if loop else 'NOT loopback'}")
-    if not addrs:
+    sockets = listening(os.getpid())
+    outside = off_loopback(sockets)
+    for address, port in sockets:
+        where = "NOT loopback" if (address, port) in outside else "loopback"
+        print(f"  listening on {f'{address}:{port}':<28} {where}")
+    if not sockets:
         print("  no listening TCP socket found (is /proc/net/tcp readable here?)")
     return 0
 

@@ -78,11 +78,13 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class _RMSNorm:
-    """An HF RMSNorm module; on CUDA one fused ``F.rms_norm`` launch with its weight and epsilon."""
+    """An HF RMSNorm module; on CUDA one fused ``F.rms_norm`` launch with its weight and epsilon
+    (chosen once, from where the weight lives: the forward never moves it)."""
 
     def __init__(self, module: nn.Module):
         self.module = module
         self.eps = getattr(module, "variance_epsilon", None)
+        self.fused = module.weight.is_cuda and self.eps is not None
 
     @property
     def params(self) -> tuple[torch.Tensor, float]:
@@ -90,7 +92,7 @@ class _RMSNorm:
         return self.module.weight, self.eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.eps is not None:
+        if self.fused:
             return F.rms_norm(x, (x.shape[-1],), self.module.weight, self.eps)
         return self.module(x)
 
