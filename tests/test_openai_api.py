@@ -293,6 +293,9 @@ def test_v1_chat_completions(tiny_model_dir):
     ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "a", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "a", "model": 7}, "model"),
+    ("/v1/chat/completions", {"messages": PROMPT, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("/v1/completions", {"prompt": "a", "top_p": 0.0}, "top_p"),
     ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, "max_tokens"),
@@ -316,6 +319,20 @@ def test_v1_refuses_what_it_cannot_honour_with_openai_errors(tiny_model_dir, pat
     assert set(out) == {"error"} and set(out["error"]) == {"message", "type", "param", "code"}, out
     assert out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error", out
     assert out["error"]["code"] == 400 and param.split(".")[0] in out["error"]["message"], out
+
+
+def test_v1_names_a_field_of_the_wrong_json_type_its_value_and_what_to_send(tiny_model_dir):
+    async def main():
+        async with running(tiny_model_dir) as (url, http, _):
+            return [await post(http, url + "/v1/completions", {"prompt": "a", **field}) for field in
+                    ({"max_tokens": True}, {"stream": "yes"}, {"stream_options": 3})]
+
+    (s1, o1), (s2, o2), (s3, o3) = asyncio.run(main())
+    assert (s1, s2, s3) == (400, 400, 400)
+    assert o1["error"]["message"] == "max_tokens True is not an integer; send an integer (or leave max_tokens out)"
+    assert o2["error"]["message"] == ("stream 'yes' is not a JSON boolean (true or false); send a JSON boolean "
+                                      "(true or false) (or leave stream out)")
+    assert o3["error"]["message"] == "stream_options 3 is not a JSON object; send a JSON object (or leave stream_options out)"
 
 
 def test_the_openai_client(tiny_model_dir):

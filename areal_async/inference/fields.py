@@ -1,4 +1,5 @@
-"""The JSON field checker of the server's endpoints: top-level request fields, one at a time.
+"""The JSON field checker of the server's endpoints (SGLang's and the OpenAI ones, ``openai_api.py``): top-level
+request fields, one at a time.
 
 Fields have exact JSON types (``true`` is not an integer, ``"false"`` not a boolean; ``field``),
 a missing or ``null`` field takes its default (SGLang's), and every error is a ``ValueError`` that
@@ -25,6 +26,7 @@ KINDS = {  # the JSON type a request field must have: (check, what to send)
     "bool": (lambda v: type(v) is bool, "a JSON boolean (true or false)"),
     "int": (lambda v: type(v) is int, "an integer"),
     "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "object": (lambda v: isinstance(v, dict), "a JSON object"),
     "text": (lambda v: isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(t, str) for t in v)),
              "a string, or a non-empty list of strings (a batch)"),
 }

@@ -49,6 +49,7 @@ import msgspec
 from aiohttp import web
 
 from ..types import sample_seed
+from . import fields
 from .admission import QueueFull, retry_after_headers
 from .engine import Completion, Engine
 from .request import decode_sampling
@@ -156,7 +157,7 @@ class OpenAIApi:
         try:
             _room(self.engine, 1)  # a full queue refuses before the body is read
             body = await _json_object(request)
-            prompt = self._chat_prompt(body.get("messages"), _get(body, "chat_template_kwargs", {}, dict))
+            prompt = self._chat_prompt(body.get("messages"), _get(body, "chat_template_kwargs", {}, "object"))
             limit = _get(body, "max_completion_tokens", None)
             limit = _get(body, "max_tokens", None) if limit is None else limit
             if limit is None and len(prompt) >= self.engine.max_seq_len:
@@ -222,12 +223,12 @@ class OpenAIApi:
         except ValueError as exc:  # too long (naming max_new_tokens, SGLang's max_tokens), or a bad token id
             param = "max_tokens" if "max_new_tokens" in str(exc) else "prompt" if "input_ids" in str(exc) else None
             raise OpenAIError(f"{param}: {exc}" if param else str(exc), param) from None
-        stream = _get(body, "stream", False, bool)
-        usage = _get(body, "stream_options", {}, dict).get("include_usage") or False
+        stream = _get(body, "stream", False, "bool")
+        usage = _get(body, "stream_options", {}, "object").get("include_usage") or False
         if type(usage) is not bool:
             raise OpenAIError(f"stream_options.include_usage {usage!r} is not a boolean; send true or false",
                               "stream_options")
-        model = _get(body, "model", self.model_id, str)
+        model = _get(body, "model", self.model_id, "str")
         _room(self.engine, len(all_prompts))  # every choice of every prompt, admitted whole or refused whole
         return _Call(self, rid, model, all_prompts, all_params, rids, n, stream, usage)
 
@@ -377,21 +378,17 @@ async def _json_object(request: web.Request) -> dict:
     return body
 
 
-_TYPES = {int: "an integer", bool: "a boolean", str: "a string", dict: "a JSON object"}
-
-
-def _get(body: dict, key: str, default, kind: type = int):
-    """``body[key]`` of JSON type ``kind`` (``true`` is not an integer); absent or null: ``default``.
+def _get(body: dict, key: str, default, kind: str = "int"):
+    """``body[key]`` of JSON type ``kind`` (a key of ``fields.KINDS``; ``true`` is not an
+    integer); absent or null: ``default``.
 
     Raises:
-        OpenAIError: another type, naming the field.
+        OpenAIError: another type, naming the field (``fields.field``'s message).
     """
-    value = body.get(key)
-    if value is None:
-        return default
-    if type(value) is not kind:
-        raise OpenAIError(f"{key} {value!r} is not {_TYPES[kind]}; send {_TYPES[kind]} (or leave {key} out)", key)
-    return value
+    try:
+        return fields.field(body, key, kind, default, send=f"{fields.KINDS[kind][1]} (or leave {key} out)")
+    except ValueError as exc:
+        raise OpenAIError(str(exc), key) from None
 
 
 def _sampling(body: dict, neutral: dict, extra: dict) -> dict:
