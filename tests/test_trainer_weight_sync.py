@@ -459,7 +459,7 @@ def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_i
                 Client([f"http://127.0.0.1:{p}" for p in ports], backoff_s=0.01, probe_timeout_s=1.0) as client:
             await client.wait_healthy(timeout_s=120)
             reference = DiskWeightSender(policy, ref, 1, str(tiny_model_dir), tmp_path / "weights", torch.float32)
-            sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", 0, 64 * 1024, torch.float32,
+            sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", free_port(), 64 * 1024, torch.float32,
                                              torch.device("cpu"))
             await sender.setup()
             before = await ref.generate(prompt, sampling, "before")
@@ -532,3 +532,51 @@ def test_the_distributed_sender_raises_no_server_left_when_every_server_has_died
     sender.group, sender.members = None, [0, 1]  # built before both died
     with pytest.raises(NoServerLeft, match=r"no inference server left: all 2 .*http://server-0: killed"):
         asyncio.run(sender.send(1))
+
+
+def test_a_member_restarted_unseen_is_found_by_its_version_and_the_group_rebuilt(tiny_model_dir, monkeypatch):
+    # Server 1 died and was restarted between two updates without a call of the client failing:
+    # both are live, but server 1 serves version 0 after version 3 was sent. The next update
+    # rebuilds the group over both; only server 0 (the survivor) is asked to destroy the old one.
+    from areal_async.trainer import weight_sync
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(weight_sync, "new_weight_group",
+                        lambda backend, address, port, rank, world_size, group_name, store: f"group {group_name}")
+    monkeypatch.setattr(weight_sync, "destroy_weight_group", lambda group: calls.append(("rank 0 destroys", group)))
+    monkeypatch.setattr(weight_sync, "broadcast_", lambda group, tensors: calls.append(("broadcast", group)))
+
+    class Restarted(AllLive):
+        async def version(self, server: int) -> int | None:
+            return [3, 0][server]
+
+    class Client:
+        urls = ["http://server-0", "http://server-1"]
+        servers = Restarted(2)
+
+        async def pause(self, mode="abort"):
+            pass
+
+        async def continue_generation(self):
+            pass
+
+        async def destroy_weights_update_group(self, server, group_name):
+            calls.append(("destroy", server, group_name))
+
+        async def init_weights_update_group(self, server, master_address, master_port, rank_offset, world_size,
+                                            backend, group_name):
+            calls.append(("join", server, rank_offset, world_size, group_name))
+
+        async def update_weights_from_distributed(self, server, names, dtypes, shapes, version, group_name):
+            calls.append(("update", server, version, group_name))
+
+    sender = DistributedWeightSender(_policy(tiny_model_dir), Client(), 2, "127.0.0.1", 1, 1 << 30, torch.float32,
+                                     torch.device("cpu"))
+    sender.group, sender.members, sender.served = "group weight_update_group", [0, 1], 3  # as after version 3
+    asyncio.run(sender.send(4))
+    assert calls[:4] == [("rank 0 destroys", "group weight_update_group"), ("destroy", 0, "weight_update_group"),
+                         ("join", 0, 1, 3, "weight_update_group_1"), ("join", 1, 2, 3, "weight_update_group_1")]
+    # the broadcast's thread and the calls run at once: their order is not fixed
+    assert sorted(calls[4:]) == [("broadcast", "group weight_update_group_1"),
+                                 ("update", 0, 4, "weight_update_group_1"), ("update", 1, 4, "weight_update_group_1")]
+    assert sender.served == 4

@@ -3,8 +3,8 @@
 ``WeightSender`` is the seam; two implementations:
 
 - ``DistributedWeightSender`` (default): one torch.distributed group joins trainer rank 0
-  (rank 0 of that group) and every server (rank ``1 + i``, world size ``1 + num_servers``), set
-  up through each server's ``/init_weights_update_group`` while rank 0 hosts the rendezvous
+  (rank 0 of that group) and every live server (the ``j``-th of them rank ``1 + j``, world size
+  ``1 + live servers``), set up through each server's ``/init_weights_update_group`` while rank 0 hosts the rendezvous
   (``weight_group.new_weight_group``: built as SGLang's ``init_custom_process_group`` builds it, so
   the servers may be real SGLang ones). Each update: pause generation (in-flight requests return
   partial outputs and are resubmitted by the client), then for each bucket of at most
@@ -41,13 +41,43 @@ collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
 
 Dead servers (``areal_async/inference/routing.py``): both senders pause, update and continue only the
 servers in the client's routing, so a dead one is skipped, never waited for (a call to it fails to
-connect; a hung one fails once the launcher's health check has killed it). ``DiskWeightSender``
-first asks the departed servers again (``probe(require_version=False)``): a server the launcher
-restarted, which serves the initial weights, is loaded with the update like the others and so
-rejoins with the current version. ``DistributedWeightSender`` cannot take a server back: its group
-was built once with a fixed world size, and a restarted server is a new process outside it. It
-raises ``RuntimeError`` (naming the server and ``trainer.weight_sync=disk``) when a server has left
-routing, and the launcher does not restart servers of such a job.
+connect; a hung one fails once the launcher's health check has killed it), and both first ask the
+departed servers again (``probe(require_version=False)``): a server the launcher restarted, which
+serves the initial weights, is loaded with the update like the others and so rejoins with the
+current version. ``DiskWeightSender`` needs nothing more. ``DistributedWeightSender`` follows the
+live set with its group, as slime's fault tolerance does for restarted rollout engines:
+
+- before an update (after the pause), when the live servers differ from the group's members (one
+  left routing, or came back), or a member serves a version behind the last one sent (restarted
+  between two calls, unseen), the group is rebuilt: rank 0 destroys its side first (its
+  connections close, which ends a survivor's receive still blocked in it, with gloo), then each
+  surviving member destroys its own (SGLang's ``POST /destroy_weights_update_group``
+  ``{group_name}``; its 400 "does not exist", e.g. from a restarted server, is ignored), then the
+  live servers join a new group (world size ``1 + live``);
+- rendezvous: rank 0 hosts one ``TCPStore`` on ``master_address:master_port`` for the sender's
+  life (``weight_group.host_store``) and each group takes the next name, ``weight_update_group``,
+  ``weight_update_group_1``, ... The name is the store's key prefix, so a new group never reads
+  the keys an old one left (a dead server's address), and the port stays the one configured
+  (``trainer.weight_sync_port``, one port to open between machines) rather than a new free one
+  per rebuild that rank 0 would have to choose and the servers reach. SGLang keeps its groups in
+  a dict by name, so the servers hold each name once;
+- a server that dies during an update (its HTTP call fails to connect and it no longer answers
+  ``/health``, or the broadcast fails): it leaves routing, the group is rebuilt over the
+  survivors and the whole version is sent again, every bucket (the survivors overwrite their
+  partial copy; the same version is accepted again). Bounded: a second failure of that version,
+  or no server left (``NoServerLeft``), raises, naming the servers. A failure with every member
+  still answering and none restarted (a refusal: bad names, a version behind) raises at once.
+  The other trainer ranks follow rank 0's decision (one broadcast over the default group after
+  each version) and take part in the gathers again.
+
+Limits: measured with gloo on CPU only (``tests/test_trainer_weight_sync.py``), where a dead peer
+fails the broadcast within milliseconds. With NCCL a broadcast to a dead peer, and a survivor's
+receive in the abandoned group, may block until the group's timeout
+(``weight_group.new_weight_group``, 300 s) before the rebuild goes on, and a real SGLang survivor
+serves the destroy and the new join only once that receive has ended. A member restarted at
+exactly the version last sent to it (killed before the first update) is not recognised: its
+refusal of the bucket stops the job. If rank 0 fails before the first bucket (the rebuild), the
+other ranks wait in their gathers until torchrun stops them.
 
 Under FSDP2 every trainer rank takes part in gathering the full tensors (one all-gather per
 parameter, ``policy.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
