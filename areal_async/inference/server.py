@@ -40,10 +40,11 @@ SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generatio
 NCCL broadcast from rank 0 in ``names`` order, or SGLang's ``flattened_bucket``; the group is built
 as SGLang builds it, ``weight_group``), ``/destroy_weights_update_group`` (``{group_name}``; as
 SGLang 0.5.23: ``{success, message}``, HTTP 400 "The group to be destroyed does not exist." for a
-name it holds no group of; the trainer calls it when it rebuilds its group), ``/update_weights_from_disk`` (an HF safetensors
-directory), and the OpenAI-compatible ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
-(``openai_api.py``; the model id is ``--served-model-name``, by default ``--model-path``, as on
-SGLang). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
+name it holds no group of; the trainer calls it when it rebuilds its group),
+``/update_weights_from_disk`` (an HF safetensors directory), and the OpenAI-compatible
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (``openai_api.py``; the model id is
+``--served-model-name``, by default ``--model-path``, as on SGLang).
+Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
 SGLang's ``{"success": false, "message": ...}``), naming the field; fields have exact JSON types
 (``fields.py``: ``return_logprob`` is ``true``/``false``, never ``"false"``; the two weight-group endpoints read
 their scalars as SGLang's schemas do, ``"29612"`` as a port: ``weight_requests``;

@@ -4,7 +4,8 @@
 
 - ``DistributedWeightSender`` (default): one torch.distributed group joins trainer rank 0
   (rank 0 of that group) and every live server (the ``j``-th of them rank ``1 + j``, world size
-  ``1 + live servers``), set up through each server's ``/init_weights_update_group`` while rank 0 hosts the rendezvous
+  ``1 + live servers``), set up through each server's ``/init_weights_update_group`` while rank 0
+  hosts the rendezvous
   (``weight_group.new_weight_group``: built as SGLang's ``init_custom_process_group`` builds it, so
   the servers may be real SGLang ones). Each update: pause generation (in-flight requests return
   partial outputs and are resubmitted by the client), then for each bucket of at most
@@ -100,8 +101,8 @@ from areal_async.dtypes import dtype_name
 from areal_async.inference.interface import WeightUpdateClient
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
 from areal_async.trainer.policy import full_parameters
-from areal_async.weight_group import (DEFAULT_GROUP_NAME, broadcast_, destroy_weight_group, host_store, in_daemon_thread,
-                                      new_weight_group)
+from areal_async.weight_group import (DEFAULT_GROUP_NAME, broadcast_, destroy_weight_group, host_store,
+                                      in_daemon_thread, new_weight_group)
 
 GROUP_NAME = DEFAULT_GROUP_NAME
 
