@@ -89,7 +89,7 @@ class InferenceConfig(_Cfg):
     # passes those checks for this many seconds in a row, then counts as hung (inference/routing.py)
     max_pause_s: PosFloat = 300.0
     # restarts of each server (same port, initial weights; the trainer's next update brings it up
-    # to date; trainer.weight_sync=disk and num_servers >= 2 only); one more death stops the job with
+    # to date, over either trainer.weight_sync; num_servers >= 2 only); one more death stops the job with
     # its error. 0: never
     max_server_restarts: NonNegInt = 3
     max_request_bytes: PosInt = 16 * 1024 * 1024  # embedded: a larger request body is HTTP 413

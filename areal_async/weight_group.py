@@ -20,6 +20,15 @@ for its side, and what slime's and AReaL's trainers use for theirs), so either e
 - the group is registered in torch's process-group registry under ``group_name`` (as SGLang's
   is), so one process holds one group of each name: ``destroy_weight_group`` releases it.
 
+Rebuilding (``trainer/weight_sync.py``, after a server died or came back): rank 0 may host the
+store once (``host_store``) and build successive groups over it, each under a new
+``group_name``. The name is the store's key prefix, so a new group never reads the keys an old
+one left there (a dead server's address among them); the servers' side is unchanged, a
+``TCPStore`` client per join, as SGLang's. Destroying a group that a daemon thread is still
+blocked in (a broadcast, ``in_daemon_thread``) releases its name at once; measured with gloo on
+CPU (torch 2.13), the thread stays blocked until its peers close their side or the timeout ends
+it, and the group's connections close when that thread lets go of it.
+
 One difference, on CUDA only: when the caller's default group is bound to a device
 (``init_process_group(device_id=...)``, as the trainer does), ``_new_process_group_helper``
 would make the NCCL communicator by splitting the default group's, a collective of the trainer's
@@ -54,6 +63,7 @@ def new_weight_group(
     timeout_s: float = 300.0,
     *,
     group_name: str = DEFAULT_GROUP_NAME,
+    store: dist.TCPStore | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank > 0) or host (rank 0) a weight-update group. Blocks until all ranks joined.
 
@@ -68,9 +78,12 @@ def new_weight_group(
         timeout_s: seconds to wait for the peers (the store) and for each collective.
         group_name: SGLang's ``group_name``: the store's key prefix and the group's registered
             name; every member must use the same one.
+        store: rank 0 only: a store already hosted on ``master_address:master_port``
+            (``host_store``; shared by successive groups of distinct names); ``None``: host one.
     Raises:
-        ValueError: unknown backend, rank outside ``[0, world_size)``, an empty group name, or a
-            group of that name already held by this process (``destroy_weight_group`` it first).
+        ValueError: unknown backend, rank outside ``[0, world_size)``, an empty group name, a
+            group of that name already held by this process (``destroy_weight_group`` it first),
+            or a ``store`` given to a rank other than 0.
         torch.distributed.DistError: the peers did not all join within ``timeout_s``.
         OSError: rank 0 cannot listen on ``master_address:master_port`` (taken, or not an address
             of this machine).
@@ -85,9 +98,13 @@ def new_weight_group(
     if group_name in c10d._world.pg_names.values():  # before the store, as torch's check is after it
         raise ValueError(f"this process already holds a process group named '{group_name}'; destroy it "
                          f"first or use another group_name")
+    if store is not None and rank != 0:
+        raise ValueError(f"weight group rank {rank} was given a store; only rank 0 hosts the rendezvous")
     timeout = datetime.timedelta(seconds=timeout_s)
     # the store torch's tcp:// rendezvous opens (SGLang's init_method), hosted by rank 0
-    if rank == 0:  # listening on master_address only, not on every interface (tcp_store.py)
+    if store is not None:
+        pass  # hosted by the caller (host_store), shared with earlier groups of other names
+    elif rank == 0:  # listening on master_address only, not on every interface (tcp_store.py)
         store = hosted_store(master_address, master_port, world_size, timeout, multi_tenant=True)
     else:
         store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout,
@@ -99,6 +116,19 @@ def new_weight_group(
             group_name=group_name, timeout=timeout)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as SGLang: group rank == rank
     return group
+
+
+def host_store(master_address: str, master_port: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """Rank 0's rendezvous store on ``master_address:master_port``, for ``new_weight_group(...,
+    store=)``: several groups, one after another, each under its own ``group_name`` (module
+    docstring). Returns at once (it does not wait for peers: each group's join does).
+
+    Raises:
+        OSError: ``master_address:master_port`` cannot be bound (taken, or not an address of this
+            machine).
+    """
+    return hosted_store(master_address, master_port, None, datetime.timedelta(seconds=timeout_s),
+                        multi_tenant=True, wait_for_workers=False)
 
 
 def destroy_weight_group(group: dist.ProcessGroup) -> None:

@@ -18,8 +18,9 @@ timeout, ``HealthCheck``), unless its ``GET /ready`` says it is paused, which pa
 on its port with the command line it started with (the initial weights), up to
 ``inference.max_server_restarts`` times each, after the queue counted it (``server_failed``); the
 clients route around it meanwhile and take it back once the trainer's next weight update has
-loaded the current weights on it (``areal_async/inference/routing.py``). Only with
-``trainer.weight_sync=disk`` and two servers or more: otherwise a server's death stops the job.
+loaded the current weights on it (``areal_async/inference/routing.py``; with
+``trainer.weight_sync=distributed`` that update first rebuilds the weight-update group with it,
+``trainer/weight_sync.py``). Only with two servers or more: with one, its death stops the job.
 If any other process exits non-zero (or a long-lived one exits at all), or a worker or a server dies once
 more than allowed, every process is stopped and
 the launcher exits 1, printing that process's last lines; except once: when a process could not
@@ -228,18 +229,13 @@ def server_failed(cfg: Config, token: str | None, sup: Supervisor, server: int, 
     launcher's line.
 
     Raises:
-        RuntimeError: ``trainer.weight_sync=distributed`` (a restarted server cannot rejoin the
-            trainer's weight-update group, ``trainer/weight_sync.py``), one server only (no other
-            to generate meanwhile, nor to tell the clients the current version), or the job was
-            still starting (no queue yet): the job stops with the server's error.
+        RuntimeError: one server only (no other to generate meanwhile, nor to tell the clients
+            the current version), or the job was still starting (no queue yet): the job stops
+            with the server's error.
         ConnectionError, TimeoutError: the queue is not reachable (10 s) or does not answer (30 s).
     """
     from areal_async.queue.client import QueueClient
 
-    if cfg.trainer.weight_sync == "distributed":
-        raise RuntimeError("with trainer.weight_sync=distributed a restarted server cannot rejoin the trainer's "
-                           "weight-update group (built once, with a fixed world size); set "
-                           "trainer.weight_sync=disk to survive the death of a server")
     if cfg.inference.num_servers == 1:
         raise RuntimeError("a job with one inference server cannot go on without it (no other server generates "
                            "meanwhile or tells the clients the current weight version); set "

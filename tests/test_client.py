@@ -87,12 +87,13 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
                 await client.update_weights_from_disk(0, "/ckpt/step5", 5)
                 await client.pause()
                 await client.continue_generation()
+                await client.destroy_weights_update_group(0, "weight_update_group_1")
                 return result, await client.get_weight_version(0)
 
     result, version = asyncio.run(main())
     assert result == GenResult([7, 8, 9, 2], [-0.5, -0.25, -1.0, -0.125], [4, 4, 5, 5], "stop")
     assert version == 5
-    (p1, first), (p2, second), (p3, init), (p4, update), (p5, disk), (p6, pause), (p7, _), (p8, _) = seen
+    (p1, first), (p2, second), (p3, init), (p4, update), (p5, disk), (p6, pause), (p7, _), (p8, destroy), (p9, _) = seen
     assert p1 == p2 == "/generate" and set(first) == set(second) == GENERATE_FIELDS
     assert first["input_ids"] == [1, 2, 3] and first["sampling_params"]["max_new_tokens"] == 10
     # the resubmission: prompt + partial output, remaining budget, same seed and rid
@@ -103,7 +104,8 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
     assert update["weight_version"] == "5" and update["shapes"] == [[64]] and update["dtypes"] == ["bfloat16"]
     assert p5 == "/update_weights_from_disk" and disk == {"model_path": "/ckpt/step5", "weight_version": "5"}
     assert (p6, pause) == ("/pause_generation", {"mode": "abort"}) and p7 == "/continue_generation"
-    assert p8 == "/get_weight_version"
+    assert (p8, destroy) == ("/destroy_weights_update_group", {"group_name": "weight_update_group_1"})
+    assert p9 == "/get_weight_version"
 
 
 def test_a_resubmission_owes_what_is_left_of_min_new_tokens():

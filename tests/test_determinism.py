@@ -10,8 +10,8 @@ runs in ``mode: throughput`` must differ, which shows the comparison can fail.
 The same job under ``launcher.ray`` (each process in a Ray actor, one actor per trainer rank)
 must equal the ``launcher.local`` run bit for bit.
 
-Faults: a deterministic job (disk weight sync) whose inference server 1 is SIGKILLed while a group
-runs, and then its only worker while it holds groups, must finish (the clients move the dead
+Faults: a deterministic job (disk weight sync, and again distributed) whose inference server 1 is
+SIGKILLed while a group runs, and then its only worker while it holds groups, must finish (the clients move the dead
 server's generations to server 0, same rids and seeds; the launcher restarts the server, which
 rejoins at the trainer's next update, and the worker, and the queue hands the worker's groups out
 again), train every group once, count one server failure and restart, and equal the undisturbed
@@ -162,18 +162,28 @@ def _wait(what: str, ready, timeout_s: float, proc: subprocess.Popen) -> None:
 def killed_run(tiny_model_dir, tmp_path_factory):
     """One worker (the worker count decides nothing in deterministic mode), SIGKILLed while it holds
     groups, after inference server 1 was SIGKILLed while a group ran, after step 0 was logged;
-    returns (exit status, the launcher's output, run directory)."""
+    weights sent from disk; returns (exit status, the launcher's output, run directory)."""
+    return _killed_run(tiny_model_dir, tmp_path_factory, "disk")
+
+
+@pytest.fixture(scope="module")
+def killed_run_distributed(tiny_model_dir, tmp_path_factory):
+    """``killed_run`` with the weights broadcast (``trainer.weight_sync=distributed``)."""
+    return _killed_run(tiny_model_dir, tmp_path_factory, "distributed")
+
+
+def _killed_run(tiny_model_dir, tmp_path_factory, weight_sync: str):
     import signal
 
     from areal_async.config import load_config
     from areal_async.queue.client import QueueClient
 
-    root, name = tmp_path_factory.mktemp("killed"), "killed-worker"
+    root, name = tmp_path_factory.mktemp(f"killed-{weight_sync}"), "killed-worker"
     run_dir = root / name
     out = (root / "launcher.out").open("w+")
     token = "chaos-test-token"  # the job's token, given to the launcher, so the test can ask the queue
     proc = subprocess.Popen(job_argv(tiny_model_dir, root, name, "deterministic", 3,
-                                     extra=("rollout.num_workers=1", "trainer.weight_sync=disk")),
+                                     extra=("rollout.num_workers=1", f"trainer.weight_sync={weight_sync}")),
                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "AREAL_ASYNC_TOKEN": token})
     try:
@@ -227,6 +237,20 @@ def _trained_ids(run_dir: pathlib.Path) -> list[int]:
 def test_a_killed_worker_is_restarted_and_the_run_equals_an_undisturbed_one(killed_run, runs):
     # The launcher restarts the worker, the queue hands its groups out again (same ids and seeds),
     # and the run ends exactly as the undisturbed 2-worker run.
+    _check_the_killed_run(killed_run, runs)
+
+
+def test_the_killed_run_with_the_distributed_weight_sync_equals_an_undisturbed_one(killed_run_distributed, runs):
+    # As above with the weights broadcast: the trainer rebuilds its weight-update group without the
+    # dead server, and again with it once restarted (weight_sync.py), and the run ends exactly as
+    # the undisturbed one (itself run with the distributed sync, the default).
+    rc, output, run_dir = killed_run_distributed
+    _check_the_killed_run(killed_run_distributed, runs)
+    trainer_log = (run_dir / "logs/trainer.log").read_text()
+    assert "rebuilding the weight-update group 'weight_update_group'" in trainer_log, trainer_log[-3000:]
+
+
+def _check_the_killed_run(killed_run, runs) -> None:
     rc, output, run_dir = killed_run
     assert rc == 0, output[-4000:]
     assert "worker0 was killed by SIGKILL; restart 1 of 3" in output

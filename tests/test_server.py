@@ -873,6 +873,7 @@ _SHORT = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}  # runs
     ("/update_weights_from_distributed", {**_BUCKET, "abort_all_requests": 2}, "abort_all_requests 2 is not a boolean"),
     ("/update_weights_from_distributed", {**_BUCKET, "load_format": "direct"}, "load_format 'direct' is not supported"),
     ("/update_weights_from_distributed", _BUCKET, "no weight group 'weight_update_group' (joined: none yet)"),
+    ("/destroy_weights_update_group", {"group_name": [1]}, "group_name [1] is not a non-empty string"),
     ("/update_weights_from_disk", {"model_path": "MODEL", "abort_all_requests": "false"},
      "abort_all_requests 'false' is not a JSON boolean"),
     ("/pause_generation", {"mode": 5}, "mode 5 is not a non-empty string"),
@@ -893,7 +894,7 @@ def test_a_field_of_the_wrong_json_type_is_a_json_400_naming_it(tiny_model_dir, 
 
     (status, out), version, paused = asyncio.run(main())
     assert status == 400 and isinstance(out, dict), out
-    message = out["message"] if path.startswith(("/init", "/update")) else out["error"]["message"]
+    message = out["message"] if path.startswith(("/init", "/update", "/destroy")) else out["error"]["message"]
     assert words in message, message
     assert version == 0 and not paused
 
@@ -946,6 +947,36 @@ def test_a_weight_update_without_group_name_names_the_default_and_the_joined_gro
     assert joined[0] == 200, joined
     assert status == 400 and "no weight group 'weight_update_group' (joined: 'g')" in out["message"], out
     assert "call /init_weights_update_group with group_name 'weight_update_group' first" in out["message"]
+
+
+def test_destroy_weights_update_group_answers_as_sglang_and_frees_the_name(tiny_model_dir):
+    # SGLang 0.5.23: 200 {success: true} for a held group; 400 {success: false, "The group to be
+    # destroyed does not exist."} for another name or a second time; the destroyed name can be joined
+    # again and an update naming it afterwards finds no group
+    port, again = free_port(), free_port()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with running(tiny_model_dir) as (api, _):
+            host = loop.run_in_executor(None, trainer_group, port, 2, "g")
+            joined = await api.post("/init_weights_update_group", {**_JOIN, "master_port": port, "world_size": 2,
+                                                                   "group_name": "g"})
+            await host
+            answers = [await api.post("/destroy_weights_update_group", {"group_name": name}) for name in ("h", "g", "g")]
+            unknown = await api.post("/update_weights_from_distributed", {**_BUCKET, "group_name": "g"})
+            host = loop.run_in_executor(None, trainer_group, again, 2, "g")
+            rejoined = await api.post("/init_weights_update_group", {**_JOIN, "master_port": again, "world_size": 2,
+                                                                     "group_name": "g"})
+            await host
+            default = await api.post("/destroy_weights_update_group", {})
+            return joined, answers, unknown, rejoined, default
+
+    joined, (other, first, second), unknown, rejoined, default = asyncio.run(main())
+    assert joined[0] == rejoined[0] == 200, (joined, rejoined)
+    assert first == (200, {"success": True, "message": "destroyed weight group 'g'"})
+    for answer in (other, second, default):  # default: SGLang's group_name, "weight_update_group", never joined
+        assert answer == (400, {"success": False, "message": "The group to be destroyed does not exist."})
+    assert unknown[0] == 400 and "no weight group 'g' (joined: none yet)" in unknown[1]["message"], unknown
 
 
 def test_health_generate_answers_while_every_slot_is_busy(tiny_model_dir):

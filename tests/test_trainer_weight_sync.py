@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from areal_async.trainer.attention import use_packed_attention
 from areal_async.trainer.packed_policy import PackedPolicy
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
+from areal_async.weight_group import destroy_weight_group
 
 torch.set_num_threads(1)
 
@@ -67,6 +68,12 @@ class AllLive:
     async def probe(self, require_version: bool = True) -> list[int]:
         return []
 
+    async def version(self, server: int) -> int | None:
+        return None  # not asked: no server is restarted
+
+    async def answers(self, server: int, path: str = "/health", timeout_s: float | None = None) -> bool:
+        return True
+
 
 class FakeClient:
     """A ``WeightUpdateClient`` (``inference/interface.py``; ``tests/test_interfaces.py`` checks it),
@@ -99,6 +106,9 @@ class FakeClient:
                                         backend, group_name):
         assert backend == "gloo" and rank_offset == 1 + server
         await self._ask(server, "init", (master_address, master_port, rank_offset, world_size))
+
+    async def destroy_weights_update_group(self, server, group_name):
+        raise AssertionError("no server left or came back: the group is never rebuilt")
 
     async def update_weights_from_distributed(self, server, names, dtypes, shapes, version, group_name):
         n = await self._ask(server, "update", (names, dtypes, shapes, version))
@@ -156,6 +166,7 @@ def test_distributed_sender_two_servers_receive_trainer_weights(tiny_model_dir):
                 for p in policy.parameters():
                     p.add_(0.5)  # the servers must get the trainer's current values
             await sender.send(version=1)
+            destroy_weight_group(sender.group)  # its name is this process's: free it for the next test
 
         asyncio.run(run())
     finally:
@@ -214,6 +225,7 @@ def test_distributed_sender_without_interruption_sends_one_bucket_unpaused(tiny_
     client = DiskClient()
     sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", 0, 64 * 1024, torch.float32,
                                      torch.device("cpu"), interrupt_on_update=interrupt)
+    sender.members = [0, 1]  # as after setup: the group holds both servers
     buckets = []
 
     async def record(bucket, version):
@@ -295,7 +307,7 @@ def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
     client = RefusingClient()
     sender = DistributedWeightSender(_policy(tiny_model_dir), client, 1, "127.0.0.1", 0, 1 << 30, torch.float32,
                                      torch.device("cpu"))
-    sender.group = object()  # never used: the broadcast is the stub above
+    sender.group, sender.members = object(), [0]  # never used: the broadcast is the stub above
     start = time.perf_counter()
     try:
         with pytest.raises(RuntimeError, match="refused the bucket .* weight version 3"):
@@ -319,6 +331,9 @@ def test_a_refused_join_fails_the_setup_at_once(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(weight_sync, "new_weight_group", lambda *args, **kwargs: released.wait(20))
 
     class RefusingClient:
+        urls = ["http://server-0", "http://server-1"]
+        servers = AllLive(2)
+
         async def init_weights_update_group(self, server, *args):
             raise ServerError(f"http://server-{server}", 400, "rank_offset must be >= 1")
 
@@ -386,27 +401,182 @@ def _app(handler):
     return app
 
 
-def test_the_distributed_sender_names_the_fix_when_a_server_has_left(tiny_model_dir):
-    # The weight group was built with both servers; one has died (out of routing): the send
-    # stops at once, naming trainer.weight_sync=disk, and resumes the live server it paused.
-    class OneLeft(AllLive):
-        def live(self) -> list[int]:
-            return [0]
+def _server(model_dir, port: int):
+    """An embedded server process on ``port`` (deterministic inference, float32, 1 thread)."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir), "--port", str(port),
+         "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256", "--threads", "1",
+         "--enable-deterministic-inference"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.timeout(240)
+def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_it_comes_back(tiny_model_dir,
+                                                                                          tmp_path):
+    # Two embedded server processes in the weight group. Version 1 reaches both; server 1 is
+    # SIGKILLed; version 2 reaches server 0 alone (the group rebuilt over it); server 1 is started
+    # again on its port (a new process, initial weights); version 3 reaches both (rebuilt again);
+    # server 1 is SIGKILLed during version 4, as its second bucket is announced: the version is
+    # sent again, whole, to server 0 alone. Each time every live server serves the trainer's
+    # weights bit for bit: its seeded sampled generation equals, token and log-prob, that of a
+    # reference server that loaded the same weights from disk.
+    from areal_async.inference.client import InferenceClient
+    from areal_async.inference.server import InferenceServer, load_engine, serve
+    from tests.test_server import free_port, prompt_ids
+
+    policy = _policy(tiny_model_dir)
+    prompt = prompt_ids(tiny_model_dir)
+    sampling = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    ports = [free_port(), free_port()]
+    procs = [_server(tiny_model_dir, port) for port in ports]
+    generator = torch.Generator().manual_seed(0)
+
+    def perturb():  # new weights for the next version; most outputs change with them
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+
+    class Client(InferenceClient):
+        kill_at = None  # (server, bucket): SIGKILL that server as that bucket of an update is announced
+        buckets = 0
+
+        async def update_weights_from_distributed(self, server, *args, **kwargs):
+            if self.kill_at is not None and server == self.kill_at[0]:
+                self.buckets += 1
+                if self.buckets == self.kill_at[1]:
+                    procs[server].kill()
+                    procs[server].wait()
+            return await super().update_weights_from_distributed(server, *args, **kwargs)
+
+    async def main():
+        engine, tokenizer = load_engine(str(tiny_model_dir), "float32", "cpu", 4, 256, deterministic=True)
+        async with serve(InferenceServer(engine, tokenizer, str(tiny_model_dir))) as ref_url, \
+                InferenceClient([ref_url]) as ref, \
+                Client([f"http://127.0.0.1:{p}" for p in ports], backoff_s=0.01, probe_timeout_s=1.0) as client:
+            await client.wait_healthy(timeout_s=120)
+            reference = DiskWeightSender(policy, ref, 1, str(tiny_model_dir), tmp_path / "weights", torch.float32)
+            sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", free_port(), 64 * 1024, torch.float32,
+                                             torch.device("cpu"))
+            await sender.setup()
+            before = await ref.generate(prompt, sampling, "before")
+            seen = []
+
+            async def check(version: int) -> None:  # every live server serves the policy's weights exactly
+                await reference.send(version)
+                want = await ref.generate(prompt, sampling, f"ref-{version}")
+                assert want.output_ids != before.output_ids, "the new weights change nothing the check sees"
+                for i in client.servers.live():
+                    got = await client.generate(prompt, sampling, f"v{version}-{i}", server=i)
+                    assert (got.output_ids, got.logprobs, got.versions) == (
+                        want.output_ids, want.logprobs, [version] * len(want.output_ids)), (version, i)
+                seen.append((version, client.servers.live(), list(sender.members), sender.group_name))
+
+            perturb()
+            await sender.send(1)
+            await check(1)
+            procs[1].kill()
+            procs[1].wait()
+            perturb()
+            await sender.send(2)  # server 1 fails at the pause and leaves routing; the group is rebuilt
+            await check(2)
+            procs[1] = _server(tiny_model_dir, ports[1])  # restarted: a new process on the same port
+            deadline = asyncio.get_running_loop().time() + 120
+            while not await client.servers.answers(1, "/health_generate"):
+                assert asyncio.get_running_loop().time() < deadline, "the restarted server did not come up"
+                await asyncio.sleep(0.2)
+            perturb()
+            await sender.send(3)  # server 1 answers the probe, rejoins routing and the rebuilt group
+            await check(3)
+            perturb()
+            client.kill_at = (1, 2)
+            await sender.send(4)  # server 1 dies after its first bucket: rebuilt over server 0, sent again
+            await check(4)
+            destroy_weight_group(sender.group)
+            return seen
+
+    try:
+        seen = asyncio.run(main())
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert seen == [(1, [0, 1], [0, 1], "weight_update_group"), (2, [0], [0], "weight_update_group_1"),
+                    (3, [0, 1], [0, 1], "weight_update_group_2"), (4, [0], [0], "weight_update_group_3")]
+
+
+def test_the_distributed_sender_raises_no_server_left_when_every_server_has_died(tiny_model_dir):
+    from areal_async.inference.routing import NoServerLeft, ServerPool
+
+    class Dead(ServerPool):
+        async def probe(self, require_version: bool = True) -> list[int]:
+            return []  # neither answers
+
+    class Client(FakeClient):
+        urls = ["http://server-0", "http://server-1"]
+
+        def __init__(self):
+            self.calls = []
+            self.servers = Dead(self.urls, http=None)
+            for i in range(2):
+                self.servers.take_out(i, "killed")
+
+        async def destroy_weights_update_group(self, server, group_name):
+            raise AssertionError("a dead server is not asked")
+
+    sender = DistributedWeightSender(_policy(tiny_model_dir), Client(), 2, "127.0.0.1", 0, 1 << 30, torch.float32,
+                                     torch.device("cpu"))
+    sender.group, sender.members = None, [0, 1]  # built before both died
+    with pytest.raises(NoServerLeft, match=r"no inference server left: all 2 .*http://server-0: killed"):
+        asyncio.run(sender.send(1))
+
+
+def test_a_member_restarted_unseen_is_found_by_its_version_and_the_group_rebuilt(tiny_model_dir, monkeypatch):
+    # Server 1 died and was restarted between two updates without a call of the client failing:
+    # both are live, but server 1 serves version 0 after version 3 was sent. The next update
+    # rebuilds the group over both; only server 0 (the survivor) is asked to destroy the old one.
+    from areal_async.trainer import weight_sync
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(weight_sync, "new_weight_group",
+                        lambda backend, address, port, rank, world_size, group_name, store: f"group {group_name}")
+    monkeypatch.setattr(weight_sync, "destroy_weight_group", lambda group: calls.append(("rank 0 destroys", group)))
+    monkeypatch.setattr(weight_sync, "broadcast_", lambda group, tensors: calls.append(("broadcast", group)))
+
+    class Restarted(AllLive):
+        async def version(self, server: int) -> int | None:
+            return [3, 0][server]
 
     class Client:
         urls = ["http://server-0", "http://server-1"]
-        servers = OneLeft(2)
-        calls: list[str] = []
+        servers = Restarted(2)
 
         async def pause(self, mode="abort"):
-            self.calls.append("pause")
+            pass
 
         async def continue_generation(self):
-            self.calls.append("continue_generation")
+            pass
 
-    client = Client()
-    sender = DistributedWeightSender(_policy(tiny_model_dir), client, 2, "127.0.0.1", 0, 1 << 30, torch.float32,
+        async def destroy_weights_update_group(self, server, group_name):
+            calls.append(("destroy", server, group_name))
+
+        async def init_weights_update_group(self, server, master_address, master_port, rank_offset, world_size,
+                                            backend, group_name):
+            calls.append(("join", server, rank_offset, world_size, group_name))
+
+        async def update_weights_from_distributed(self, server, names, dtypes, shapes, version, group_name):
+            calls.append(("update", server, version, group_name))
+
+    sender = DistributedWeightSender(_policy(tiny_model_dir), Client(), 2, "127.0.0.1", 1, 1 << 30, torch.float32,
                                      torch.device("cpu"))
-    with pytest.raises(RuntimeError, match=r"\['http://server-1'\] left routing .* set trainer.weight_sync=disk"):
-        asyncio.run(sender.send(1))
-    assert client.calls == ["pause", "continue_generation"]
+    sender.group, sender.members, sender.served = "group weight_update_group", [0, 1], 3  # as after version 3
+    asyncio.run(sender.send(4))
+    assert calls[:4] == [("rank 0 destroys", "group weight_update_group"), ("destroy", 0, "weight_update_group"),
+                         ("join", 0, 1, 3, "weight_update_group_1"), ("join", 1, 2, 3, "weight_update_group_1")]
+    # the broadcast's thread and the calls run at once: their order is not fixed
+    assert sorted(calls[4:]) == [("broadcast", "group weight_update_group_1"),
+                                 ("update", 0, 4, "weight_update_group_1"), ("update", 1, 4, "weight_update_group_1")]
+    assert sender.served == 4

@@ -432,7 +432,9 @@ class InferenceClient:
         backend: str = "gloo",
         group_name: str = "weight_update_group",
     ) -> dict:
-        """Ask ``server`` to join the trainer's weight group (returns once every rank joined)."""
+        """Ask ``server`` to join the trainer's weight group (returns once every rank joined). A
+        server that fails to connect and no longer answers ``/health`` leaves routing (as
+        ``update_weights_from_distributed`` and ``destroy_weights_update_group``)."""
         payload = {
             "master_address": master_address,
             "master_port": master_port,
@@ -441,7 +443,18 @@ class InferenceClient:
             "backend": backend,
             "group_name": group_name,
         }
-        return await self._call(server, "POST", "/init_weights_update_group", payload)
+        return await self._call(server, "POST", "/init_weights_update_group", payload, failover=True)
+
+    async def destroy_weights_update_group(self, server: int, group_name: str = "weight_update_group") -> dict:
+        """Ask ``server`` to leave and destroy its weight group ``group_name`` (SGLang's
+        ``/destroy_weights_update_group``, ``{success, message}``).
+
+        Raises:
+            ServerError: HTTP 400 when the server holds no group of that name (SGLang's message:
+                "The group to be destroyed does not exist.", e.g. a restarted server).
+        """
+        return await self._call(server, "POST", "/destroy_weights_update_group", {"group_name": group_name},
+                                failover=True)
 
     async def update_weights_from_distributed(
         self,
@@ -462,7 +475,7 @@ class InferenceClient:
             "flush_cache": True,
             "weight_version": str(version),
         }
-        return await self._call(server, "POST", "/update_weights_from_distributed", payload)
+        return await self._call(server, "POST", "/update_weights_from_distributed", payload, failover=True)
 
     async def update_weights_from_disk(self, server: int, path: str, version: int) -> dict:
         """Load an HF safetensors directory on ``server`` and set ``weight_version``."""

@@ -45,7 +45,10 @@ class WeightUpdateClient(Protocol):
         urls: one base URL per server.
         servers: the routing state (``routing.ServerPool``): ``live()`` → the indices of the
             servers in routing; ``probe(require_version=...)`` lets dropped servers that answer
-            again back in (the disk sender calls it before each update).
+            again back in (both senders call it before each update); ``version(i)`` → server
+            ``i``'s ``weight_version``, ``answers(i)`` → whether it answers ``/health``,
+            ``take_out(i, why)``, ``route(0)`` (raises ``NoServerLeft`` when none is live): the
+            distributed sender's checks when it rebuilds its group.
     """
 
     urls: list[str]
@@ -57,7 +60,13 @@ class WeightUpdateClient(Protocol):
 
     async def init_weights_update_group(self, server: int, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, backend: str, group_name: str) -> object:
-        """Once per server, at ``DistributedWeightSender.setup``: join the trainer's weight group."""
+        """Per server, at ``DistributedWeightSender.setup`` and at each rebuild of its group (a
+        new ``group_name``, rank ``rank_offset`` of ``world_size``): join the trainer's weight group."""
+        ...
+
+    async def destroy_weights_update_group(self, server: int, group_name: str) -> object:
+        """When ``DistributedWeightSender`` rebuilds its group (a server left or came back): on
+        each server that joined the old group and is still live, destroy it."""
         ...
 
     async def update_weights_from_distributed(self, server: int, names: list[str], dtypes: list[str],

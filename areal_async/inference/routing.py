@@ -36,7 +36,8 @@ in a background task the routing starts (``route``): it rejoins when it answers
 the highest version any live server reports, i.e. it serves the current weights (a server the
 launcher restarted comes up with the initial weights, and the trainer's next update brings it up
 to date). The trainer's weight senders ask without the version rule (``probe(require_version=False)``)
-just before an update, which then brings the rejoined server up to date.
+just before an update, which then brings the rejoined server up to date (either sender; the
+distributed one first rebuilds its weight-update group over the live servers, ``trainer/weight_sync.py``).
 
 Routing (``route``): the caller's preferred server while it is live, else the next live one in
 index order (``(preferred + 1) % n``, ...), so the choice is a function of which servers are out,

@@ -38,10 +38,13 @@ prefill-only, ``logprob_start_len`` → ``meta_info.input_token_logprobs``, ``e2
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
 NCCL broadcast from rank 0 in ``names`` order, or SGLang's ``flattened_bucket``; the group is built
-as SGLang builds it, ``weight_group``), ``/update_weights_from_disk`` (an HF safetensors
-directory), and the OpenAI-compatible ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``
-(``openai_api.py``; the model id is ``--served-model-name``, by default ``--model-path``, as on
-SGLang). Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
+as SGLang builds it, ``weight_group``), ``/destroy_weights_update_group`` (``{group_name}``; as
+SGLang 0.5.23: ``{success, message}``, HTTP 400 "The group to be destroyed does not exist." for a
+name it holds no group of; the trainer calls it when it rebuilds its group),
+``/update_weights_from_disk`` (an HF safetensors directory), and the OpenAI-compatible
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (``openai_api.py``; the model id is
+``--served-model-name``, by default ``--model-path``, as on SGLang).
+Bad input is HTTP 400 with ``{"error": {"message": ...}}`` (the weight endpoints answer
 SGLang's ``{"success": false, "message": ...}``), naming the field; fields have exact JSON types
 (``fields.py``: ``return_logprob`` is ``true``/``false``, never ``"false"``; the two weight-group endpoints read
 their scalars as SGLang's schemas do, ``"29612"`` as a port: ``weight_requests``;
@@ -261,6 +264,7 @@ class InferenceServer:
             ("POST", "/abort_request", self.abort_request),
             ("POST", "/init_weights_update_group", self.init_weights_update_group),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
             ("GET", "/v1/models", self.openai.models),
             ("GET", "/v1/models/{model:.+}", self.openai.model),
@@ -561,6 +565,19 @@ class InferenceServer:
             return _result(False, message)
         self.groups[join.group_name] = group
         return _result(True, f"joined weight group '{join.group_name}'")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        # SGLang 0.5.23's answers: 200 {success: true}, or 400 {success: false} naming why
+        try:
+            name = weight_requests.parse_destroy(await _body(request))
+        except ValueError as exc:
+            return _result(False, f"destroy_weights_update_group failed: ValueError: {exc}")
+        group = self.groups.pop(name, None)
+        if group is None:
+            return _result(False, "The group to be destroyed does not exist.")
+        # a receive still blocked in it keeps it alive until the trainer's side closes (weight_group)
+        weight_group.destroy_weight_group(group)
+        return _result(True, f"destroyed weight group '{name}'")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await _body(request)

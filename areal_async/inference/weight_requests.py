@@ -1,8 +1,9 @@
-"""The bodies of ``/init_weights_update_group`` and ``/update_weights_from_distributed``, read as
-SGLang reads them.
+"""The bodies of ``/init_weights_update_group``, ``/update_weights_from_distributed`` and
+``/destroy_weights_update_group``, read as SGLang reads them.
 
-SGLang 0.5.23 declares them as ``InitWeightsUpdateGroupReqInput`` and
-``UpdateWeightsFromDistributedReqInput`` (``sglang/srt/managers/io_struct.py``) and FastAPI
+SGLang 0.5.23 declares them as ``InitWeightsUpdateGroupReqInput``,
+``UpdateWeightsFromDistributedReqInput`` and ``DestroyWeightsUpdateGroupReqInput`` (one field,
+``group_name``, default ``"weight_update_group"``; ``sglang/srt/managers/io_struct.py``) and FastAPI
 validates them with pydantic in lax mode, which coerces scalars: an integer field takes
 ``29612``, ``29612.0``, ``"29612"``, ``" +29612 "``, ``"29_612"`` or ``"29612.00"`` (AReaL sends
 ``master_port`` as a string); a boolean field takes ``true``, ``0``/``1``, ``0.0``/``1.0`` or, in
@@ -181,3 +182,12 @@ def parse_bucket(body: dict) -> BucketRequest:
         weight_version=body.get("weight_version"),
         load_format=load_format,
     )
+
+
+def parse_destroy(body: dict) -> str:
+    """The ``/destroy_weights_update_group`` body's ``group_name`` (SGLang's default when absent).
+
+    Raises:
+        ValueError: a ``group_name`` that is not a non-empty string.
+    """
+    return _text("group_name", _get(body, "group_name", DEFAULT_GROUP_NAME))

@@ -3,8 +3,9 @@
 ``WeightSender`` is the seam; two implementations:
 
 - ``DistributedWeightSender`` (default): one torch.distributed group joins trainer rank 0
-  (rank 0 of that group) and every server (rank ``1 + i``, world size ``1 + num_servers``), set
-  up through each server's ``/init_weights_update_group`` while rank 0 hosts the rendezvous
+  (rank 0 of that group) and every live server (the ``j``-th of them rank ``1 + j``, world size
+  ``1 + live servers``), set up through each server's ``/init_weights_update_group`` while rank 0
+  hosts the rendezvous
   (``weight_group.new_weight_group``: built as SGLang's ``init_custom_process_group`` builds it, so
   the servers may be real SGLang ones). Each update: pause generation (in-flight requests return
   partial outputs and are resubmitted by the client), then for each bucket of at most
@@ -41,13 +42,43 @@ collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
 
 Dead servers (``areal_async/inference/routing.py``): both senders pause, update and continue only the
 servers in the client's routing, so a dead one is skipped, never waited for (a call to it fails to
-connect; a hung one fails once the launcher's health check has killed it). ``DiskWeightSender``
-first asks the departed servers again (``probe(require_version=False)``): a server the launcher
-restarted, which serves the initial weights, is loaded with the update like the others and so
-rejoins with the current version. ``DistributedWeightSender`` cannot take a server back: its group
-was built once with a fixed world size, and a restarted server is a new process outside it. It
-raises ``RuntimeError`` (naming the server and ``trainer.weight_sync=disk``) when a server has left
-routing, and the launcher does not restart servers of such a job.
+connect; a hung one fails once the launcher's health check has killed it), and both first ask the
+departed servers again (``probe(require_version=False)``): a server the launcher restarted, which
+serves the initial weights, is loaded with the update like the others and so rejoins with the
+current version. ``DiskWeightSender`` needs nothing more. ``DistributedWeightSender`` follows the
+live set with its group, as slime's fault tolerance does for restarted rollout engines:
+
+- before an update (after the pause), when the live servers differ from the group's members (one
+  left routing, or came back), or a member serves a version behind the last one sent (restarted
+  between two calls, unseen), the group is rebuilt: rank 0 destroys its side first (its
+  connections close, which ends a survivor's receive still blocked in it, with gloo), then each
+  surviving member destroys its own (SGLang's ``POST /destroy_weights_update_group``
+  ``{group_name}``; its 400 "does not exist", e.g. from a restarted server, is ignored), then the
+  live servers join a new group (world size ``1 + live``);
+- rendezvous: rank 0 hosts one ``TCPStore`` on ``master_address:master_port`` for the sender's
+  life (``weight_group.host_store``) and each group takes the next name, ``weight_update_group``,
+  ``weight_update_group_1``, ... The name is the store's key prefix, so a new group never reads
+  the keys an old one left (a dead server's address), and the port stays the one configured
+  (``trainer.weight_sync_port``, one port to open between machines) rather than a new free one
+  per rebuild that rank 0 would have to choose and the servers reach. SGLang keeps its groups in
+  a dict by name, so the servers hold each name once;
+- a server that dies during an update (its HTTP call fails to connect and it no longer answers
+  ``/health``, or the broadcast fails): it leaves routing, the group is rebuilt over the
+  survivors and the whole version is sent again, every bucket (the survivors overwrite their
+  partial copy; the same version is accepted again). Bounded: a second failure of that version,
+  or no server left (``NoServerLeft``), raises, naming the servers. A failure with every member
+  still answering and none restarted (a refusal: bad names, a version behind) raises at once.
+  The other trainer ranks follow rank 0's decision (one broadcast over the default group after
+  each version) and take part in the gathers again.
+
+Limits: measured with gloo on CPU only (``tests/test_trainer_weight_sync.py``), where a dead peer
+fails the broadcast within milliseconds. With NCCL a broadcast to a dead peer, and a survivor's
+receive in the abandoned group, may block until the group's timeout
+(``weight_group.new_weight_group``, 300 s) before the rebuild goes on, and a real SGLang survivor
+serves the destroy and the new join only once that receive has ended. A member restarted at
+exactly the version last sent to it (killed before the first update) is not recognised: its
+refusal of the bucket stops the job. If rank 0 fails before the first bucket (the rebuild), the
+other ranks wait in their gathers until torchrun stops them.
 
 Under FSDP2 every trainer rank takes part in gathering the full tensors (one all-gather per
 parameter, ``policy.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
@@ -70,7 +101,8 @@ from areal_async.dtypes import dtype_name
 from areal_async.inference.interface import WeightUpdateClient
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
 from areal_async.trainer.policy import full_parameters
-from areal_async.weight_group import DEFAULT_GROUP_NAME, broadcast_, in_daemon_thread, new_weight_group
+from areal_async.weight_group import (DEFAULT_GROUP_NAME, broadcast_, destroy_weight_group, host_store,
+                                      in_daemon_thread, new_weight_group)
 
 GROUP_NAME = DEFAULT_GROUP_NAME
 
@@ -95,13 +127,15 @@ def _rank() -> int:
 
 
 class DistributedWeightSender:
-    """Broadcast over a trainer-rank-0 + servers process group (SGLang's distributed update).
+    """Broadcast over a trainer-rank-0 + live-servers process group (SGLang's distributed update),
+    rebuilt when the set of live servers changes (module docstring: dead servers).
 
     Args:
         policy: the (FSDP2/DDP-wrapped) ``PackedPolicy``.
         client: ``InferenceClient`` or a stand-in (rank 0; ``None`` on other ranks), ``num_servers`` servers.
-        num_servers: number of inference servers (each is one rank of the group).
-        master_address, master_port: where rank 0 hosts the group's rendezvous (``TCPStore``).
+        num_servers: number of inference servers (each live one is one rank of the group).
+        master_address, master_port: where rank 0 hosts the group's rendezvous (``TCPStore``; port
+            0: a free one), once for every group it builds.
         bucket_bytes: most bytes of tensors per ``/update_weights_from_distributed`` call (with
             interruption; without, the whole model is one call, see the module docstring).
         send_dtype: dtype of the broadcast tensors.
@@ -120,64 +154,180 @@ class DistributedWeightSender:
         self.interrupt_on_update = interrupt_on_update
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.group = None
+        self.store = None  # rank 0's rendezvous, hosted at setup for every group (weight_group.host_store)
+        self.members: list[int] = []  # the servers of ``group``: ``members[j]`` is its rank 1 + j
+        self.group_name = GROUP_NAME
+        self.rebuilds = 0  # groups built after the first
+        self.served: int | None = None  # the version every member was last sent (None: none yet)
 
     async def setup(self) -> None:
         if _rank() != 0:
             return
-        world_size = 1 + self.num_servers
-        joins = asyncio.gather(*(
-            self.client.init_weights_update_group(
-                i, self.master_address, self.master_port, 1 + i, world_size, self.backend, GROUP_NAME)
-            for i in range(self.num_servers)
-        ))
-        group = in_daemon_thread(functools.partial(new_weight_group, self.backend, self.master_address,
-                                                   self.master_port, 0, world_size, group_name=GROUP_NAME))
-        self.group = await _with_server_calls(
-            group, joins, f"a server refused to join the weight group at {self.master_address}:{self.master_port}")
+        self.store = host_store(self.master_address, self.master_port)
+        self.master_port = self.store.port
+        await self._build(self.client.servers.live())
 
     async def send(self, version: int) -> None:
-        interrupt = self.interrupt_on_update
-        if interrupt and _rank() == 0:
-            await self.client.pause()  # finds a server that died unseen (it leaves routing)
+        rank0, interrupt = _rank() == 0, self.interrupt_on_update
+        if rank0:
+            await self.client.servers.probe(require_version=False)  # a restarted server joins the next group
+            if interrupt:
+                await self.client.pause()  # finds a server that died unseen (it leaves routing)
         # without a pause, each call waits for the servers' requests in flight on its own, and those
         # held behind one bucket would run before the next: one call for the whole model
         bucket_bytes = self.bucket_bytes if interrupt else math.inf
         try:
-            if _rank() == 0 and len(self.client.servers.live()) < self.num_servers:
-                gone = [self.client.urls[i] for i in range(self.num_servers) if i not in self.client.servers.live()]
-                raise RuntimeError(f"inference server(s) {gone} left routing (died); the distributed weight-update "
-                                   f"group cannot take a restarted server back (trainer.weight_sync=distributed): "
-                                   f"set trainer.weight_sync=disk to survive server deaths")
-            bucket: list[tuple[str, torch.Tensor]] = []
-            size = 0
-            for name, full in full_parameters(self.policy):
-                if full is None:  # not rank 0: took part in the gather, nothing to send
-                    continue
-                tensor = full.to(self.send_dtype).contiguous()
-                if bucket and size + tensor.numel() * tensor.element_size() > bucket_bytes:
-                    await self._send_bucket(bucket, version)
-                    bucket, size = [], 0
-                bucket.append((name, tensor))
-                size += tensor.numel() * tensor.element_size()
-            if bucket:
-                await self._send_bucket(bucket, version)
+            if rank0:
+                await self._follow_live_servers()
+            for attempt in (1, 2):
+                failure = await self._send_version(version, bucket_bytes)  # rank 0's error, or None
+                decision = _DONE
+                if failure is not None:
+                    try:
+                        if attempt == 2:
+                            raise RuntimeError(
+                                f"weight version {version} failed again after the weight-update group was rebuilt "
+                                f"over {self._urls(self.members)}: {type(failure).__name__}: {failure}") from failure
+                        await self._recover(failure)
+                        decision = _SEND_AGAIN
+                    except BaseException:
+                        _decide(_STOP, self.device)  # the other ranks stop too, rather than wait for a gather
+                        raise
+                decision = _decide(decision, self.device)
+                if decision == _STOP:
+                    raise RuntimeError(f"trainer rank 0 could not send weight version {version} to the inference "
+                                       f"servers; its log names the error")
+                if decision == _DONE:
+                    break
+            self.served = version
         finally:
-            if interrupt and _rank() == 0:
+            if interrupt and rank0:
                 await self.client.continue_generation()
+
+    async def _send_version(self, version: int, bucket_bytes: float) -> Exception | None:
+        """Every parameter in buckets; collective (every rank gathers every parameter, also after a
+        failure). Returns rank 0's first failure (then the rest is not sent), else ``None``."""
+        failure = None
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, full in full_parameters(self.policy):
+            if full is None or failure is not None:  # not rank 0, or failed: took part in the gather only
+                continue
+            tensor = full.to(self.send_dtype).contiguous()
+            if bucket and size + tensor.numel() * tensor.element_size() > bucket_bytes:
+                failure = await self._try_bucket(bucket, version)
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+        if bucket and failure is None:
+            failure = await self._try_bucket(bucket, version)
+        return failure
+
+    async def _try_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> Exception | None:
+        try:
+            await self._send_bucket(bucket, version)
+        except Exception as exc:  # judged by _recover: a server's death is survived, anything else raised
+            return exc
+        return None
 
     async def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> None:
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         calls = asyncio.gather(*(
-            self.client.update_weights_from_distributed(i, names, dtypes, shapes, version, GROUP_NAME)
-            for i in range(self.num_servers)
+            self.client.update_weights_from_distributed(i, names, dtypes, shapes, version, self.group_name)
+            for i in self.members
         ))
         # The servers join the broadcast when their HTTP call arrives; ours blocks until then.
         broadcast = in_daemon_thread(broadcast_, self.group, [t for _, t in bucket])
         await _with_server_calls(broadcast, calls, f"a server refused the bucket of {len(names)} tensors "
                                                    f"({names[0]}, ...) of weight version {version}, so the "
                                                    f"broadcast cannot complete")
+
+    async def _follow_live_servers(self) -> None:
+        """Rank 0, before an update: rebuild the group if a member left routing, a server came back,
+        or a member was restarted unseen (its version is behind the last one sent)."""
+        restarted = await self._restarted()
+        if self.client.servers.live() != self.members or restarted:
+            await self._rebuild(restarted)
+
+    async def _recover(self, failure: Exception) -> None:
+        """Rank 0, after a failed bucket: members that no longer answer ``/health`` leave routing
+        and the group is rebuilt over the live servers. Raises ``failure`` when every member still
+        answers and none was restarted (a refusal, not a death)."""
+        pool = self.client.servers
+        for i in self.members:
+            if i in pool.live() and not await pool.answers(i):
+                pool.take_out(i, f"the weight update failed ({type(failure).__name__}) and /health does not answer")
+        restarted = await self._restarted()
+        if pool.live() == self.members and not restarted:
+            raise failure
+        print(f"[trainer] a weight update failed ({type(failure).__name__}: {failure}); sending it again "
+              f"to {self._urls(pool.live())}", flush=True)
+        await self._rebuild(restarted)
+
+    async def _restarted(self) -> list[int]:
+        """Live members serving a version behind the last one sent: new processes, outside the group."""
+        if self.served is None:
+            return []
+        live = [i for i in self.members if i in self.client.servers.live()]
+        versions = await asyncio.gather(*(self.client.servers.version(i) for i in live))
+        return [i for i, v in zip(live, versions) if v is not None and v < self.served]
+
+    async def _rebuild(self, restarted: list[int]) -> None:
+        """Destroy the group (rank 0's, then each surviving member's) and build one over the live
+        servers under the next name (module docstring)."""
+        live = self.client.servers.live()
+        survivors = [i for i in self.members if i in live and i not in restarted]
+        print(f"[trainer] rebuilding the weight-update group '{self.group_name}' of {self._urls(self.members)} "
+              f"over {self._urls(live)}", flush=True)
+        if self.group is not None:
+            # first ours: its connections close, which ends a survivor's receive blocked in it (gloo)
+            destroy_weight_group(self.group)
+            self.group = None
+        results = await asyncio.gather(*(self.client.destroy_weights_update_group(i, self.group_name)
+                                         for i in survivors), return_exceptions=True)
+        for i, result in zip(survivors, results):
+            if isinstance(result, BaseException):  # it holds an unused group; the join decides whether it is fine
+                print(f"[trainer] {self.client.urls[i]} did not destroy weight group '{self.group_name}': "
+                      f"{type(result).__name__}: {result}", flush=True)
+        self.rebuilds += 1
+        await self._build(live)
+
+    async def _build(self, members: list[int]) -> None:
+        """Join ``members`` (server ``members[j]`` as rank ``1 + j``) and rank 0 into a new group."""
+        if not members:
+            self.client.servers.route(0)  # raises NoServerLeft naming each server and why it left
+        name = GROUP_NAME if self.rebuilds == 0 else f"{GROUP_NAME}_{self.rebuilds}"
+        world_size = 1 + len(members)
+        joins = asyncio.gather(*(
+            self.client.init_weights_update_group(
+                i, self.master_address, self.master_port, 1 + j, world_size, self.backend, name)
+            for j, i in enumerate(members)
+        ))
+        group = in_daemon_thread(functools.partial(new_weight_group, self.backend, self.master_address,
+                                                   self.master_port, 0, world_size, group_name=name,
+                                                   store=self.store))
+        self.group = await _with_server_calls(
+            group, joins, f"a server of {self._urls(members)} refused to join the weight group '{name}' at "
+                          f"{self.master_address}:{self.master_port}")
+        self.members, self.group_name = list(members), name
+
+    def _urls(self, servers: list[int]) -> list[str]:
+        return [self.client.urls[i] for i in servers]
+
+
+_DONE, _SEND_AGAIN, _STOP = 0, 1, 2  # rank 0's decision after sending a version, for every rank
+
+
+def _decide(decision: int, device: torch.device) -> int:
+    """Rank 0's ``decision`` on every trainer rank (one broadcast over the default group; the
+    other ranks' argument is ignored)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return decision
+    flag = torch.tensor([decision], dtype=torch.int64, device=device)
+    dist.broadcast(flag, src=0)
+    return int(flag.item())
 
 
 async def _with_server_calls(ours: asyncio.Future, calls: asyncio.Future, refused: str):
