@@ -433,7 +433,7 @@ class InferenceClient:
         group_name: str = "weight_update_group",
     ) -> dict:
         """Ask ``server`` to join the trainer's weight group (returns once every rank joined). A
-        server that fails to connect and no longer answers ``/health`` leaves routing (as
+        server that fails to connect and no longer answers ``GET /ready`` leaves routing (as
         ``update_weights_from_distributed`` and ``destroy_weights_update_group``)."""
         payload = {
             "master_address": master_address,

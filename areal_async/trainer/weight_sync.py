@@ -63,7 +63,7 @@ live set with its group, as slime's fault tolerance does for restarted rollout e
   per rebuild that rank 0 would have to choose and the servers reach. SGLang keeps its groups in
   a dict by name, so the servers hold each name once;
 - a server that dies during an update (its HTTP call fails to connect and it no longer answers
-  ``/health``, or the broadcast fails): it leaves routing, the group is rebuilt over the
+  ``GET /ready``, or the broadcast fails): it leaves routing, the group is rebuilt over the
   survivors and the whole version is sent again, every bucket (the survivors overwrite their
   partial copy; the same version is accepted again). Bounded: a second failure of that version,
   or no server left (``NoServerLeft``), raises, naming the servers. A failure with every member
@@ -252,13 +252,14 @@ class DistributedWeightSender:
             await self._rebuild(restarted)
 
     async def _recover(self, failure: Exception) -> None:
-        """Rank 0, after a failed bucket: members that no longer answer ``/health`` leave routing
+        """Rank 0, after a failed bucket: members that no longer answer ``GET /ready`` (any status;
+        not ``/health``, which on SGLang waits behind the pause: ``routing.py``) leave routing
         and the group is rebuilt over the live servers. Raises ``failure`` when every member still
         answers and none was restarted (a refusal, not a death)."""
         pool = self.client.servers
         for i in self.members:
-            if i in pool.live() and not await pool.answers(i):
-                pool.take_out(i, f"the weight update failed ({type(failure).__name__}) and /health does not answer")
+            if i in pool.live() and not await pool.alive(i):
+                pool.take_out(i, f"the weight update failed ({type(failure).__name__}) and /ready does not answer")
         restarted = await self._restarted()
         if pool.live() == self.members and not restarted:
             raise failure
