@@ -48,6 +48,7 @@ import pathlib
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import ray
@@ -55,8 +56,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from areal_async.config import Config, load_config
+import msgspec
+
+from areal_async import auth
+from areal_async.config import Config, dump_config, load_config
 from launcher import local
+from launcher.ports import port_of
 from launcher.ray_actor import ProcessActor
 from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
 
@@ -72,19 +77,28 @@ class Placement:
 
     ``bundles[role]``: the bundle indices of that role's processes, in process order;
     ``resources[i]``: bundle i's resources; ``node_of[i]``: (Ray node id, IP address) of bundle i;
-    ``driver_node``: the launcher's node id (``None`` under Ray Client: no node shares its files).
+    ``driver_node``, ``driver_ip``: the launcher's node id and IP address (``None`` under Ray
+    Client: no node shares its files or its loopback interface).
     """
 
     def __init__(self, pg, bundles: dict[str, list[int]], resources: list[dict[str, float]],
-                 node_of: list[tuple[str, str]], driver_node: str | None):
+                 node_of: list[tuple[str, str]], driver_node: str | None, driver_ip: str | None = None):
         self.pg, self.bundles, self.resources = pg, bundles, resources
-        self.node_of, self.driver_node = node_of, driver_node
+        self.node_of, self.driver_node, self.driver_ip = node_of, driver_node, driver_ip
         # one actor per bundle made at once, so that Ray starts their worker processes while the
         # launcher waits for the servers (each takes seconds to start); used up by actor()
         self._ready = {i: self._new_actor(i) for i in range(len(resources))}
 
     def on_driver_node(self, bundle: int) -> bool:
         return self.node_of[bundle][0] == self.driver_node
+
+    def on_driver_host(self, bundle: int) -> bool:
+        """Bundle ``bundle`` runs where the launcher's loopback reaches (its node's IP address)."""
+        return self.node_of[bundle][1] == self.driver_ip
+
+    def ask(self, bundle: int, method: str, *args):
+        """Call ``method`` of the actor made ahead for ``bundle`` (before its process starts)."""
+        return ray.get(getattr(self._ready[bundle], method).remote(*args))
 
     def actor(self, bundle: int):
         """A ``ProcessActor`` in ``bundle``, holding all of its resources: the one made ahead for
@@ -148,8 +162,55 @@ def reserve(cfg: Config) -> Placement:
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     where = placement_group_table(pg)["bundles_to_node_id"]
     node_of = [(where[i], ips[where[i]]) for i in range(len(resources))]
-    driver = None if ray.util.client.ray.is_connected() else ray.get_runtime_context().get_node_id()
-    return Placement(pg, index, resources, node_of, driver)
+    if ray.util.client.ray.is_connected():
+        return Placement(pg, index, resources, node_of, None, None)
+    driver = ray.get_runtime_context().get_node_id()
+    return Placement(pg, index, resources, node_of, driver, ips[driver])
+
+
+_LISTENERS = {"server": ("inference", "inference.host", "inference.base_port"),
+              "queue": ("queue", "queue.host", "queue.port")}
+
+
+def bind_hosts(cfg: Config, placement: Placement) -> Config:
+    """The config with the servers' and the queue's listening address set for where Ray placed
+    them: a role on the launcher's host (its node's IP address) keeps its host; on another host, a
+    loopback host (the default ``127.0.0.1``: the launcher's machine only) becomes that node's
+    address (Ray's ``NodeManagerAddress``, what the other nodes reach it at), never a wildcard; the
+    job's token guards it there as on any non-loopback address (``areal_async.auth``). Then each
+    port such a role binds is checked free on its node (by its actor). One server URL per
+    ``inference.host`` means the servers share one node (or one host).
+
+    Raises:
+        JobFailed: the servers landed on nodes of different addresses (pin them with
+            ``cluster.server_node``); a role's host, given and not loopback, is not its node's
+            address; or a port it needs is in use there (the message names the key and the fix).
+    """
+    for role, (section, key, port_key) in _LISTENERS.items():
+        bundles = placement.bundles[role]
+        ips = sorted({placement.node_of[b][1] for b in bundles})
+        host = getattr(cfg, section).host
+        if len(ips) > 1:
+            raise JobFailed(f"the {role}s landed on nodes {', '.join(ips)}, but their URLs share {key}={host}; "
+                            f"pin them to one node: cluster.{role}_node=<its address>")
+        if all(placement.on_driver_host(b) for b in bundles):
+            continue
+        [ip] = ips
+        if auth.is_loopback(host):
+            host = ip
+            cfg = msgspec.structs.replace(cfg, **{section: msgspec.structs.replace(getattr(cfg, section), host=ip)})
+        elif host != ip:
+            raise JobFailed(f"{key}={host}, but the {role}s run on node {ip}, where they cannot listen on it; "
+                            f"leave {key}=127.0.0.1 (then the node's address), set {key}={ip}, or pin "
+                            f"cluster.{role}_node={host}")
+        first = port_of(cfg, port_key)
+        for i, bundle in enumerate(bundles):
+            why = placement.ask(bundle, "port_in_use", host, first + i)
+            if why:
+                where = f"{port_key}+{i}" if i else port_key
+                raise JobFailed(f"port {first + i} ({where}) is in use on node {ip} ({why}); set "
+                                f"{port_key}=<a port free there> (0: chosen on the launcher's node)")
+    return cfg
 
 
 class RayChild:
@@ -160,19 +221,20 @@ class RayChild:
     ``make_actor()`` makes its actor (again, if one dies and the process is restarted);
     ``before_start(actor)`` runs before the process starts (the rank-0 rendezvous store);
     ``local_log``: the actor runs on the launcher's node and writes ``log_dir/<name>.log`` itself.
+    ``health``: checked by the supervisor from the launcher's node (the probe asks the server's
+    URL), which kills the process through its actor (``kill``) when a check fails.
     """
 
     def __init__(self, name: str, argv: list[str], make_actor: Callable, log_dir: pathlib.Path,
                  env: dict[str, str], local_log: bool, echo: bool = False, expect_exit: bool = False,
                  log_header: str | None = None, restart: Restart | None = None,
-                 before_start: Callable | None = None):
+                 health: HealthCheck | None = None, before_start: Callable | None = None):
         self.name, self.argv, self.env = name, argv, env
         self.log_path = log_dir / f"{name}.log"
         self.expect_exit, self.restart, self.echo = expect_exit, restart, echo
         self.restarts, self.restart_at, self.why = 0, None, ""
         self.actor_error: str | None = None  # why its actor died, if it did
-        self.health: HealthCheck | None = None  # no health checks under Ray (RaySupervisor.start)
-        self.hung: str | None = None  # never set: no health checks
+        self.health = health
         self._make_actor, self._before_start, self._local_log = make_actor, before_start, local_log
         self._spawn(log_header, "w" if log_header is None else "a")
 
@@ -190,8 +252,14 @@ class RayChild:
             ray.kill(self.actor)
             raise JobFailed(f"{self.name} could not be started in its Ray actor: {exc}") from None
         self._offset, self._rc, self.actor_error = 0, None, None
+        self._reset_health()
         if not self._local_log:  # this node's copy, filled by _pump
             self._copy = open(self.log_path, log_mode, buffering=1)
+
+    def _reset_health(self) -> None:
+        """A (re)started process is not up yet: the supervisor asks ``/health`` until it is."""
+        self.hung, self.up, self.check = None, False, None
+        self.spawned_at = self.check_at = time.monotonic()
 
     def _pump(self) -> None:
         """Bring the log's new lines here: into the local copy (remote actor), to the console (echo)."""
@@ -239,12 +307,19 @@ class RayChild:
             with contextlib.suppress(RayActorError):
                 ray.get(self.actor.respawn.remote(log_header))  # the log goes on: so does its offset
                 self._rc = None
+                self._reset_health()
                 return
         ray.kill(self.actor)
         self._sweep()
         if not self._local_log:
             self._copy.close()
         self._spawn(log_header, "a")
+
+    def kill(self) -> None:
+        """SIGKILL the process's group through the actor and wait for it; an actor that died
+        took its process with it."""
+        with contextlib.suppress(RayActorError):
+            ray.get(self.actor.kill.remote())
 
     def _sweep(self) -> None:
         """SIGKILL the process's group, which may outlive a killed actor (as ``Child.stop`` sweeps);
@@ -275,7 +350,8 @@ class RankGroup:
         self.ranks = ranks
         self.log_path, self.expect_exit = ranks[0].log_path, True
         self.restart, self.restarts, self.restart_at, self.why = None, 0, None, ""
-        self.health, self.hung = None, None  # as RayChild: no health checks
+        # not health-checked (nor is torchrun under launcher.local); the fields of Supervised
+        self.health, self.hung, self.up, self.check, self.check_at, self.spawned_at = None, None, False, None, 0.0, 0.0
         self.failed: RayChild | None = None
 
     @property
@@ -305,6 +381,14 @@ class RankGroup:
                 self.failed, self.log_path = rank, rank.log_path
                 return rc
         return 0 if all(rc == 0 for rc in codes) else None
+
+    def respawn(self, log_header: str) -> None:
+        """Never called: the group has no ``Restart`` policy (a failed rank ends the job)."""
+        raise RuntimeError("the trainer's ranks are not restarted: a failed rank ends the job")
+
+    def kill(self) -> None:
+        for rank in self.ranks:
+            rank.kill()
 
     def stop(self, grace_s: float) -> None:
         for rank in reversed(self.ranks):
@@ -338,8 +422,6 @@ class RaySupervisor(Supervisor):
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
               expect_exit: bool = False, stop_leader_first: bool = False,
               restart: Restart | None = None, health: HealthCheck | None = None):
-        # ``health`` (launcher.local's /health_generate checks of a server) is not run under Ray:
-        # a server that exits is restarted by its ``restart`` policy, a hung one is not detected
         match = _ROLE_OF.fullmatch(name)
         assert match, f"launcher.ray places the processes of launcher.local.run_job; {name!r} is none of them"
         role = match.group(1) or name
@@ -347,7 +429,8 @@ class RaySupervisor(Supervisor):
             child = self._start_ranks(argv, env or {}, echo)
         else:
             bundle = self.placement.bundles[role][int(name[len(role):] or 0)]
-            child = self._child(name, argv, bundle, env or {}, echo=echo, expect_exit=expect_exit, restart=restart)
+            child = self._child(name, argv, bundle, env or {}, echo=echo, expect_exit=expect_exit,
+                                restart=restart, health=health)
         self.children.append(child)
         return child
 
@@ -423,6 +506,16 @@ def run_on_ray(cfg: Config, address: str | None) -> int:
                 nodes = sorted({ip for _, ip in placement.node_of})
                 print(f"[launcher] Ray: {len(placement.resources)} processes placed "
                       f"({cfg.cluster.placement}) on node(s) {', '.join(nodes)}", flush=True)
+                try:
+                    placed = bind_hosts(cfg, placement)
+                except JobFailed as exc:
+                    print(f"[launcher] job failed: {exc}", file=sys.stderr, flush=True)
+                    return 1
+                if placed is not cfg:  # what the children read
+                    cfg = placed
+                    dump_config(cfg, cfg.run_dir / "config.yaml")
+                    print(f"[launcher] listening on another node: the servers on {cfg.inference.host}, "
+                          f"the queue on {cfg.queue.host}", flush=True)
                 return local.launch(cfg, supervisor=lambda *a, **kw: RaySupervisor(*a, placement=placement, **kw))
             finally:
                 placement.release()

@@ -92,6 +92,56 @@ def test_the_log_of_an_actor_on_another_node_is_copied_to_the_launchers(tmp_path
     assert capsys.readouterr().out == "one\ntwo\n"
 
 
+def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(tmp_path):
+    # as test_launcher's check of a Child: alive, answers /health, never /health_generate; the
+    # supervisor kills it through its actor and starts it again, once; the second hang ends the job
+    import ray
+
+    from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
+
+    asked = []
+
+    def probe(path: str, timeout_s: float) -> str | None:
+        asked.append(path)
+        return None if path == "/health" else f"no answer within {timeout_s:g} s"
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    sup = Supervisor(tmp_path / "logs")
+    try:
+        make = lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote()  # noqa: E731
+        trainer = RayChild("trainer", [PY, "-c", "import time; time.sleep(600)"], make, sup.log_dir,
+                           dict(os.environ), local_log=True, expect_exit=True)
+        server = RayChild("server0", [PY, "-c", "import time; print('serving', flush=True); time.sleep(600)"],
+                          make, sup.log_dir, dict(os.environ), local_log=True,
+                          restart=Restart(1, lambda why: "counted", backoff_s=0.05),
+                          health=HealthCheck(probe, interval_s=0.1, startup_timeout_s=30))
+        sup.children += [trainer, server]
+        first = server.pid
+        with pytest.raises(JobFailed, match=r"server0 did not answer /health_generate: no answer within 0.1 s "
+                                            r"\(killed\) after 1 restart\(s\)"):
+            sup.wait_for(trainer, poll_s=0.02)
+        assert asked[0] == "/health" and asked.count("/health_generate") == 2
+        assert server.poll() == -9 and first not in _processes(), "the check's SIGKILL did not reach the process"
+    finally:
+        sup.stop_all(grace_s=1)
+        ray.shutdown()
+    log = (tmp_path / "logs" / "server0.log").read_text()
+    assert "===== restart 1 of 1: server0 did not answer /health_generate: no answer within 0.1 s (killed), " in log
+
+
+def test_every_child_kind_is_what_the_supervisor_asks_of_a_child():
+    from launcher.supervisor import Child, Supervised
+    from tests.test_interfaces import check_calls
+
+    for cls in (Child, RayChild, RankGroup):
+        check_calls(Supervised, cls)
+    # and structurally, with the attributes an instance sets
+    group = RankGroup([FakeRank("trainer")])
+    assert isinstance(group, Supervised)
+    missing = [name for name in Supervised.__annotations__ if not hasattr(group, name)]
+    assert not missing, f"RankGroup lacks {missing}"
+
+
 def _processes() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, start time) of every live (not zombie) process."""
     found = {}
