@@ -24,17 +24,29 @@ output is ``logs/trainer.log`` (echoed to the console), rank r's ``logs/trainer_
 
 Logs: an actor on the launcher's node writes ``RUN_DIR/logs/<name>.log`` itself; one on another
 node writes a node-local log whose new lines the launcher pulls into ``RUN_DIR/logs/<name>.log``
-each time it checks the process (every 0.5 s). A process or actor that dies fails the job as in
-``launcher.local``, naming it with its last lines (a dead actor: "its Ray actor died", Ray's
-reason). Every exit stops each process and kills each actor; a Ray instance started here (no
+each time it checks the process (every 0.5 s). The servers are health-checked as under
+``launcher.local`` (the probe runs on the launcher's node against the server's URL); one that
+fails a check is killed through its actor and restarted by its policy. A process or actor that
+dies fails the job as in ``launcher.local``, naming it with its last lines (a dead actor: "its
+Ray actor died", Ray's reason). Every exit stops each process and kills each actor; a Ray instance started here (no
 ``--address``: a local one with ``num_cpus`` = the job's bundles, on 127.0.0.1, no dashboard) is
 shut down with them.
 
+Listeners across hosts (``bind_hosts``): while the servers, the queue and their callers share
+one host (one node address; several Ray nodes may share one), every port stays on loopback, as
+under ``launcher.local``; otherwise a loopback ``inference.host``/``queue.host`` becomes the
+address of the node that role landed on (written to ``RUN_DIR/config.yaml``), guarded by the job's
+token, and its ports are checked free on that node by its actor before the job starts.
+
 Simplifications: the run directory, the model and the code must be at the same paths on every
-node (a shared filesystem); ports are chosen and checked on the launcher's node; the server URLs
-all use ``inference.host``, so the servers run on one node (pin them with ``cluster.server_node``)
-and ``inference.host``/``queue.host`` must be addresses the other nodes reach; gloo stays on the
-loopback interface unless ``GLOO_SOCKET_IFNAME`` is set. Only the single-node case is tested.
+node (a shared filesystem); ports are chosen on the launcher's node (a port race's new ones too,
+unchecked on the other nodes); the server URLs all use ``inference.host``, so the servers share
+one node address (pin them with ``cluster.server_node``); the trainer's rendezvous and
+weight-update group listen on ``127.0.0.1`` of one node (across hosts: ``trainer.weight_sync=disk``)
+and gloo stays on the loopback interface unless ``GLOO_SOCKET_IFNAME`` is set. Tested: one host,
+with a local instance and with two Ray nodes (``ray.cluster_utils.Cluster``, the second at
+``127.0.0.2``, so distinct node ids and addresses); not tested: separate hosts (a real network,
+listeners on a remote host's address), Ray Client, GPUs.
 """
 
 from __future__ import annotations
@@ -91,10 +103,6 @@ class Placement:
 
     def on_driver_node(self, bundle: int) -> bool:
         return self.node_of[bundle][0] == self.driver_node
-
-    def on_driver_host(self, bundle: int) -> bool:
-        """Bundle ``bundle`` runs where the launcher's loopback reaches (its node's IP address)."""
-        return self.node_of[bundle][1] == self.driver_ip
 
     def ask(self, bundle: int, method: str, *args):
         """Call ``method`` of the actor made ahead for ``bundle`` (before its process starts)."""
@@ -174,12 +182,13 @@ _LISTENERS = {"server": ("inference", "inference.host", "inference.base_port"),
 
 def bind_hosts(cfg: Config, placement: Placement) -> Config:
     """The config with the servers' and the queue's listening address set for where Ray placed
-    them: a role on the launcher's host (its node's IP address) keeps its host; on another host, a
-    loopback host (the default ``127.0.0.1``: the launcher's machine only) becomes that node's
-    address (Ray's ``NodeManagerAddress``, what the other nodes reach it at), never a wildcard; the
-    job's token guards it there as on any non-loopback address (``areal_async.auth``). Then each
-    port such a role binds is checked free on its node (by its actor). One server URL per
-    ``inference.host`` means the servers share one node (or one host).
+    them and their callers (the trainer, the workers, the launcher): all on one host (one node
+    address), a role keeps its host; otherwise a loopback host (the default ``127.0.0.1``: this
+    machine only) becomes the address of the role's node (Ray's node address, what the other
+    nodes reach it at), never a wildcard, and the job's token guards it there as on any
+    non-loopback address (``areal_async.auth``); a host given explicitly must be that address.
+    The ports such a role binds are then checked free on its node, by its actor. One server URL
+    per ``inference.host``: the servers share one node address.
 
     Raises:
         JobFailed: the servers landed on nodes of different addresses (pin them with
@@ -193,8 +202,9 @@ def bind_hosts(cfg: Config, placement: Placement) -> Config:
         if len(ips) > 1:
             raise JobFailed(f"the {role}s landed on nodes {', '.join(ips)}, but their URLs share {key}={host}; "
                             f"pin them to one node: cluster.{role}_node=<its address>")
-        if all(placement.on_driver_host(b) for b in bundles):
-            continue
+        callers = [b for caller in ("trainer", "worker") for b in placement.bundles[caller]]
+        if {placement.node_of[b][1] for b in bundles + callers} | {placement.driver_ip} == set(ips):
+            continue  # one host: its loopback reaches the role
         [ip] = ips
         if auth.is_loopback(host):
             host = ip
@@ -514,7 +524,7 @@ def run_on_ray(cfg: Config, address: str | None) -> int:
                 if placed is not cfg:  # what the children read
                     cfg = placed
                     dump_config(cfg, cfg.run_dir / "config.yaml")
-                    print(f"[launcher] listening on another node: the servers on {cfg.inference.host}, "
+                    print(f"[launcher] across hosts: the servers listen on {cfg.inference.host}, "
                           f"the queue on {cfg.queue.host}", flush=True)
                 return local.launch(cfg, supervisor=lambda *a, **kw: RaySupervisor(*a, placement=placement, **kw))
             finally:

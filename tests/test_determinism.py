@@ -261,7 +261,8 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
     # Two Ray nodes on this host (ray.cluster_utils.Cluster: two raylets, distinct node ids), the
     # second at 127.0.0.2: the servers and the worker pinned to it, the queue and the trainer's 2
     # ranks to the head, the launcher's node. The servers listen on 127.0.0.2 (their node's
-    # address, put in config.yaml), their logs and the worker's come from that node's actors.
+    # address, put in config.yaml), their logs and the worker's come from that node's actors; the
+    # queue, which the worker calls from the other node, listens on the head's address.
     # Server 1 is SIGSTOPped while it generates: the launcher's health check (from the head,
     # against its URL) kills it through its actor and it is started again. The job stops after its
     # step-2 checkpoint, and a --resume on the same cluster runs steps 2 and 3: the run must equal
@@ -291,9 +292,11 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
         proc = launch(2, resume=False)
         try:
             config = run_dir / "config.yaml"
-            _wait("the servers' start", lambda: "server(s) healthy" in (tmp_path / "launcher.out").read_text(), 240, proc)
+            healthy = lambda: "server(s) healthy" in (tmp_path / "launcher.out").read_text()  # noqa: E731
+            _wait("the servers' start", healthy, 240, proc)
             inf = load_config(config).inference
             assert inf.host == "127.0.0.2", "the servers' URLs do not use their node's address"
+            assert load_config(config).queue.host == head, "the queue, called from the other node, is on loopback"
 
             def generating() -> bool:  # server 1 runs a request: a generation is in flight there
                 ask = urllib.request.Request(f"{inf.urls()[1]}/get_server_info",
@@ -314,7 +317,8 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
             lines = (run_dir / "logs" / f"{name}.log").read_text().splitlines()
             assert lines[0].startswith("$ ") and len(lines) > 1, f"{name}.log holds {lines}"
             assert name == "worker0" or lines[1].startswith("inference server on http://127.0.0.2:"), lines
-        assert "===== restart 1 of 3: server1 did not answer /health_generate" in (run_dir / "logs/server1.log").read_text()
+        restarted = (run_dir / "logs/server1.log").read_text()
+        assert "===== restart 1 of 3: server1 did not answer /health_generate" in restarted
         assert (run_dir / "logs/trainer_rank1.log").exists(), "the ranks did not run in their own actors"
 
         out.seek(0)

@@ -20,7 +20,7 @@ pytest.importorskip("ray", reason="launcher.ray needs Ray: pip install -e '.[dev
 
 from areal_async.config import load_config  # noqa: E402
 from launcher.local import PY  # noqa: E402
-from launcher.ray import RankGroup, RayChild, _rank_argv, bundles_of  # noqa: E402
+from launcher.ray import RankGroup, RayChild, _rank_argv, bind_hosts, bundles_of  # noqa: E402
 from launcher.ray_actor import ProcessActor  # noqa: E402
 from tests.test_determinism import REPO, job_argv, stop_and_read  # noqa: E402
 
@@ -42,6 +42,50 @@ def test_a_rank_runs_the_module_that_torchrun_would_start():
                 "-m", "areal_async.trainer.main", "--config", "runs/x/config.yaml"]
     assert _rank_argv(torchrun) == (2, 4321, [PY, "-u", "-m", "areal_async.trainer.main",
                                               "--config", "runs/x/config.yaml"])
+
+
+class FakePlacement:
+    """Where ``bind_hosts`` reads the placement: bundle i on ``ips[i]``; ``taken``: ports in use
+    on their node, as the actor made ahead for the bundle would find them."""
+
+    def __init__(self, cfg, ips: list[str], driver_ip: str | None, taken: dict[int, str] = {}):
+        self.bundles, _ = bundles_of(cfg)
+        self.node_of = [(f"node-{ip}", ip) for ip in ips]
+        self.driver_ip, self.taken, self.asked = driver_ip, taken, []
+
+    def ask(self, bundle: int, method: str, host: str, port: int):
+        assert method == "port_in_use"
+        self.asked.append((self.node_of[bundle][1], host, port))
+        return self.taken.get(port)
+
+
+def test_the_servers_and_the_queue_listen_on_their_nodes_address_when_callers_are_elsewhere():
+    from launcher.supervisor import JobFailed
+
+    # 2 servers, the queue, 1 trainer rank, 1 worker: bundles 0, 1 | 2 | 3 | 4
+    cfg = load_config(None, ["inference.num_servers=2", "trainer.nproc=1", "rollout.num_workers=1",
+                             "inference.base_port=4100", "queue.port=4200"])
+    a, b = "10.0.0.1", "10.0.0.2"
+    one_host = FakePlacement(cfg, [a] * 5, a)
+    assert bind_hosts(cfg, one_host) is cfg and not one_host.asked  # loopback reaches every process
+    # the servers and the worker on b, the queue and the trainer with the launcher on a
+    split = FakePlacement(cfg, [b, b, a, a, b], a)
+    placed = bind_hosts(cfg, split)
+    assert (placed.inference.host, placed.queue.host) == (b, a)
+    assert placed.inference.urls() == [f"http://{b}:4100", f"http://{b}:4101"]
+    assert split.asked == [(b, b, 4100), (b, b, 4101), (a, a, 4200)], "each port checked on its node"
+    given = load_config(None, ["inference.num_servers=2", "trainer.nproc=1", "rollout.num_workers=1",
+                               f"inference.host={b}"])
+    assert bind_hosts(given, FakePlacement(given, [b, b, a, a, a], a)).inference.host == b
+    with pytest.raises(JobFailed, match=r"the servers landed on nodes 10.0.0.1, 10.0.0.2, .*cluster.server_node="):
+        bind_hosts(cfg, FakePlacement(cfg, [a, b, a, a, a], a))
+    with pytest.raises(JobFailed, match=r"inference.host=10.0.0.2, but the servers run on node 10.0.0.3"):
+        bind_hosts(given, FakePlacement(given, ["10.0.0.3"] * 2 + [a] * 3, a))
+    with pytest.raises(JobFailed, match=r"port 4101 \(inference.base_port\+1\) is in use on node 10.0.0.2 "
+                                        r"\(Address already in use\); set inference.base_port="):
+        bind_hosts(cfg, FakePlacement(cfg, [b, b, a, a, a], a, taken={4101: "Address already in use"}))
+    # Ray Client: the launcher shares no host with any node
+    assert bind_hosts(cfg, FakePlacement(cfg, [a] * 5, None)).inference.host == a
 
 
 class FakeRank:
