@@ -495,7 +495,10 @@ def connect(address: str | None, cfg: Config) -> None:
         return
     _, resources = bundles_of(cfg)
     cpus = math.ceil(sum(b["CPU"] for b in resources))
-    ray.init(num_cpus=max(cpus, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+    # "local": a new instance even while another on this machine is recorded as the current one
+    # (by `ray start` or ray.cluster_utils.Cluster), which a plain ray.init() would join
+    ray.init(address="local", num_cpus=max(cpus, os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=False,
              # the job's actors are made at once (Placement): no idle workers started ahead of them
              _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
 

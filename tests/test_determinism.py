@@ -329,6 +329,16 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
         finally:
             output = stop_and_read(proc, out)
         assert proc.returncode == 0 and "resuming at step 2" in output, output[-4000:]
+        import ray
+
+        from launcher.ray import connect
+
+        # the cluster is this machine's recorded one: without --address the launcher starts its own
+        connect(None, load_config(None, []))
+        try:
+            assert ray.get_runtime_context().gcs_address != cluster.address
+        finally:
+            ray.shutdown()
     finally:
         cluster.shutdown()
     on_two, calm = fingerprint(run_dir), runs["deterministic", 1]

@@ -112,35 +112,39 @@ def test_the_ranks_run_as_one_child_as_under_torchrun():
     assert RankGroup(done).poll() == 0 and RankGroup(done).name == "trainer"
 
 
-def test_the_log_of_an_actor_on_another_node_is_copied_to_the_launchers(tmp_path, capsys):
-    # one node here: the actor is treated as remote (local_log=False), so it writes a log of its
-    # own node's and the launcher pulls the lines into logs/<name>.log, and echoes them
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray instance in this process, for the tests that make actors here."""
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        child = RayChild("echoer", [PY, "-c", "print('one'); print('two')"],
-                         lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote(), tmp_path,
-                         dict(os.environ), local_log=False, echo=True, expect_exit=True)
-        deadline = time.monotonic() + 60
-        while child.poll() is None:
-            assert time.monotonic() < deadline, "the child did not exit within 60 s"
-            time.sleep(0.05)
-        assert child.poll() == 0
-        theirs = ray.get(child.actor.read_log.remote(0))[0]
-        child.stop(1.0)
-    finally:
-        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_the_log_of_an_actor_on_another_node_is_copied_to_the_launchers(local_ray, tmp_path, capsys):
+    # one node here: the actor is treated as remote (local_log=False), so it writes a log of its
+    # own node's and the launcher pulls the lines into logs/<name>.log, and echoes them
+    ray = local_ray
+    child = RayChild("echoer", [PY, "-c", "print('one'); print('two')"],
+                     lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote(), tmp_path,
+                     dict(os.environ), local_log=False, echo=True, expect_exit=True)
+    deadline = time.monotonic() + 60
+    while child.poll() is None:
+        assert time.monotonic() < deadline, "the child did not exit within 60 s"
+        time.sleep(0.05)
+    assert child.poll() == 0
+    theirs = ray.get(child.actor.read_log.remote(0))[0]
+    child.stop(1.0)
     ours = (tmp_path / "echoer.log").read_text()
     assert ours == theirs and ours.splitlines()[1:] == ["one", "two"] and ours.startswith("$ ")
     assert capsys.readouterr().out == "one\ntwo\n"
 
 
-def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(tmp_path):
+def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(local_ray, tmp_path):
     # as test_launcher's check of a Child: alive, answers /health, never /health_generate; the
     # supervisor kills it through its actor and starts it again, once; the second hang ends the job
-    import ray
-
+    ray = local_ray
     from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
 
     asked = []
@@ -149,7 +153,6 @@ def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(
         asked.append(path)
         return None if path == "/health" else f"no answer within {timeout_s:g} s"
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     sup = Supervisor(tmp_path / "logs")
     try:
         make = lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote()  # noqa: E731
@@ -168,7 +171,6 @@ def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(
         assert server.poll() == -9 and first not in _processes(), "the check's SIGKILL did not reach the process"
     finally:
         sup.stop_all(grace_s=1)
-        ray.shutdown()
     log = (tmp_path / "logs" / "server0.log").read_text()
     assert "===== restart 1 of 1: server0 did not answer /health_generate: no answer within 0.1 s (killed), " in log
 
