@@ -75,7 +75,7 @@ from areal_async.config import Config, dump_config, load_config
 from launcher import local
 from launcher.ports import port_of
 from launcher.ray_actor import ProcessActor
-from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
+from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervised, Supervisor
 
 ROLES = ("server", "queue", "trainer", "worker")
 _ROLE_OF = re.compile(r"(server|worker)\d+|queue|trainer")
@@ -431,7 +431,7 @@ class RaySupervisor(Supervisor):
 
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
               expect_exit: bool = False, stop_leader_first: bool = False,
-              restart: Restart | None = None, health: HealthCheck | None = None):
+              restart: Restart | None = None, health: HealthCheck | None = None) -> Supervised:
         match = _ROLE_OF.fullmatch(name)
         assert match, f"launcher.ray places the processes of launcher.local.run_job; {name!r} is none of them"
         role = match.group(1) or name
