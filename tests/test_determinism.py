@@ -257,7 +257,7 @@ def test_resume_after_the_restart_trains_every_group_once(killed_run, tiny_model
 
 @pytest.mark.timeout(600)  # run alone (-k): it runs the launcher.local job too
 def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals_the_local_run(
-        runs, tiny_model_dir, tmp_path):
+        runs, tiny_model_dir, tmp_path, monkeypatch):
     # Two Ray nodes on this host (ray.cluster_utils.Cluster: two raylets, distinct node ids), the
     # second at 127.0.0.2: the servers and the worker pinned to it, the queue and the trainer's 2
     # ranks to the head, the launcher's node. The servers listen on 127.0.0.2 (their node's
@@ -267,11 +267,17 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
     # against its URL) kills it through its actor and it is started again. The job stops after its
     # step-2 checkpoint, and a --resume on the same cluster runs steps 2 and 3: the run must equal
     # launcher.local's undisturbed 4-step run.
+    import shutil
     import signal
+    import tempfile
 
     from areal_async.config import load_config
 
     cluster_utils = pytest.importorskip("ray.cluster_utils", reason="launcher.ray needs Ray: pip install -e '.[dev]'")
+    # Ray's files of this cluster (its sockets: a short path) and the record of the machine's
+    # current cluster, which a plain ray.init() elsewhere on the machine would join, stay here
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=3, node_ip_address="127.0.0.2")
@@ -341,6 +347,7 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
             ray.shutdown()
     finally:
         cluster.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     on_two, calm = fingerprint(run_dir), runs["deterministic", 1]
     strip = lambda rows: [{k: v for k, v in r.items() if k not in FAULT_KEYS} for r in rows]  # noqa: E731
     assert [r["step"] for r in on_two["metrics"]] == list(range(STEPS))
