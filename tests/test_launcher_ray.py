@@ -1,6 +1,9 @@
-"""``launcher.ray``: the placement it asks for, the trainer ranks' command line, and faults.
+"""``launcher.ray``: the placement it asks for, where the servers and the queue listen, the
+trainer ranks' command line, the interface every child kind shares with ``Child``, and faults.
 
-That a Ray job equals ``launcher.local``'s bit for bit is tested in ``test_determinism.py``.
+That a Ray job on two Ray nodes equals ``launcher.local``'s bit for bit is tested in
+``test_determinism.py``. A server in an actor that fails its health check is killed through the
+actor and restarted.
 Fault tests, on a local Ray instance: a generation worker whose actor is killed is started again
 in a new actor (``release_worker`` first, as ``launcher.local`` does); then the replay queue is
 SIGKILLed, which must stop the job with exit 1, naming the queue, and leave no process behind:
