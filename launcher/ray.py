@@ -9,8 +9,9 @@ The job is ``launcher.local``'s, step for step: the same checks and run director
 and exit statuses (``launch``: 0 done, 1 a process failed, 2 a refused launch, 130 Ctrl-C or
 SIGTERM). What differs is where each process runs: ``RaySupervisor`` stands in for
 ``launcher.supervisor.Supervisor`` and starts each process inside a ``launcher.ray_actor
-.ProcessActor`` placed in a bundle of one placement group (``reserve``: one bundle per process,
-``cluster.*`` resources, ``cluster.placement`` strategy, ``cluster.*_node`` pins). The actor runs
+.ProcessActor`` placed in a bundle of one placement group (``launcher/ray_placement.py``: one
+bundle per process, ``cluster.*`` resources, ``cluster.placement`` strategy, ``cluster.*_node``
+pins). The actor runs
 the command line as ``launcher.local`` would (a ``Child``: own process group, dies with the actor).
 
 The trainer: where ``launcher.local`` runs ``launcher.torchrun``, here each rank is one actor that
@@ -24,23 +25,34 @@ output is ``logs/trainer.log`` (echoed to the console), rank r's ``logs/trainer_
 
 Logs: an actor on the launcher's node writes ``RUN_DIR/logs/<name>.log`` itself; one on another
 node writes a node-local log whose new lines the launcher pulls into ``RUN_DIR/logs/<name>.log``
-each time it checks the process (every 0.5 s). A process or actor that dies fails the job as in
-``launcher.local``, naming it with its last lines (a dead actor: "its Ray actor died", Ray's
-reason). Every exit stops each process and kills each actor; a Ray instance started here (no
-``--address``: a local one with ``num_cpus`` = the job's bundles, on 127.0.0.1, no dashboard) is
-shut down with them.
+each time it checks the process (every 0.5 s). The servers are health-checked as under
+``launcher.local`` (the probe runs on the launcher's node against the server's URL); one that
+fails a check is killed through its actor and restarted by its policy. A process or actor that
+dies fails the job as in ``launcher.local``, naming it with its last lines (a dead actor: "its
+Ray actor died", Ray's reason). Every exit stops each process and kills each actor; a Ray
+instance started here (no ``--address``: always a new local one, with ``num_cpus`` = the job's
+bundles, no dashboard) is shut down with them.
+
+Listeners across hosts (``bind_hosts``): while the servers, the queue and their callers share
+one host (one node address; several Ray nodes may share one), every port stays on loopback, as
+under ``launcher.local``; otherwise a loopback ``inference.host``/``queue.host`` becomes the
+address of the node that role landed on (written to ``RUN_DIR/config.yaml``), guarded by the job's
+token, and its ports are checked free on that node by its actor before the job starts.
 
 Simplifications: the run directory, the model and the code must be at the same paths on every
-node (a shared filesystem); ports are chosen and checked on the launcher's node; the server URLs
-all use ``inference.host``, so the servers run on one node (pin them with ``cluster.server_node``)
-and ``inference.host``/``queue.host`` must be addresses the other nodes reach; gloo stays on the
-loopback interface unless ``GLOO_SOCKET_IFNAME`` is set. Only the single-node case is tested.
+node (a shared filesystem); ports are chosen on the launcher's node (a port race's new ones too,
+unchecked on the other nodes); the server URLs all use ``inference.host``, so the servers share
+one node address (pin them with ``cluster.server_node``); the trainer's rendezvous and
+weight-update group listen on ``127.0.0.1`` of one node (across hosts: ``trainer.weight_sync=disk``)
+and gloo stays on the loopback interface unless ``GLOO_SOCKET_IFNAME`` is set. Tested: one host,
+with a local instance and with two Ray nodes (``ray.cluster_utils.Cluster``, the second at
+``127.0.0.2``, so distinct node ids and addresses); not tested: separate hosts (a real network,
+listeners on a remote host's address), Ray Client, GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import math
 import os
@@ -48,110 +60,23 @@ import pathlib
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
-from areal_async.config import Config, load_config
+from areal_async.config import Config, dump_config, load_config
 from launcher import local
-from launcher.ray_actor import ProcessActor
-from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
+from launcher.ray_placement import Placement, bind_hosts, bundles_of, reserve
+from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervised, Supervisor
 
-ROLES = ("server", "queue", "trainer", "worker")
+__all__ = ["Placement", "RankGroup", "RayChild", "RaySupervisor", "bind_hosts", "bundles_of", "main", "reserve"]
+
 _ROLE_OF = re.compile(r"(server|worker)\d+|queue|trainer")
 _STOP_RPC_S = 30.0  # beyond the child's grace: the actor is then killed anyway
 _TAIL_LINES = 40
-_RemoteProcess = ray.remote(ProcessActor)  # the actor class, exported to the cluster once
-
-
-class Placement:
-    """The job's placement group and where each bundle landed.
-
-    ``bundles[role]``: the bundle indices of that role's processes, in process order;
-    ``resources[i]``: bundle i's resources; ``node_of[i]``: (Ray node id, IP address) of bundle i;
-    ``driver_node``: the launcher's node id (``None`` under Ray Client: no node shares its files).
-    """
-
-    def __init__(self, pg, bundles: dict[str, list[int]], resources: list[dict[str, float]],
-                 node_of: list[tuple[str, str]], driver_node: str | None):
-        self.pg, self.bundles, self.resources = pg, bundles, resources
-        self.node_of, self.driver_node = node_of, driver_node
-        # one actor per bundle made at once, so that Ray starts their worker processes while the
-        # launcher waits for the servers (each takes seconds to start); used up by actor()
-        self._ready = {i: self._new_actor(i) for i in range(len(resources))}
-
-    def on_driver_node(self, bundle: int) -> bool:
-        return self.node_of[bundle][0] == self.driver_node
-
-    def actor(self, bundle: int):
-        """A ``ProcessActor`` in ``bundle``, holding all of its resources: the one made ahead for
-        it, the first time, else a new one (a restarted process whose actor died)."""
-        return self._ready.pop(bundle, None) or self._new_actor(bundle)
-
-    def release(self) -> None:
-        """Kill the actors made ahead and not used (a job that failed during start-up)."""
-        for actor in self._ready.values():
-            ray.kill(actor)
-        self._ready.clear()
-
-    def _new_actor(self, bundle: int):
-        res = self.resources[bundle]
-        return _RemoteProcess.options(
-            num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-        ).remote()
-
-
-def bundles_of(cfg: Config) -> tuple[dict[str, list[int]], list[dict[str, float]]]:
-    """One bundle per process: (indices per role, resources per bundle), servers first, then the
-    queue, the trainer ranks and the workers. A pinned role's bundles ask for a little of Ray's
-    ``node:<ip>`` resource, which only that node has."""
-    c = cfg.cluster
-    need = {"server": (cfg.inference.num_servers, c.cpus_per_server, c.gpus_per_server, c.server_node),
-            "queue": (1, c.cpus_per_queue, 0.0, c.queue_node),
-            "trainer": (cfg.trainer.nproc, c.cpus_per_trainer_rank, c.gpus_per_trainer_rank, c.trainer_node),
-            "worker": (cfg.rollout.num_workers, c.cpus_per_worker, 0.0, c.worker_node)}
-    index: dict[str, list[int]] = {}
-    resources: list[dict[str, float]] = []
-    for role in ROLES:
-        count, cpus, gpus, node = need[role]
-        bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {}) | ({f"node:{node}": 0.001} if node else {})
-        index[role] = list(range(len(resources), len(resources) + count))
-        resources += [dict(bundle) for _ in range(count)]
-    return index, resources
-
-
-def reserve(cfg: Config) -> Placement:
-    """Create the job's placement group and wait until Ray granted every bundle.
-
-    Raises:
-        JobFailed: not granted within ``cluster.placement_timeout_s`` (the message gives what was
-            asked and what the cluster has); the group is removed.
-    """
-    index, resources = bundles_of(cfg)
-    pg = placement_group(resources, strategy=cfg.cluster.placement.upper())
-    try:
-        ray.get(pg.ready(), timeout=cfg.cluster.placement_timeout_s)
-    except GetTimeoutError:
-        remove_placement_group(pg)
-        total = collections.Counter()
-        for bundle in resources:
-            total.update(bundle)
-        raise JobFailed(f"Ray could not place the job's {len(resources)} processes within "
-                        f"cluster.placement_timeout_s={cfg.cluster.placement_timeout_s:g} s: they ask for "
-                        f"{dict(total)} (cluster.placement={cfg.cluster.placement}), the cluster has "
-                        f"{ray.cluster_resources()}; lower cluster.cpus_per_* / gpus_per_*, unpin "
-                        f"cluster.*_node, or add nodes") from None
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    where = placement_group_table(pg)["bundles_to_node_id"]
-    node_of = [(where[i], ips[where[i]]) for i in range(len(resources))]
-    driver = None if ray.util.client.ray.is_connected() else ray.get_runtime_context().get_node_id()
-    return Placement(pg, index, resources, node_of, driver)
-
-
 class RayChild:
     """Driver-side stand-in for a ``launcher.supervisor.Child`` whose process runs in a
     ``ProcessActor``: the attributes and methods ``Supervisor`` uses (``poll``, ``tail``,
@@ -160,19 +85,20 @@ class RayChild:
     ``make_actor()`` makes its actor (again, if one dies and the process is restarted);
     ``before_start(actor)`` runs before the process starts (the rank-0 rendezvous store);
     ``local_log``: the actor runs on the launcher's node and writes ``log_dir/<name>.log`` itself.
+    ``health``: checked by the supervisor from the launcher's node (the probe asks the server's
+    URL), which kills the process through its actor (``kill``) when a check fails.
     """
 
     def __init__(self, name: str, argv: list[str], make_actor: Callable, log_dir: pathlib.Path,
                  env: dict[str, str], local_log: bool, echo: bool = False, expect_exit: bool = False,
                  log_header: str | None = None, restart: Restart | None = None,
-                 before_start: Callable | None = None):
+                 health: HealthCheck | None = None, before_start: Callable | None = None):
         self.name, self.argv, self.env = name, argv, env
         self.log_path = log_dir / f"{name}.log"
         self.expect_exit, self.restart, self.echo = expect_exit, restart, echo
         self.restarts, self.restart_at, self.why = 0, None, ""
         self.actor_error: str | None = None  # why its actor died, if it did
-        self.health: HealthCheck | None = None  # no health checks under Ray (RaySupervisor.start)
-        self.hung: str | None = None  # never set: no health checks
+        self.health = health
         self._make_actor, self._before_start, self._local_log = make_actor, before_start, local_log
         self._spawn(log_header, "w" if log_header is None else "a")
 
@@ -190,8 +116,14 @@ class RayChild:
             ray.kill(self.actor)
             raise JobFailed(f"{self.name} could not be started in its Ray actor: {exc}") from None
         self._offset, self._rc, self.actor_error = 0, None, None
+        self._reset_health()
         if not self._local_log:  # this node's copy, filled by _pump
             self._copy = open(self.log_path, log_mode, buffering=1)
+
+    def _reset_health(self) -> None:
+        """A (re)started process is not up yet: the supervisor asks ``/health`` until it is."""
+        self.hung, self.up, self.check = None, False, None
+        self.spawned_at = self.check_at = time.monotonic()
 
     def _pump(self) -> None:
         """Bring the log's new lines here: into the local copy (remote actor), to the console (echo)."""
@@ -239,12 +171,19 @@ class RayChild:
             with contextlib.suppress(RayActorError):
                 ray.get(self.actor.respawn.remote(log_header))  # the log goes on: so does its offset
                 self._rc = None
+                self._reset_health()
                 return
         ray.kill(self.actor)
         self._sweep()
         if not self._local_log:
             self._copy.close()
         self._spawn(log_header, "a")
+
+    def kill(self) -> None:
+        """SIGKILL the process's group through the actor and wait for it; an actor that died
+        took its process with it."""
+        with contextlib.suppress(RayActorError):
+            ray.get(self.actor.kill.remote())
 
     def _sweep(self) -> None:
         """SIGKILL the process's group, which may outlive a killed actor (as ``Child.stop`` sweeps);
@@ -275,7 +214,8 @@ class RankGroup:
         self.ranks = ranks
         self.log_path, self.expect_exit = ranks[0].log_path, True
         self.restart, self.restarts, self.restart_at, self.why = None, 0, None, ""
-        self.health, self.hung = None, None  # as RayChild: no health checks
+        # not health-checked (nor is torchrun under launcher.local); the fields of Supervised
+        self.health, self.hung, self.up, self.check, self.check_at, self.spawned_at = None, None, False, None, 0.0, 0.0
         self.failed: RayChild | None = None
 
     @property
@@ -305,6 +245,14 @@ class RankGroup:
                 self.failed, self.log_path = rank, rank.log_path
                 return rc
         return 0 if all(rc == 0 for rc in codes) else None
+
+    def respawn(self, log_header: str) -> None:
+        """Never called: the group has no ``Restart`` policy (a failed rank ends the job)."""
+        raise RuntimeError("the trainer's ranks are not restarted: a failed rank ends the job")
+
+    def kill(self) -> None:
+        for rank in self.ranks:
+            rank.kill()
 
     def stop(self, grace_s: float) -> None:
         for rank in reversed(self.ranks):
@@ -337,9 +285,7 @@ class RaySupervisor(Supervisor):
 
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
               expect_exit: bool = False, stop_leader_first: bool = False,
-              restart: Restart | None = None, health: HealthCheck | None = None):
-        # ``health`` (launcher.local's /health_generate checks of a server) is not run under Ray:
-        # a server that exits is restarted by its ``restart`` policy, a hung one is not detected
+              restart: Restart | None = None, health: HealthCheck | None = None) -> Supervised:
         match = _ROLE_OF.fullmatch(name)
         assert match, f"launcher.ray places the processes of launcher.local.run_job; {name!r} is none of them"
         role = match.group(1) or name
@@ -347,7 +293,8 @@ class RaySupervisor(Supervisor):
             child = self._start_ranks(argv, env or {}, echo)
         else:
             bundle = self.placement.bundles[role][int(name[len(role):] or 0)]
-            child = self._child(name, argv, bundle, env or {}, echo=echo, expect_exit=expect_exit, restart=restart)
+            child = self._child(name, argv, bundle, env or {}, echo=echo, expect_exit=expect_exit,
+                                restart=restart, health=health)
         self.children.append(child)
         return child
 
@@ -402,7 +349,10 @@ def connect(address: str | None, cfg: Config) -> None:
         return
     _, resources = bundles_of(cfg)
     cpus = math.ceil(sum(b["CPU"] for b in resources))
-    ray.init(num_cpus=max(cpus, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+    # "local": a new instance even while another on this machine is recorded as the current one
+    # (by `ray start` or ray.cluster_utils.Cluster), which a plain ray.init() would join
+    ray.init(address="local", num_cpus=max(cpus, os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=False,
              # the job's actors are made at once (Placement): no idle workers started ahead of them
              _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
 
@@ -423,6 +373,16 @@ def run_on_ray(cfg: Config, address: str | None) -> int:
                 nodes = sorted({ip for _, ip in placement.node_of})
                 print(f"[launcher] Ray: {len(placement.resources)} processes placed "
                       f"({cfg.cluster.placement}) on node(s) {', '.join(nodes)}", flush=True)
+                try:
+                    placed = bind_hosts(cfg, placement)
+                except JobFailed as exc:
+                    print(f"[launcher] job failed: {exc}", file=sys.stderr, flush=True)
+                    return 1
+                if placed is not cfg:  # what the children read
+                    cfg = placed
+                    dump_config(cfg, cfg.run_dir / "config.yaml")
+                    print(f"[launcher] across hosts: the servers listen on {cfg.inference.host}, "
+                          f"the queue on {cfg.queue.host}", flush=True)
                 return local.launch(cfg, supervisor=lambda *a, **kw: RaySupervisor(*a, placement=placement, **kw))
             finally:
                 placement.release()

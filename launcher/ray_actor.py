@@ -88,6 +88,17 @@ class ProcessActor:
         end = data.rfind(b"\n") + 1
         return data[:end].decode("utf-8", errors="replace"), offset + end
 
+    def kill(self) -> None:
+        """SIGKILL the process's group and wait for it (``Child.kill``: a failed health check)."""
+        self.child.kill()
+
+    def port_in_use(self, host: str, port: int) -> str | None:
+        """Why ``host:port`` cannot be listened on, on this actor's node (the OS's reason), or
+        ``None`` if it can (``areal_async.config.port_in_use``)."""
+        from areal_async.config import port_in_use
+
+        return port_in_use(host, port)
+
     def respawn(self, log_header: str) -> None:
         """Start the (dead) process again (``Child.respawn``)."""
         self.child.respawn(log_header)

@@ -23,12 +23,17 @@ watch goes on meanwhile: after each (re)start ``probe("/health")`` every 0.5 s u
 ``interval_s`` as its timeout. A child that fails a check once it was up, or does not come up in
 time, is killed (its process group, SIGKILL) and counts as dead, its cause ``did not answer
 /health_generate: <why>``: restarted by its policy, or the end of the job.
+
+``Supervisor`` asks of a child only what ``Supervised`` declares, so a child may run elsewhere:
+``Child`` runs here, ``launcher.ray.RayChild`` in a Ray actor, ``launcher.ray.RankGroup`` is the
+trainer's ranks as one child.
 """
 
 from __future__ import annotations
 
 import codecs
 import collections
+import collections.abc
 import concurrent.futures
 import ctypes
 import os
@@ -40,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -77,6 +83,48 @@ class HealthCheck:
     probe: Callable[[str, float], str | None]
     interval_s: float
     startup_timeout_s: float
+
+
+@runtime_checkable
+class Supervised(Protocol):
+    """What ``Supervisor`` reads and sets of a child (``Child`` is the reference).
+
+    Set at start: ``name``, ``log_path``, ``expect_exit``, ``restart``, ``health``, ``echo``
+    (the supervisor turns it off while stopping). Restart bookkeeping, kept by the supervisor:
+    ``restarts``, ``restart_at``, ``why``. Health-check state, kept by the supervisor and reset by
+    each (re)start: ``up``, ``check``, ``check_at``, ``spawned_at`` (monotonic seconds), ``hung``
+    (why the check killed it). ``tail``: its last lines.
+    """
+
+    name: str
+    log_path: pathlib.Path
+    expect_exit: bool
+    restart: Restart | None
+    restarts: int
+    restart_at: float | None
+    why: str
+    health: HealthCheck | None
+    hung: str | None
+    up: bool
+    check: concurrent.futures.Future | None
+    check_at: float
+    spawned_at: float
+    echo: bool
+
+    @property
+    def tail(self) -> collections.abc.Sequence[str]: ...
+
+    def poll(self) -> int | None:
+        """Its exit status (negative: killed by that signal), ``None`` while it runs."""
+
+    def respawn(self, log_header: str) -> None:
+        """Start the dead process again; its log goes on after ``log_header``."""
+
+    def kill(self) -> None:
+        """SIGKILL its process group and wait for the process (a failed health check)."""
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s`` seconds; nothing of it runs afterwards."""
 
 
 class Child:
@@ -155,6 +203,11 @@ class Child:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def kill(self) -> None:
+        """SIGKILL the process group and wait for the process."""
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
     def stop(self, grace_s: float) -> None:
         """SIGTERM the child's process group (``stop_leader_first``: the child alone, which stops
         its own children, as torchrun does its ranks), then SIGKILL the group after ``grace_s``
@@ -197,11 +250,11 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_header = log_header
-        self.children: list[Child] = []
+        self.children: list[Supervised] = []
 
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
               expect_exit: bool = False, stop_leader_first: bool = False,
-              restart: Restart | None = None, health: HealthCheck | None = None) -> Child:
+              restart: Restart | None = None, health: HealthCheck | None = None) -> Supervised:
         child = Child(name, argv, self.log_dir, {**self.env, **(env or {})}, echo, expect_exit,
                       log_header=self.log_header, stop_leader_first=stop_leader_first,
                       restart=restart, health=health)
@@ -228,7 +281,7 @@ class Supervisor:
                 continue
             raise self._failure(child)
 
-    def _check_health(self, child: Child) -> None:
+    def _check_health(self, child: Supervised) -> None:
         """Start a probe when one is due; act on the one that finished (module docstring)."""
         h, now = child.health, time.monotonic()
         if child.check is None:
@@ -253,16 +306,15 @@ class Supervisor:
         child.check_at = now + (h.interval_s if child.up else 0.5)
         if child.hung is not None:
             print(f"[launcher] {child.name} {child.hung}; killing it", file=sys.stderr, flush=True)
-            _signal_group(child.proc.pid, signal.SIGKILL)
-            child.proc.wait()
+            child.kill()
 
     @staticmethod
-    def _failed(child: Child) -> bool:
+    def _failed(child: Supervised) -> bool:
         rc = child.poll()
         return rc is not None and not (rc == 0 and child.expect_exit)
 
     @staticmethod
-    def _why(child: Child) -> str:
+    def _why(child: Supervised) -> str:
         rc = child.poll()
         if child.hung is not None:
             return f"{child.hung} (killed)"
@@ -271,16 +323,16 @@ class Supervisor:
         return f"exited with status {rc}" if rc else "exited unexpectedly (status 0)"
 
     @staticmethod
-    def _tail(child: Child) -> str:
+    def _tail(child: Supervised) -> str:
         tag = f"[{child.name}]"  # lines the child tagged itself keep their one tag
         return "\n".join(f"  {line}" if line.startswith(tag) else f"  {tag} {line}" for line in child.tail)
 
-    def _failure(self, child: Child, extra: str = "") -> JobFailed:
+    def _failure(self, child: Supervised, extra: str = "") -> JobFailed:
         after = f" after {child.restarts} restart(s)" if child.restarts else ""
         return JobFailed(f"{child.name} {self._why(child)}{after}{extra}; its last lines "
                          f"(full log: {child.log_path}):\n{self._tail(child)}")
 
-    def _schedule_restart(self, child: Child) -> None:
+    def _schedule_restart(self, child: Supervised) -> None:
         policy, why = child.restart, self._why(child)
         try:
             note = policy.before(why) if policy.before is not None else ""
@@ -299,12 +351,12 @@ class Supervisor:
               f"in {delay_s:g} s{'; ' + note if note else ''}; its last lines (full log: "
               f"{child.log_path}):\n{last}", file=sys.stderr, flush=True)
 
-    def _restart(self, child: Child) -> None:
+    def _restart(self, child: Supervised) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         child.respawn(f"===== restart {child.restarts} of {child.restart.max_restarts}: "
                       f"{child.name} {child.why}, {stamp} =====")
 
-    def wait_for(self, child: Child, poll_s: float = 0.5) -> int:
+    def wait_for(self, child: Supervised, poll_s: float = 0.5) -> int:
         """Block until ``child`` exits, checking every other child meanwhile; return its status."""
         while (rc := child.poll()) is None:
             self.check()

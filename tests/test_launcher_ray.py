@@ -1,6 +1,9 @@
-"""``launcher.ray``: the placement it asks for, the trainer ranks' command line, and faults.
+"""``launcher.ray``: the placement it asks for, where the servers and the queue listen, the
+trainer ranks' command line, the interface every child kind shares with ``Child``, and faults.
 
-That a Ray job equals ``launcher.local``'s bit for bit is tested in ``test_determinism.py``.
+That a Ray job on two Ray nodes equals ``launcher.local``'s bit for bit is tested in
+``test_determinism.py``. A server in an actor that fails its health check is killed through the
+actor and restarted.
 Fault tests, on a local Ray instance: a generation worker whose actor is killed is started again
 in a new actor (``release_worker`` first, as ``launcher.local`` does); then the replay queue is
 SIGKILLed, which must stop the job with exit 1, naming the queue, and leave no process behind:
@@ -20,7 +23,7 @@ pytest.importorskip("ray", reason="launcher.ray needs Ray: pip install -e '.[dev
 
 from areal_async.config import load_config  # noqa: E402
 from launcher.local import PY  # noqa: E402
-from launcher.ray import RankGroup, RayChild, _rank_argv, bundles_of  # noqa: E402
+from launcher.ray import RankGroup, RayChild, _rank_argv, bind_hosts, bundles_of  # noqa: E402
 from launcher.ray_actor import ProcessActor  # noqa: E402
 from tests.test_determinism import REPO, job_argv, stop_and_read  # noqa: E402
 
@@ -42,6 +45,50 @@ def test_a_rank_runs_the_module_that_torchrun_would_start():
                 "-m", "areal_async.trainer.main", "--config", "runs/x/config.yaml"]
     assert _rank_argv(torchrun) == (2, 4321, [PY, "-u", "-m", "areal_async.trainer.main",
                                               "--config", "runs/x/config.yaml"])
+
+
+class FakePlacement:
+    """Where ``bind_hosts`` reads the placement: bundle i on ``ips[i]``; ``taken``: ports in use
+    on their node, as the actor made ahead for the bundle would find them."""
+
+    def __init__(self, cfg, ips: list[str], driver_ip: str | None, taken: dict[int, str] = {}):
+        self.bundles, _ = bundles_of(cfg)
+        self.node_of = [(f"node-{ip}", ip) for ip in ips]
+        self.driver_ip, self.taken, self.asked = driver_ip, taken, []
+
+    def ask(self, bundle: int, method: str, host: str, port: int):
+        assert method == "port_in_use"
+        self.asked.append((self.node_of[bundle][1], host, port))
+        return self.taken.get(port)
+
+
+def test_the_servers_and_the_queue_listen_on_their_nodes_address_when_callers_are_elsewhere():
+    from launcher.supervisor import JobFailed
+
+    # 2 servers, the queue, 1 trainer rank, 1 worker: bundles 0, 1 | 2 | 3 | 4
+    cfg = load_config(None, ["inference.num_servers=2", "trainer.nproc=1", "rollout.num_workers=1",
+                             "inference.base_port=4100", "queue.port=4200"])
+    a, b = "10.0.0.1", "10.0.0.2"
+    one_host = FakePlacement(cfg, [a] * 5, a)
+    assert bind_hosts(cfg, one_host) is cfg and not one_host.asked  # loopback reaches every process
+    # the servers and the worker on b, the queue and the trainer with the launcher on a
+    split = FakePlacement(cfg, [b, b, a, a, b], a)
+    placed = bind_hosts(cfg, split)
+    assert (placed.inference.host, placed.queue.host) == (b, a)
+    assert placed.inference.urls() == [f"http://{b}:4100", f"http://{b}:4101"]
+    assert split.asked == [(b, b, 4100), (b, b, 4101), (a, a, 4200)], "each port checked on its node"
+    given = load_config(None, ["inference.num_servers=2", "trainer.nproc=1", "rollout.num_workers=1",
+                               f"inference.host={b}"])
+    assert bind_hosts(given, FakePlacement(given, [b, b, a, a, a], a)).inference.host == b
+    with pytest.raises(JobFailed, match=r"the servers landed on nodes 10.0.0.1, 10.0.0.2, .*cluster.server_node="):
+        bind_hosts(cfg, FakePlacement(cfg, [a, b, a, a, a], a))
+    with pytest.raises(JobFailed, match=r"inference.host=10.0.0.2, but the servers run on node 10.0.0.3"):
+        bind_hosts(given, FakePlacement(given, ["10.0.0.3"] * 2 + [a] * 3, a))
+    with pytest.raises(JobFailed, match=r"port 4101 \(inference.base_port\+1\) is in use on node 10.0.0.2 "
+                                        r"\(Address already in use\); set inference.base_port="):
+        bind_hosts(cfg, FakePlacement(cfg, [b, b, a, a, a], a, taken={4101: "Address already in use"}))
+    # Ray Client: the launcher shares no host with any node
+    assert bind_hosts(cfg, FakePlacement(cfg, [a] * 5, None)).inference.host == a
 
 
 class FakeRank:
@@ -68,28 +115,80 @@ def test_the_ranks_run_as_one_child_as_under_torchrun():
     assert RankGroup(done).poll() == 0 and RankGroup(done).name == "trainer"
 
 
-def test_the_log_of_an_actor_on_another_node_is_copied_to_the_launchers(tmp_path, capsys):
-    # one node here: the actor is treated as remote (local_log=False), so it writes a log of its
-    # own node's and the launcher pulls the lines into logs/<name>.log, and echoes them
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray instance in this process, for the tests that make actors here."""
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        child = RayChild("echoer", [PY, "-c", "print('one'); print('two')"],
-                         lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote(), tmp_path,
-                         dict(os.environ), local_log=False, echo=True, expect_exit=True)
-        deadline = time.monotonic() + 60
-        while child.poll() is None:
-            assert time.monotonic() < deadline, "the child did not exit within 60 s"
-            time.sleep(0.05)
-        assert child.poll() == 0
-        theirs = ray.get(child.actor.read_log.remote(0))[0]
-        child.stop(1.0)
-    finally:
-        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_the_log_of_an_actor_on_another_node_is_copied_to_the_launchers(local_ray, tmp_path, capsys):
+    # one node here: the actor is treated as remote (local_log=False), so it writes a log of its
+    # own node's and the launcher pulls the lines into logs/<name>.log, and echoes them
+    ray = local_ray
+    child = RayChild("echoer", [PY, "-c", "print('one'); print('two')"],
+                     lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote(), tmp_path,
+                     dict(os.environ), local_log=False, echo=True, expect_exit=True)
+    deadline = time.monotonic() + 60
+    while child.poll() is None:
+        assert time.monotonic() < deadline, "the child did not exit within 60 s"
+        time.sleep(0.05)
+    assert child.poll() == 0
+    theirs = ray.get(child.actor.read_log.remote(0))[0]
+    child.stop(1.0)
     ours = (tmp_path / "echoer.log").read_text()
     assert ours == theirs and ours.splitlines()[1:] == ["one", "two"] and ours.startswith("$ ")
     assert capsys.readouterr().out == "one\ntwo\n"
+
+
+def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(local_ray, tmp_path):
+    # as test_launcher's check of a Child: alive, answers /health, never /health_generate; the
+    # supervisor kills it through its actor and starts it again, once; the second hang ends the job
+    ray = local_ray
+    from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
+
+    asked = []
+
+    def probe(path: str, timeout_s: float) -> str | None:
+        asked.append(path)
+        return None if path == "/health" else f"no answer within {timeout_s:g} s"
+
+    sup = Supervisor(tmp_path / "logs")
+    try:
+        make = lambda: ray.remote(ProcessActor).options(num_cpus=0.5).remote()  # noqa: E731
+        trainer = RayChild("trainer", [PY, "-c", "import time; time.sleep(600)"], make, sup.log_dir,
+                           dict(os.environ), local_log=True, expect_exit=True)
+        server = RayChild("server0", [PY, "-c", "import time; print('serving', flush=True); time.sleep(600)"],
+                          make, sup.log_dir, dict(os.environ), local_log=True,
+                          restart=Restart(1, lambda why: "counted", backoff_s=0.05),
+                          health=HealthCheck(probe, interval_s=0.1, startup_timeout_s=30))
+        sup.children += [trainer, server]
+        first = server.pid
+        with pytest.raises(JobFailed, match=r"server0 did not answer /health_generate: no answer within 0.1 s "
+                                            r"\(killed\) after 1 restart\(s\)"):
+            sup.wait_for(trainer, poll_s=0.02)
+        assert asked[0] == "/health" and asked.count("/health_generate") == 2
+        assert server.poll() == -9 and first not in _processes(), "the check's SIGKILL did not reach the process"
+    finally:
+        sup.stop_all(grace_s=1)
+    log = (tmp_path / "logs" / "server0.log").read_text()
+    assert "===== restart 1 of 1: server0 did not answer /health_generate: no answer within 0.1 s (killed), " in log
+
+
+def test_every_child_kind_is_what_the_supervisor_asks_of_a_child():
+    from launcher.supervisor import Child, Supervised
+    from tests.test_interfaces import check_calls
+
+    for cls in (Child, RayChild, RankGroup):
+        check_calls(Supervised, cls)
+    # and structurally, with the attributes an instance sets
+    group = RankGroup([FakeRank("trainer")])
+    assert isinstance(group, Supervised)
+    missing = [name for name in Supervised.__annotations__ if not hasattr(group, name)]
+    assert not missing, f"RankGroup lacks {missing}"
 
 
 def _processes() -> dict[int, tuple[int, str]]:
