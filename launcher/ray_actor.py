@@ -88,9 +88,9 @@ class ProcessActor:
         end = data.rfind(b"\n") + 1
         return data[:end].decode("utf-8", errors="replace"), offset + end
 
-    def respawn(self, log_header: str) -> None:
+    def respawn(self, log_header: str, argv: list[str] | None = None) -> None:
         """Start the (dead) process again (``Child.respawn``)."""
-        self.child.respawn(log_header)
+        self.child.respawn(log_header, argv)
 
     def stop(self, grace_s: float) -> None:
         """Stop the process and its group (``Child.stop``) and release the store."""

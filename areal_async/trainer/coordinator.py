@@ -162,7 +162,8 @@ class Coordinator:
         jitter = Jitter(cfg.debug.jitter_ms, cfg.debug.jitter_seed, "trainer", 0, learner.start)
         client = await stack.enter_async_context(
             InferenceClient(inf.urls(), timeout_s=inf.request_timeout_s, token=auth.job_token(),
-                            health_check_interval_s=inf.health_check_interval_s))
+                            health_check_interval_s=inf.health_check_interval_s,
+                            rejoin_timeout_s=inf.server_rejoin_timeout_s))
         await client.wait_healthy(inf.startup_timeout_s)
         queue = await stack.enter_async_context(
             await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token()))

@@ -60,12 +60,12 @@ import asyncio
 import functools
 import math
 import pathlib
-import shutil
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from areal_async.atomic_dir import remove_atomically
 from areal_async.dtypes import dtype_name
 from areal_async.inference.interface import WeightUpdateClient
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
@@ -246,7 +246,7 @@ class DiskWeightSender:
             if self.interrupt_on_update:
                 await self.client.continue_generation()
         if self._previous is not None and self._previous != path:
-            shutil.rmtree(self._previous, ignore_errors=True)
+            remove_atomically(self._previous)  # whole or gone: the launcher restarts a server from the newest
         self._previous = path
 
 
