@@ -278,6 +278,7 @@ class InferenceClient:
         while True:
             await self.servers.wait_live()  # NoServerLeft once none rejoined in rejoin_timeout_s
             servers = self.servers.live()
+            assert servers, "wait_live returned with no server live"
             results = await asyncio.gather(*(call(i) for i in servers), return_exceptions=True)
             out = {}
             for i, result in zip(servers, results):
