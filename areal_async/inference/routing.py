@@ -15,7 +15,9 @@ moves backwards: a response of a lower version than that server's previous one i
 server leaves routing as a failure, and the segment is generated again on the next live one. A
 client that starts (``wait_healthy``) keeps out of routing the servers behind the highest version
 any of them serves. Not caught: a server restarted at exactly the version the client last saw
-from it while the others moved on, with no call of the client to it in between.
+from it while the others moved on, with no call of the client to it in between (with disk weight
+sync a restarted server starts from the newest weights, so it is behind only when an update was
+under way).
 
 A departed server is asked again, at most every ``reprobe_interval_s`` while some server is out,
 in a background task the routing starts (``route``): it rejoins when it answers
@@ -111,7 +113,7 @@ class ServerPool:
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise self._none_left(f"; none rejoined within inference.server_rejoin_timeout_s="
-                                      f"{self.rejoin_timeout_s:g} s")
+                                      f"{self.rejoin_timeout_s:g} s" if self.rejoin_timeout_s > 0 else "")
             self._maybe_probe()
             if self._probing is not None and not self._probing.done():
                 await asyncio.wait([self._probing], timeout=left_s)  # its result is what we wait for

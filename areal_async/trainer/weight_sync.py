@@ -15,8 +15,11 @@
 - ``DiskWeightSender`` (fallback, for servers that share the trainer's GPU, where NCCL refuses):
   rank 0 writes an HF directory ``RUN_DIR/weights/v{version}/`` (the weights in ``send_dtype`` as
   four safetensors files written by four threads, the config, and the base model's generation
-  config and tokenizer files unchanged) and calls
-  ``/update_weights_from_disk`` on every server; the previous directory is then removed. Each
+  config and tokenizer files unchanged; written as ``v{version}.partial`` and renamed when whole) and
+  calls ``/update_weights_from_disk`` on every server; the previous directory is then removed
+  (renamed out of its name first, ``atomic_dir.remove_atomically``), so a directory named
+  ``v{N}`` is always whole and the newest one holds the servers' weights: the launcher starts a
+  dead server again from it (``launcher/restart_weights.py``). Each
   parameter is cast on the training device and copied into pinned CPU memory, so half the bytes of
   fp32 cross PCIe and no cast runs on the CPU. On the H200 machine an earlier variant of this
   (streaming each tensor into the files as it was gathered) took a 0.6B update from 1.5 s to
@@ -41,10 +44,12 @@ collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
 
 Dead servers (``areal_async/inference/routing.py``): both senders pause, update and continue only the
 servers in the client's routing, so a dead one is skipped, never waited for (a call to it fails to
-connect; a hung one fails once the launcher's health check has killed it). ``DiskWeightSender``
-first asks the departed servers again (``probe(require_version=False)``): a server the launcher
-restarted, which serves the initial weights, is loaded with the update like the others and so
-rejoins with the current version. ``DistributedWeightSender`` cannot take a server back: its group
+connect; a hung one fails once the launcher's health check has killed it); with no server left
+they wait for one to rejoin (``inference.server_rejoin_timeout_s``, ``InferenceClient.each_live``).
+``DiskWeightSender`` first asks the departed servers again (``probe(require_version=False)``): a
+server the launcher restarted, which starts from the newest ``v{N}`` directory (the version live
+or the one this update replaces), is loaded with the update like the others and so rejoins with
+the current version. ``DistributedWeightSender`` cannot take a server back: its group
 was built once with a fixed world size, and a restarted server is a new process outside it. It
 raises ``RuntimeError`` (naming the server and ``trainer.weight_sync=disk``) when a server has left
 routing, and the launcher does not restart servers of such a job.
