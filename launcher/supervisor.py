@@ -308,8 +308,12 @@ class Supervisor:
     def _restart(self, child: Child) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         policy = child.restart
+        try:
+            argv = policy.argv() if policy.argv is not None else None
+        except Exception as exc:  # e.g. its weights could not be linked: the death stops the job
+            raise self._failure(child, f", and it cannot be restarted: {exc}") from exc
         child.respawn(f"===== restart {child.restarts} of {policy.max_restarts}: "
-                      f"{child.name} {child.why}, {stamp} =====", policy.argv() if policy.argv else None)
+                      f"{child.name} {child.why}, {stamp} =====", argv)
 
     def wait_for(self, child: Child, poll_s: float = 0.5) -> int:
         """Block until ``child`` exits, checking every other child meanwhile; return its status."""

@@ -815,3 +815,15 @@ def test_a_restart_policy_gives_each_restart_its_command_line(tmp_path):
     sup.stop_all(grace_s=2)
     log = (tmp_path / "logs" / "server0.log").read_text()
     assert [line for line in log.splitlines() if line in ("first", "second", "third")] == ["first", "second", "third"]
+
+    def no_weights():
+        raise OSError(28, "No space left on device")
+
+    sup = Supervisor(tmp_path / "logs2")
+    trainer = sup.start("trainer", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    sup.start("server0", [PY, "-c", "raise SystemExit(3)"], restart=Restart(2, lambda why: "", backoff_s=0.05,
+                                                                            argv=no_weights))
+    with pytest.raises(JobFailed, match=r"server0 exited with status 3 after 1 restart\(s\), and it cannot be "
+                                        r"restarted: \[Errno 28\] No space left on device"):
+        sup.wait_for(trainer, poll_s=0.02)
+    sup.stop_all(grace_s=2)
