@@ -796,7 +796,8 @@ def test_a_restarted_server_starts_from_the_newest_weights_at_their_version(tmp_
     again = restart_argv(tmp_path, 1, argv, ckpt, 4)
     pinned = tmp_path / "restart_weights" / "server1" / "v5"
     assert flag(again, "--model-path") == str(pinned.resolve()) and flag(again, "--weight-version") == "5"
-    assert again[1:3] == (["-m", "sglang.launch_server"] if backend == "sglang" else ["-m", "areal_async.inference.server"])
+    module = "sglang.launch_server" if backend == "sglang" else "areal_async.inference.server"
+    assert again[1:3] == ["-m", module]
     assert [a for a in again if a not in (str(pinned.resolve()), "5")] == [
         a for a in first if a not in (cfg.model.path, "0")], "only the weights and their version change"
 

@@ -118,7 +118,8 @@ class ServerPool:
             if self._probing is not None and not self._probing.done():
                 await asyncio.wait([self._probing], timeout=left_s)  # its result is what we wait for
             else:  # probed less than reprobe_interval_s ago: wait until the next one is due
-                await asyncio.sleep(max(0.0, min(left_s, self._last_probe + self.reprobe_interval_s - time.monotonic())))
+                due_s = self._last_probe + self.reprobe_interval_s - time.monotonic()
+                await asyncio.sleep(max(0.0, min(left_s, due_s)))
 
     def _none_left(self, more: str = "") -> NoServerLeft:
         reasons = "; ".join(f"{self.urls[i]}: {why}" for i, why in sorted(self._down.items()))
