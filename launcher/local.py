@@ -222,6 +222,14 @@ def server_failed(cfg: Config, token: str | None, sup: Supervisor, server: int, 
             "first update) and rejoins the generation once it answers")
 
 
+def remove_stale_weights(run_dir: pathlib.Path) -> None:
+    """Remove ``RUN_DIR/weights`` and ``RUN_DIR/restart_weights`` before a job with disk sync
+    starts: the versions a stopped job wrote are not this job's (a resumed job's checkpoint may be
+    older than them), so a restarted server must never start from one."""
+    for stale in ("weights", "restart_weights"):
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+
+
 def _server_argv(make_argv: Callable[..., list[str]], inf: InferenceConfig, port: int, mode: str, threads: int,
                  debug: DebugConfig, token: str | None, model: ModelConfig, version: int) -> list[str]:
     return make_argv(inf, model, port, mode, threads, debug, version, token)
@@ -390,9 +398,8 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
     disk = cfg.trainer.weight_sync == "disk"
-    if disk:  # a stopped job's versions are not this job's: a restarted server must never pick one
-        for stale in ("weights", "restart_weights"):
-            shutil.rmtree(cfg.run_dir / stale, ignore_errors=True)
+    if disk:
+        remove_stale_weights(cfg.run_dir)
     for i, url in enumerate(inf.urls()):
         argv = functools.partial(_server_argv, make_argv, inf, inf.base_port + i, cfg.mode, server_threads,
                                  cfg.debug, token)

@@ -802,6 +802,18 @@ def test_a_restarted_server_starts_from_the_newest_weights_at_their_version(tmp_
         a for a in first if a not in (cfg.model.path, "0")], "only the weights and their version change"
 
 
+def test_a_new_job_never_restarts_a_server_from_a_stopped_jobs_weights(tmp_path):
+    # a stopped job trained to version 7; its checkpoint (what --resume continues) is at step 4
+    from launcher.local import remove_stale_weights
+    from launcher.restart_weights import pin
+
+    _hf_dir(tmp_path / "weights" / "v7", "seven")
+    _hf_dir(tmp_path / "restart_weights" / "server0" / "v6", "six")
+    remove_stale_weights(tmp_path)
+    assert pin(tmp_path / "weights", tmp_path / "restart_weights" / "server0") is None
+    assert not (tmp_path / "restart_weights").exists()
+
+
 def test_a_restart_policy_gives_each_restart_its_command_line(tmp_path):
     from launcher.supervisor import Restart
 
