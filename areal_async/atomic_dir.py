@@ -6,7 +6,8 @@ interruption before the swap leaves ``D`` untouched; one between the two renames
 but a whole ``D.old``, which a caller that can tell a complete directory from a partial one puts
 back (``trainer.resume.recover_checkpoint``). ``write_atomically`` is the whole sequence for one
 writer; the trainer's checkpoint is written by several calls into the staging directory and
-published at the end.
+published at the end. ``remove_atomically`` takes ``D`` away the same way: renamed first, so a
+reader never finds ``D`` half deleted.
 
 Published files get the mode any new file of the user gets (``0o666 & ~umask``):
 ``safetensors`` writes each file through a temporary file, which is created ``0600``.
@@ -90,3 +91,16 @@ def write_atomically(out_dir: str | pathlib.Path) -> Iterator[pathlib.Path]:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     publish(out_dir)
+
+
+def remove_atomically(out_dir: str | pathlib.Path) -> None:
+    """Remove ``out_dir``: rename it to ``out_dir.removed`` (one step: ``out_dir`` is whole or
+    absent), then delete that. Nothing happens when it does not exist."""
+    out_dir = pathlib.Path(out_dir)
+    gone = out_dir.with_name(out_dir.name + ".removed")
+    shutil.rmtree(gone, ignore_errors=True)
+    try:
+        out_dir.rename(gone)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)

@@ -88,10 +88,15 @@ class InferenceConfig(_Cfg):
     # a server that says it is paused (GET /ready 503: SGLang's, while a weight update holds it)
     # passes those checks for this many seconds in a row, then counts as hung (inference/routing.py)
     max_pause_s: PosFloat = 300.0
-    # restarts of each server (same port, initial weights; the trainer's next update brings it up
-    # to date, over either trainer.weight_sync; num_servers >= 2 only); one more death stops the job with
-    # its error. 0: never
+    # restarts of each server (same port; trainer.weight_sync=disk: from the newest weights directory
+    # RUN_DIR/weights/v{N}/ at version N, the initial weights before the first update; distributed:
+    # the initial weights, which the trainer's next update brings up to date, num_servers >= 2
+    # only); one more death stops the job with its error. 0: never
     max_server_restarts: NonNegInt = 3
+    # when every server is out of routing (a job's only server died), how long the workers' and the
+    # trainer's calls wait for one to be restarted and rejoin before the job stops with NoServerLeft,
+    # seconds (the launcher's detection, back-off and the server's start fit in it); 0: stop at once
+    server_rejoin_timeout_s: NonNegFloat = 300.0
     max_request_bytes: PosInt = 16 * 1024 * 1024  # embedded: a larger request body is HTTP 413
     sglang_args: list[str] = []
 

@@ -14,13 +14,18 @@ each, after the queue took back its groups (``release_worker``; they are generat
 same ids and seeds) and a back-off (``launcher/supervisor.py``, ``Restart``). An inference server
 is checked with ``GET /health_generate`` every ``inference.health_check_interval_s`` (the same
 timeout, ``HealthCheck``), unless its ``GET /ready`` says it is paused, which passes for up to
-``inference.max_pause_s`` in a row (``ServerProbe``); one that exited, or failed a check (then it is killed), is started again
-on its port with the command line it started with (the initial weights), up to
-``inference.max_server_restarts`` times each, after the queue counted it (``server_failed``); the
-clients route around it meanwhile and take it back once the trainer's next weight update has
-loaded the current weights on it (``areal_async/inference/routing.py``; with
-``trainer.weight_sync=distributed`` that update first rebuilds the weight-update group with it,
-``trainer/weight_sync.py``). Only with two servers or more: with one, its death stops the job.
+``inference.max_pause_s`` in a row (``ServerProbe``); one that exited, or failed a check (then it
+is killed), is started again on its port, up to ``inference.max_server_restarts`` times each, after
+the queue counted it (``server_failed``): with ``trainer.weight_sync=disk`` from the newest complete
+weights directory ``RUN_DIR/weights/v{N}/`` at version N (``restart_argv``; the command line it
+started with while there is none), with the distributed sync with the command line it started
+with (the initial weights). The clients route around it meanwhile, or, when it was the only server
+left, wait for it up to ``inference.server_rejoin_timeout_s``, and take it back once it answers
+with weights at least as new as the other servers' (``areal_async/inference/routing.py``; with the
+distributed sync the trainer's next update first rebuilds the weight-update group with it and
+loads the current weights, ``trainer/weight_sync.py``). A job with one server survives its death
+only with disk sync. With disk sync a job's start removes the weights directories a stopped job
+left.
 If any other process exits non-zero (or a long-lived one exits at all), or a worker or a server dies once
 more than allowed, every process is stopped and
 the launcher exits 1, printing that process's last lines; except once: when a process could not
@@ -75,6 +80,7 @@ from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfi
 from areal_async.determinism import deterministic_env
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
+from launcher import restart_weights
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
 from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
 
@@ -229,16 +235,17 @@ def server_failed(cfg: Config, token: str | None, sup: Supervisor, server: int, 
     launcher's line.
 
     Raises:
-        RuntimeError: one server only (no other to generate meanwhile, nor to tell the clients
-            the current version), or the job was still starting (no queue yet): the job stops
-            with the server's error.
+        RuntimeError: one server only without disk sync (nothing would generate meanwhile nor give
+            the restarted server the current weights), or the job was still starting (no queue
+            yet): the job stops with the server's error.
         ConnectionError, TimeoutError: the queue is not reachable (10 s) or does not answer (30 s).
     """
     from areal_async.queue.client import QueueClient
 
-    if cfg.inference.num_servers == 1:
-        raise RuntimeError("a job with one inference server cannot go on without it (no other server generates "
-                           "meanwhile or tells the clients the current weight version); set "
+    if cfg.inference.num_servers == 1 and cfg.trainer.weight_sync != "disk":
+        raise RuntimeError("a job with one inference server cannot go on without it (nothing would generate "
+                           "meanwhile nor give the restarted server the current weights); set "
+                           "trainer.weight_sync=disk (a restart starts from the newest weights directory) or "
                            "inference.num_servers=2 or more to survive the death of a server")
     if not any(child.name == "queue" for child in sup.children):
         raise RuntimeError("it died while the job was starting")
@@ -248,8 +255,36 @@ def server_failed(cfg: Config, token: str | None, sup: Supervisor, server: int, 
             await asyncio.wait_for(q.server_failed(server, restart=True), 30.0)
 
     asyncio.run(count())
-    return ("it starts again on its port with the initial weights, rejoins the generation once the trainer's "
-            "next weight update brings it up to date")
+    return ("it starts again on its port from the newest weights of RUN_DIR/weights (the initial ones before the "
+            "first update) and rejoins the generation once it answers")
+
+
+def remove_stale_weights(run_dir: pathlib.Path) -> None:
+    """Remove ``RUN_DIR/weights`` and ``RUN_DIR/restart_weights`` before a job with disk sync
+    starts: the versions a stopped job wrote are not this job's (a resumed job's checkpoint may be
+    older than them), so a restarted server must never start from one."""
+    for stale in ("weights", "restart_weights"):
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+
+
+def _server_argv(make_argv: Callable[..., list[str]], inf: InferenceConfig, port: int, mode: str, threads: int,
+                 debug: DebugConfig, token: str | None, model: ModelConfig, version: int) -> list[str]:
+    return make_argv(inf, model, port, mode, threads, debug, version, token)
+
+
+def restart_argv(run_dir: pathlib.Path, server: int, argv: Callable[[ModelConfig, int], list[str]],
+                 model: ModelConfig, version: int) -> list[str]:
+    """The command line of inference server ``server`` started again (``trainer.weight_sync=disk``):
+    ``argv(model, version)`` from the newest complete ``RUN_DIR/weights/v{N}/``, linked into
+    ``RUN_DIR/restart_weights/server{i}/`` so that the trainer's removal of it cannot pull it away
+    while the server loads it (``launcher/restart_weights.py``), at version N; when there is none
+    yet, ``model`` at ``version`` (the original model at 0, or a resumed job's checkpoint)."""
+    pinned = restart_weights.pin(run_dir / "weights", run_dir / "restart_weights" / f"server{server}")
+    if pinned is not None:
+        version, path = pinned
+        model = msgspec.structs.replace(model, path=str(path.resolve()))
+    print(f"[launcher] server{server} starts from {model.path} (weight version {version})", flush=True)
+    return argv(model, version)
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -399,12 +434,16 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         model = msgspec.structs.replace(cfg.model, path=str(ckpt.resolve()))
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
+    disk = cfg.trainer.weight_sync == "disk"
+    if disk:
+        remove_stale_weights(cfg.run_dir)
     for i, url in enumerate(inf.urls()):
-        restart = Restart(inf.max_server_restarts, functools.partial(server_failed, cfg, token, sup, i))
+        argv = functools.partial(_server_argv, make_argv, inf, inf.base_port + i, cfg.mode, server_threads,
+                                 cfg.debug, token)
+        restart = Restart(inf.max_server_restarts, functools.partial(server_failed, cfg, token, sup, i),
+                          argv=functools.partial(restart_argv, cfg.run_dir, i, argv, model, version) if disk else None)
         health = HealthCheck(ServerProbe(url, inf.max_pause_s), inf.health_check_interval_s, inf.startup_timeout_s)
-        sup.start(f"server{i}", make_argv(inf, model, inf.base_port + i, cfg.mode,
-                                          server_threads, cfg.debug, version, token), env=deterministic_env(cfg.mode),
-                  restart=restart, health=health)
+        sup.start(f"server{i}", argv(model, version), env=deterministic_env(cfg.mode), restart=restart, health=health)
     for url in inf.urls():
         _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
                     inf.startup_timeout_s)

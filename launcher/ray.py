@@ -164,12 +164,14 @@ class RayChild:
         except OSError:
             return []
 
-    def respawn(self, log_header: str) -> None:
-        """Start the dead process again, in a new actor if its actor died."""
+    def respawn(self, log_header: str, argv: list[str] | None = None) -> None:
+        """Start the dead process again with ``argv`` (``None``: the same command), in a new actor
+        if its actor died."""
         self.restart_at = None
+        self.argv = self.argv if argv is None else argv
         if self.actor_error is None:
             with contextlib.suppress(RayActorError):
-                ray.get(self.actor.respawn.remote(log_header))  # the log goes on: so does its offset
+                ray.get(self.actor.respawn.remote(log_header, self.argv))  # the log goes on: so does its offset
                 self._rc = None
                 self._reset_health()
                 return

@@ -99,9 +99,9 @@ class ProcessActor:
 
         return port_in_use(host, port)
 
-    def respawn(self, log_header: str) -> None:
+    def respawn(self, log_header: str, argv: list[str] | None = None) -> None:
         """Start the (dead) process again (``Child.respawn``)."""
-        self.child.respawn(log_header)
+        self.child.respawn(log_header, argv)
 
     def stop(self, grace_s: float) -> None:
         """Stop the process and its group (``Child.stop``) and release the store."""

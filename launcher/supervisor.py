@@ -15,7 +15,9 @@ A child started with a ``Restart`` policy (the generation workers) that dies is 
 at most ``max_restarts`` times, each after ``Restart.before`` (the launcher hands the worker's
 groups back to the queue) and a back-off of ``backoff_s`` doubling up to 30 s, during which the
 other children are still watched; its log goes on after a ``===== restart i of n ... =====`` line.
-One more death, or any death of a child without a policy, stops the job as before.
+The policy may give each restart a new command line (``Restart.argv``: a restarted inference
+server starts from the newest weights). One more death, or any death of a child without a policy,
+stops the job as before.
 
 A child started with a ``HealthCheck`` (the inference servers) is also asked, from a thread so the
 watch goes on meanwhile: after each (re)start ``probe("/health")`` every 0.5 s until it answers
@@ -63,11 +65,14 @@ class Restart:
     ``before(why)``: called with the cause of death before each restart is scheduled; returns a
     note for the launcher's line (e.g. the groups handed back); an exception stops the job.
     ``backoff_s``: wait before the first restart, doubled for each further one, up to 30 s.
+    ``argv()``: the command line of each restart, asked when the back-off is over (an inference
+    server starts from the newest weights then); ``None``: the command it started with.
     """
 
     max_restarts: int
     before: Callable[[str], str] | None = None
     backoff_s: float = 1.0
+    argv: Callable[[], list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,10 @@ class Child:
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
 
-    def respawn(self, log_header: str) -> None:
-        """Start the (dead) process again with the same command; its log goes on after
-        ``log_header``."""
+    def respawn(self, log_header: str, argv: list[str] | None = None) -> None:
+        """Start the (dead) process again with ``argv`` (``None``: the same command); its log goes
+        on after ``log_header``."""
+        self.argv = self.argv if argv is None else argv
         _signal_group(self.proc.pid, signal.SIGKILL)  # what it started (a reward pool) goes too
         self.proc.wait()
         self._reader.join(timeout=5)
@@ -353,8 +359,13 @@ class Supervisor:
 
     def _restart(self, child: Supervised) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        child.respawn(f"===== restart {child.restarts} of {child.restart.max_restarts}: "
-                      f"{child.name} {child.why}, {stamp} =====")
+        policy = child.restart
+        try:
+            argv = policy.argv() if policy.argv is not None else None
+        except Exception as exc:  # e.g. its weights could not be linked: the death stops the job
+            raise self._failure(child, f", and it cannot be restarted: {exc}") from exc
+        child.respawn(f"===== restart {child.restarts} of {policy.max_restarts}: "
+                      f"{child.name} {child.why}, {stamp} =====", argv)
 
     def wait_for(self, child: Supervised, poll_s: float = 0.5) -> int:
         """Block until ``child`` exits, checking every other child meanwhile; return its status."""

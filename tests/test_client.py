@@ -407,6 +407,62 @@ def test_no_server_left_is_a_clear_error():
     assert asyncio.run(main()) == 2
 
 
+def test_with_every_server_out_the_calls_wait_for_one_to_rejoin():
+    # The only server is down (the launcher restarts it): a generation and a call to every server
+    # wait, the departed server asked again every 0.05 s, and go to it once it answers; a server
+    # that never comes back ends the wait after rejoin_timeout_s with NoServerLeft saying so.
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def reply(request: web.Request) -> web.Response:
+        if request.path == "/get_weight_version":
+            return web.json_response({"weight_version": "5"})
+        if request.path == "/generate":
+            return web.json_response(SGLANG_FINISHED)
+        return web.Response(text="")
+
+    async def restarted() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", reply)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    async def main():
+        async with InferenceClient([url], backoff_s=0.01, probe_timeout_s=0.5, reprobe_interval_s=0.05,
+                                   rejoin_timeout_s=60) as client:
+            calls = [asyncio.create_task(client.generate([1, 2, 3], {"max_new_tokens": 4}, "r")),
+                     asyncio.create_task(client.weight_versions())]
+            while client.servers.live():  # the generation finds it dead (connection refused)
+                await asyncio.sleep(0.01)
+            for _ in range(3):  # several probes find it still down: the calls keep waiting
+                probes = client.servers._last_probe
+                while client.servers._last_probe == probes:
+                    assert not any(call.done() for call in calls), [c.exception() for c in calls if c.done()]
+                    await asyncio.sleep(0.01)
+            runner = await restarted()
+            try:
+                out, versions = await asyncio.wait_for(asyncio.gather(*calls), 20)
+            finally:
+                await runner.cleanup()
+            seen = (client.server_failures, client.servers.live())
+        async with InferenceClient([url], backoff_s=0.01, probe_timeout_s=0.5, reprobe_interval_s=0.05,
+                                   rejoin_timeout_s=0.3) as gone:
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(NoServerLeft, match=r"all 1 were taken out of routing \(http://127.0.0.1:\d+: "
+                                                   r"/generate: .*\); none rejoined within "
+                                                   r"inference.server_rejoin_timeout_s=0.3 s"):
+                await gone.generate([1, 2], {"max_new_tokens": 2}, "r")
+            waited = asyncio.get_running_loop().time() - t0
+        return out, versions, seen, waited
+
+    out, versions, seen, waited = asyncio.run(asyncio.wait_for(main(), 60))
+    assert out.output_ids == [9, 2] and out.versions == [5, 5] and versions == {0: 5}
+    assert seen == (1, [0])
+    assert waited >= 0.3
+
+
 def test_a_server_restarted_between_calls_is_found_by_its_version_going_back():
     # Server 0 answered under version 5, then (restarted with the initial weights) under version 0:
     # that segment is dropped and generated again on server 1; a new client keeps server 0 out.

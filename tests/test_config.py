@@ -210,6 +210,10 @@ def test_server_health_check_and_restart_keys_default_and_reject_bad_values():
         load_config(None, ["inference.max_server_restarts=-1"])
     with pytest.raises(ValueError, match="inference.max_server_restarts"):  # the closest valid name
         load_config(None, ["inference.max_server_restart=1"])
+    assert inf.server_rejoin_timeout_s == 300.0
+    assert load_config(None, ["inference.server_rejoin_timeout_s=0"]).inference.server_rejoin_timeout_s == 0
+    with pytest.raises(ValueError, match=r"'inference.server_rejoin_timeout_s' = -1.0: Expected `float` >= 0"):
+        load_config(None, ["inference.server_rejoin_timeout_s=-1.0"])
 
 
 @pytest.mark.parametrize("role", ["server", "queue", "trainer", "worker"])

@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -216,6 +217,74 @@ def stop_and_read(proc: subprocess.Popen, out) -> str:
         proc.wait(timeout=60)
     out.seek(0)
     return out.read()
+
+
+@pytest.fixture(scope="module")
+def lone_server_run(tiny_model_dir, tmp_path_factory):
+    """A job with one inference server (disk sync, one worker) whose server is SIGKILLed while it
+    runs a generation, after step 0 was logged; returns (exit status, the launcher's output, run
+    directory)."""
+    import signal
+
+    from areal_async.config import load_config
+
+    root, name = tmp_path_factory.mktemp("lone"), "lone-server"
+    run_dir = root / name
+    out = (root / "launcher.out").open("w+")
+    token = "chaos-test-token"
+    proc = subprocess.Popen(job_argv(tiny_model_dir, root, name, "deterministic", 3,
+                                     extra=("inference.num_servers=1", "rollout.num_workers=1",
+                                            "trainer.weight_sync=disk")),
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "AREAL_ASYNC_TOKEN": token})
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait("step 0", lambda: metrics.exists() and "train/loss" in metrics.read_text(), 150, proc)
+        cfg = load_config(run_dir / "config.yaml")
+        assert cfg.inference.num_servers == 1
+
+        def generating() -> bool:  # the server runs a request: a generation is in flight there
+            ask = urllib.request.Request(f"{cfg.inference.urls()[0]}/get_server_info",
+                                         headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(ask, timeout=5) as resp:
+                return json.load(resp)["internal_states"][0]["num_running_reqs"] > 0
+
+        _wait("a generation on the server", generating, 60, proc)
+        [server] = _pids(str(cfg.inference.base_port), b"areal_async.inference.server")
+        os.kill(server, signal.SIGKILL)
+        proc.wait(timeout=150)
+    finally:
+        output = stop_and_read(proc, out)
+    return proc.returncode, output, run_dir
+
+
+def test_a_job_whose_only_server_is_killed_finishes_and_equals_an_undisturbed_one(lone_server_run, runs):
+    # The launcher restarts the server from the newest weights directory at its version; the
+    # worker's and the trainer's calls wait for it meanwhile; the generations it ran are resubmitted
+    # to it (same rid, seed, prompt + output so far), and the run ends as the undisturbed one (two
+    # servers, two workers: neither count decides anything in deterministic mode).
+    rc, output, run_dir = lone_server_run
+    assert rc == 0, output[-4000:]
+    assert "server0 was killed by SIGKILL; restart 1 of 3" in output
+    started = re.findall(r"\[launcher\] server0 starts from (\S+) \(weight version (\d+)\)", output)
+    assert len(started) == 1, output[-4000:]
+    path, version = started[0]
+    assert path == str((run_dir / "restart_weights" / "server0" / f"v{version}").resolve()) and int(version) >= 1
+    assert "===== restart 1 of 3: server0 was killed by SIGKILL" in (run_dir / "logs/server0.log").read_text()
+    assert "taken out of routing (/generate: " in (run_dir / "logs/worker0.log").read_text()
+
+    acct = json.loads((run_dir / "queue_accounting.json").read_text())
+    assert (acct["server_failures"], acct["server_restarts"]) == (1, 1)
+    assert acct["leased"] == acct["consumed"] + acct["ready"] + acct["running"] + acct["rejected"] + acct["requeued"]
+    assert sorted(int(g) for g, s in acct["groups"].items() if s == "consumed") == list(range(STEPS * 2))
+    assert _trained_ids(run_dir) == list(range(STEPS * 2)), "a group was lost or trained twice"
+
+    lone, calm = fingerprint(run_dir), runs["deterministic", 1]
+    assert lone["metrics"][-1]["rollout/server_failures"] == lone["metrics"][-1]["rollout/server_restarts"] == 1
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in FAULT_KEYS} for r in rows]  # noqa: E731
+    assert strip(lone["metrics"]) == strip(calm["metrics"])
+    assert lone["trajectories"] == calm["trajectories"]
+    assert lone["weights"] == calm["weights"]
 
 
 def _trained_ids(run_dir: pathlib.Path) -> list[int]:

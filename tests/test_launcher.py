@@ -711,9 +711,132 @@ def test_a_server_death_that_cannot_be_survived_stops_the_job_naming_the_fix(tmp
     cfg = load_config(None, ["trainer.weight_sync=distributed", "inference.num_servers=2"])
     with pytest.raises(RuntimeError, match="it died while the job was starting"):  # not refused: its group is rebuilt
         server_failed(cfg, None, Supervisor(tmp_path / "logs"), 0, "was killed by SIGKILL")
-    cfg = load_config(None, ["trainer.weight_sync=disk", "inference.num_servers=1"])
-    with pytest.raises(RuntimeError, match="set inference.num_servers=2 or more to survive the death of a server"):
-        server_failed(cfg, None, Supervisor(tmp_path / "logs"), 0, "was killed by SIGKILL")
-    cfg = load_config(None, ["trainer.weight_sync=disk", "inference.num_servers=2"])
-    with pytest.raises(RuntimeError, match="it died while the job was starting"):
-        server_failed(cfg, None, Supervisor(tmp_path / "logs"), 0, "was killed by SIGKILL")
+    for n in (1, 2):  # disk sync: one server is restarted too, from the newest weights (not refused)
+        cfg = load_config(None, ["trainer.weight_sync=disk", f"inference.num_servers={n}"])
+        with pytest.raises(RuntimeError, match="it died while the job was starting"):
+            server_failed(cfg, None, Supervisor(tmp_path / "logs"), 0, "was killed by SIGKILL")
+
+
+def _hf_dir(path, marker: str):
+    """A stand-in for a version directory as ``write_hf_directory`` leaves it (two files)."""
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_text(marker)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_a_restart_pins_the_newest_complete_weights_directory(tmp_path):
+    from launcher.restart_weights import complete_versions, pin
+
+    weights, pins = tmp_path / "weights", tmp_path / "restart_weights" / "server0"
+    assert pin(weights, pins) is None  # no directory yet: the original command line
+    _hf_dir(weights / "v1", "one")
+    _hf_dir(weights / "v3", "three")
+    _hf_dir(weights / "v7.partial", "being written")  # write_hf_directory's staging name
+    _hf_dir(weights / "v5.removed", "being removed")  # atomic_dir.remove_atomically's
+    _hf_dir(weights / "v9x", "not a version")
+    (weights / "v8").write_text("a file, not a directory")
+    assert [v for v, _ in complete_versions(weights)] == [3, 1]
+    version, path = pin(weights, pins)
+    assert (version, path) == (3, pins / "v3")
+    assert (path / "model.safetensors").read_text() == "three"
+    assert (path / "model.safetensors").stat().st_ino == (weights / "v3/model.safetensors").stat().st_ino  # linked
+    from areal_async.atomic_dir import remove_atomically
+
+    remove_atomically(weights / "v3")  # the trainer moved on: the pinned files stay readable
+    assert not (weights / "v3").exists() and (path / "model.safetensors").read_text() == "three"
+    assert pin(weights, pins) == (1, pins / "v1") and not (pins / "v3").exists()  # the previous pin went
+
+
+def test_a_version_removed_while_it_is_pinned_gives_way_to_the_newer_one(tmp_path, monkeypatch):
+    # The trainer publishes v4 and removes v3 between the launcher's listing and its links: the
+    # link fails, and the newest version then, v4, is pinned instead.
+    import launcher.restart_weights as rw
+    from areal_async.atomic_dir import remove_atomically
+
+    weights, pins = tmp_path / "weights", tmp_path / "pins"
+    _hf_dir(weights / "v3", "three")
+    _hf_dir(weights / "v4.partial", "four")
+    real_link, calls = os.link, []
+
+    def link(src, dst):
+        if not calls:  # the trainer's next update lands just now
+            (weights / "v4.partial").rename(weights / "v4")
+            remove_atomically(weights / "v3")
+        calls.append(src)
+        real_link(src, dst)
+
+    monkeypatch.setattr(rw.os, "link", link)
+    assert rw.pin(weights, pins) == (4, pins / "v4")
+    assert sorted(p.name for p in pins.iterdir()) == ["v4"] and (pins / "v4/model.safetensors").read_text() == "four"
+    assert str(weights / "v3") in str(calls[0])
+
+
+@pytest.mark.parametrize("backend", ["embedded", "sglang"])
+def test_a_restarted_server_starts_from_the_newest_weights_at_their_version(tmp_path, backend):
+    import functools
+
+    from launcher.local import _server_argv, restart_argv
+
+    cfg = load_config(None, [f"inference.backend={backend}", "inference.base_port=31000"])
+    argv = functools.partial(_server_argv, SERVER_ARGV[backend], cfg.inference, 31000, "deterministic", 1,
+                             cfg.debug, None)
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1]
+
+    first = restart_argv(tmp_path, 0, argv, cfg.model, 0)  # no update yet: as it first started
+    assert first == argv(cfg.model, 0) and flag(first, "--model-path") == cfg.model.path
+    import msgspec
+
+    ckpt = msgspec.structs.replace(cfg.model, path=str(tmp_path / "checkpoint"))  # a resumed job's, at step 4
+    assert restart_argv(tmp_path, 0, argv, ckpt, 4) == argv(ckpt, 4)
+    _hf_dir(tmp_path / "weights" / "v5", "five")
+    _hf_dir(tmp_path / "weights" / "v6.partial", "six, half written")
+    again = restart_argv(tmp_path, 1, argv, ckpt, 4)
+    pinned = tmp_path / "restart_weights" / "server1" / "v5"
+    assert flag(again, "--model-path") == str(pinned.resolve()) and flag(again, "--weight-version") == "5"
+    module = "sglang.launch_server" if backend == "sglang" else "areal_async.inference.server"
+    assert again[1:3] == ["-m", module]
+    assert [a for a in again if a not in (str(pinned.resolve()), "5")] == [
+        a for a in first if a not in (cfg.model.path, "0")], "only the weights and their version change"
+
+
+def test_a_new_job_never_restarts_a_server_from_a_stopped_jobs_weights(tmp_path):
+    # a stopped job trained to version 7; its checkpoint (what --resume continues) is at step 4
+    from launcher.local import remove_stale_weights
+    from launcher.restart_weights import pin
+
+    _hf_dir(tmp_path / "weights" / "v7", "seven")
+    _hf_dir(tmp_path / "restart_weights" / "server0" / "v6", "six")
+    remove_stale_weights(tmp_path)
+    assert pin(tmp_path / "weights", tmp_path / "restart_weights" / "server0") is None
+    assert not (tmp_path / "restart_weights").exists()
+
+
+def test_a_restart_policy_gives_each_restart_its_command_line(tmp_path):
+    from launcher.supervisor import Restart
+
+    starts = iter(["second", "third"])
+    sup = Supervisor(tmp_path / "logs")
+    trainer = sup.start("trainer", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    sup.start("server0", [PY, "-c", "print('first'); raise SystemExit(3)"],
+              restart=Restart(2, lambda why: "", backoff_s=0.05,
+                              argv=lambda: [PY, "-c", f"print({next(starts)!r}); raise SystemExit(3)"]))
+    with pytest.raises(JobFailed, match=r"server0 exited with status 3 after 2 restart\(s\)"):
+        sup.wait_for(trainer, poll_s=0.02)
+    sup.stop_all(grace_s=2)
+    log = (tmp_path / "logs" / "server0.log").read_text()
+    assert [line for line in log.splitlines() if line in ("first", "second", "third")] == ["first", "second", "third"]
+
+    def no_weights():
+        raise OSError(28, "No space left on device")
+
+    sup = Supervisor(tmp_path / "logs2")
+    trainer = sup.start("trainer", [PY, "-c", "import time; time.sleep(600)"], expect_exit=True)
+    sup.start("server0", [PY, "-c", "raise SystemExit(3)"], restart=Restart(2, lambda why: "", backoff_s=0.05,
+                                                                            argv=no_weights))
+    with pytest.raises(JobFailed, match=r"server0 exited with status 3 after 1 restart\(s\), and it cannot be "
+                                        r"restarted: \[Errno 28\] No space left on device"):
+        sup.wait_for(trainer, poll_s=0.02)
+    sup.stop_all(grace_s=2)

@@ -358,3 +358,19 @@ def test_check_accounting_names_the_counts_of_a_lost_group():
                        capacity=0, next_step=0, closed=False).check()
 
     asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_lease_waits_says_whether_a_lease_would_block():
+    async def body():
+        q = make("throughput", b=2, eta=0, conc=8)
+        assert not q.lease_waits()  # capacity min(8 - 0, (0 + 0 + 1) * 2 - 0) = 2
+        assert await q.lease(0, 8) == [0, 1]
+        assert q.lease_waits()  # min(8 - 2, 2 - (0 + 2)) = 0
+        leaser = asyncio.create_task(q.lease(0, 8))
+        await _settle()
+        assert not leaser.done(), "lease_waits said a lease would block, and it did not"
+        await q.close()
+        assert not q.lease_waits()  # a closed queue answers a lease with [] at once
+        assert await leaser == []
+
+    asyncio.run(asyncio.wait_for(body(), 10))

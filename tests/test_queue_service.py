@@ -14,6 +14,7 @@ import yaml
 
 from areal_async.config import QueueConfig
 from areal_async.queue.client import QueueClient
+from areal_async.queue import protocol as p
 from areal_async.queue.core import AccountingError, QueueClosed, ReplayQueue
 from areal_async.queue.server import serve
 from areal_async.trainer.report import queue_metrics
@@ -64,6 +65,34 @@ def test_two_clients_end_to_end(tmp_path):
         await server.wait_closed()
 
     asyncio.run(asyncio.wait_for(body(), timeout=60))  # a serialised connection would hang
+
+
+class _Writes:
+    """A stand-in for ``asyncio.StreamWriter`` that records each call that queues bytes."""
+
+    def __init__(self):
+        self.calls: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.calls.append(bytes(data))
+
+    def writelines(self, parts) -> None:
+        self.calls.append(b"".join(parts))
+
+
+@pytest.mark.parametrize("size", [0, 300, (1 << 16) + 1])  # empty, a small submit, over _JOIN_BYTES
+def test_write_frame_queues_a_frame_in_one_call_and_read_frame_reads_it_back(size):
+    async def body():
+        payload = bytes(i % 251 for i in range(size))
+        writes = _Writes()
+        p.write_frame(writes, payload)
+        assert writes.calls == [size.to_bytes(4, "big") + payload], "a frame is one write, not two sends"
+        reader = asyncio.StreamReader()
+        reader.feed_data(writes.calls[0])
+        reader.feed_eof()
+        assert await p.read_frame(reader) == payload
+
+    asyncio.run(body())
 
 
 def test_connect_names_the_address():

@@ -181,16 +181,29 @@ def test_distributed_sender_two_servers_receive_trainer_weights(tiny_model_dir):
             assert torch.equal(weights[name], t.detach()), name
 
 
-def test_disk_sender_writes_loadable_checkpoint(tiny_model_dir, tmp_path):
+def test_disk_sender_writes_loadable_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    import shutil
+
     policy = _policy(tiny_model_dir)
     with torch.no_grad():
         policy.lm.model.norm.weight.fill_(3.0)
     client = DiskClient()
     sender = DiskWeightSender(policy, client, 2, str(tiny_model_dir), tmp_path / "weights", torch.bfloat16)
+    deleted, rmtree = [], shutil.rmtree
+
+    def recording_rmtree(path, *args, **kwargs):
+        deleted.append(pathlib.Path(path).name)
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", recording_rmtree)
     asyncio.run(sender.send(1))
     asyncio.run(sender.send(2))
     assert [(s, v) for s, _, v in client.disk_updates] == [(0, 1), (1, 1), (0, 2), (1, 2)]
     assert not (tmp_path / "weights" / "v1").exists(), "the previous version's directory is removed"
+    # renamed before its files go, so a directory named v1 is never half there (a restarted
+    # server starts from the newest one, launcher/restart_weights.py)
+    assert "v1" not in deleted and "v1.removed" in deleted
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v2"]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "weights" / "v2")
     assert loaded.dtype == torch.bfloat16
     assert torch.equal(loaded.model.norm.weight, torch.full_like(loaded.model.norm.weight, 3.0))

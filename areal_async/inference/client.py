@@ -21,7 +21,8 @@ absolute position only, so in deterministic mode the continuation is bit for bit
 server would have made; the tokens of its unfinished segment were never received and are drawn
 again). The dead server leaves routing (``server_failures`` counts departures) and rejoins once it
 serves the current weights again; the calls to every server (pause, continue_generation, abort, weight updates
-through ``each_live``) skip it. ``NoServerLeft`` when none is left.
+through ``each_live``) skip it. When none is left, a call waits up to ``rejoin_timeout_s`` for one
+to rejoin (a job's only server, restarted by the launcher), then raises ``NoServerLeft``.
 
 Retries, at the network boundary only: connection errors (server not up yet, connection reset)
 are retried ``max_retries`` times with exponential backoff (a generation and the calls to every
@@ -178,12 +179,15 @@ class InferenceClient:
             leaves routing and the generation goes on elsewhere. ``None``: no such check.
         max_pause_s: a server that says it is paused (``GET /ready`` 503) counts as alive for this
             many seconds in a row (``routing.Readiness``).
+        rejoin_timeout_s: when every server is out of routing, how long a call waits for one to
+            rejoin (``ServerPool.wait_live``) before it raises ``NoServerLeft``, seconds; 0: at once.
     """
 
     def __init__(self, urls: list[str], timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
                  token: str | None = None, overload_timeout_s: float | None = None,
                  probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
-                 health_check_interval_s: float | None = None, max_pause_s: float = 300.0):
+                 health_check_interval_s: float | None = None, max_pause_s: float = 300.0,
+                 rejoin_timeout_s: float = 0.0):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -195,7 +199,7 @@ class InferenceClient:
         self._aborted: set[str] = set()
         self._headers = auth.bearer_headers(token)
         self.servers = ServerPool(self.urls, self._http, probe_timeout_s, reprobe_interval_s,
-                                  health_check_interval_s, max_pause_s)
+                                  health_check_interval_s, max_pause_s, rejoin_timeout_s)
         self._versions: dict[int, int] = {}  # the last weight_version each server answered with
 
     @property
@@ -267,27 +271,31 @@ class InferenceClient:
         live after it. A server whose call failed to connect and that no longer answers
         ``GET /ready`` is taken out of routing and left out (a weight sender skips a dead server).
 
+        When no server is live (before the calls, or after them: every one died meanwhile), it
+        waits for one to rejoin (``ServerPool.wait_live``) and calls that one.
+
         Raises:
-            NoServerLeft: no server is live (before, or after the calls).
+            NoServerLeft: no server rejoined within ``rejoin_timeout_s``.
             Exception: any other error of a call (the first one, in server order).
         """
-        servers = self.servers.live()
-        if not servers:
-            self.servers.route(0)  # raises NoServerLeft naming each server
-        results = await asyncio.gather(*(call(i) for i in servers), return_exceptions=True)
-        out = {}
-        for i, result in zip(servers, results):
-            if isinstance(result, aiohttp.ClientConnectionError) and i not in self.servers.live():
-                continue  # taken out by _call(failover=True)
-            if isinstance(result, aiohttp.ClientConnectionError) and not await self.servers.alive(i):
-                self.servers.take_out(i, f"{type(result).__name__}: {result}")
-                continue
-            if isinstance(result, BaseException):
-                raise result
-            out[i] = result
-        if not out:
-            self.servers.route(0)
-        return out
+        while True:
+            await self.servers.wait_live()  # NoServerLeft once none rejoined in rejoin_timeout_s
+            servers = self.servers.live()
+            assert servers, "wait_live returned with no server live"
+            results = await asyncio.gather(*(call(i) for i in servers), return_exceptions=True)
+            out = {}
+            for i, result in zip(servers, results):
+                if isinstance(result, aiohttp.ClientConnectionError) and i not in self.servers.live():
+                    continue  # taken out by _call(failover=True)
+                if isinstance(result, aiohttp.ClientConnectionError) and not await self.servers.alive(i):
+                    self.servers.take_out(i, f"{type(result).__name__}: {result}")
+                    continue
+                if isinstance(result, BaseException):
+                    raise result
+                out[i] = result
+            if out:
+                return out
+            # every server died during the calls: once one rejoins, it is called
 
     async def _all(self, method: str, path: str, payload: dict | None = None) -> list:
         return list((await self.each_live(lambda i: self._call(i, method, path, payload, failover=True))).values())
@@ -329,7 +337,8 @@ class InferenceClient:
             server: index into ``urls``; round-robin when ``None``. While it is out of routing,
                 the next live one (``routing.py``).
         Raises:
-            NoServerLeft: every server was taken out of routing.
+            NoServerLeft: every server was taken out of routing and none rejoined within
+                ``rejoin_timeout_s``.
             ServerError: the server rejected the request (e.g. HTTP 400 for a too-long prompt),
                 answered with log-probs that are not finite numbers, or still refused it with HTTP
                 503 (full queue) after ``overload_timeout_s``.
@@ -352,6 +361,7 @@ class InferenceClient:
                 "return_logprob": True,
                 "rid": rid,
             }
+            await self.servers.wait_live()  # every server out: wait up to rejoin_timeout_s for one
             server = self.servers.route(preferred)
             try:
                 call = asyncio.ensure_future(self._call(server, "POST", "/generate", payload, failover=True))

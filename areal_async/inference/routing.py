@@ -28,20 +28,28 @@ moves backwards: a response of a lower version than that server's previous one i
 server leaves routing as a failure, and the segment is generated again on the next live one. A
 client that starts (``wait_healthy``) keeps out of routing the servers behind the highest version
 any of them serves. Not caught: a server restarted at exactly the version the client last saw
-from it while the others moved on, with no call of the client to it in between.
+from it while the others moved on, with no call of the client to it in between (with disk weight
+sync a restarted server starts from the newest weights, so it is behind only when an update was
+under way).
 
 A departed server is asked again, at most every ``reprobe_interval_s`` while some server is out,
 in a background task the routing starts (``route``): it rejoins when it answers
 ``GET /health_generate`` (a one-token generation) and its ``GET /get_weight_version`` is at least
-the highest version any live server reports, i.e. it serves the current weights (a server the
-launcher restarted comes up with the initial weights, and the trainer's next update brings it up
-to date). The trainer's weight senders ask without the version rule (``probe(require_version=False)``)
-just before an update, which then brings the rejoined server up to date (either sender; the
-distributed one first rebuilds its weight-update group over the live servers, ``trainer/weight_sync.py``).
+the highest version any live server reports, i.e. it serves the current weights (with disk
+weight sync the launcher restarts a server from the newest weights directory, so it comes up
+current, or one version behind when an update was under way, which the trainer's next update
+mends; with the distributed sync it comes up with the initial weights; with none live, any
+version is taken). The trainer's weight senders ask without the version rule
+(``probe(require_version=False)``) just before an update, which then brings the rejoined server
+up to date (either sender; the distributed one first rebuilds its weight-update group over the
+live servers, ``trainer/weight_sync.py``).
 
 Routing (``route``): the caller's preferred server while it is live, else the next live one in
 index order (``(preferred + 1) % n``, ...), so the choice is a function of which servers are out,
-never of timing. No server left: ``NoServerLeft``, naming each server and why it left.
+never of timing. No server left: the client's calls first wait, up to ``rejoin_timeout_s``
+(``inference.server_rejoin_timeout_s``), for the background probe to take one back (``wait_live``:
+a job's only server, restarted by the launcher), then ``NoServerLeft``, naming each server and why
+it left. Which server a call then goes to is still a function of which servers are out.
 """
 
 from __future__ import annotations
@@ -97,16 +105,21 @@ class ServerPool:
         probe_timeout_s: timeout of each probe (``/ready``, ``/health_generate``,
             ``/get_weight_version``), seconds.
         reprobe_interval_s: least time between two background probes of departed servers, seconds.
-        health_check_interval_s: ``watch``'s period, seconds (``None``: no checks).
+        health_check_interval_s: how often a server a call waits on is asked ``/health_generate``
+            (``watch``), seconds; ``None``: never.
+        rejoin_timeout_s: how long ``wait_live`` waits for a departed server to rejoin when none is
+            live, seconds; 0: not at all.
         max_pause_s: ``Readiness``'s bound, seconds.
     """
 
     def __init__(self, urls: list[str], http: Callable[[], aiohttp.ClientSession],
                  probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
-                 health_check_interval_s: float | None = None, max_pause_s: float = 300.0):
+                 health_check_interval_s: float | None = None, max_pause_s: float = 300.0,
+                 rejoin_timeout_s: float = 0.0):
         self.urls, self._http = urls, http
         self.readiness = Readiness(max_pause_s)
         self.probe_timeout_s, self.reprobe_interval_s = probe_timeout_s, reprobe_interval_s
+        self.rejoin_timeout_s = rejoin_timeout_s
         self.health_check_interval_s = health_check_interval_s
         self._checks: dict[int, asyncio.Task] = {}  # a /health_generate check in flight, per server
         self.failures = 0  # servers taken out of routing so far
@@ -123,7 +136,7 @@ class ServerPool:
         background probe of the departed servers when one is due.
 
         Raises:
-            NoServerLeft: no server is live.
+            NoServerLeft: no server is live (an async caller first waits, ``wait_live``).
         """
         if self._down:
             self._maybe_probe()
@@ -131,9 +144,35 @@ class ServerPool:
         for j in range(n):
             if (preferred + j) % n not in self._down:
                 return (preferred + j) % n
+        raise self._none_left()
+
+    async def wait_live(self) -> None:
+        """Return once some server is live. While none is, the departed ones are probed every
+        ``reprobe_interval_s`` (``route``'s background probe), for up to ``rejoin_timeout_s``.
+
+        Raises:
+            NoServerLeft: none rejoined within ``rejoin_timeout_s`` (names each server and why it
+                left, and the wait).
+        """
+        if self.live():
+            return
+        deadline = time.monotonic() + self.rejoin_timeout_s
+        while not self.live():
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise self._none_left(f"; none rejoined within inference.server_rejoin_timeout_s="
+                                      f"{self.rejoin_timeout_s:g} s" if self.rejoin_timeout_s > 0 else "")
+            self._maybe_probe()
+            if self._probing is not None and not self._probing.done():
+                await asyncio.wait([self._probing], timeout=left_s)  # its result is what we wait for
+            else:  # probed less than reprobe_interval_s ago: wait until the next one is due
+                due_s = self._last_probe + self.reprobe_interval_s - time.monotonic()
+                await asyncio.sleep(max(0.0, min(left_s, due_s)))
+
+    def _none_left(self, more: str = "") -> NoServerLeft:
         reasons = "; ".join(f"{self.urls[i]}: {why}" for i, why in sorted(self._down.items()))
-        raise NoServerLeft(f"no inference server left: all {n} were taken out of routing ({reasons}); "
-                           f"see the servers' logs (RUN_DIR/logs/server*.log)")
+        return NoServerLeft(f"no inference server left: all {len(self.urls)} were taken out of routing "
+                            f"({reasons}){more}; see the servers' logs (RUN_DIR/logs/server*.log)")
 
     def take_out(self, server: int, why: str, failed: bool = True) -> None:
         """Remove ``server`` from routing; ``failed``: count it as a failure (once per departure;

@@ -40,7 +40,6 @@ class QueueClient:
         self._decoder = msgspec.msgpack.Decoder(p.Reply)
         self._rids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
-        self._lock = asyncio.Lock()
         self._lost: BaseException | None = None
         self._reader_task = asyncio.create_task(self._read_replies(), name=f"queue-{address}")
 
@@ -156,9 +155,9 @@ class QueueClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
-            async with self._lock:
-                p.write_frame(self._writer, self._encoder.encode(kind(rid=rid, **fields)))
-                await self._writer.drain()
+            # No lock: write_frame queues a whole frame without awaiting; concurrent drains wait together.
+            p.write_frame(self._writer, self._encoder.encode(kind(rid=rid, **fields)))
+            await self._writer.drain()
             reply = await fut
         finally:
             self._pending.pop(rid, None)

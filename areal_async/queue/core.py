@@ -194,6 +194,10 @@ class ReplayQueue:
         self._notify()
         return ids
 
+    def lease_waits(self) -> bool:
+        """Whether ``lease`` would block now: the queue is open and admits no group."""
+        return not self._closed and self._admissible() == 0
+
     async def submit(self, traj: Trajectory) -> None:
         """Record the finished group ``traj.group_id``: running → ready.
 

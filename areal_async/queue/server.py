@@ -8,9 +8,11 @@ Listens on ``queue.host:queue.port`` (port 0 picks a free one) and prints one re
 ``launcher.local``) a connection must open with an ``Auth`` frame carrying it (``protocol.py``);
 without one the queue starts only on a loopback ``queue.host``. A request frame over
 ``queue.max_request_bytes`` (64 MiB by default) is refused with ``TooLarge`` and its connection
-closed; a payload that is not a request gets ``BadRequest`` and the connection goes on. Each request runs as its own task, so a blocked ``lease`` or
-``get_batch`` never holds up other calls on the same connection; when a client disconnects, its
-unanswered calls are cancelled, then the groups it leased and did not finish go back to the queue
+closed; a payload that is not a request gets ``BadRequest`` and the connection goes on. A request
+that may wait on the queue (``get_batch``, ``wait_drained``, a ``lease`` the staleness bound holds
+back; every request under jitter) runs as its own task, so it never holds up other calls on the
+same connection; the others are answered in the read loop, in the order they came. When a client
+disconnects, its unanswered calls are cancelled, then the groups it leased and did not finish go back to the queue
 (``ReplayQueue.release`` of each worker id that leased on it, unless that worker id has leased on a
 newer connection since: a restarted worker is never robbed), one ``[queue]`` line names them. The
 launcher also sends ``Release(worker_id, restart=True)`` before it starts a dead worker again, and
@@ -74,7 +76,6 @@ class QueueServer:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection: read frames, answer each request from its own task."""
-        lock = asyncio.Lock()
         authed = self.token is None
         self._connections += 1
         conn = self._connections
@@ -87,32 +88,46 @@ class QueueServer:
                     except (asyncio.IncompleteReadError, ConnectionError):
                         break
                     except p.FrameTooLarge as exc:  # its payload is unread: the stream cannot go on
-                        await self._refuse(writer, lock, "TooLarge", str(exc), close=True)
+                        await self._refuse(writer, "TooLarge", str(exc), close=True)
                         break
                     try:
                         req = self._decoder.decode(payload)
                     except msgspec.DecodeError as exc:
                         if not authed:
-                            await self._refuse(writer, lock, "Unauthorized", _UNAUTHORIZED, close=True)
+                            await self._refuse(writer, "Unauthorized", _UNAUTHORIZED, close=True)
                             break
-                        await self._refuse(writer, lock, "BadRequest", f"not a queue request: {exc}")
+                        await self._refuse(writer, "BadRequest", f"not a queue request: {exc}")
                         continue
                     if not authed or isinstance(req, p.Auth):
                         if not isinstance(req, p.Auth) or (self.token is not None
                                                            and not auth.same(req.token, self.token)):
-                            await self._refuse(writer, lock, "Unauthorized", _UNAUTHORIZED, close=True)
+                            await self._refuse(writer, "Unauthorized", _UNAUTHORIZED, close=True)
                             break
                         authed = True
-                        await self._send(writer, lock, p.Ack(rid=req.rid))
+                        await self._send(writer, p.Ack(rid=req.rid))
                         continue
-                    task = tg.create_task(self._answer(req, writer, lock, conn))
-                    calls.add(task)
-                    task.add_done_callback(calls.discard)
+                    if self._waits(req):
+                        task = tg.create_task(self._answer(req, writer, conn))
+                        calls.add(task)
+                        task.add_done_callback(calls.discard)
+                    else:  # answered before the next frame is read: no task to schedule
+                        await self._answer(req, writer, conn)
                 for task in calls:  # the client is gone: nobody will read these answers
                     task.cancel()
         finally:
             await self._release_connection(conn)  # after its calls ended: no lease still granting
             writer.close()
+
+    def _waits(self, req: p.Request) -> bool:
+        """Whether answering ``req`` may wait on the queue (or on injected jitter): such a call
+        runs as its own task, so it holds up no other call of its connection. Every other call
+        is answered in the read loop, as a task per call cost more than the queue's own work."""
+        match req:
+            case p.GetBatch() | p.WaitDrained():
+                return True
+            case p.Lease():
+                return self.jitter is not None or self.queue.lease_waits()
+        return self.jitter is not None
 
     async def _release_connection(self, conn: int) -> None:
         """The client of ``conn`` left: put back the groups its worker ids hold."""
@@ -123,8 +138,7 @@ class QueueServer:
                 print(f"[queue] worker {worker_id}'s connection closed while it held groups {ids}; "
                       f"they go back to be leased again", file=sys.stderr, flush=True)
 
-    async def _answer(self, req: p.Request, writer: asyncio.StreamWriter, lock: asyncio.Lock,
-                      conn: int = 0):
+    async def _answer(self, req: p.Request, writer: asyncio.StreamWriter, conn: int = 0):
         try:
             if self.jitter is not None:
                 await self.jitter()  # injected timing noise: reorders concurrent queue calls
@@ -138,24 +152,25 @@ class QueueServer:
             reply = p.Error(rid=req.rid, kind=kind, message=str(exc) if kind != "internal" else repr(exc))
             if not self.failed.done():
                 self.failed.set_result(exc)
-        await self._send(writer, lock, reply)
+        await self._send(writer, reply)
 
-    async def _send(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, reply: p.Reply) -> None:
-        async with lock:
-            try:
-                p.write_frame(writer, self._encoder.encode(reply))
-                await writer.drain()
-            except ConnectionError:
-                pass  # the client left; its reader loop ends this connection
+    async def _send(self, writer: asyncio.StreamWriter, reply: p.Reply) -> None:
+        # No lock: write_frame queues a whole frame without awaiting, and concurrent drains wait
+        # together (a client that does not read holds up every answer of its connection).
+        try:
+            p.write_frame(writer, self._encoder.encode(reply))
+            await writer.drain()
+        except ConnectionError:
+            pass  # the client left; its reader loop ends this connection
 
-    async def _refuse(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, kind: str, message: str,
+    async def _refuse(self, writer: asyncio.StreamWriter, kind: str, message: str,
                       close: bool = False) -> None:
         """Answer a frame that is no call with a connection-level ``Error``; ``close``: log it too
         (the caller then ends the connection)."""
         if close:
             peer = writer.get_extra_info("peername")
             print(f"[queue] closing a connection from {peer}: {kind}: {message}", file=sys.stderr, flush=True)
-        await self._send(writer, lock, p.Error(rid=p.CONNECTION, kind=kind, message=message))
+        await self._send(writer, p.Error(rid=p.CONNECTION, kind=kind, message=message))
 
     async def _dispatch(self, req: p.Request, conn: int = 0) -> p.Reply:
         q, rid = self.queue, req.rid

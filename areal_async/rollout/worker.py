@@ -150,7 +150,8 @@ async def main(cfg: Config, worker_id: int) -> None:
     with RewardPool(cfg.reward) as rewards:
         async with InferenceClient(urls, timeout_s=inf.request_timeout_s, token=auth.job_token(),
                                    health_check_interval_s=inf.health_check_interval_s,
-                                   max_pause_s=inf.max_pause_s) as client:
+                                   max_pause_s=inf.max_pause_s,
+                                   rejoin_timeout_s=inf.server_rejoin_timeout_s) as client:
             await client.wait_healthy(inf.startup_timeout_s)
             queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token())
             async with queue:

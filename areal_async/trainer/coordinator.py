@@ -163,7 +163,8 @@ class Coordinator:
         client = await stack.enter_async_context(
             InferenceClient(inf.urls(), timeout_s=inf.request_timeout_s, token=auth.job_token(),
                             health_check_interval_s=inf.health_check_interval_s,
-                                   max_pause_s=inf.max_pause_s))
+                            max_pause_s=inf.max_pause_s,
+                            rejoin_timeout_s=inf.server_rejoin_timeout_s))
         await client.wait_healthy(inf.startup_timeout_s)
         queue = await stack.enter_async_context(
             await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token()))

@@ -16,8 +16,11 @@
 - ``DiskWeightSender`` (fallback, for servers that share the trainer's GPU, where NCCL refuses):
   rank 0 writes an HF directory ``RUN_DIR/weights/v{version}/`` (the weights in ``send_dtype`` as
   four safetensors files written by four threads, the config, and the base model's generation
-  config and tokenizer files unchanged) and calls
-  ``/update_weights_from_disk`` on every server; the previous directory is then removed. Each
+  config and tokenizer files unchanged; written as ``v{version}.partial`` and renamed when whole) and
+  calls ``/update_weights_from_disk`` on every server; the previous directory is then removed
+  (renamed out of its name first, ``atomic_dir.remove_atomically``), so a directory named
+  ``v{N}`` is always whole and the newest one holds the servers' weights: the launcher starts a
+  dead server again from it (``launcher/restart_weights.py``). Each
   parameter is cast on the training device and copied into pinned CPU memory, so half the bytes of
   fp32 cross PCIe and no cast runs on the CPU. On the H200 machine an earlier variant of this
   (streaming each tensor into the files as it was gathered) took a 0.6B update from 1.5 s to
@@ -42,11 +45,13 @@ collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
 
 Dead servers (``areal_async/inference/routing.py``): both senders pause, update and continue only the
 servers in the client's routing, so a dead one is skipped, never waited for (a call to it fails to
-connect; a hung one fails once the launcher's health check has killed it), and both first ask the
-departed servers again (``probe(require_version=False)``): a server the launcher restarted, which
-serves the initial weights, is loaded with the update like the others and so rejoins with the
-current version. ``DiskWeightSender`` needs nothing more. ``DistributedWeightSender`` follows the
-live set with its group, as slime's fault tolerance does for restarted rollout engines:
+connect; a hung one fails once the launcher's health check has killed it); with no server left
+they wait for one to rejoin (``inference.server_rejoin_timeout_s``, ``InferenceClient.each_live``).
+Both first ask the departed servers again (``probe(require_version=False)``): a server the
+launcher restarted (with disk sync it starts from the newest ``v{N}`` directory, the version live
+or the one this update replaces; with the distributed sync from the initial weights) is loaded
+with the update like the others and so rejoins with the current version. ``DiskWeightSender``
+needs nothing more. ``DistributedWeightSender`` follows the live set with its group, as slime's fault tolerance does for restarted rollout engines:
 
 - before an update (after the pause), when the live servers differ from the group's members (one
   left routing, or came back), or a member serves a version behind the last one sent (restarted
@@ -91,12 +96,12 @@ import asyncio
 import functools
 import math
 import pathlib
-import shutil
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from areal_async.atomic_dir import remove_atomically
 from areal_async.dtypes import dtype_name
 from areal_async.inference.interface import WeightUpdateClient
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
@@ -397,7 +402,7 @@ class DiskWeightSender:
             if self.interrupt_on_update:
                 await self.client.continue_generation()
         if self._previous is not None and self._previous != path:
-            shutil.rmtree(self._previous, ignore_errors=True)
+            remove_atomically(self._previous)  # whole or gone: the launcher restarts a server from the newest
         self._previous = path
 
 

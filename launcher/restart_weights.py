@@ -1,0 +1,80 @@
+"""Which weights an inference server the launcher restarts starts from (``trainer.weight_sync=disk``).
+
+The disk weight sender (``areal_async/trainer/weight_sync.py``) writes version N as
+``RUN_DIR/weights/v{N}/`` and removes the previous version's directory once every live server
+loaded the new one, so the newest directory is the version the servers serve, or the one they
+are being given. A restarted server starts from it (``--model-path`` and ``--weight-version N``)
+instead of the initial weights.
+
+Complete: ``write_hf_directory`` writes ``v{N}.partial`` and renames it to ``v{N}`` when it is
+whole (``areal_async/atomic_dir.py``), and the sender removes a directory by renaming it out of
+that name before deleting its files (``atomic_dir.remove_atomically``), so a directory named
+``v{N}`` is always whole. Only such names count.
+
+Removed while a server loads it: the sender would remove ``v{N}`` once ``v{N+1}`` is live, maybe
+while the restarted server still reads it. So the server never reads ``v{N}`` itself: ``pin``
+first links its files (hard links: no bytes copied; a copy where the file system has none) into
+``RUN_DIR/restart_weights/server{i}/v{N}/``, which only the launcher removes (at the next restart of
+that server). A directory removed before its files were all linked is skipped for the newest one
+at that moment; none left: the caller falls back to the original command line.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+
+_VERSION_DIR = re.compile(r"v(\d+)")
+
+
+def complete_versions(weights_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    """``(N, weights_dir/v{N})`` of every complete version directory, newest first (module
+    docstring: only the exact name ``v{N}`` counts; ``.partial`` and removed ones do not)."""
+    try:
+        entries = list(pathlib.Path(weights_dir).iterdir())
+    except FileNotFoundError:
+        return []
+    found = [(int(m[1]), p) for p in entries if (m := _VERSION_DIR.fullmatch(p.name)) and p.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def _link_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """``dst``, a new directory holding ``src``'s files as hard links (copies where linking is
+    refused, e.g. across file systems). Raises ``FileNotFoundError`` if ``src`` or one of its files
+    disappears meanwhile."""
+    dst.mkdir(parents=True)
+    for path in sorted(src.iterdir()):
+        target = dst / path.name
+        if path.is_dir():
+            _link_tree(path, target)
+            continue
+        try:
+            os.link(path, target)
+        except FileNotFoundError:
+            raise
+        except OSError:  # no hard links here (EXDEV, EPERM): a copy
+            shutil.copy2(path, target)
+
+
+def pin(weights_dir: pathlib.Path, pin_dir: pathlib.Path, attempts: int = 3) -> tuple[int, pathlib.Path] | None:
+    """The newest complete version in ``weights_dir`` as ``(N, pin_dir/v{N})``, its files linked
+    there (module docstring); what ``pin_dir`` held before is removed first. A version removed while
+    it was being linked is given up for the newest one then, ``attempts`` times at most; ``None``:
+    no complete version (the server starts from the original weights)."""
+    pin_dir = pathlib.Path(pin_dir)
+    shutil.rmtree(pin_dir, ignore_errors=True)
+    for _ in range(attempts):
+        versions = complete_versions(weights_dir)
+        if not versions:
+            return None
+        version, src = versions[0]
+        dst = pin_dir / src.name
+        try:
+            _link_tree(src, dst)
+        except FileNotFoundError:  # the trainer removed it: a newer version is complete by now
+            shutil.rmtree(dst, ignore_errors=True)
+            continue
+        return version, dst
+    return None
