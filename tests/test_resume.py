@@ -266,3 +266,46 @@ def test_a_checkpoint_after_updates_restores_the_optimizer_bit_exactly_and_chang
         _update(*run)
     assert _same(_params(policy), _params(never_saved[0]))
     assert _same(_params(resumed[0]), _params(never_saved[0]))
+
+
+def test_a_resume_that_changes_the_schedule_gets_the_new_learning_rate_from_its_first_step(tmp_path):
+    # Stopped at step 4 of a 20-step cosine run, resumed with trainer.total_steps=6 (the launcher's
+    # own advice to train further): step 4 must take the 6-step schedule's rate, not the saved one.
+    import torch
+
+    from areal_async.config import TrainerConfig
+    from areal_async.trainer.resume import load_training_state, save_training_state
+    from areal_async.trainer.schedule import lr_factor, make_scheduler
+
+    def run(total_steps: int, lr: float = 1e-5):
+        torch.manual_seed(0)
+        policy = torch.nn.Linear(4, 4)
+        t = TrainerConfig(total_steps=total_steps, lr=lr, lr_schedule="cosine", warmup_steps=0)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr)
+        return policy, optimizer, make_scheduler(optimizer, t), t
+
+    policy, optimizer, scheduler, _ = run(20)
+    for _ in range(4):
+        _update_linear(policy, optimizer, scheduler)
+    unbroken = optimizer.param_groups[0]["lr"]
+    save_training_state(policy, optimizer, scheduler, tmp_path, 4, [])
+
+    same = run(20)
+    assert load_training_state(*same[:3], tmp_path) == 4
+    assert same[1].param_groups[0]["lr"] == unbroken  # unchanged config: bit for bit the unbroken rate
+
+    policy6, optimizer6, scheduler6, t6 = run(6, lr=2e-5)
+    load_training_state(policy6, optimizer6, scheduler6, tmp_path)
+    want = [2e-5 * lr_factor(k, "cosine", 0, 6, t6.min_lr_ratio) for k in (4, 5)]
+    assert optimizer6.param_groups[0]["lr"] == want[0] != unbroken
+    _update_linear(policy6, optimizer6, scheduler6)
+    assert optimizer6.param_groups[0]["lr"] == want[1]
+
+
+def _update_linear(policy, optimizer, scheduler) -> None:
+    import torch
+
+    policy(torch.ones(2, 4)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()

@@ -134,10 +134,14 @@ def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     and the RNG; returns the step.
 
     The weights are loaded separately (``build_policy`` from ``ckpt_dir``). An optimizer saved
-    before its first update is restored with no state (module docstring). A checkpoint written
-    before the scheduler was saved resumes its schedule at the step (``last_epoch = step``), which
-    is where an unbroken run's scheduler would be.
+    before its first update is restored with no state (module docstring). The learning rate
+    follows ``scheduler`` as built from this run's config, at the checkpoint's step (``last_epoch =
+    step``): unchanged, that is the rate an unbroken run has (the same expression, bit for bit);
+    a resume that changes the schedule (``trainer.total_steps`` to train further, ``trainer.lr``)
+    gets the new one from its first step, where the saved optimizer's rate would hold the old one
+    for a step.
     """
+    base_lrs = list(scheduler.base_lrs)  # this run's (trainer.lr): the saved state holds the old run's
     state = torch.load(pathlib.Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
     set_optimizer_state_dict(policy, optimizer, optim_state_dict=state["optimizer"],
                              options=StateDictOptions(full_state_dict=True))
@@ -145,14 +149,13 @@ def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
         optimizer.state.clear()
     if "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
-    else:
-        step = int(state["step"])
-        scheduler.last_epoch = step
-        scheduler._last_lr = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-        for group, lr in zip(optimizer.param_groups, scheduler._last_lr):
-            group["lr"] = lr
+    step = int(state["step"])
+    scheduler.base_lrs, scheduler.last_epoch = base_lrs, step
+    scheduler._last_lr = [base * fn(step) for base, fn in zip(base_lrs, scheduler.lr_lambdas)]
+    for group, base, lr in zip(optimizer.param_groups, base_lrs, scheduler._last_lr):
+        group["initial_lr"], group["lr"] = base, lr
     torch.set_rng_state(state["rng"])
-    return int(state["step"])
+    return step
 
 
 def drop_superseded_rows(path: pathlib.Path, step: int) -> int:
