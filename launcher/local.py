@@ -541,8 +541,19 @@ def interrupt_on_signals() -> Iterator[None]:
     """While the block runs, SIGTERM and SIGINT raise ``KeyboardInterrupt`` in the main thread, so
     the launcher unwinds wherever it is (``finally`` blocks remove the run lock and a half-converted
     model). SIGINT too when it was inherited ignored, as a job started with ``&`` from a script
-    inherits it. The previous handlers are put back afterwards."""
+    inherits it. The previous handlers are put back afterwards. Only the first signal raises: a
+    second one (``timeout`` sends SIGTERM to the launcher and again to its process group; an
+    impatient Ctrl-C) would break off the stop it started, so it is only acknowledged; the stop is
+    bounded anyway (``Supervisor.stop_all``: a grace period, then SIGKILL)."""
+    raised = False
+
     def interrupt(signum, frame):
+        nonlocal raised
+        if raised:
+            print(f"[launcher] {signal.Signals(signum).name} again: still stopping every process",
+                  file=sys.stderr, flush=True)
+            return
+        raised = True
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -840,3 +840,25 @@ def test_a_restart_policy_gives_each_restart_its_command_line(tmp_path):
                                         r"restarted: \[Errno 28\] No space left on device"):
         sup.wait_for(trainer, poll_s=0.02)
     sup.stop_all(grace_s=2)
+
+
+def test_only_the_first_signal_interrupts_so_a_second_cannot_break_off_the_stop(capsys):
+    # GNU timeout sends SIGTERM to the launcher and again to its process group: the second one
+    # used to raise KeyboardInterrupt inside the stop the first one started.
+    import os
+    import signal
+
+    from launcher.local import interrupt_on_signals
+
+    stopped = False
+    with interrupt_on_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("SIGTERM did not interrupt")
+        except KeyboardInterrupt:
+            os.kill(os.getpid(), signal.SIGTERM)  # during the stop
+            os.kill(os.getpid(), signal.SIGINT)
+            stopped = True
+    assert stopped
+    err = capsys.readouterr().err
+    assert "SIGTERM again: still stopping every process" in err and "SIGINT again" in err
