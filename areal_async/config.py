@@ -188,6 +188,10 @@ class TrainerConfig(_Cfg):
     share_prefixes: bool = True
     weight_sync: Literal["distributed", "disk"] = "distributed"
     weight_sync_port: Port = 0
+    # where trainer rank 0 hosts the distributed weight-update group's rendezvous (a TCPStore, no
+    # token: torch's, like torchrun's); launcher.ray sets its node's address when servers run on
+    # other hosts
+    weight_sync_host: str = "127.0.0.1"
     weight_bucket_bytes: PosInt = 256 * 1024 * 1024
     # a checkpoint every N steps (0: only at the end), so that a stopped run can be resumed; each
     # replaces the previous one (SmolLM2-135M with fp32 AdamW: 1.62 GB, written in 3.3-5.4 s on a

@@ -323,7 +323,7 @@ def check_ports(cfg: Config) -> None:
                                           cfg.inference.base_port + cfg.inference.num_servers))}
     wanted |= {"queue.port": (cfg.queue.host, cfg.queue.port),
                "trainer.master_port": ("127.0.0.1", cfg.trainer.master_port),
-               "trainer.weight_sync_port": ("127.0.0.1", cfg.trainer.weight_sync_port)}
+               "trainer.weight_sync_port": (cfg.trainer.weight_sync_host, cfg.trainer.weight_sync_port)}
     wanted = {key: where for key, where in wanted.items() if where[1]}
     seen: dict[int, str] = {}
     for key, (_, port) in wanted.items():

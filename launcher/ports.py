@@ -47,9 +47,11 @@ def port_of(cfg: Config, key: str) -> int:
 
 
 def host_of(cfg: Config, key: str) -> str:
-    """The address ``key``'s port is bound on: the servers' and the queue's configured host; the
-    trainer's rendezvous and weight group listen on the local machine."""
-    return {"inference.base_port": cfg.inference.host, "queue.port": cfg.queue.host}.get(key, "127.0.0.1")
+    """The address ``key``'s port is bound on: the servers', the queue's and the weight group's
+    configured host (``trainer.weight_sync_host``); the trainer's rendezvous listens on the local
+    machine."""
+    return {"inference.base_port": cfg.inference.host, "queue.port": cfg.queue.host,
+            "trainer.weight_sync_port": cfg.trainer.weight_sync_host}.get(key, "127.0.0.1")
 
 
 def _width(cfg: Config, key: str) -> int:

@@ -37,14 +37,15 @@ Listeners across hosts (``bind_hosts``): while the servers, the queue and their 
 one host (one node address; several Ray nodes may share one), every port stays on loopback, as
 under ``launcher.local``; otherwise a loopback ``inference.host``/``queue.host`` becomes the
 address of the node that role landed on (written to ``RUN_DIR/config.yaml``), guarded by the job's
-token, and its ports are checked free on that node by its actor before the job starts.
+token, and its ports are checked free on that node by its actor before the job starts; likewise
+``trainer.weight_sync_host``, the distributed weight-update group's store, becomes trainer rank
+0's node address when a server runs on another host (torch's ``TCPStore``: no token).
 
 Simplifications: the run directory, the model and the code must be at the same paths on every
 node (a shared filesystem); ports are chosen on the launcher's node (a port race's new ones too,
 unchecked on the other nodes); the server URLs all use ``inference.host``, so the servers share
-one node address (pin them with ``cluster.server_node``); the trainer's rendezvous and
-weight-update group listen on ``127.0.0.1`` of one node (across hosts: ``trainer.weight_sync=disk``)
-and gloo stays on the loopback interface unless ``GLOO_SOCKET_IFNAME`` is set. Tested: one host,
+one node address (pin them with ``cluster.server_node``); the trainer ranks' rendezvous
+listens on ``127.0.0.1`` while they share a node, and gloo stays on the loopback interface unless ``GLOO_SOCKET_IFNAME`` is set. Tested: one host,
 with a local instance and with two Ray nodes (``ray.cluster_utils.Cluster``, the second at
 ``127.0.0.2``, so distinct node ids and addresses); not tested: separate hosts (a real network,
 listeners on a remote host's address), Ray Client, GPUs.

@@ -165,4 +165,32 @@ def bind_hosts(cfg: Config, placement: Placement) -> Config:
                 where = f"{port_key}+{i}" if i else port_key
                 raise JobFailed(f"port {first + i} ({where}) is in use on node {ip} ({why}); set "
                                 f"{port_key}=<a port free there> (0: chosen on the launcher's node)")
+    return _bind_weight_group(cfg, placement)
+
+
+def _bind_weight_group(cfg: Config, placement: Placement) -> Config:
+    """``bind_hosts`` for the distributed weight-update group's rendezvous, which trainer rank 0
+    hosts and every server joins: loopback while the servers share rank 0's host, else rank 0's
+    node address (``trainer.weight_sync_host``; one given must be that address). Its port is checked
+    on rank 0's node. Torch's ``TCPStore`` takes no token: on a network address it is open to that
+    network, as torchrun's rendezvous is."""
+    t = cfg.trainer
+    if t.weight_sync != "distributed":
+        return cfg
+    ip = placement.node_of[placement.bundles["trainer"][0]][1]
+    if {placement.node_of[b][1] for b in placement.bundles["server"]} <= {ip}:
+        return cfg
+    host = t.weight_sync_host
+    if auth.is_loopback(host):
+        host = ip
+        cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, weight_sync_host=ip))
+    elif host != ip:
+        raise JobFailed(f"trainer.weight_sync_host={host}, but trainer rank 0 runs on node {ip}, where it cannot "
+                        f"listen on it; leave trainer.weight_sync_host=127.0.0.1 (then the node's address), set "
+                        f"trainer.weight_sync_host={ip}, or pin cluster.trainer_node={host}")
+    port = cfg.trainer.weight_sync_port
+    why = placement.ask(placement.bundles["trainer"][0], "port_in_use", host, port) if port else None
+    if why:
+        raise JobFailed(f"port {port} (trainer.weight_sync_port) is in use on node {ip} ({why}); set "
+                        f"trainer.weight_sync_port=<a port free there> (0: chosen on the launcher's node)")
     return cfg

@@ -355,7 +355,8 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
     # second at 127.0.0.2: the servers and the worker pinned to it, the queue and the trainer's 2
     # ranks to the head, the launcher's node. The servers listen on 127.0.0.2 (their node's
     # address, put in config.yaml), their logs and the worker's come from that node's actors; the
-    # queue, which the worker calls from the other node, listens on the head's address.
+    # queue, which the worker calls from the other node, listens on the head's address, and so
+    # does the distributed weight-update group's store, which rank 0 hosts for the servers.
     # Server 1 is SIGSTOPped while it generates: the launcher's health check (from the head,
     # against its URL) kills it through its actor and it is started again. The job stops after its
     # step-2 checkpoint, and a --resume on the same cluster runs steps 2 and 3: the run must equal
@@ -377,7 +378,7 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
         head = cluster.head_node.node_ip_address
         assert head != "127.0.0.2"
         token = "two-node-test-token"
-        extra = ("rollout.num_workers=1", "trainer.weight_sync=disk", "inference.health_check_interval_s=3",
+        extra = ("rollout.num_workers=1", "inference.health_check_interval_s=3",
                  "cluster.server_node=127.0.0.2", "cluster.worker_node=127.0.0.2",
                  f"cluster.queue_node={head}", f"cluster.trainer_node={head}")
 
@@ -396,6 +397,7 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
             inf = load_config(config).inference
             assert inf.host == "127.0.0.2", "the servers' URLs do not use their node's address"
             assert load_config(config).queue.host == head, "the queue, called from the other node, is on loopback"
+            assert load_config(config).trainer.weight_sync_host == head, "the weight group's store is on loopback"
 
             def generating() -> bool:  # server 1 runs a request: a generation is in flight there
                 ask = urllib.request.Request(f"{inf.urls()[1]}/get_server_info",

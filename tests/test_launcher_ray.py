@@ -91,6 +91,26 @@ def test_the_servers_and_the_queue_listen_on_their_nodes_address_when_callers_ar
     assert bind_hosts(cfg, FakePlacement(cfg, [a] * 5, None)).inference.host == a
 
 
+def test_the_weight_groups_rendezvous_listens_on_rank_0s_node_when_servers_are_on_another_host():
+    from launcher.supervisor import JobFailed
+
+    over = ["inference.num_servers=2", "trainer.nproc=1", "rollout.num_workers=1", "trainer.weight_sync_port=4300"]
+    cfg = load_config(None, over)
+    a, b = "10.0.0.1", "10.0.0.2"
+    assert bind_hosts(cfg, FakePlacement(cfg, [a] * 5, a)).trainer.weight_sync_host == "127.0.0.1"
+    split = FakePlacement(cfg, [b, b, a, a, b], a)  # the servers on b, trainer rank 0 (bundle 3) on a
+    assert bind_hosts(cfg, split).trainer.weight_sync_host == a
+    assert (a, a, 4300) in split.asked, "the store's port is checked on rank 0's node"
+    disk = load_config(None, [*over, "trainer.weight_sync=disk"])  # no group: nothing to bind
+    assert bind_hosts(disk, FakePlacement(disk, [b, b, a, a, b], a)).trainer.weight_sync_host == "127.0.0.1"
+    given = load_config(None, [*over, f"trainer.weight_sync_host={b}"])
+    with pytest.raises(JobFailed, match=r"trainer.weight_sync_host=10.0.0.2, but trainer rank 0 runs on node "
+                                        r"10.0.0.1, .*cluster.trainer_node=10.0.0.2"):
+        bind_hosts(given, FakePlacement(given, [b, b, a, a, b], a))
+    with pytest.raises(JobFailed, match=r"port 4300 \(trainer.weight_sync_port\) is in use on node 10.0.0.1"):
+        bind_hosts(cfg, FakePlacement(cfg, [b, b, a, a, b], a, taken={4300: "Address already in use"}))
+
+
 class FakeRank:
     def __init__(self, name: str):
         self.name, self.rc, self.echo, self.actor_error = name, None, False, None

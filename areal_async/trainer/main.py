@@ -50,8 +50,7 @@ def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torc
     interrupt = cfg.rollout.interrupt_on_update
     if cfg.trainer.weight_sync == "disk":
         return DiskWeightSender(policy, client, n, cfg.model.path, run_dir / "weights", dtype, interrupt)
-    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    return DistributedWeightSender(policy, client, n, address, cfg.trainer.weight_sync_port,
+    return DistributedWeightSender(policy, client, n, cfg.trainer.weight_sync_host, cfg.trainer.weight_sync_port,
                                    cfg.trainer.weight_bucket_bytes, dtype, device, interrupt)
 
 
