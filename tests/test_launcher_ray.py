@@ -11,6 +11,7 @@ every process the launcher started (the Ray instance's included) is gone when it
 to the launcher must do the same with exit 130.
 """
 
+import json
 import os
 import pathlib
 import signal
@@ -306,3 +307,40 @@ def test_sigterm_stops_every_process_and_actor_and_exits_130(tiny_model_dir, tmp
     assert rc == 130 and "interrupted; stopping every process" in output, output[-4000:]
     alive = {pid for pid, (_, start) in _processes().items() if started.get(pid) == start}
     assert len(started) >= 8 and not alive, f"left running: {alive} of {len(started)} processes the job started"
+
+
+STANDIN_SGLANG = '''\
+"""A stand-in for ``python -m sglang.launch_server`` (SGLang cannot run here): records its command
+line, then serves it with the embedded server, which takes every flag the launcher gives SGLang."""
+import json, os, runpy, sys
+with open(os.environ["STANDIN_SGLANG_LOG"], "a") as log:
+    log.write(json.dumps({"argv": sys.argv[1:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+runpy.run_module("areal_async.inference.server", run_name="__main__", alter_sys=True)
+'''
+
+
+def test_the_sglang_backend_runs_sglangs_command_line_in_each_servers_actor(tiny_model_dir, tmp_path):
+    # inference.backend=sglang under launcher.ray: each server's actor runs `python -m
+    # sglang.launch_server` with the flags launcher.local gives it (here answered by the stand-in),
+    # and the job trains through them.
+    standin = tmp_path / "standin"
+    (standin / "sglang").mkdir(parents=True)
+    (standin / "sglang" / "__init__.py").write_text("")
+    (standin / "sglang" / "launch_server.py").write_text(STANDIN_SGLANG)
+    log = tmp_path / "sglang_argv.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{standin}{os.pathsep}{REPO}", "STANDIN_SGLANG_LOG": str(log)}
+    argv = job_argv(tiny_model_dir, tmp_path, "sglang", "deterministic", 1, steps=1,
+                    extra=("rollout.num_workers=1", "inference.backend=sglang"), launcher="ray")
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    starts = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(starts) == 2, starts
+    cfg = load_config(tmp_path / "sglang" / "config.yaml")
+    ports = sorted(int(s["argv"][s["argv"].index("--port") + 1]) for s in starts)
+    assert ports == [cfg.inference.base_port, cfg.inference.base_port + 1]
+    for start in starts:
+        a = start["argv"]
+        assert a[a.index("--model-path") + 1] == str(tiny_model_dir) and a[a.index("--host") + 1] == "127.0.0.1"
+        assert "--enable-deterministic-inference" in a and a[a.index("--weight-version") + 1] == "0"
+        assert a[a.index("--api-key") + 1], "the job's token reaches SGLang as --api-key"
+    assert "[launcher] done" in proc.stdout + proc.stderr
