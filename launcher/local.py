@@ -2,9 +2,11 @@
 
     python -m launcher.local configs/quickstart_cpu.yaml [section.key=value ...] [--overwrite | --resume]
 
-Order: check what fails cheaply (the backend is installed, devices, the task's data, the reward
-function; ports: every port key set to 0, the default, gets a free port, and the given ones must
-be free; a refused launch creates no run directory and exits 2) → resolve the model (fetch +
+Order: check what fails cheaply (the backend is installed, devices, the task's data, none of its
+files empty, the reward function; ``inference.host`` and ``queue.host`` are addresses of this
+machine; ports: every port key set to 0, the default, gets a free port, and the given ones must
+be free; an existing run directory can be written; a refused launch creates no run directory and
+exits 2; ``eval.every_steps`` above ``trainer.total_steps`` is a warning) → resolve the model (fetch +
 convert once) → write ``RUN_DIR/config.yaml`` and ``RUN_DIR/run.json`` (the ports, ``launcher/ports.py``)
 → start the inference servers and wait
 for ``/health`` → start the replay queue and wait for its port → start the trainer
