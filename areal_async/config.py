@@ -646,11 +646,30 @@ def check_devices(cfg: Config, cuda_available: bool) -> None:
             f"more GPUs, or trainer.weight_sync=disk")
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one YAML mapping."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping giving one key twice (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _DuplicateKey(f"key '{key}' is given twice in one mapping (line {seen[key] + 1} and line "
+                                    f"{key_node.start_mark.line + 1}), and YAML would keep the last; keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:
     """Load a YAML experiment file and apply ``key.sub=value`` overrides.
 
     Raises:
-        ValueError: unknown key (names the closest valid one), malformed override, bad value.
+        ValueError: unknown key (names the closest valid one), a key given twice in one mapping of
+            the file (names it and its lines), malformed override, bad value.
         FileNotFoundError: ``path`` does not exist.
     """
     data: dict = {}
@@ -659,7 +678,9 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
             raise ValueError(f"{path} is a directory; give the path of a YAML config file in it, e.g. "
                              f"{pathlib.Path(path) / 'quickstart_cpu.yaml'}")
         try:
-            data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+            data = yaml.load(pathlib.Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
+        except _DuplicateKey as exc:
+            raise ValueError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
             raise ValueError(f"{path} is not a YAML config file: {exc}".replace("\n", " ")) from None
         if not isinstance(data, dict):

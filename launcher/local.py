@@ -2,9 +2,11 @@
 
     python -m launcher.local configs/quickstart_cpu.yaml [section.key=value ...] [--overwrite | --resume]
 
-Order: check what fails cheaply (the backend is installed, devices, the task's data, the reward
-function; ports: every port key set to 0, the default, gets a free port, and the given ones must
-be free; a refused launch creates no run directory and exits 2) → resolve the model (fetch +
+Order: check what fails cheaply (the backend is installed, devices, the task's data, none of its
+files empty, the reward function; ``inference.host`` and ``queue.host`` are addresses of this
+machine; ports: every port key set to 0, the default, gets a free port, and the given ones must
+be free; an existing run directory can be written; a refused launch creates no run directory and
+exits 2; ``eval.every_steps`` above ``trainer.total_steps`` is a warning) → resolve the model (fetch +
 convert once) → write ``RUN_DIR/config.yaml`` and ``RUN_DIR/run.json`` (the ports, ``launcher/ports.py``)
 → start the inference servers and wait
 for ``/health`` → start the replay queue and wait for its port → start the trainer
@@ -67,6 +69,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -336,6 +339,45 @@ def check_ports(cfg: Config) -> None:
                              f"another job; set {key.split('+')[0]}=<a free port>")
 
 
+def check_hosts(cfg: Config) -> None:
+    """Raise ``ValueError`` naming the key if a host the job listens on (``inference.host``,
+    ``queue.host``; the trainer's rendezvous and weight group are on ``127.0.0.1``) does not resolve
+    or is no address of this machine: binding it (port 0) fails, with the OS's reason."""
+    for key, host in (("inference.host", cfg.inference.host), ("queue.host", cfg.queue.host)):
+        why = port_in_use(host, 0)  # a name that does not resolve is a socket.gaierror, an OSError too
+        if why:
+            raise ValueError(f"{key}={host!r} cannot be listened on here ({why}); set {key} to an address of "
+                             f"this machine, e.g. {key}=127.0.0.1")
+
+
+def sparse_eval_warning(cfg: Config) -> str:
+    """What evaluation runs when ``eval.every_steps`` exceeds ``trainer.total_steps`` (it never
+    comes due): only ``eval.at_start``'s and ``eval.at_end``'s, if on (``trainer/evaluation.py``)."""
+    e, total = cfg.eval, cfg.trainer.total_steps
+    runs = [what for on, what in ((e.at_start, "at step 0"), (e.at_end, f"at the end (step {total})")) if on]
+    return (f"eval.every_steps={e.every_steps} is more than trainer.total_steps={total}, so it never comes due: "
+            f"evaluation runs {' and '.join(runs) if runs else 'never'}; lower eval.every_steps to evaluate "
+            f"during training")
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Raise ``ValueError`` if the run directory exists but cannot hold the run: it is a file, or
+    a file cannot be created in it (the ``run_root`` itself is checked by ``lock_run``)."""
+    run_dir = cfg.run_dir
+    if not run_dir.exists() and not run_dir.is_symlink():
+        return
+    fix = "choose another name (name=...) or run_root"
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} (run_root={cfg.run_root}, name={cfg.name}) is a file, not "
+                         f"a directory; {fix}, or remove it")
+    try:
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as exc:
+        raise ValueError(f"run directory {run_dir} (run_root={cfg.run_root}, name={cfg.name}) cannot be "
+                         f"written ({exc.strerror}); {fix}, or make it writable") from None
+
+
 def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     """Check what can be checked before any process starts, then create the run directory and
     write the resolved config, model path resolved (``resume``: keep the directory and set
@@ -355,19 +397,31 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     progress_mode()  # a bad AREAL_ASYNC_PROGRESS is a ValueError naming the choices, before any process starts
     if cfg.data.task not in TASKS:
         raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")
-    load_task(cfg.data, "train")  # what the workers and the trainer read: a missing or bad file fails here
+    # what the workers and the trainer read: a missing, bad or empty file fails here
+    if len(load_task(cfg.data, "train")) == 0:
+        raise ValueError(f"data.train_path={cfg.data.train_path} holds no prompt of data.task={cfg.data.task!r} "
+                         f"(the file is empty); give a file with prompts")
     test = load_task(cfg.data, "test")
     e = cfg.eval
-    if (e.at_start or e.at_end or e.every_steps) and e.num_prompts > len(test):
+    evaluates = e.at_start or e.at_end or e.every_steps
+    if evaluates and len(test) == 0:
+        raise ValueError(f"evaluation is on but data.test_path={cfg.data.test_path} holds no prompt of data.task="
+                         f"{cfg.data.task!r} (the file is empty); give a test file with prompts, or turn "
+                         f"evaluation off: eval.at_start=false eval.at_end=false eval.every_steps=0")
+    if evaluates and e.num_prompts > len(test):
         raise ValueError(f"eval.num_prompts={e.num_prompts} but the test split of data.task={cfg.data.task!r} has "
                          f"{len(test)} prompts; set eval.num_prompts={len(test)} or fewer")
+    if e.every_steps > cfg.trainer.total_steps:
+        print(f"[launcher] warning: {sparse_eval_warning(cfg)}", file=sys.stderr, flush=True)
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     cfg = resolve_dtypes(cfg, torch.cuda.is_available())
     cfg = resolve_tree_attention(cfg, torch.cuda.is_available())  # a ValueError naming the fix
     chosen = keys_to_choose(cfg, resume)  # resume: the stopped job's chosen ports may be taken by now
+    check_hosts(cfg)  # before choose_ports, which binds them
     cfg, _ = choose_ports(cfg, chosen)
     check_ports(cfg)
+    check_run_dir(cfg)
     run_dir = cfg.run_dir
     replace = not resume and (run_dir / "metrics.jsonl").exists()
     if resume:

@@ -222,3 +222,18 @@ def test_a_node_pin_that_is_no_ip_address_fails_at_load(role):
     with pytest.raises(ValueError, match=rf"cluster.{role}_node='node-b' is not an IP address.*cluster.{role}_node=10"):
         load_config(None, [f"cluster.{role}_node=node-b"])
     assert getattr(load_config(None, [f"cluster.{role}_node=10.0.0.2"]).cluster, f"{role}_node") == "10.0.0.2"
+
+
+def test_a_key_given_twice_in_one_mapping_is_refused_naming_it_and_its_lines(tmp_path):
+    # PyYAML keeps the last of the two silently: total_steps was 4
+    path = tmp_path / "exp.yaml"
+    path.write_text("name: a\ntrainer:\n  total_steps: 3\n  lr: 1.0e-6\n  total_steps: 4\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: key 'total_steps' is given twice in one mapping "
+                                                   f"(line 3 and line 5), and YAML would keep the last; keep one")):
+        load_config(path)
+    path.write_text("name: a\ntrainer:\n  total_steps: 3\nname: b\n")
+    with pytest.raises(ValueError, match=re.escape("key 'name' is given twice in one mapping (line 1 and line 4)")):
+        load_config(path)
+    path.write_text("trainer:\n  total_steps: 3\nqueue:\n  total_steps: 3\n")  # one key in two mappings: fine
+    with pytest.raises(ValueError, match="unknown config key 'queue.total_steps'"):
+        load_config(path)

@@ -259,6 +259,20 @@ def test_flags_go_anywhere_among_the_overrides_and_a_directory_is_not_a_config(t
     (["data.task=gsm8k", "data.train_path=nosuch.jsonl"], FileNotFoundError, "data file 'nosuch.jsonl' not found"),
     (["eval.num_prompts=301"], ValueError, r"eval.num_prompts=301 but the test split of data.task='arith' has 300 "
                                            r"prompts; set eval.num_prompts=300 or fewer"),
+    # an empty training file started the job, and its worker died at every start (no prompt fits)
+    (["data.task=gsm8k", "data.train_path=/dev/null"], ValueError,
+     r"data.train_path=/dev/null holds no prompt of data.task='gsm8k' \(the file is empty\); give a file"),
+    # an empty test file was "set eval.num_prompts=0 or fewer", which eval.num_prompts >= 1 forbids
+    (["data.task=gsm8k", "data.test_path=/dev/null"], ValueError,
+     r"evaluation is on but data.test_path=/dev/null holds no prompt .* give a test file with prompts, or turn "
+     r"evaluation off: eval.at_start=false eval.at_end=false eval.every_steps=0"),
+    # a host that does not resolve was a raw socket.gaierror, one that is no address of this machine a raw OSError
+    (["queue.host=example.invalid"], ValueError,
+     r"queue.host='example.invalid' cannot be listened on here \(.+\); set queue.host to an address of this "
+     r"machine, e.g. queue.host=127.0.0.1"),
+    (["inference.host=10.255.255.1"], ValueError,
+     r"inference.host='10.255.255.1' cannot be listened on here \(Cannot assign requested address\); set "
+     r"inference.host to an address of this machine"),
 ])
 def test_a_launch_refused_before_start_leaves_no_run_directory(tmp_path, tiny_model_dir, monkeypatch,
                                                                overrides, error, words):
@@ -299,6 +313,57 @@ def test_a_run_root_that_cannot_hold_runs_is_a_launch_error(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"run_root={root} cannot hold runs ({why}" in err and "set run_root to a directory you can write" in err
     assert afile.read_text() == ""
+
+
+def test_a_run_directory_that_cannot_hold_the_run_is_a_launch_error(tmp_path, tiny_model_dir, capsys):
+    # Each was a raw traceback (exit status 1) when config.yaml was written: PermissionError, FileExistsError
+    import subprocess
+
+    from launcher.local import main
+
+    argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=done", f"model.path={tiny_model_dir}"]
+    (tmp_path / "done").write_text("notes")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {tmp_path / 'done'} (run_root={tmp_path}, name=done) is a file, not a directory; " \
+           f"choose another name (name=...) or run_root, or remove it" in err
+    assert (tmp_path / "done").read_text() == "notes"
+    (tmp_path / "done").unlink()
+    (tmp_path / "done").mkdir()
+    # unwritable even for root: the immutable attribute (chmod does not stop root); else, not root, chmod
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(tmp_path / "done")], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not available here, and root writes through directory permissions")
+    else:
+        (tmp_path / "done").chmod(0o500)
+    try:
+        assert main(argv) == 2
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(tmp_path / "done")], check=True)
+        else:
+            (tmp_path / "done").chmod(0o700)
+    err = capsys.readouterr().err
+    assert f"run directory {tmp_path / 'done'} (run_root={tmp_path}, name=done) cannot be written (" in err
+    assert "choose another name (name=...) or run_root, or make it writable" in err
+    assert list((tmp_path / "done").iterdir()) == []
+
+
+def test_an_eval_every_steps_that_never_comes_due_is_a_warning_at_launch(tmp_path, tiny_model_dir, capsys):
+    # eval.every_steps > trainer.total_steps was accepted silently; evaluation then runs only at the
+    # start and the end (trainer/evaluation.py: version % every_steps == 0 never holds for 0 < version <= total)
+    from launcher.local import prepare_run
+
+    base = [f"model.path={tiny_model_dir}", f"run_root={tmp_path}", "inference.num_servers=1", "trainer.total_steps=3"]
+    prepare_run(load_config("configs/quickstart_cpu.yaml", [*base, "name=a", "eval.every_steps=5"]), overwrite=False)
+    err = capsys.readouterr().err
+    assert ("[launcher] warning: eval.every_steps=5 is more than trainer.total_steps=3, so it never comes due: "
+            "evaluation runs at step 0 and at the end (step 3); lower eval.every_steps") in err
+    prepare_run(load_config("configs/quickstart_cpu.yaml", [*base, "name=b", "eval.every_steps=5",
+                                                            "eval.at_start=false", "eval.at_end=false"]), overwrite=False)
+    assert "evaluation runs never;" in capsys.readouterr().err
+    prepare_run(load_config("configs/quickstart_cpu.yaml", [*base, "name=c", "eval.every_steps=3"]), overwrite=False)
+    assert "warning" not in capsys.readouterr().err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")

@@ -188,6 +188,33 @@ def test_a_closed_connection_releases_its_groups_and_spares_a_restarted_worker(t
     asyncio.run(asyncio.wait_for(body(), timeout=60))
 
 
+def test_the_launchers_release_logs_only_groups_it_took_back(tmp_path, capsys):
+    # After a restart the log said "groups [] go back to be leased again" right after the line of the
+    # closed connection that had taken them back
+    async def body():
+        queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=2, max_concurrent=8), "deterministic")
+        handler, server = await serve(queue, "127.0.0.1", 0, tmp_path / "acct.json")
+        port = server.sockets[0].getsockname()[1]
+        connect = lambda: QueueClient.connect("127.0.0.1", port, timeout_s=5)  # noqa: E731
+        launcher, dead = await connect(), await connect()
+        assert await dead.lease(0, 2) == [0, 1]
+        await dead.disconnect()
+        while (await launcher.stats()).requeued != 2:
+            await asyncio.sleep(0.01)
+        assert await launcher.release(0, restart=True) == []
+        err = capsys.readouterr().err
+        assert "worker 0's connection closed while it held groups [0, 1]" in err and "released worker" not in err
+        again = await connect()
+        assert await again.lease(0, 1) == [0]
+        assert await launcher.release(0, restart=True) == [0]
+        assert "released worker 0 (restarting): groups [0] go back to be leased again" in capsys.readouterr().err
+        for c in (again, launcher):
+            await c.disconnect()
+        server.close()
+
+    asyncio.run(body())
+
+
 def test_a_broken_accounting_stops_the_service_and_names_the_counts(tmp_path):
     async def body():
         queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=1), "throughput")

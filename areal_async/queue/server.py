@@ -182,9 +182,10 @@ class QueueServer:
                 return p.Leased(rid=rid, group_ids=ids)
             case p.Release():
                 ids = await q.release(req.worker_id, req.restart)
-                print(f"[queue] released worker {req.worker_id}"
-                      f"{' (restarting)' if req.restart else ''}: groups {ids} go back to be leased again",
-                      file=sys.stderr, flush=True)
+                if ids:  # none: the queue took them back when the worker's connection closed (logged then)
+                    print(f"[queue] released worker {req.worker_id}"
+                          f"{' (restarting)' if req.restart else ''}: groups {ids} go back to be leased again",
+                          file=sys.stderr, flush=True)
                 return p.Released(rid=rid, group_ids=ids)
             case p.ServerFailed():
                 await q.server_failed(req.server, req.restart)
