@@ -341,9 +341,13 @@ def check_ports(cfg: Config) -> None:
 
 def check_hosts(cfg: Config) -> None:
     """Raise ``ValueError`` naming the key if a host the job listens on (``inference.host``,
-    ``queue.host``; the trainer's rendezvous and weight group are on ``127.0.0.1``) does not resolve
-    or is no address of this machine: binding it (port 0) fails, with the OS's reason."""
-    for key, host in (("inference.host", cfg.inference.host), ("queue.host", cfg.queue.host)):
+    ``queue.host``, ``trainer.weight_sync_host`` with the distributed weight sync; the trainer's
+    rendezvous is on ``127.0.0.1``) does not resolve or is no address of this machine: binding it
+    (port 0) fails, with the OS's reason."""
+    hosts = [("inference.host", cfg.inference.host), ("queue.host", cfg.queue.host)]
+    if cfg.trainer.weight_sync == "distributed":
+        hosts.append(("trainer.weight_sync_host", cfg.trainer.weight_sync_host))
+    for key, host in hosts:
         why = port_in_use(host, 0)  # a name that does not resolve is a socket.gaierror, an OSError too
         if why:
             raise ValueError(f"{key}={host!r} cannot be listened on here ({why}); set {key} to an address of "

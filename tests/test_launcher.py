@@ -273,6 +273,8 @@ def test_flags_go_anywhere_among_the_overrides_and_a_directory_is_not_a_config(t
     (["inference.host=10.255.255.1"], ValueError,
      r"inference.host='10.255.255.1' cannot be listened on here \(Cannot assign requested address\); set "
      r"inference.host to an address of this machine"),
+    (["trainer.weight_sync_host=10.255.255.1"], ValueError,
+     r"trainer.weight_sync_host='10.255.255.1' cannot be listened on here \(Cannot assign requested address\)"),
 ])
 def test_a_launch_refused_before_start_leaves_no_run_directory(tmp_path, tiny_model_dir, monkeypatch,
                                                                overrides, error, words):
