@@ -62,7 +62,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import os
 import pathlib
 import shutil
@@ -78,77 +77,14 @@ from typing import Callable, Iterator
 import msgspec
 
 from areal_async import auth
-from areal_async.config import (Config, DebugConfig, InferenceConfig, ModelConfig, dump_config,
-                                load_config, port_in_use)
+from areal_async.config import Config, dump_config, load_config, port_in_use
 from areal_async.determinism import deterministic_env
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
-from launcher import restart_weights
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
+from launcher.servers import (PY, SERVER_ARGV, ServerProbe, _server_argv, check_backend, remove_stale_weights,
+                              restart_argv, server_failed)
 from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
-
-PY = sys.executable
-
-
-def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
-                         threads: int, debug: DebugConfig = DebugConfig(),
-                         weight_version: int = 0, token: str | None = None) -> list[str]:
-    """Command line of one embedded inference server (flags mirror sglang.launch_server);
-    ``debug.jitter_ms`` becomes a per-step delay, seeded by ``jitter_seed`` and the port. The
-    ``token`` is not on it: the server reads ``AREAL_ASYNC_TOKEN`` from its environment."""
-    argv = [PY, "-m", "areal_async.inference.server", "--model-path", model.path,
-            "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
-            "--max-request-bytes", str(cfg.max_request_bytes),
-            "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),
-            "--max-queued-requests", str(cfg.max_queued_requests),
-            "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads),
-            "--weight-version", str(weight_version), "--prefix-cache-entries", str(cfg.prefix_cache_entries)]
-    if mode == "deterministic":
-        argv.append("--enable-deterministic-inference")
-    if not cfg.cuda_graph:
-        argv.append("--disable-cuda-graph")
-    if not cfg.prefix_cache:
-        argv.append("--disable-radix-cache")
-    if debug.jitter_ms > 0:
-        argv += ["--debug-jitter-ms", str(debug.jitter_ms), "--debug-jitter-seed",
-                 str(debug.jitter_seed), "--debug-jitter-stream", str(port)]
-    return argv
-
-
-def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
-                       threads: int, debug: DebugConfig = DebugConfig(),
-                       weight_version: int = 0, token: str | None = None) -> list[str]:
-    """Command line of one real SGLang server (``python -m sglang.launch_server``); SGLang has
-    no step jitter, so ``debug`` is ignored, nor a body limit (``max_request_bytes``). ``token``
-    becomes ``--api-key`` (SGLang reads it from no environment variable), so it shows in the
-    process list of this machine's users."""
-    argv = [PY, "-m", "sglang.launch_server", "--model-path", model.path, "--host", cfg.host,
-            "--port", str(port), "--dtype", model.dtype,
-            "--max-running-requests", str(cfg.max_running_requests),
-            "--max-queued-requests", str(cfg.max_queued_requests),
-            "--context-length", str(cfg.max_seq_len),
-            # The client needs integer versions; SGLang's default weight version is "default".
-            "--weight-version", str(weight_version)]
-    if mode == "deterministic":
-        argv.append("--enable-deterministic-inference")
-    if not cfg.cuda_graph:
-        argv.append("--disable-cuda-graph")
-    if not cfg.prefix_cache:
-        argv.append("--disable-radix-cache")
-    if token:
-        argv += ["--api-key", token]
-    return argv + list(cfg.sglang_args)
-
-
-SERVER_ARGV = {"embedded": embedded_server_argv, "sglang": sglang_server_argv}
-
-
-def check_backend(cfg: InferenceConfig) -> None:
-    """Raise ``ValueError`` if the servers of ``inference.backend`` cannot start here: they run
-    as ``PY -m <module>``, so ``sglang`` needs SGLang installed for this Python."""
-    if cfg.backend == "sglang" and importlib.util.find_spec("sglang") is None:
-        raise ValueError(f"inference.backend=sglang but SGLang is not installed for {PY}; install it "
-                         f"there (pip install sglang) or set inference.backend=embedded")
 
 
 def _job_env(token: str) -> dict[str, str]:
@@ -180,114 +116,6 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
-
-
-def http_status(url: str, timeout_s: float) -> int | None:
-    """The HTTP status of ``GET url`` within ``timeout_s`` seconds, ``None`` without an answer."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return None
-
-
-class ServerProbe:
-    """The launcher's health probe of one inference server (``HealthCheck.probe``): a check of
-    ``/health_generate`` first asks ``GET /ready``, and a paused server (503) passes without a
-    generation for up to ``max_pause_s`` seconds in a row (``routing.Readiness``: SGLang's
-    ``/health_generate`` waits behind a pause and then fails); other paths as ``probe_http``."""
-
-    def __init__(self, url: str, max_pause_s: float):
-        from areal_async.inference.routing import Readiness
-
-        self.url, self.readiness = url, Readiness(max_pause_s)
-
-    def __call__(self, path: str, timeout_s: float) -> str | None:
-        if path == "/health_generate":
-            status = http_status(self.url + "/ready", min(timeout_s, 5.0))
-            paused = self.readiness.judge(self.url, status, time.monotonic())
-            if paused is True:
-                return None
-            if paused is not False:
-                return paused
-        return probe_http(self.url, path, timeout_s)
-
-
-def probe_http(url: str, path: str, timeout_s: float) -> str | None:
-    """``None`` if ``GET url + path`` answers 200 within ``timeout_s`` seconds, else why not."""
-    try:
-        with urllib.request.urlopen(url + path, timeout=timeout_s) as resp:
-            return None if resp.status == 200 else f"HTTP {resp.status}"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}: {exc.read(300).decode(errors='replace')}"
-    except (TimeoutError, socket.timeout):
-        return f"no answer within {timeout_s:g} s"
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, (TimeoutError, socket.timeout)):
-            return f"no answer within {timeout_s:g} s"
-        return str(exc.reason)
-    except OSError as exc:  # e.g. the connection reset while the answer was read
-        return f"{type(exc).__name__}: {exc}"
-
-
-def server_failed(cfg: Config, token: str | None, sup: Supervisor, server: int, why: str) -> str:
-    """Before inference server ``server`` is started again (``why``: how it died): the queue counts
-    it (``rollout/server_failures``, ``rollout/server_restarts``); returns a note for the
-    launcher's line.
-
-    Raises:
-        RuntimeError: one server only without disk sync (nothing would generate meanwhile nor give
-            the restarted server the current weights), or the job was still starting (no queue
-            yet): the job stops with the server's error.
-        ConnectionError, TimeoutError: the queue is not reachable (10 s) or does not answer (30 s).
-    """
-    from areal_async.queue.client import QueueClient
-
-    if cfg.inference.num_servers == 1 and cfg.trainer.weight_sync != "disk":
-        raise RuntimeError("a job with one inference server cannot go on without it (nothing would generate "
-                           "meanwhile nor give the restarted server the current weights); set "
-                           "trainer.weight_sync=disk (a restart starts from the newest weights directory) or "
-                           "inference.num_servers=2 or more to survive the death of a server")
-    if not any(child.name == "queue" for child in sup.children):
-        raise RuntimeError("it died while the job was starting")
-
-    async def count() -> None:
-        async with await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=10.0, token=token) as q:
-            await asyncio.wait_for(q.server_failed(server, restart=True), 30.0)
-
-    asyncio.run(count())
-    return ("it starts again on its port from the newest weights of RUN_DIR/weights (the initial ones before the "
-            "first update) and rejoins the generation once it answers")
-
-
-def remove_stale_weights(run_dir: pathlib.Path) -> None:
-    """Remove ``RUN_DIR/weights`` and ``RUN_DIR/restart_weights`` before a job with disk sync
-    starts: the versions a stopped job wrote are not this job's (a resumed job's checkpoint may be
-    older than them), so a restarted server must never start from one."""
-    for stale in ("weights", "restart_weights"):
-        shutil.rmtree(run_dir / stale, ignore_errors=True)
-
-
-def _server_argv(make_argv: Callable[..., list[str]], inf: InferenceConfig, port: int, mode: str, threads: int,
-                 debug: DebugConfig, token: str | None, model: ModelConfig, version: int) -> list[str]:
-    return make_argv(inf, model, port, mode, threads, debug, version, token)
-
-
-def restart_argv(run_dir: pathlib.Path, server: int, argv: Callable[[ModelConfig, int], list[str]],
-                 model: ModelConfig, version: int) -> list[str]:
-    """The command line of inference server ``server`` started again (``trainer.weight_sync=disk``):
-    ``argv(model, version)`` from the newest complete ``RUN_DIR/weights/v{N}/``, linked into
-    ``RUN_DIR/restart_weights/server{i}/`` so that the trainer's removal of it cannot pull it away
-    while the server loads it (``launcher/restart_weights.py``), at version N; when there is none
-    yet, ``model`` at ``version`` (the original model at 0, or a resumed job's checkpoint)."""
-    pinned = restart_weights.pin(run_dir / "weights", run_dir / "restart_weights" / f"server{server}")
-    if pinned is not None:
-        version, path = pinned
-        model = msgspec.structs.replace(model, path=str(path.resolve()))
-    print(f"[launcher] server{server} starts from {model.path} (weight version {version})", flush=True)
-    return argv(model, version)
 
 
 def _port_open(host: str, port: int) -> bool:

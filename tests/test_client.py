@@ -615,7 +615,7 @@ def test_readiness_counts_a_pause_alive_only_up_to_max_pause_s():
 def test_the_launchers_server_probe_lets_a_paused_server_pass_and_fails_a_hung_one():
     import threading
 
-    from launcher.local import ServerProbe
+    from launcher.servers import ServerProbe
 
     stub = SGLangLike()
     started = threading.Event()

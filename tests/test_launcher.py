@@ -9,7 +9,7 @@ import pytest
 
 from areal_async.config import load_config
 from areal_async.determinism import deterministic_env
-from launcher.local import SERVER_ARGV
+from launcher.servers import SERVER_ARGV
 from launcher.supervisor import JobFailed, Supervisor
 
 PY = sys.executable
@@ -773,7 +773,7 @@ def test_a_server_that_does_not_come_up_after_a_restart_is_killed(tmp_path):
 
 
 def test_a_server_death_that_cannot_be_survived_stops_the_job_naming_the_fix(tmp_path):
-    from launcher.local import server_failed
+    from launcher.servers import server_failed
 
     cfg = load_config(None, ["trainer.weight_sync=distributed", "inference.num_servers=2"])
     with pytest.raises(RuntimeError, match="it died while the job was starting"):  # not refused: its group is rebuilt
@@ -843,7 +843,7 @@ def test_a_version_removed_while_it_is_pinned_gives_way_to_the_newer_one(tmp_pat
 def test_a_restarted_server_starts_from_the_newest_weights_at_their_version(tmp_path, backend):
     import functools
 
-    from launcher.local import _server_argv, restart_argv
+    from launcher.servers import _server_argv, restart_argv
 
     cfg = load_config(None, [f"inference.backend={backend}", "inference.base_port=31000"])
     argv = functools.partial(_server_argv, SERVER_ARGV[backend], cfg.inference, 31000, "deterministic", 1,
@@ -871,7 +871,7 @@ def test_a_restarted_server_starts_from_the_newest_weights_at_their_version(tmp_
 
 def test_a_new_job_never_restarts_a_server_from_a_stopped_jobs_weights(tmp_path):
     # a stopped job trained to version 7; its checkpoint (what --resume continues) is at step 4
-    from launcher.local import remove_stale_weights
+    from launcher.servers import remove_stale_weights
     from launcher.restart_weights import pin
 
     _hf_dir(tmp_path / "weights" / "v7", "seven")

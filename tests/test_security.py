@@ -22,7 +22,8 @@ from areal_async.queue import protocol as p
 from areal_async.queue.client import QueueClient
 from areal_async.queue.core import ReplayQueue
 from areal_async.queue.server import serve as serve_queue
-from launcher.local import SERVER_ARGV, _job_env
+from launcher.local import _job_env
+from launcher.servers import SERVER_ARGV
 from tests.listening import listening, needs_proc, off_loopback
 from tests.sglang_ref import needs_sglang, run_sglang
 from tests.test_sglang_weight_group import _peer, host_group_in_thread
