@@ -615,15 +615,26 @@ def resolve_tree_attention(cfg: Config, cuda_available: bool) -> Config:
     return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, tree_attention=path))
 
 
-def check_devices(cfg: Config, cuda_available: bool) -> None:
+def check_devices(cfg: Config, cuda_available: bool, own_gpus: bool = False) -> None:
     """NCCL weight sync needs every process of its group on its own GPU: trainer rank r runs on
     ``cuda:r``, and each server on ``inference.device``. Raises ``ValueError`` naming the keys
-    and the fix when two would share one (NCCL refuses: "Duplicate GPU detected")."""
-    server = cuda_index("inference.device", cfg.inference.device, cuda_available)
-    trainer = cuda_index("trainer.device", cfg.trainer.device, cuda_available)
+    and the fix when two would share one (NCCL refuses: "Duplicate GPU detected").
+
+    ``own_gpus``: ``launcher.ray`` with GPUs in every server's and trainer rank's bundle
+    (``cluster.gpus_per_server``, ``cluster.gpus_per_trainer_rank``): each process sees only its own
+    GPUs, as ``cuda:0``, on a node that may not be this one, so no two share one and this
+    machine's CUDA is not asked; ``inference.device`` must then be ``cuda``/``cuda:0``/``auto``."""
     if cfg.trainer.device.startswith("cuda:"):
         raise ValueError(f"trainer.device={cfg.trainer.device!r}: rank r always runs on cuda:r; use "
                          f"trainer.device=cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
+    if own_gpus:
+        if cfg.inference.device not in ("auto", "cuda", "cuda:0"):
+            raise ValueError(f"inference.device={cfg.inference.device!r}, but each server's Ray bundle holds its "
+                             f"own GPUs (cluster.gpus_per_server={cfg.cluster.gpus_per_server:g}), which it "
+                             f"sees from cuda:0; use inference.device=cuda")
+        return
+    server = cuda_index("inference.device", cfg.inference.device, cuda_available)
+    trainer = cuda_index("trainer.device", cfg.trainer.device, cuda_available)
     if cfg.trainer.weight_sync != "distributed" or cfg.inference.backend != "embedded":
         return
     if (server is None) != (trainer is None):

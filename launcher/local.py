@@ -210,10 +210,11 @@ def check_run_dir(cfg: Config) -> None:
                          f"written ({exc.strerror}); {fix}, or make it writable") from None
 
 
-def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
+def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bool = False) -> Config:
     """Check what can be checked before any process starts, then create the run directory and
     write the resolved config, model path resolved (``resume``: keep the directory and set
-    ``trainer.resume``). A check that fails leaves the run directory as it was, or absent."""
+    ``trainer.resume``). A check that fails leaves the run directory as it was, or absent.
+    ``own_gpus``: every server and trainer rank gets its own GPUs from Ray (``check_devices``)."""
     import torch
 
     from areal_async.config import check_devices, resolve_dtypes, resolve_tree_attention
@@ -225,7 +226,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     from areal_async.progress import progress_mode
 
     check_backend(cfg.inference)
-    check_devices(cfg, torch.cuda.is_available())
+    check_devices(cfg, torch.cuda.is_available(), own_gpus)
     progress_mode()  # a bad AREAL_ASYNC_PROGRESS is a ValueError naming the choices, before any process starts
     if cfg.data.task not in TASKS:
         raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")

@@ -417,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 cfg = load_config(args.config, args.overrides)
                 held.enter_context(local.lock_run(cfg))
-                cfg = local.prepare_run(cfg, args.overwrite, args.resume)
+                own_gpus = cfg.cluster.gpus_per_server > 0 and cfg.cluster.gpus_per_trainer_rank > 0
+                cfg = local.prepare_run(cfg, args.overwrite, args.resume, own_gpus)
             except (ValueError, FileNotFoundError) as exc:
                 print(f"[launcher] error: {exc}", file=sys.stderr)
                 return 2

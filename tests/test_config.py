@@ -58,6 +58,21 @@ def test_nccl_weight_sync_needs_one_gpu_per_process():
                       cuda_available=True)
 
 
+def test_under_ray_with_gpu_bundles_every_process_has_its_own_gpu():
+    # launcher.ray, the README's two-node recipe: 4 ranks and 4 servers, each bundle with its own
+    # GPU (seen as cuda:0), launched from a node that may have none: NCCL weight sync is allowed.
+    from areal_async.config import check_devices
+
+    over = ["inference.device=cuda", "trainer.device=cuda", "trainer.nproc=4", "inference.num_servers=4",
+            "cluster.gpus_per_server=1", "cluster.gpus_per_trainer_rank=1"]
+    check_devices(load_config(None, over), cuda_available=False, own_gpus=True)
+    with pytest.raises(ValueError, match="inference.num_servers=4"):  # without Ray's isolation: all on one GPU
+        check_devices(load_config(None, over), cuda_available=True)
+    with pytest.raises(ValueError, match=r"inference.device='cuda:1', but each server's Ray bundle holds its own "
+                                         r"GPUs .*use inference.device=cuda"):
+        check_devices(load_config(None, [*over, "inference.device=cuda:1"]), cuda_available=False, own_gpus=True)
+
+
 def test_device_strings_are_checked_and_dtypes_resolved(monkeypatch):
     from areal_async import config as config_module
     from areal_async.config import check_devices, resolve_dtypes
