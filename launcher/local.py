@@ -226,7 +226,9 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
     from areal_async.progress import progress_mode
 
     check_backend(cfg.inference)
-    check_devices(cfg, torch.cuda.is_available(), own_gpus)
+    # own_gpus: the processes run on the GPU nodes Ray gives them, which need not include this one
+    cuda = own_gpus or torch.cuda.is_available()
+    check_devices(cfg, cuda, own_gpus)
     progress_mode()  # a bad AREAL_ASYNC_PROGRESS is a ValueError naming the choices, before any process starts
     if cfg.data.task not in TASKS:
         raise ValueError(f"data.task={cfg.data.task!r} is not a registered task; choose one of {sorted(TASKS)}")
@@ -248,8 +250,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
         print(f"[launcher] warning: {sparse_eval_warning(cfg)}", file=sys.stderr, flush=True)
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
-    cfg = resolve_dtypes(cfg, torch.cuda.is_available())
-    cfg = resolve_tree_attention(cfg, torch.cuda.is_available())  # a ValueError naming the fix
+    cfg = resolve_dtypes(cfg, cuda)
+    cfg = resolve_tree_attention(cfg, cuda)  # a ValueError naming the fix
     chosen = keys_to_choose(cfg, resume)  # resume: the stopped job's chosen ports may be taken by now
     check_hosts(cfg)  # before choose_ports, which binds them
     cfg, _ = choose_ports(cfg, chosen)

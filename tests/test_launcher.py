@@ -929,3 +929,21 @@ def test_only_the_first_signal_interrupts_so_a_second_cannot_break_off_the_stop(
     assert stopped
     err = capsys.readouterr().err
     assert "SIGTERM again: still stopping every process" in err and "SIGINT again" in err
+
+
+def test_a_ray_job_with_gpu_bundles_is_prepared_on_a_launcher_node_without_a_gpu(tmp_path, tiny_model_dir):
+    # launcher.ray's two-node recipe starts from a head that may have no GPU: the devices are the
+    # bundles' (cluster.gpus_per_*), so "cuda" is not refused here and auto dtypes resolve for CUDA.
+    import torch
+
+    from launcher.local import prepare_run
+
+    over = [f"model.path={tiny_model_dir}", f"run_root={tmp_path}", "inference.device=cuda", "trainer.device=cuda",
+            "trainer.nproc=2", "inference.num_servers=2", "cluster.gpus_per_server=1",
+            "cluster.gpus_per_trainer_rank=1", "model.dtype=auto", "trainer.dtype=auto"]
+    cfg = load_config("configs/quickstart_cpu.yaml", over)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device here"):
+            prepare_run(cfg, overwrite=False)
+    ready = prepare_run(cfg, overwrite=True, own_gpus=True)
+    assert (ready.model.dtype, ready.trainer.dtype) == ("bfloat16", "bfloat16")
