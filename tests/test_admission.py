@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 
 from areal_async.inference.client import InferenceClient, ServerError
-from areal_async.inference.server import InferenceServer, load_engine, serve
+from areal_async.inference.http_server import InferenceServer, serve
+from areal_async.inference.loading import load_engine
 from tests.test_client import SGLANG_FINISHED, fake_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -362,7 +362,8 @@ def test_a_generation_whose_server_is_killed_finishes_on_the_other_token_for_tok
     sampling = {"max_new_tokens": 32, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
 
     async def main(url0, proc0):
-        from areal_async.inference.server import InferenceServer, load_engine, serve
+        from areal_async.inference.http_server import InferenceServer, serve
+        from areal_async.inference.loading import load_engine
 
         engine, tokenizer = load_engine(str(tiny_model_dir), "float32", "cpu", 4, 256, deterministic=True)
         async with serve(InferenceServer(engine, tokenizer, str(tiny_model_dir))) as url1, \

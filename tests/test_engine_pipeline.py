@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from areal_async.inference.sampling import SamplingParams
-from areal_async.inference.server import load_engine
+from areal_async.inference.loading import load_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_async.inference.prefix_cache import PrefixCache
 from areal_async.inference.sampling import SamplingParams
-from areal_async.inference.server import load_engine
+from areal_async.inference.loading import load_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,7 +17,9 @@ import pytest
 from areal_async import auth, weight_group
 from areal_async.config import InferenceConfig, ModelConfig, QueueConfig
 from areal_async.inference.client import InferenceClient, ServerError
-from areal_async.inference.server import InferenceServer, load_engine, parse_args, serve
+from areal_async.inference.http_server import InferenceServer, serve
+from areal_async.inference.loading import load_engine
+from areal_async.inference.server import parse_args
 from areal_async.queue import protocol as p
 from areal_async.queue.client import QueueClient
 from areal_async.queue.core import ReplayQueue

@@ -26,7 +26,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async import weight_group
-from areal_async.inference.server import InferenceServer, load_engine, serve
+from areal_async.inference.http_server import InferenceServer, serve
+from areal_async.inference.loading import load_engine
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -438,7 +438,8 @@ def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_i
     # weights bit for bit: its seeded sampled generation equals, token and log-prob, that of a
     # reference server that loaded the same weights from disk.
     from areal_async.inference.client import InferenceClient
-    from areal_async.inference.server import InferenceServer, load_engine, serve
+    from areal_async.inference.http_server import InferenceServer, serve
+    from areal_async.inference.loading import load_engine
     from tests.test_server import free_port, prompt_ids
 
     policy = _policy(tiny_model_dir)
