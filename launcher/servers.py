@@ -49,12 +49,7 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
             "--max-queued-requests", str(cfg.max_queued_requests),
             "--max-seq-len", str(cfg.max_seq_len), "--threads", str(threads),
             "--weight-version", str(weight_version), "--prefix-cache-entries", str(cfg.prefix_cache_entries)]
-    if mode == "deterministic":
-        argv.append("--enable-deterministic-inference")
-    if not cfg.cuda_graph:
-        argv.append("--disable-cuda-graph")
-    if not cfg.prefix_cache:
-        argv.append("--disable-radix-cache")
+    argv += _engine_flags(cfg, mode)
     if debug.jitter_ms > 0:
         argv += ["--debug-jitter-ms", str(debug.jitter_ms), "--debug-jitter-seed",
                  str(debug.jitter_seed), "--debug-jitter-stream", str(port)]
@@ -75,15 +70,17 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
             "--context-length", str(cfg.max_seq_len),
             # The client needs integer versions; SGLang's default weight version is "default".
             "--weight-version", str(weight_version)]
-    if mode == "deterministic":
-        argv.append("--enable-deterministic-inference")
-    if not cfg.cuda_graph:
-        argv.append("--disable-cuda-graph")
-    if not cfg.prefix_cache:
-        argv.append("--disable-radix-cache")
+    argv += _engine_flags(cfg, mode)
     if token:
         argv += ["--api-key", token]
     return argv + list(cfg.sglang_args)
+
+
+def _engine_flags(cfg: InferenceConfig, mode: str) -> list[str]:
+    """The switches both backends take under SGLang's names."""
+    return ((["--enable-deterministic-inference"] if mode == "deterministic" else [])
+            + ([] if cfg.cuda_graph else ["--disable-cuda-graph"])
+            + ([] if cfg.prefix_cache else ["--disable-radix-cache"]))
 
 
 SERVER_ARGV = {"embedded": embedded_server_argv, "sglang": sglang_server_argv}

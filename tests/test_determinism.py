@@ -22,6 +22,7 @@ trains groups 0..N-1 exactly once each.
 """
 
 import asyncio
+import functools
 import json
 import os
 import pathlib
@@ -75,6 +76,13 @@ def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: st
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_root / name
+
+
+def generating(url: str, token: str) -> bool:
+    """Whether the server at ``url`` runs a request now: a generation is in flight there."""
+    ask = urllib.request.Request(f"{url}/get_server_info", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(ask, timeout=5) as resp:
+        return json.load(resp)["internal_states"][0]["num_running_reqs"] > 0
 
 
 def fingerprint(run_dir: pathlib.Path) -> dict:
@@ -187,13 +195,7 @@ def _killed_run(tiny_model_dir, tmp_path_factory, weight_sync: str):
                 stats = await q.stats()
                 return stats.running > 0 and stats.next_step >= step
 
-        def generating() -> bool:  # server 1 runs a request: a generation is in flight there
-            ask = urllib.request.Request(f"{cfg.inference.urls()[1]}/get_server_info",
-                                         headers={"Authorization": f"Bearer {token}"})
-            with urllib.request.urlopen(ask, timeout=5) as resp:
-                return json.load(resp)["internal_states"][0]["num_running_reqs"] > 0
-
-        _wait("a generation on server 1", generating, 60, proc)
+        _wait("a generation on server 1", functools.partial(generating, cfg.inference.urls()[1], token), 60, proc)
         [server] = _pids(str(cfg.inference.base_port + 1), b"areal_async.inference.server")
         os.kill(server, signal.SIGKILL)
         log = run_dir / "logs" / "worker0.log"
@@ -399,13 +401,7 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
             assert load_config(config).queue.host == head, "the queue, called from the other node, is on loopback"
             assert load_config(config).trainer.weight_sync_host == head, "the weight group's store is on loopback"
 
-            def generating() -> bool:  # server 1 runs a request: a generation is in flight there
-                ask = urllib.request.Request(f"{inf.urls()[1]}/get_server_info",
-                                             headers={"Authorization": f"Bearer {token}"})
-                with urllib.request.urlopen(ask, timeout=5) as resp:
-                    return json.load(resp)["internal_states"][0]["num_running_reqs"] > 0
-
-            _wait("a generation on server 1", generating, 120, proc)
+            _wait("a generation on server 1", functools.partial(generating, inf.urls()[1], token), 120, proc)
             [server] = _pids(str(inf.base_port + 1), b"areal_async.inference.server")
             os.kill(server, signal.SIGSTOP)
             proc.wait(timeout=240)

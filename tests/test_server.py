@@ -834,6 +834,18 @@ def test_non_finite_logprobs_are_a_json_500_naming_the_weight_version(tiny_model
 
 
 _JOIN = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 1, "backend": "gloo"}
+
+
+async def _join_group(api, port: int, name: str):
+    """The server joins a 2-rank weight group ``name`` that a thread hosts as the trainer on
+    ``port``; returns the join's answer."""
+    host = asyncio.get_running_loop().run_in_executor(None, trainer_group, port, 2, name)
+    joined = await api.post("/init_weights_update_group", {**_JOIN, "master_port": port, "world_size": 2,
+                                                           "group_name": name})
+    await host
+    return joined
+
+
 _BUCKET = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}
 _SHORT = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}  # runs, were its other fields right
 
@@ -936,12 +948,8 @@ def test_a_weight_update_without_group_name_names_the_default_and_the_joined_gro
     port = free_port()
 
     async def main():
-        loop = asyncio.get_running_loop()
         async with running(tiny_model_dir) as (api, _):
-            host = loop.run_in_executor(None, trainer_group, port, 2, "g")
-            joined = await api.post("/init_weights_update_group", {**_JOIN, "master_port": port, "world_size": 2,
-                                                                   "group_name": "g"})
-            await host
+            joined = await _join_group(api, port, "g")
             return joined, await api.post("/update_weights_from_distributed", _BUCKET)
 
     joined, (status, out) = asyncio.run(main())
@@ -957,18 +965,11 @@ def test_destroy_weights_update_group_answers_as_sglang_and_frees_the_name(tiny_
     port, again = free_port(), free_port()
 
     async def main():
-        loop = asyncio.get_running_loop()
         async with running(tiny_model_dir) as (api, _):
-            host = loop.run_in_executor(None, trainer_group, port, 2, "g")
-            joined = await api.post("/init_weights_update_group", {**_JOIN, "master_port": port, "world_size": 2,
-                                                                   "group_name": "g"})
-            await host
+            joined = await _join_group(api, port, "g")
             answers = [await api.post("/destroy_weights_update_group", {"group_name": name}) for name in ("h", "g", "g")]
             unknown = await api.post("/update_weights_from_distributed", {**_BUCKET, "group_name": "g"})
-            host = loop.run_in_executor(None, trainer_group, again, 2, "g")
-            rejoined = await api.post("/init_weights_update_group", {**_JOIN, "master_port": again, "world_size": 2,
-                                                                     "group_name": "g"})
-            await host
+            rejoined = await _join_group(api, again, "g")
             default = await api.post("/destroy_weights_update_group", {})
             return joined, answers, unknown, rejoined, default
 

@@ -124,3 +124,21 @@ def weight_version(raw, current: int) -> int:
         raise ValueError(f"weight_version {raw!r} is behind this server's current version {current}; a "
                          f"weight update never goes back: send a version >= {current}")
     return version
+
+
+async def json_object(request, allow_empty: bool = False) -> dict:
+    """``request``'s body (an ``aiohttp.web.Request``) as a JSON object; ``{}`` when it has no body
+    and ``allow_empty`` (SGLang's bodiless calls, e.g. ``/pause_generation``).
+
+    Raises:
+        ValueError: the body is not JSON (nested too deep counts), or not an object.
+    """
+    if allow_empty and not request.can_read_body:
+        return {}
+    try:
+        data = await request.json()
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
+        raise ValueError(f"request body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("request body must be a JSON object")
+    return data

@@ -136,15 +136,10 @@ def _shutting_down(what: str) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
     try:
-        data = await request.json()
-    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
-        raise _bad_request(f"request body is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise _bad_request("request body must be a JSON object")
-    return data
+        return await fields.json_object(request, allow_empty=True)
+    except ValueError as exc:
+        raise _bad_request(str(exc)) from None
 
 
 class InferenceServer:

@@ -370,12 +370,9 @@ async def _ignore(index: int, completion: Completion) -> None:
 
 async def _json_object(request: web.Request) -> dict:
     try:
-        body = await request.json()
-    except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
-        raise OpenAIError(f"request body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise OpenAIError("request body must be a JSON object")
-    return body
+        return await fields.json_object(request)
+    except ValueError as exc:
+        raise OpenAIError(str(exc)) from None
 
 
 def _get(body: dict, key: str, default, kind: str = "int"):
