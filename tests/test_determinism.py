@@ -78,6 +78,25 @@ def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: st
     return run_root / name
 
 
+CHAOS_TOKEN = "chaos-test-token"  # the job's token, given to the launcher, so a test can ask the queue
+
+
+def _start_chaos_job(model_dir: pathlib.Path, root: pathlib.Path, name: str, extra: tuple[str, ...]):
+    """Start a deterministic 4-step job under ``root`` (``extra``: more overrides) and wait for its
+    step 0; returns (root, run directory, its output file, the launcher process)."""
+    out = (root / "launcher.out").open("w+")
+    proc = subprocess.Popen(job_argv(model_dir, root, name, "deterministic", 3, extra=extra), cwd=REPO, stdout=out,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "AREAL_ASYNC_TOKEN": CHAOS_TOKEN})
+    metrics = root / name / "metrics.jsonl"
+    try:
+        _wait("step 0", lambda: metrics.exists() and "train/loss" in metrics.read_text(), 150, proc)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return root, root / name, out, proc
+
+
 def generating(url: str, token: str) -> bool:
     """Whether the server at ``url`` runs a request now: a generation is in flight there."""
     ask = urllib.request.Request(f"{url}/get_server_info", headers={"Authorization": f"Bearer {token}"})
@@ -176,17 +195,11 @@ def _killed_run(tiny_model_dir, tmp_path_factory, weight_sync: str):
     from areal_async.config import load_config
     from areal_async.queue.client import QueueClient
 
-    root, name = tmp_path_factory.mktemp(f"killed-{weight_sync}"), "killed-worker"
-    run_dir = root / name
-    out = (root / "launcher.out").open("w+")
-    token = "chaos-test-token"  # the job's token, given to the launcher, so the test can ask the queue
-    proc = subprocess.Popen(job_argv(tiny_model_dir, root, name, "deterministic", 3,
-                                     extra=("rollout.num_workers=1", f"trainer.weight_sync={weight_sync}")),
-                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "AREAL_ASYNC_TOKEN": token})
+    root, run_dir, out, proc = _start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp(f"killed-{weight_sync}"),
+                                                "killed-worker", ("rollout.num_workers=1",
+                                                                  f"trainer.weight_sync={weight_sync}"))
+    token = CHAOS_TOKEN
     try:
-        metrics = run_dir / "metrics.jsonl"
-        _wait("step 0", lambda: metrics.exists() and "train/loss" in metrics.read_text(), 150, proc)
         cfg = load_config(run_dir / "config.yaml")
         queue = cfg.queue
 
@@ -230,28 +243,15 @@ def lone_server_run(tiny_model_dir, tmp_path_factory):
 
     from areal_async.config import load_config
 
-    root, name = tmp_path_factory.mktemp("lone"), "lone-server"
-    run_dir = root / name
-    out = (root / "launcher.out").open("w+")
-    token = "chaos-test-token"
-    proc = subprocess.Popen(job_argv(tiny_model_dir, root, name, "deterministic", 3,
-                                     extra=("inference.num_servers=1", "rollout.num_workers=1",
-                                            "trainer.weight_sync=disk")),
-                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "AREAL_ASYNC_TOKEN": token})
+    root, run_dir, out, proc = _start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp("lone"), "lone-server",
+                                                ("inference.num_servers=1", "rollout.num_workers=1",
+                                                 "trainer.weight_sync=disk"))
+    token = CHAOS_TOKEN
     try:
-        metrics = run_dir / "metrics.jsonl"
-        _wait("step 0", lambda: metrics.exists() and "train/loss" in metrics.read_text(), 150, proc)
         cfg = load_config(run_dir / "config.yaml")
         assert cfg.inference.num_servers == 1
 
-        def generating() -> bool:  # the server runs a request: a generation is in flight there
-            ask = urllib.request.Request(f"{cfg.inference.urls()[0]}/get_server_info",
-                                         headers={"Authorization": f"Bearer {token}"})
-            with urllib.request.urlopen(ask, timeout=5) as resp:
-                return json.load(resp)["internal_states"][0]["num_running_reqs"] > 0
-
-        _wait("a generation on the server", generating, 60, proc)
+        _wait("a generation on the server", functools.partial(generating, cfg.inference.urls()[0], token), 60, proc)
         [server] = _pids(str(cfg.inference.base_port), b"areal_async.inference.server")
         os.kill(server, signal.SIGKILL)
         proc.wait(timeout=150)
