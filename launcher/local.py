@@ -70,8 +70,6 @@ import socket
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from typing import Callable, Iterator
 
 import msgspec
@@ -82,8 +80,8 @@ from areal_async.determinism import deterministic_env
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
-from launcher.servers import (PY, SERVER_ARGV, ServerProbe, _server_argv, check_backend, remove_stale_weights,
-                              restart_argv, server_failed)
+from launcher.servers import (PY, SERVER_ARGV, ServerProbe, _server_argv, check_backend, http_status,
+                              remove_stale_weights, restart_argv, server_failed)
 from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
 
 
@@ -108,14 +106,6 @@ def _wait_until(ready, what: str, sup: Supervisor, timeout_s: float) -> None:
             raise JobFailed(f"{what} did not come up within {timeout_s:.0f} s; "
                             f"see the logs in {sup.log_dir}")
         time.sleep(0.5)
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -334,7 +324,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         health = HealthCheck(ServerProbe(url, inf.max_pause_s), inf.health_check_interval_s, inf.startup_timeout_s)
         sup.start(f"server{i}", argv(model, version), env=deterministic_env(cfg.mode), restart=restart, health=health)
     for url in inf.urls():
-        _wait_until(lambda: _http_ok(url + "/health"), f"inference server {url}", sup,
+        _wait_until(lambda: http_status(url + "/health", 2.0) == 200, f"inference server {url}", sup,
                     inf.startup_timeout_s)
     print(f"[launcher] {inf.num_servers} {inf.backend} server(s) healthy", flush=True)
 

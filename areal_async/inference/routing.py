@@ -241,13 +241,7 @@ class ServerPool:
     async def answers(self, server: int, path: str = "/health", timeout_s: float | None = None) -> bool:
         """Whether ``server`` answers ``GET path`` with 200 within ``timeout_s`` seconds
         (``None``: ``probe_timeout_s``)."""
-        try:
-            async with self._http().get(self.urls[server] + path, timeout=aiohttp.ClientTimeout(
-                    total=self.probe_timeout_s if timeout_s is None else timeout_s)) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+        return await self.status(server, path, self.probe_timeout_s if timeout_s is None else timeout_s) == 200
 
     async def version(self, server: int) -> int | None:
         """``server``'s ``weight_version`` as an int, ``None`` when it does not answer with one."""
