@@ -151,20 +151,10 @@ def bind_hosts(cfg: Config, placement: Placement) -> Config:
         if {placement.node_of[b][1] for b in bundles + callers} | {placement.driver_ip} == set(ips):
             continue  # one host: its loopback reaches the role
         [ip] = ips
-        if auth.is_loopback(host):
-            host = ip
-            cfg = msgspec.structs.replace(cfg, **{section: msgspec.structs.replace(getattr(cfg, section), host=ip)})
-        elif host != ip:
-            raise JobFailed(f"{key}={host}, but the {role}s run on node {ip}, where they cannot listen on it; "
-                            f"leave {key}=127.0.0.1 (then the node's address), set {key}={ip}, or pin "
-                            f"cluster.{role}_node={host}")
         first = port_of(cfg, port_key)
-        for i, bundle in enumerate(bundles):
-            why = placement.ask(bundle, "port_in_use", host, first + i)
-            if why:
-                where = f"{port_key}+{i}" if i else port_key
-                raise JobFailed(f"port {first + i} ({where}) is in use on node {ip} ({why}); set "
-                                f"{port_key}=<a port free there> (0: chosen on the launcher's node)")
+        ports = [(bundle, first + i, f"{port_key}+{i}" if i else port_key) for i, bundle in enumerate(bundles)]
+        cfg = _listen_at(cfg, placement, section, "host", ip, f"the {role}s run", "they", f"cluster.{role}_node",
+                         port_key, ports)
     return _bind_weight_group(cfg, placement)
 
 
@@ -180,17 +170,32 @@ def _bind_weight_group(cfg: Config, placement: Placement) -> Config:
     ip = placement.node_of[placement.bundles["trainer"][0]][1]
     if {placement.node_of[b][1] for b in placement.bundles["server"]} <= {ip}:
         return cfg
-    host = t.weight_sync_host
+    port = t.weight_sync_port
+    ports = [(placement.bundles["trainer"][0], port, "trainer.weight_sync_port")] if port else []
+    return _listen_at(cfg, placement, "trainer", "weight_sync_host", ip, "trainer rank 0 runs", "it",
+                      "cluster.trainer_node", "trainer.weight_sync_port", ports)
+
+
+def _listen_at(cfg: Config, placement: Placement, section: str, field: str, ip: str, runs: str, they: str,
+               pin: str, port_key: str, ports: list[tuple[int, int, str]]) -> Config:
+    """The config with ``section.field``, a listening host, set to ``ip`` (the node the listener
+    landed on) if it is loopback; each ``(bundle, port, key)`` of ``ports`` checked free there by
+    that bundle's actor. ``runs``, ``they``, ``pin``: who listens, for the messages.
+
+    Raises:
+        JobFailed: the host, given and not loopback, is not ``ip``; or a port is in use there.
+    """
+    key = f"{section}.{field}"
+    host = getattr(getattr(cfg, section), field)
     if auth.is_loopback(host):
         host = ip
-        cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(t, weight_sync_host=ip))
+        cfg = msgspec.structs.replace(cfg, **{section: msgspec.structs.replace(getattr(cfg, section), **{field: ip})})
     elif host != ip:
-        raise JobFailed(f"trainer.weight_sync_host={host}, but trainer rank 0 runs on node {ip}, where it cannot "
-                        f"listen on it; leave trainer.weight_sync_host=127.0.0.1 (then the node's address), set "
-                        f"trainer.weight_sync_host={ip}, or pin cluster.trainer_node={host}")
-    port = cfg.trainer.weight_sync_port
-    why = placement.ask(placement.bundles["trainer"][0], "port_in_use", host, port) if port else None
-    if why:
-        raise JobFailed(f"port {port} (trainer.weight_sync_port) is in use on node {ip} ({why}); set "
-                        f"trainer.weight_sync_port=<a port free there> (0: chosen on the launcher's node)")
+        raise JobFailed(f"{key}={host}, but {runs} on node {ip}, where {they} cannot listen on it; "
+                        f"leave {key}=127.0.0.1 (then the node's address), set {key}={ip}, or pin {pin}={host}")
+    for bundle, port, where in ports:
+        why = placement.ask(bundle, "port_in_use", host, port)
+        if why:
+            raise JobFailed(f"port {port} ({where}) is in use on node {ip} ({why}); set "
+                            f"{port_key}=<a port free there> (0: chosen on the launcher's node)")
     return cfg
