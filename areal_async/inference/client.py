@@ -416,16 +416,14 @@ class InferenceClient:
 
     # ---- info -----------------------------------------------------------------------------------
 
-    async def get_weight_version(self, server: int) -> int:
-        return _version(self.urls[server], (await self._call(server, "GET", "/get_weight_version"))["weight_version"])
+    async def get_weight_version(self, server: int, failover: bool = False) -> int:
+        """``server``'s weight version (``failover``: as ``_call``'s)."""
+        raw = (await self._call(server, "GET", "/get_weight_version", failover=failover))["weight_version"]
+        return _version(self.urls[server], raw)
 
     async def weight_versions(self) -> dict[int, int]:
         """``{i: weight_version}`` of every live server (``each_live``: a dead one is left out)."""
-        async def version(i: int) -> int:
-            raw = (await self._call(i, "GET", "/get_weight_version", failover=True))["weight_version"]
-            return _version(self.urls[i], raw)
-
-        return await self.each_live(version)
+        return await self.each_live(lambda i: self.get_weight_version(i, failover=True))
 
     async def get_model_info(self, server: int) -> dict:
         return await self._call(server, "GET", "/get_model_info")
