@@ -72,7 +72,7 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
             "--weight-version", str(weight_version)]
     argv += _engine_flags(cfg, mode)
     if token:
-        argv += ["--api-key", token]
+        argv.append(f"--api-key={token}")  # one word: a token may start with "-", which argparse would take for a flag
     return argv + list(cfg.sglang_args)
 
 

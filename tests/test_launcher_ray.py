@@ -328,7 +328,9 @@ def test_the_sglang_backend_runs_sglangs_command_line_in_each_servers_actor(tiny
     (standin / "sglang" / "__init__.py").write_text("")
     (standin / "sglang" / "launch_server.py").write_text(STANDIN_SGLANG)
     log = tmp_path / "sglang_argv.jsonl"
-    env = {**os.environ, "PYTHONPATH": f"{standin}{os.pathsep}{REPO}", "STANDIN_SGLANG_LOG": str(log)}
+    token = "-a-token-that-starts-with-a-dash"  # as token_urlsafe makes once in 64 launches
+    env = {**os.environ, "PYTHONPATH": f"{standin}{os.pathsep}{REPO}", "STANDIN_SGLANG_LOG": str(log),
+           "AREAL_ASYNC_TOKEN": token}
     argv = job_argv(tiny_model_dir, tmp_path, "sglang", "deterministic", 1, steps=1,
                     extra=("rollout.num_workers=1", "inference.backend=sglang"), launcher="ray")
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -342,5 +344,5 @@ def test_the_sglang_backend_runs_sglangs_command_line_in_each_servers_actor(tiny
         a = start["argv"]
         assert a[a.index("--model-path") + 1] == str(tiny_model_dir) and a[a.index("--host") + 1] == "127.0.0.1"
         assert "--enable-deterministic-inference" in a and a[a.index("--weight-version") + 1] == "0"
-        assert a[a.index("--api-key") + 1], "the job's token reaches SGLang as --api-key"
+        assert [x for x in a if x.startswith("--api-key=")] == [f"--api-key={token}"], "the job's token is not --api-key"
     assert "[launcher] done" in proc.stdout + proc.stderr

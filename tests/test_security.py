@@ -214,7 +214,7 @@ def test_queue_needs_a_token_off_loopback():
 def test_launcher_gives_sglang_the_token_as_api_key_and_keeps_it_off_the_embedded_command_line():
     inf, model = InferenceConfig(), ModelConfig(path="/m")
     sglang = SERVER_ARGV["sglang"](inf, model, 31000, "throughput", 1, token=TOKEN)
-    assert sglang[sglang.index("--api-key") + 1] == TOKEN
+    assert f"--api-key={TOKEN}" in sglang
     embedded = SERVER_ARGV["embedded"](inf, model, 31000, "throughput", 1, token=TOKEN)
     assert TOKEN not in embedded
     assert embedded[embedded.index("--max-request-bytes") + 1] == str(inf.max_request_bytes)
@@ -230,6 +230,21 @@ def test_job_env_puts_gloo_and_nccl_sockets_on_loopback_unless_set(monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")  # the user's choice wins (multi-node)
     env = _job_env(TOKEN)
     assert "NCCL_SOCKET_IFNAME" not in env and env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_a_token_that_starts_with_a_dash_reaches_sglang_whole(tiny_model_dir):
+    # token_urlsafe draws "-" as the first character once in 64 launches; "--api-key -Xy..." made
+    # argparse (SGLang's, and the embedded server's, which takes the same flags) stop with
+    # "argument --api-key: expected one argument"
+    from areal_async.inference.server import parse_args
+
+    token = "-" + TOKEN[1:]
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", str(tiny_model_dir), "--api-key", token])
+    argv = SERVER_ARGV["sglang"](InferenceConfig(), ModelConfig(path="/m"), 31000, "throughput", 1, token=token)
+    flags = [a for a in argv[3:] if a.startswith("--model-path") or a.startswith("--api-key")]
+    assert flags == ["--model-path", f"--api-key={token}"]
+    assert parse_args(["--model-path", str(tiny_model_dir), *flags[1:]]).api_key == token
 
 
 # ---- SGLang reads the header as this project does ------------------------------------------
