@@ -23,7 +23,6 @@ import msgspec
 import yaml
 
 from areal_async.determinism import check_compile
-from areal_async.inference.admission import DEFAULT_MAX_QUEUED
 
 
 # Range-checked field types: a value outside the range fails at load time, naming the key.
@@ -32,6 +31,8 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: a free one, chosen by the launcher (launcher/ports.py)
+# requests waiting for a KV slot, per server (inference.max_queued_requests; embedded/engine/admission.py)
+DEFAULT_MAX_QUEUED = 1024
 
 
 class _Cfg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -70,7 +71,7 @@ class InferenceConfig(_Cfg):
     base_port: Port = 0  # server i on base_port + i; 0: consecutive free ports chosen at start
     max_running_requests: PosInt = 32
     # requests a server lets wait for a KV slot; one more is HTTP 503 + Retry-After, which the
-    # client retries (areal_async/inference/admission.py; SGLang's --max-queued-requests)
+    # client retries (areal_async/embedded/engine/admission.py; SGLang's --max-queued-requests)
     max_queued_requests: PosInt = DEFAULT_MAX_QUEUED
     max_seq_len: PosInt = 1024
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every server)

@@ -4,7 +4,7 @@ Python ints: the one definition of its constants and its output function.
 ``mix64`` is splitmix64's output function (Stafford's "Mix13" variant of MurmurHash3's 64-bit
 finalizer); ``splitmix64(x)`` is the first output of the stream seeded ``x``,
 ``mix64(x + GOLDEN)``. The sampling seeds of a run (``types.sample_seed``) and the noise keys of
-the inference sampler (``inference/noise_hash.py``) are built from them. All values are unsigned
+the inference sampler (``embedded/engine/noise_hash.py``) are built from them. All values are unsigned
 64-bit ints (arithmetic modulo 2**64).
 """
 

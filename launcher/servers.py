@@ -1,7 +1,7 @@
 """The launcher's inference servers: their command lines, health probes and restarts.
 
 - Command lines (``SERVER_ARGV[inference.backend]``): ``embedded_server_argv`` (``python -m
-  areal_async.inference.server``) and ``sglang_server_argv`` (``python -m sglang.launch_server``),
+  areal_async.embedded.server``) and ``sglang_server_argv`` (``python -m sglang.launch_server``),
   the same flags where SGLang has them; ``check_backend`` refuses a backend this Python lacks.
 - Health (``launcher/supervisor.py`` ``HealthCheck``): ``ServerProbe`` asks ``GET /ready`` before
   ``GET /health_generate`` so a paused server is not taken for a hung one
@@ -42,7 +42,7 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
     """Command line of one embedded inference server (flags mirror sglang.launch_server);
     ``debug.jitter_ms`` becomes a per-step delay, seeded by ``jitter_seed`` and the port. The
     ``token`` is not on it: the server reads ``AREAL_ASYNC_TOKEN`` from its environment."""
-    argv = [PY, "-m", "areal_async.inference.server", "--model-path", model.path,
+    argv = [PY, "-m", "areal_async.embedded.server", "--model-path", model.path,
             "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
             "--max-request-bytes", str(cfg.max_request_bytes),
             "--device", cfg.device, "--max-running-requests", str(cfg.max_running_requests),

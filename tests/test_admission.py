@@ -1,4 +1,4 @@
-"""Admission under load (``areal_async/inference/admission.py``): a full waiting queue answers HTTP
+"""Admission under load (``areal_async/embedded/engine/admission.py``): a full waiting queue answers HTTP
 503 with ``Retry-After`` on every generation endpoint, a batch is admitted whole or refused whole,
 requests whose clients left never fill the queue; the client asks again after ``Retry-After``
 (or its backoff, for SGLang's header-less 503), within ``overload_timeout_s``."""
@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from areal_async.inference.client import InferenceClient, ServerError
-from areal_async.inference.http_server import InferenceServer, serve
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.http_server import InferenceServer, serve
+from areal_async.embedded.loading import load_engine
 from tests.test_client import SGLANG_FINISHED, fake_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from areal_async.batch_invariant import CUDA_ROW_TILE, ROW_TILE, make_linears_batch_invariant, tiled_linear
-from areal_async.inference.sampling import SamplingParams
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.engine.sampling import SamplingParams
+from areal_async.embedded.loading import load_engine
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -288,7 +288,7 @@ def test_http_errors_raise_server_error_with_the_message(tiny_model_dir):
 
 def test_server_entry_point_serves_and_stops_on_sigterm(tiny_model_dir):
     port = free_port()
-    cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "areal_async.embedded.server", "--model-path", str(tiny_model_dir),
            "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "128",
            "--threads", "1", "--weight-version", "3"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -315,7 +315,7 @@ def server_process(model_dir, *extra: str):
     ``(url, proc)``; the process is killed at the end."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir),
+        [sys.executable, "-m", "areal_async.embedded.server", "--model-path", str(model_dir),
          "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256",
          "--threads", "1", "--enable-deterministic-inference", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -362,8 +362,8 @@ def test_a_generation_whose_server_is_killed_finishes_on_the_other_token_for_tok
     sampling = {"max_new_tokens": 32, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
 
     async def main(url0, proc0):
-        from areal_async.inference.http_server import InferenceServer, serve
-        from areal_async.inference.loading import load_engine
+        from areal_async.embedded.http_server import InferenceServer, serve
+        from areal_async.embedded.loading import load_engine
 
         engine, tokenizer = load_engine(str(tiny_model_dir), "float32", "cpu", 4, 256, deterministic=True)
         async with serve(InferenceServer(engine, tokenizer, str(tiny_model_dir))) as url1, \

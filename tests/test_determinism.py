@@ -209,7 +209,7 @@ def _killed_run(tiny_model_dir, tmp_path_factory, weight_sync: str):
                 return stats.running > 0 and stats.next_step >= step
 
         _wait("a generation on server 1", functools.partial(generating, cfg.inference.urls()[1], token), 60, proc)
-        [server] = _pids(str(cfg.inference.base_port + 1), b"areal_async.inference.server")
+        [server] = _pids(str(cfg.inference.base_port + 1), b"areal_async.embedded.server")
         os.kill(server, signal.SIGKILL)
         log = run_dir / "logs" / "worker0.log"
         _wait("the worker's failover", lambda: "taken out of routing (/generate: " in log.read_text(), 60, proc)
@@ -252,7 +252,7 @@ def lone_server_run(tiny_model_dir, tmp_path_factory):
         assert cfg.inference.num_servers == 1
 
         _wait("a generation on the server", functools.partial(generating, cfg.inference.urls()[0], token), 60, proc)
-        [server] = _pids(str(cfg.inference.base_port), b"areal_async.inference.server")
+        [server] = _pids(str(cfg.inference.base_port), b"areal_async.embedded.server")
         os.kill(server, signal.SIGKILL)
         proc.wait(timeout=150)
     finally:
@@ -402,7 +402,7 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
             assert load_config(config).trainer.weight_sync_host == head, "the weight group's store is on loopback"
 
             _wait("a generation on server 1", functools.partial(generating, inf.urls()[1], token), 120, proc)
-            [server] = _pids(str(inf.base_port + 1), b"areal_async.inference.server")
+            [server] = _pids(str(inf.base_port + 1), b"areal_async.embedded.server")
             os.kill(server, signal.SIGSTOP)
             proc.wait(timeout=240)
         finally:

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from areal_async.inference.sampling import SamplingParams
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.engine.sampling import SamplingParams
+from areal_async.embedded.loading import load_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -95,8 +95,8 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen3_dir):
 
 
 def test_fused_gumbel_argmax_matches_the_torch_path():
-    from areal_async.inference.noise_hash import gumbel_from_keys, noise_keys
-    from areal_async.inference.triton_sampling import fused_gumbel_argmax
+    from areal_async.embedded.engine.noise_hash import gumbel_from_keys, noise_keys
+    from areal_async.embedded.engine.triton_sampling import fused_gumbel_argmax
 
     torch.manual_seed(0)
     z = torch.log_softmax(torch.randn(64, 151936, device="cuda") * 2, -1)
@@ -111,7 +111,7 @@ def test_fused_gumbel_argmax_matches_the_torch_path():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_decode_attention_matches_softmax_attention(dtype, tol):
-    from areal_async.inference.triton_decode_attention import decode_attention
+    from areal_async.embedded.engine.triton_decode_attention import decode_attention
 
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length = 9, 16, 8, 128, 300

@@ -16,8 +16,8 @@ import threading
 import pytest
 import torch
 
-from areal_async.inference.sampling import SamplingParams
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.engine.sampling import SamplingParams
+from areal_async.embedded.loading import load_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

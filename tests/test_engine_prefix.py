@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_async.inference.prefix_cache import PrefixCache
-from areal_async.inference.sampling import SamplingParams
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.engine.prefix_cache import PrefixCache
+from areal_async.embedded.engine.sampling import SamplingParams
+from areal_async.embedded.loading import load_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from areal_async.inference.request import decode_sampling
-from areal_async.inference.noise_hash import gumbel_noise, noise_key, noise_uniform
-from areal_async.inference.sampling import sample
+from areal_async.embedded.request import decode_sampling
+from areal_async.embedded.engine.noise_hash import gumbel_noise, noise_key, noise_uniform
+from areal_async.embedded.engine.sampling import sample
 
 
 def _params(b: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1):

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from areal_async import auth
 from areal_async.config import QueueConfig
-from areal_async.inference.http_server import InferenceServer, serve
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.http_server import InferenceServer, serve
+from areal_async.embedded.loading import load_engine
 from areal_async.queue import protocol as p
 from areal_async.queue.core import ReplayQueue
 from areal_async.queue.server import serve as serve_queue

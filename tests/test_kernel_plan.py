@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_async.batch_invariant import tiled_linear
-from areal_async.inference.kernels import KernelPlan, plan_kernels
+from areal_async.embedded.engine.kernels import KernelPlan, plan_kernels
 
 # (device, dtype, batch_invariant) -> (prefill linear, decode linear, prefill attention, decode attention,
 #                                      fused layers, fixed shape, full span, cuda graph), Triton available
@@ -60,7 +60,7 @@ def test_plan_rejects_an_unknown_attention_path():
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_forward_on_cpu_builds_the_table_plan(tiny_model_dir, dtype, deterministic):
-    from areal_async.inference.loading import load_engine
+    from areal_async.embedded.loading import load_engine
 
     engine, _ = load_engine(str(tiny_model_dir), dtype, "cpu", 4, 64, deterministic=deterministic)
     fwd = engine.forward

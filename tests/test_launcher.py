@@ -74,7 +74,7 @@ def test_server_command_lines():
                              "inference.sglang_args=[--tp,'1']"])
     assert cfg.inference.urls() == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     emb = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, "deterministic", 1)
-    assert emb[1:3] == ["-m", "areal_async.inference.server"]
+    assert emb[1:3] == ["-m", "areal_async.embedded.server"]
     assert emb[emb.index("--port") + 1] == "31001"
     assert "--enable-deterministic-inference" in emb and "--debug-jitter-ms" not in emb
     emb_tp = SERVER_ARGV["embedded"](cfg.inference, cfg.model, 31001, "throughput", 1)
@@ -863,7 +863,7 @@ def test_a_restarted_server_starts_from_the_newest_weights_at_their_version(tmp_
     again = restart_argv(tmp_path, 1, argv, ckpt, 4)
     pinned = tmp_path / "restart_weights" / "server1" / "v5"
     assert flag(again, "--model-path") == str(pinned.resolve()) and flag(again, "--weight-version") == "5"
-    module = "sglang.launch_server" if backend == "sglang" else "areal_async.inference.server"
+    module = "sglang.launch_server" if backend == "sglang" else "areal_async.embedded.server"
     assert again[1:3] == ["-m", module]
     assert [a for a in again if a not in (str(pinned.resolve()), "5")] == [
         a for a in first if a not in (cfg.model.path, "0")], "only the weights and their version change"

@@ -315,7 +315,7 @@ line, then serves it with the embedded server, which takes every flag the launch
 import json, os, runpy, sys
 with open(os.environ["STANDIN_SGLANG_LOG"], "a") as log:
     log.write(json.dumps({"argv": sys.argv[1:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
-runpy.run_module("areal_async.inference.server", run_name="__main__", alter_sys=True)
+runpy.run_module("areal_async.embedded.server", run_name="__main__", alter_sys=True)
 '''
 
 

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
-from areal_async.inference.http_server import InferenceServer, serve
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.http_server import InferenceServer, serve
+from areal_async.embedded.loading import load_engine
 from areal_async.types import sample_seed
 from tests.sglang_ref import needs_sglang, sglang_env, SGLANG_PYTHON
 

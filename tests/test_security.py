@@ -17,9 +17,9 @@ import pytest
 from areal_async import auth, weight_group
 from areal_async.config import InferenceConfig, ModelConfig, QueueConfig
 from areal_async.inference.client import InferenceClient, ServerError
-from areal_async.inference.http_server import InferenceServer, serve
-from areal_async.inference.loading import load_engine
-from areal_async.inference.server import parse_args
+from areal_async.embedded.http_server import InferenceServer, serve
+from areal_async.embedded.loading import load_engine
+from areal_async.embedded.server import parse_args
 from areal_async.queue import protocol as p
 from areal_async.queue.client import QueueClient
 from areal_async.queue.core import ReplayQueue
@@ -236,7 +236,7 @@ def test_a_token_that_starts_with_a_dash_reaches_sglang_whole(tiny_model_dir):
     # token_urlsafe draws "-" as the first character once in 64 launches; "--api-key -Xy..." made
     # argparse (SGLang's, and the embedded server's, which takes the same flags) stop with
     # "argument --api-key: expected one argument"
-    from areal_async.inference.server import parse_args
+    from areal_async.embedded.server import parse_args
 
     token = "-" + TOKEN[1:]
     with pytest.raises(SystemExit):

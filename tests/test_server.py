@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async import weight_group
-from areal_async.inference.http_server import InferenceServer, serve
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.http_server import InferenceServer, serve
+from areal_async.embedded.loading import load_engine
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -357,7 +357,7 @@ def test_weight_group_rank_zero_is_refused(tiny_model_dir):
     (["--weight-version", str(2**63)], f"--weight-version {2**63}: must be >= 0 and < 2**63"),
 ])
 def test_server_rejects_bad_arguments_before_loading(tiny_model_dir, capsys, flags, words):
-    from areal_async.inference.server import parse_args
+    from areal_async.embedded.server import parse_args
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--model-path", str(tiny_model_dir), "--port", "0", *flags])  # the last --port wins
@@ -365,7 +365,7 @@ def test_server_rejects_bad_arguments_before_loading(tiny_model_dir, capsys, fla
 
 
 def test_server_rejects_a_port_in_use_before_loading(tiny_model_dir, capsys):
-    from areal_async.inference.server import parse_args
+    from areal_async.embedded.server import parse_args
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
@@ -375,7 +375,7 @@ def test_server_rejects_a_port_in_use_before_loading(tiny_model_dir, capsys):
 
 
 def test_server_rejects_a_model_path_without_a_model(tmp_path, capsys):
-    from areal_async.inference.server import parse_args
+    from areal_async.embedded.server import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--model-path", str(tmp_path / "nowhere"), "--port", "0"])  # not the default 30000, which may be in use
@@ -501,8 +501,8 @@ def test_a_disconnected_client_frees_its_slot(tiny_model_dir):
 
 
 def _server_process(model_dir) -> tuple[subprocess.Popen, str]:
-    """``python -m areal_async.inference.server`` on the tiny model (CPU), and its URL once serving."""
-    cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir), "--port", "0",
+    """``python -m areal_async.embedded.server`` on the tiny model (CPU), and its URL once serving."""
+    cmd = [sys.executable, "-m", "areal_async.embedded.server", "--model-path", str(model_dir), "--port", "0",
            "--dtype", "float32", "--device", "cpu", "--max-running-requests", "2", "--max-seq-len", "64",
            "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

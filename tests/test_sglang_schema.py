@@ -26,8 +26,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_async.inference.http_server import InferenceServer, serve
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.http_server import InferenceServer, serve
+from areal_async.embedded.loading import load_engine
 from tests.sglang_ref import needs_sglang, run_sglang
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

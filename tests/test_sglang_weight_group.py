@@ -331,7 +331,7 @@ def test_a_failed_join_is_answered_and_logged_once(tiny_model_dir, monkeypatch, 
         await asyncio.sleep(0)
         return reply
 
-    with caplog.at_level(logging.WARNING, logger="areal_async.inference.http_server"):
+    with caplog.at_level(logging.WARNING, logger="areal_async.embedded.http_server"):
         status, out = asyncio.run(main())
     assert status == 400 and out["message"] == ("init_weights_update_group failed: DistNetworkError: "
                                                 "Connection reset by peer"), out
@@ -394,7 +394,7 @@ print(json.dumps(out))
 @pytest.mark.sglang_ref
 @needs_sglang
 def test_the_weight_endpoints_read_scalars_as_sglangs_schemas_do():
-    from areal_async.inference.weight_requests import parse_bucket, parse_join
+    from areal_async.embedded.weight_requests import parse_bucket, parse_join
 
     sglang = run_sglang(_SGLANG_SCALARS, _SCALARS, timeout=240)
     join = {"master_address": "127.0.0.1", "master_port": 29612, "rank_offset": 1, "world_size": 2}

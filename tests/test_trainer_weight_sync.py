@@ -421,7 +421,7 @@ def _server(model_dir, port: int):
     import sys
 
     return subprocess.Popen(
-        [sys.executable, "-m", "areal_async.inference.server", "--model-path", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "areal_async.embedded.server", "--model-path", str(model_dir), "--port", str(port),
          "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256", "--threads", "1",
          "--enable-deterministic-inference"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -438,8 +438,8 @@ def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_i
     # weights bit for bit: its seeded sampled generation equals, token and log-prob, that of a
     # reference server that loaded the same weights from disk.
     from areal_async.inference.client import InferenceClient
-    from areal_async.inference.http_server import InferenceServer, serve
-    from areal_async.inference.loading import load_engine
+    from areal_async.embedded.http_server import InferenceServer, serve
+    from areal_async.embedded.loading import load_engine
     from tests.test_server import free_port, prompt_ids
 
     policy = _policy(tiny_model_dir)

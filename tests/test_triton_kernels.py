@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from areal_async.inference.kv_cache import KVCache
+from areal_async.embedded.engine.kv_cache import KVCache
 
 triton = pytest.importorskip("triton")
 
@@ -25,7 +25,7 @@ def _forward_pair(model_dir, device):
     """Two ``BatchedForward``s over one model: the PyTorch module path and the fused-kernel path."""
     from transformers import AutoModelForCausalLM
 
-    from areal_async.inference.forward import BatchedForward
+    from areal_async.embedded.engine.forward import BatchedForward
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     plain, fused = BatchedForward(model, 8, 128, cuda_graph=False), BatchedForward(model, 8, 128, cuda_graph=False)
@@ -56,8 +56,8 @@ def test_fused_layer_kernels_match_the_module_path(tiny_model_dir, tiny_qwen3_di
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_sample_matches_the_torch_sampler(device):
-    from areal_async.inference.noise_hash import gumbel_from_keys, noise_keys
-    from areal_async.inference.triton_sampling import fused_sample
+    from areal_async.embedded.engine.noise_hash import gumbel_from_keys, noise_keys
+    from areal_async.embedded.engine.triton_sampling import fused_sample
 
     torch.manual_seed(0)
     rows, vocab = 6, 5000  # 3 pieces of 2,048, the last one partial
@@ -77,7 +77,7 @@ def test_fused_sample_matches_the_torch_sampler(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_attention_matches_softmax_attention(device):
-    from areal_async.inference.triton_decode_attention import decode_attention
+    from areal_async.embedded.engine.triton_decode_attention import decode_attention
 
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, length = 5, 4, 2, 32, 150

@@ -18,8 +18,8 @@ import torch
 
 from areal_async.dtypes import FLOAT_DTYPES
 from areal_async.inference.client import InferenceClient
-from areal_async.inference.http_server import InferenceServer, serve
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.http_server import InferenceServer, serve
+from areal_async.embedded.loading import load_engine
 
 
 def _prompts(tokenizer, n: int) -> list[list[int]]:

@@ -9,7 +9,7 @@ step costs only what the host does around the forward on a GPU: planning (``Engi
 committing (``Engine._commit``), and launching the step (input tensors, ``sample`` over tiny
 logits, token bookkeeping). ``--forward tiny``: the real ``BatchedForward`` over a random 2-layer,
 hidden-64 Llama (CPU compute included). ``--engine-file`` loads another copy of ``engine.py`` (e.g.
-an older revision) in place of ``areal_async.inference.engine``, to compare the two.
+an older revision) in place of ``areal_async.embedded.engine.engine``, to compare the two.
 
 All requests arrive at once (``--prompt-len`` random tokens, ``ignore_eos``, T = 1, per-request
 seeds), so after one prefill step every step decodes all of them. One torch thread. Prints µs per
@@ -33,7 +33,7 @@ import types
 
 import torch
 
-from areal_async.inference.sampling import SamplingParams
+from areal_async.embedded.engine.sampling import SamplingParams
 
 
 class _FakeCache:
@@ -66,7 +66,7 @@ class FakeForward:
 def tiny_forward(num_slots: int, max_seq_len: int, vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from areal_async.inference.forward import BatchedForward
+    from areal_async.embedded.engine.forward import BatchedForward
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,11 +76,11 @@ def tiny_forward(num_slots: int, max_seq_len: int, vocab: int):
 
 def load_engine_class(path: str | None):
     if path is None:
-        from areal_async.inference.engine import Engine
+        from areal_async.embedded.engine.engine import Engine
 
         return Engine
     # a sibling module name, so the copy's relative imports (.forward, ..jitter) resolve
-    spec = importlib.util.spec_from_file_location("areal_async.inference._bench_engine", path)
+    spec = importlib.util.spec_from_file_location("areal_async.embedded.engine._bench_engine", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -147,7 +147,7 @@ def main() -> None:
                 forward.decode_batch = lambda tokens, positions: decode(torch.as_tensor(tokens), positions)
         runs.append(asyncio.run(one_run(engine_cls, forward, args)))
     best = min(runs, key=lambda r: r["total"])
-    print(f"engine {args.engine_file or 'areal_async.inference.engine'}, forward {args.forward}, "
+    print(f"engine {args.engine_file or 'areal_async.embedded.engine.engine'}, forward {args.forward}, "
           f"{args.requests} requests x {args.new_tokens} tokens, {best['steps']} steps; best of {args.repeats}")
     print(f"  us/step: total {best['total']:.0f}  plan {best['plan']:.0f}  commit {best['commit']:.0f}  "
           f"rest (launch, sampling, collect) {best['total'] - best['plan'] - best['commit']:.0f}  "

@@ -38,9 +38,9 @@ import time
 
 import torch
 
-from areal_async.inference.engine import Engine
-from areal_async.inference.forward import BatchedForward
-from areal_async.inference.sampling import SamplingParams, sample
+from areal_async.embedded.engine.engine import Engine
+from areal_async.embedded.engine.forward import BatchedForward
+from areal_async.embedded.engine.sampling import SamplingParams, sample
 from qwen3_shapes import EOS_ID, build_model, kv_bytes_per_token, weight_bytes
 
 
@@ -160,7 +160,7 @@ def time_decode(model, forward, batch: int, context: int, reps: int, bandwidth: 
 def time_attention(forward, batch: int, context: int, configs: list[str], reps: int, device) -> list[dict]:
     """The fused decode-attention kernel alone on one layer's cache, each ``BLOCK_N,warps,stages``
     config: ms per call and the K/V bytes it must read per ms (every row at ``context``)."""
-    from areal_async.inference.triton_decode_attention import decode_attention
+    from areal_async.embedded.engine.triton_decode_attention import decode_attention
 
     cache = forward.cache
     k, v = torch.randn_like(cache.k[0]), torch.randn_like(cache.v[0])

@@ -31,8 +31,8 @@ from areal_async.config import load_config
 from areal_async.data import load_task
 from areal_async.data.prompts import PromptSet
 from areal_async.inference.client import InferenceClient
-from areal_async.inference.http_server import InferenceServer, serve
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.http_server import InferenceServer, serve
+from areal_async.embedded.loading import load_engine
 from areal_async.model.source import resolve_model_path
 from areal_async.reward.pool import RewardPool
 from areal_async.rollout.eval import evaluate

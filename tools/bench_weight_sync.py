@@ -54,8 +54,8 @@ def checksums(named: dict[str, torch.Tensor], names, dtype: torch.dtype) -> dict
 
 
 def _server(model_dir: str, device: str, url_q, done, result_q) -> None:
-    from areal_async.inference.http_server import InferenceServer, serve
-    from areal_async.inference.loading import load_engine
+    from areal_async.embedded.http_server import InferenceServer, serve
+    from areal_async.embedded.loading import load_engine
 
     async def main():
         engine, tokenizer = load_engine(model_dir, "bfloat16", device, max_running_requests=8, max_seq_len=256)

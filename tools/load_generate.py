@@ -4,14 +4,14 @@
         [--max-running-requests 32] [--max-queued-requests 1024] [--threads 1] [--retry]
         [--model-path DIR] [--timeout-s 180]
 
-Starts ``python -m areal_async.inference.server`` as a subprocess on the CPU (a tiny random Llama,
+Starts ``python -m areal_async.embedded.server`` as a subprocess on the CPU (a tiny random Llama,
 2 layers, hidden 64, built with ``tests/conftest.py``'s ``build_tiny_model`` unless ``--model-path``
 names an HF directory), waits for ``/health``, then sends all ``--requests`` at once from one
 aiohttp session (no connection limit). Each asks for exactly ``--new-tokens`` tokens
 (``ignore_eos``, temperature 1, its own ``sampling_seed``) after a random prompt of
 ``--prompt-len`` token ids. Each answer is counted as ``completed`` (HTTP 200 with
 ``--new-tokens`` output ids), ``refused`` (HTTP 503 with a ``Retry-After`` header: the waiting
-queue was full, ``areal_async/inference/admission.py``) or ``failed`` (anything else: another
+queue was full, ``areal_async/embedded/engine/admission.py``) or ``failed`` (anything else: another
 status, a 503 without the header, a connection error or ``--timeout-s``; the reasons are printed).
 With ``--retry`` the requests go through ``InferenceClient`` instead, which waits out 503s (as the
 rollout worker does): then every request should complete and ``refused`` counts the 503s it
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
         vocab = AutoConfig.from_pretrained(model).vocab_size
         port = _free_port()
-        cmd = [sys.executable, "-m", "areal_async.inference.server", "--model-path", model, "--port", str(port),
+        cmd = [sys.executable, "-m", "areal_async.embedded.server", "--model-path", model, "--port", str(port),
                "--dtype", "float32", "--device", "cpu", "--threads", str(args.threads),
                "--max-running-requests", str(args.max_running_requests),
                "--max-queued-requests", str(args.max_queued_requests),

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from areal_async.inference.sampling import SamplingParams
-from areal_async.inference.loading import load_engine
+from areal_async.embedded.engine.sampling import SamplingParams
+from areal_async.embedded.loading import load_engine
 
 
 async def _tokens_per_s(args, deterministic: bool, n: int) -> tuple[float, list[list[int]]]:

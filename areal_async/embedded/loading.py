@@ -10,9 +10,9 @@ import torch
 
 from ..dtypes import FLOAT_DTYPES
 from ..jitter import Jitter
-from .admission import DEFAULT_MAX_QUEUED
-from .engine import Engine
-from .forward import BatchedForward
+from ..config import DEFAULT_MAX_QUEUED
+from .engine.engine import Engine
+from .engine.forward import BatchedForward
 
 
 def load_engine(

@@ -76,15 +76,15 @@ from safetensors.torch import load_file
 
 from .. import auth, weight_group
 from ..dtypes import dtype_from_name, dtype_name
-from .admission import QueueFull, retry_after_headers
-from .engine import Completion, Engine
+from .engine.admission import QueueFull, retry_after_headers
+from .engine.engine import Completion, Engine
 from . import fields
 from . import weight_requests
-from .forward import check_weight_names
-from . import stop
+from .engine.forward import check_weight_names
+from .engine import stop
 from .openai_api import OpenAIApi
 from .request import GenerateCall, Prompt, parse_generate
-from .sampling import SamplingParams
+from .engine.sampling import SamplingParams
 from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, running_text, sse_error, sse_event,
                         start_sse)
 

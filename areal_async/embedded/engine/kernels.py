@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..batch_invariant import tiled_linear
+from ...batch_invariant import tiled_linear
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 

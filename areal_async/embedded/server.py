@@ -3,7 +3,7 @@
 This module is the server's command line (``parse_args``, ``main``); the HTTP endpoints are
 ``http_server.py`` (``InferenceServer``, ``serve``), and ``loading.py`` builds the ``Engine``.
 
-Run: ``python -m areal_async.inference.server --model-path DIR --port 30000 [--dtype bfloat16]
+Run: ``python -m areal_async.embedded.server --model-path DIR --port 30000 [--dtype bfloat16]
 [--device cpu] [--max-running-requests 32] [--max-queued-requests 1024] [--max-seq-len 1024] [--threads N] [--weight-version 0]
 [--enable-deterministic-inference] [--disable-radix-cache] [--prefix-cache-entries 8]
 [--stream-interval 1] [--served-model-name NAME] [--max-request-bytes 16777216] [--api-key TOKEN]
@@ -36,7 +36,7 @@ from .. import auth
 from ..dtypes import FLOAT_DTYPES
 from ..config import cuda_index, port_in_use
 from ..jitter import Jitter
-from .admission import DEFAULT_MAX_QUEUED
+from ..config import DEFAULT_MAX_QUEUED
 from . import fields
 from .http_server import MAX_REQUEST_BYTES, InferenceServer, serve
 from .loading import load_engine

@@ -50,11 +50,11 @@ from aiohttp import web
 
 from ..types import sample_seed
 from . import fields
-from .admission import QueueFull, retry_after_headers
-from .engine import Completion, Engine
+from .engine.admission import QueueFull, retry_after_headers
+from .engine.engine import Completion, Engine
 from .request import decode_sampling
-from .stop import answer_text, hold_back
-from .sampling import SamplingParams
+from .engine.stop import answer_text, hold_back
+from .engine.sampling import SamplingParams
 from .streaming import SSE_DONE, NonFiniteLogprobs, run_requests, running_text, sse_event, start_sse
 
 # OpenAI field → SGLang sampling_params key, for the sampling fields both endpoints map alike

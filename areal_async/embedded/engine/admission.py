@@ -19,7 +19,7 @@ RETRY_AFTER_S`` and this project's error body (its message starts with SGLang's 
 streamed or not: the bound is checked before a stream's headers are sent, and again when its
 requests enter the queue (another call may have filled it meanwhile; the stream then ends with an
 error event of code 503, ``retryable: true``). A batch (several prompts, or ``n`` choices) is
-admitted whole or refused whole. The default bound is ``DEFAULT_MAX_QUEUED`` (not unbounded):
+admitted whole or refused whole. The default bound is ``config.DEFAULT_MAX_QUEUED`` (not unbounded):
 each waiting request holds its prompt as Python ints (~36 bytes a token) and an open connection.
 
 ``InferenceClient`` retries a 503 after its ``Retry-After`` (SGLang's, without the header, after
@@ -28,7 +28,6 @@ its own backoff), within a bounded time (``client.py``).
 
 from __future__ import annotations
 
-DEFAULT_MAX_QUEUED = 1024  # requests waiting for a KV slot, per server (inference.max_queued_requests)
 # seconds a refused caller waits before it asks again: enough for decode steps to free slots,
 # short against a generation (the header takes whole seconds; 1 is its smallest useful value)
 RETRY_AFTER_S = 1

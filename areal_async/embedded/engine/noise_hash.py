@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ..splitmix import GOLDEN, MASK64, MIX1, MIX2, splitmix64
+from ...splitmix import GOLDEN, MASK64, MIX1, MIX2, splitmix64
 
 WEYL32 = 0x9E3779B9  # 2**32 / golden ratio: the counter's step
 FMIX1, FMIX2 = 0x85EBCA6B, 0xC2B2AE35  # fmix32's multipliers

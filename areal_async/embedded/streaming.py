@@ -32,8 +32,8 @@ from typing import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from .engine import Completion, Engine
-from .sampling import SamplingParams
+from .engine.engine import Completion, Engine
+from .engine.sampling import SamplingParams
 
 Emit = Callable[[int, Completion], Awaitable[None]]
 

@@ -96,8 +96,8 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from ..jitter import Jitter
-from ..weight_group import in_daemon_thread
+from ...jitter import Jitter
+from ...weight_group import in_daemon_thread
 from .admission import QueueFull
 from .forward import BatchedForward
 from .prefix_cache import PrefixCache

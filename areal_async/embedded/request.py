@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 
 from .fields import field, per_prompt, rids
-from .sampling import GREEDY_BELOW, SamplingParams
+from .engine.sampling import GREEDY_BELOW, SamplingParams
 
 # ---- sampling_params ----------------------------------------------------------------------------
 
