@@ -45,7 +45,7 @@ step s up to ``trainer.total_steps``, appending to ``metrics.jsonl`` and to ``lo
 a ``===== --resume at step s, <time> =====`` line), on newly chosen ports. The trainer runs under ``launcher.torchrun``,
 so stopping the job ends ``trainer.log`` with one line, not torchrun's traceback.
 
-Access (README "Security"): each launch makes a new random token (``areal_async.auth.new_token``;
+Access (docs/configuration.md, "Security"): each launch makes a new random token (``areal_async.auth.new_token``;
 the one in ``AREAL_ASYNC_TOKEN`` when the launcher's environment sets it) and gives it to every child as ``AREAL_ASYNC_TOKEN`` (a real SGLang server as ``--api-key``, its
 only way in); the servers and the queue refuse callers without it. Every port of the job listens
 on its configured host: the servers on ``inference.host``, the queue on ``queue.host`` (both

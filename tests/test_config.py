@@ -59,7 +59,7 @@ def test_nccl_weight_sync_needs_one_gpu_per_process():
 
 
 def test_under_ray_with_gpu_bundles_every_process_has_its_own_gpu():
-    # launcher.ray, the README's two-node recipe: 4 ranks and 4 servers, each bundle with its own
+    # launcher.ray, the two-node recipe of docs/ray.md: 4 ranks and 4 servers, each bundle with its own
     # GPU (seen as cuda:0), launched from a node that may have none: NCCL weight sync is allowed.
     from areal_async.config import check_devices
 

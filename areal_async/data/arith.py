@@ -3,7 +3,7 @@
 Plain GSM8K gives SmolLM2-135M-Instruct an all-zero reward (no ``\\boxed{}`` answers, no right
 ones), so GRPO has no gradient. This task is easy enough for that model to get a mixed reward
 within a group of samples at temperature 1.0, with headroom to improve (measured with
-``tools/measure_task.py``; numbers in the README). Three kinds of question, all with an integer
+``tools/measure_task.py``; numbers in docs/quickstart_task.md). Three kinds of question, all with an integer
 answer:
 
     add   "What is a + b?"       0 <= a, b < 30          (900 problems)
