@@ -28,10 +28,12 @@ node writes a node-local log whose new lines the launcher pulls into ``RUN_DIR/l
 each time it checks the process (every 0.5 s). The servers are health-checked as under
 ``launcher.local`` (the probe runs on the launcher's node against the server's URL); one that
 fails a check is killed through its actor and restarted by its policy. A process or actor that
-dies fails the job as in ``launcher.local``, naming it with its last lines (a dead actor: "its
-Ray actor died", Ray's reason). Every exit stops each process and kills each actor; a Ray
-instance started here (no ``--address``: always a new local one, with ``num_cpus`` = the job's
-bundles, no dashboard) is shut down with them.
+dies is restarted by its policy or fails the job as in ``launcher.local``, naming it with its last
+lines (a dead actor: "lost its Ray actor", Ray's reason), whenever it dies: an actor that dies
+before its process's start returned counts as dead ("lost its Ray actor while it started"), not as
+a failed launch; a start that raises (the actor lives) is one, and stops the job. Every exit
+stops each process and kills each actor; a Ray instance started here (no ``--address``: always a
+new local one, with ``num_cpus`` = the job's bundles, no dashboard) is shut down with them.
 
 Listeners across hosts (``bind_hosts``): while the servers, the queue and their callers share
 one host (one node address; several Ray nodes may share one), every port stays on loopback, as
@@ -104,22 +106,30 @@ class RayChild:
         self._spawn(log_header, "w" if log_header is None else "a")
 
     def _spawn(self, log_header: str | None, log_mode: str) -> None:
-        """Start the process in a new actor. Raises ``JobFailed`` naming it if the actor cannot
-        (it died, or ``before_start`` or the start raised: Ray's message holds the cause)."""
+        """Start the process in a new actor. An actor that dies before the start returns is a
+        death like any later one (``poll``: SIGKILL, ``actor_error`` says so), which the supervisor
+        restarts by the child's policy or stops the job for: when a lost node or a kill lands is
+        luck. Raises ``JobFailed`` naming it if ``before_start`` or the start raised (Ray's message
+        holds the cause): that is no death but a launch that cannot work."""
         self.actor = self._make_actor()
+        self.pid, self._offset, self._rc, self.actor_error = None, 0, None, None
+        self._reset_health()
+        if not self._local_log:  # this node's copy, filled by _pump
+            self._copy = open(self.log_path, log_mode, buffering=1)
         log_dir = str(self.log_path.parent) if self._local_log else None
         try:
             if self._before_start is not None:
                 self._before_start(self.actor)
             self.pid, _ = ray.get(self.actor.start.remote(self.name, self.argv, os.getcwd(), log_dir, self.env,
                                                           not self._local_log, self.expect_exit, log_header))
+        except RayActorError as exc:  # its process, if started, died with it (PR_SET_PDEATHSIG)
+            self.actor_error = f"lost its Ray actor while it started ({str(exc).strip().splitlines()[0]})"
+            self._rc = -9
         except RayError as exc:
             ray.kill(self.actor)
+            if not self._local_log:
+                self._copy.close()
             raise JobFailed(f"{self.name} could not be started in its Ray actor: {exc}") from None
-        self._offset, self._rc, self.actor_error = 0, None, None
-        self._reset_health()
-        if not self._local_log:  # this node's copy, filled by _pump
-            self._copy = open(self.log_path, log_mode, buffering=1)
 
     def _reset_health(self) -> None:
         """A (re)started process is not up yet: the supervisor asks ``/health`` until it is."""
@@ -191,7 +201,9 @@ class RayChild:
     def _sweep(self) -> None:
         """SIGKILL the process's group, which may outlive a killed actor (as ``Child.stop`` sweeps);
         from this node only: a remote group died with its actor's ``PR_SET_PDEATHSIG`` leader."""
-        if self._local_log:
+        # pid None: its actor died inside start, which returns right after the fork; the process died
+        # with it (PR_SET_PDEATHSIG), too early to have started children of its own
+        if self._local_log and self.pid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
 

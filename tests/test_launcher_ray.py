@@ -8,7 +8,9 @@ Fault tests, on a local Ray instance: a generation worker whose actor is killed 
 in a new actor (``release_worker`` first, as ``launcher.local`` does); then the replay queue is
 SIGKILLed, which must stop the job with exit 1, naming the queue, and leave no process behind:
 every process the launcher started (the Ray instance's included) is gone when it exits. SIGTERM
-to the launcher must do the same with exit 130.
+to the launcher must do the same with exit 130. An actor that dies inside ``start`` (made certain:
+``DiesInStart``) is such a death too: restarted by the worker's policy, and, dying at every start,
+the end of the job once its restarts are spent.
 """
 
 import json
@@ -199,6 +201,93 @@ def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(
     assert "===== restart 1 of 1: server0 did not answer /health_generate: no answer within 0.1 s (killed), " in log
 
 
+class DiesInStart(ProcessActor):
+    """A ``ProcessActor`` whose Ray worker process is SIGKILLed inside ``start``, once the process
+    is started and before ``start`` returns: the moment a kill of a just-started worker's actor
+    (a lost node) can land in, made certain."""
+
+    def start(self, *args, **kwargs):
+        super().start(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _actors(ray, dying: int):
+    """``make_actor`` for a ``RayChild`` whose first ``dying`` actors die in ``start``; the list of
+    the actors made so far (which kind each was)."""
+    made = []
+
+    def make():
+        made.append("dies" if len(made) < dying else "lives")
+        return ray.remote(DiesInStart if made[-1] == "dies" else ProcessActor).options(num_cpus=0.5).remote()
+
+    return make, made
+
+
+def test_a_worker_whose_actor_dies_while_it_starts_is_restarted_by_its_policy(local_ray, tmp_path):
+    # as any later death of its actor: counted, its groups handed back (before), started again in a
+    # new actor, its log going on after the restart line; the process of the dead actor died with it
+    from launcher.ray import RaySupervisor
+    from launcher.supervisor import Restart
+
+    make, made = _actors(local_ray, dying=1)
+    released = []
+    marker = f"worker-of-{tmp_path.name}"
+    sup = RaySupervisor(tmp_path / "logs", placement=None)  # its children are made here, not placed
+    try:
+        worker = RayChild("worker0", [PY, "-c", "import time; print('generating', flush=True); time.sleep(600)",
+                                      marker], make, sup.log_dir, dict(os.environ), local_log=True,
+                          expect_exit=True, restart=Restart(3, lambda why: released.append(why) or "groups [] go back",
+                                                            backoff_s=0.05))
+        sup.children.append(worker)
+        assert worker.poll() == -9 and worker.actor_error.startswith("lost its Ray actor while it started")
+        deadline = time.monotonic() + 60
+        while worker.restarts == 0 or worker.restart_at is not None:  # died, scheduled, started again
+            sup.check()
+            assert time.monotonic() < deadline, "worker0 was not started again within 60 s"
+            time.sleep(0.02)
+        assert made == ["dies", "lives"] and worker.poll() is None
+        assert len(released) == 1 and released[0].startswith("lost its Ray actor while it started (")
+        assert _pids_running(marker) == [worker.pid], "the first actor's process outlived it"
+    finally:
+        sup.stop_all(grace_s=1)
+    log = (tmp_path / "logs" / "worker0.log").read_text()
+    assert "===== restart 1 of 3: worker0 lost its Ray actor while it started (" in log, log
+
+
+def test_a_worker_that_can_never_start_stops_the_job_after_its_restarts(local_ray, tmp_path):
+    # every actor dies in start: restarted as allowed, then the job stops naming the worker; a
+    # child with no policy (the queue) stops it at its first such death
+    from launcher.ray import RaySupervisor
+    from launcher.supervisor import JobFailed, Restart
+
+    make, made = _actors(local_ray, dying=99)
+    released = []
+    sup = RaySupervisor(tmp_path / "logs", placement=None)
+    try:
+        sup.children.append(RayChild("worker0", [PY, "-c", "import time; time.sleep(600)"], make, sup.log_dir,
+                                     dict(os.environ), local_log=True, expect_exit=True,
+                                     restart=Restart(2, released.append, backoff_s=0.05)))
+        deadline = time.monotonic() + 60
+        with pytest.raises(JobFailed, match=r"^worker0 lost its Ray actor while it started \(.*\) "
+                                            r"after 2 restart\(s\)"):
+            while time.monotonic() < deadline:
+                sup.check()
+                time.sleep(0.02)
+        assert made == ["dies"] * 3 and len(released) == 2
+    finally:
+        sup.stop_all(grace_s=1)
+    make, made = _actors(local_ray, dying=1)
+    sup = RaySupervisor(tmp_path / "logs", placement=None)
+    try:
+        sup.children.append(RayChild("queue", [PY, "-c", "import time; time.sleep(600)"], make, sup.log_dir,
+                                     dict(os.environ), local_log=True))
+        with pytest.raises(JobFailed, match=r"^queue lost its Ray actor while it started \("):
+            sup.check()
+        assert made == ["dies"]
+    finally:
+        sup.stop_all(grace_s=1)
+
+
 def test_every_child_kind_is_what_the_supervisor_asks_of_a_child():
     from launcher.supervisor import Child, Supervised
     from tests.test_interfaces import check_calls
@@ -238,14 +327,15 @@ def _descendants(root: int) -> dict[int, str]:
     return out
 
 
-def _pids_running(module: str, config: pathlib.Path) -> list[int]:
+def _pids_running(*args: str | pathlib.Path) -> list[int]:
+    """The processes whose command line holds each of ``args`` as an argument."""
     pids = []
     for d in pathlib.Path("/proc").glob("[0-9]*"):
         try:
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if module.encode() in argv and str(config).encode() in argv:
+        if all(str(arg).encode() in argv for arg in args):
             pids.append(int(d.name))
     return pids
 
