@@ -1,18 +1,10 @@
-"""The JSON field checker of the server's endpoints (SGLang's and the OpenAI ones, ``openai_api.py``): top-level
-request fields, one at a time.
+"""The JSON field checker of the server's endpoints (SGLang's and the OpenAI ones): top-level fields.
 
-Fields have exact JSON types (``true`` is not an integer, ``"false"`` not a boolean; ``field``),
-a missing or ``null`` field takes its default (SGLang's), and every error is a ``ValueError`` that
-names the field, the value and what to send. ``per_prompt`` reads a field that a batch may give
-once for all prompts or once per prompt; ``rids`` and ``weight_version`` read SGLang's ``rid`` and
-``weight_version``, whose rules go beyond a JSON type.
-
-Why functions and not a ``msgspec.Struct``: msgspec's errors (``Expected `bool`, got `str` - at
-`$.stream```) name the path and the types but neither the value nor the fix, and the top-level
-fields differ by endpoint (``/generate`` reads a handful, each with its own rule). The one object
-with many typed fields, ``sampling_params``, is decoded by a struct (``request.py``), whose errors
-are rewritten into this form; the two weight-group endpoints, read as SGLang's lax pydantic
-schemas read them, are ``weight_requests.py``.
+``field`` checks exact JSON types (``true`` is not an integer, ``"false"`` not a boolean; missing
+or ``null``: SGLang's default), ``per_prompt`` a field given once or once per prompt, ``rids`` and
+``weight_version`` SGLang's ``rid`` and ``weight_version``. Errors are ``ValueError``s naming the
+field, the value and what to send, which msgspec's do not (only ``sampling_params``, in
+``request.py``, is a struct).
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
 """The OpenAI-compatible endpoints of the embedded server, as SGLang serves them over its engine.
 
-``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``, ``POST
-/v1/chat/completions``, plain and streamed, with the shapes of SGLang 0.5.23's
-``entrypoints/openai`` (``protocol.py``, ``serving_completions.py``, ``serving_chat.py``). Each
-request is mapped onto SGLang's ``sampling_params`` (``max_tokens`` → ``max_new_tokens``, ``seed``
-→ ``sampling_seed``, ``min_tokens`` → ``min_new_tokens``, the rest by their own names) and decoded
-by ``request.decode_sampling``, so it means what a ``/generate`` with those params means, and is
-refused where ``/generate`` would refuse it.
-
-- **Prompts**: ``/v1/completions`` takes a string, a list of strings, a list of token ids or a list
-  of such lists, tokenized as ``/generate``'s ``text`` (no special tokens added). Chat messages go
-  through the tokenizer's ``apply_chat_template(..., add_generation_prompt=True)`` (plus the
-  request's ``chat_template_kwargs``); a message's ``content`` is a string or a list of ``text``
-  parts.
-- **Defaults**: ``/v1/completions`` ``max_tokens`` 16 (OpenAI's, SGLang's); chat ``max_tokens`` /
-  ``max_completion_tokens`` absent means up to the server's ``max_seq_len``, as SGLang clamps it to
-  the context. ``temperature`` and ``top_p`` absent are 1.0 (OpenAI's defaults; SGLang would take
-  the model's ``generation_config.json`` first, which this server does not read).
-- **n**: ``n`` engine requests per prompt (the engine computes their common prompt once); choice
-  ``i`` of a prompt is seeded ``seed`` for ``i = 0`` and ``types.sample_seed(seed, 0, i)`` after,
-  so ``n = 1`` is the ``/generate`` with ``sampling_seed = seed``. Choices are indexed
-  ``prompt * n + i``, as SGLang does.
-- **Streaming** (``stream: true``): server-sent events, one chunk per request per stream interval
-  (``streaming.py``); a completions chunk carries the text added since the last one, a chat
-  stream opens each choice with a ``role`` chunk, sends ``content`` deltas, and closes it with a
-  chunk holding ``finish_reason`` (when the choice finishes; SGLang sends these after every choice
-  has finished). ``stream_options.include_usage`` adds a last chunk with ``choices: []`` and the
-  ``usage``; then ``data: [DONE]``.
-- **Fields**: fields this server does not know are ignored (SGLang's pydantic models ignore them
-  too). Known fields it cannot honour are accepted at their neutral value (what clients send by
-  default: ``logprobs: false``, ``n: 1``, ``echo: false``, ``tools: []``, ``response_format:
-  {"type": "text"}``, ...) and otherwise refused with HTTP 400 and OpenAI's error body ``{"error":
-  {"message", "type", "param", "code"}}`` naming the field (SGLang answers the same fields in a
-  flat ``{"object": "error", ...}``; OpenAI's clients read either). Not supported: log-probs,
-  ``echo``, ``suffix``, ``best_of > n``, ``logit_bias``, tools and tool calls, structured output,
-  reasoning parsers, images and audio.
-- **Overload**: a call whose requests (every choice of every prompt) do not fit the engine's
-  waiting queue is HTTP 503 with ``Retry-After`` and OpenAI's error body (``admission.py``).
+``/v1/models`` (and ``/v1/models/{id}``), ``/v1/completions`` and ``/v1/chat/completions``, plain
+and streamed (``streaming.py``). A request is mapped onto the ``sampling_params`` of the same
+``/generate`` (``_SAMPLING``; ``request.decode_sampling``), so it means and refuses what that would.
+Choice ``i`` of a prompt (index ``prompt * n + i``) is seeded ``seed`` for ``i = 0``, then
+``types.sample_seed(seed, 0, i)``. Fields the engine cannot honour pass only at their neutral
+value (``_NEUTRAL``), else HTTP 400 naming the field; a full queue is HTTP 503 (``admission.py``).
+SGLang's shapes, and where this server differs: docs/sglang_api.md#openai-compatible-entrypointsopenai.
 """
 
 from __future__ import annotations

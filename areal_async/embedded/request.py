@@ -1,34 +1,12 @@
-"""Decoding of request bodies with SGLang's meaning: ``sampling_params`` and ``/generate``.
+"""Decoding of request bodies with SGLang 0.5.23's meaning: ``sampling_params`` and ``/generate``.
 
-SGLang 0.5.23 admits a ``/generate`` body in two steps: FastAPI parses it into
-``GenerateReqInput`` (pydantic, lax), then ``api_contract.generate_contract_error`` decodes it again
-with the generated ``sglang.api.v1.api_types.GenerateRequest`` decoder, which is strict: exact JSON
-types (``true`` is not an integer, ``"16"`` not an integer, ``"false"`` not a boolean; an integer is
-a float), unknown top-level keys ignored, unknown ``sampling_params`` keys refused, and ``null``
-meaning "absent" for every field. So ``/generate`` coerces no numeric string (the weight
-endpoints, parsed by pydantic alone, do). This module decodes the same way:
-
-- top-level fields through ``fields.field`` (exact JSON types, messages naming the value and the fix);
-- ``sampling_params`` through msgspec typed decoding into ``_WireSampling`` (strict, unknown fields
-  forbidden: the struct is the schema, one line per SGLang field), then mapped onto the engine's
-  ``SamplingParams`` with SGLang's normalisation (``SamplingParams.__post_init__`` / ``normalize`` /
-  ``verify`` in ``sglang/srt/sampling/sampling_params.py``): ``null`` and empty lists are absent,
-  ``temperature`` below ``GREEDY_BELOW`` is greedy, ``top_k`` ``-1`` or ``1 << 30`` is the whole
-  vocabulary, ``stop`` a string or a list of up to 32 strings, ``max_new_tokens: null`` the rest
-  of the context, ``max_new_tokens: 0`` a prefill-only request.
-
-Why two decoders: for ``sampling_params`` (28 typed fields, nulls, unions such as ``stop``) the
-msgspec struct reads better than 28 ``field`` calls and gives the exact schema in one place; its
-errors (``Expected `int | null`, got `str` - at `$.max_new_tokens```) name the path and the types
-but not the value or the fix, so ``_wire_error`` rewrites them into this project's form
-(``sampling_params.max_new_tokens '16' has the wrong JSON type (...); send an integer, unquoted``).
-It decodes in msgspec's default strict mode: ``strict=False`` would turn ``"16"`` into 16 and
-``"true"`` into ``true``, which SGLang's contract refuses. The few top-level fields keep ``field``,
-whose messages already name the value and the fix.
-Non-neutral values of fields the engine does not implement (penalties, ``min_p``, ``n > 1``,
-grammars, ``stop_regex``, ``logit_bias``, beam search, watermarks) are a 400 naming the field and
-the neutral value; ``choice``, which SGLang's schema lists but its Python server's
-``SamplingParams`` does not take (a ``TypeError`` there), is refused at any value.
+As SGLang's contract decoder (docs/sglang_api.md#generation): exact JSON types, ``null`` = absent,
+unknown top-level keys ignored, unknown ``sampling_params`` keys refused. Top-level fields go
+through ``fields.field``; ``sampling_params`` through msgspec's strict decoding into
+``_WireSampling`` (the schema, one line per SGLang field; ``_wire_error`` makes its errors name the
+value and the fix), then onto ``SamplingParams`` with SGLang's normalisation. A field the engine
+does not implement is refused at a non-neutral value (``choice`` at any value). Every error is a
+``ValueError`` naming the field, the value and what to send.
 """
 
 from __future__ import annotations

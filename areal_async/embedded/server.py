@@ -1,24 +1,10 @@
 """The embedded inference server: SGLang's HTTP endpoints (same JSON shapes) over ``Engine``.
 
-This module is the server's command line (``parse_args``, ``main``); the HTTP endpoints are
-``http_server.py`` (``InferenceServer``, ``serve``), and ``loading.py`` builds the ``Engine``.
-
-Run: ``python -m areal_async.embedded.server --model-path DIR --port 30000 [--dtype bfloat16]
-[--device cpu] [--max-running-requests 32] [--max-queued-requests 1024] [--max-seq-len 1024] [--threads N] [--weight-version 0]
-[--enable-deterministic-inference] [--disable-radix-cache] [--prefix-cache-entries 8]
-[--stream-interval 1] [--served-model-name NAME] [--max-request-bytes 16777216] [--api-key TOKEN]
-[--debug-jitter-ms MS --debug-jitter-seed S]``.
-
-Without a token (``--api-key``, or the job's ``AREAL_ASYNC_TOKEN``) the server starts only on a
-loopback ``--host`` (``areal_async/auth.py``); bad flag values exit with argparse's usage line before
-the model loads.
-
-``--enable-deterministic-inference`` (as SGLang's flag) makes the forward batch-invariant: a
-request's tokens and log-probs do not depend on which other requests share its decode steps.
-``--disable-radix-cache`` (SGLang's flag) turns prompt reuse off: every prompt is computed in full;
-``--prefix-cache-entries`` is how many prompts the prefix cache holds (one KV row each).
-``meta_info.cached_tokens`` is how many prompt tokens a request copied instead of computing.
-``--debug-jitter-ms`` sleeps a seeded random delay before each engine step (determinism tests).
+This module is the command line (``parse_args``, ``main``); the endpoints are ``http_server.py``,
+and ``loading.py`` builds the ``Engine``. ``python -m areal_async.embedded.server --model-path DIR``
+(``--help`` lists the flags: SGLang's names and meanings where SGLang has them; docs/engine.md).
+Bad flag values exit with argparse's usage line before the model loads; without a token the server
+starts only on a loopback ``--host`` (``areal_async/auth.py``).
 """
 
 from __future__ import annotations

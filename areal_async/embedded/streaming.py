@@ -1,26 +1,11 @@
 """Running a response's requests with their progress streamed: what SGLang's ``stream: true`` needs.
 
-``run_requests`` queues one engine request per prompt (a batch, or an OpenAI request's prompts x
-``n``) and calls ``emit(index, completion)`` as they progress: once a request has ``interval`` new
-committed tokens (and for its first token at once), with a snapshot ``Completion`` whose
-``finish_reason`` is ``None``, and exactly once when it finishes, with its final ``Completion``.
-This is SGLang's rule for ``--stream-interval`` (``output_streamer.py``): every step at interval 1,
-otherwise the first token at once and then whenever ``interval`` tokens are unsent; a request that
-finishes is sent then, whatever is unsent. ``interval=None`` emits only the finished requests (a
-response that is not streamed).
-
-The engine tells each request's ``_Progress`` (an ``engine.TokenSink``) of each committed token;
-nothing here polls. Cancelling ``run_requests`` (the HTTP client went away, so aiohttp cancels the
-handler) or an ``emit`` that raises (a write to a closed connection) cancels every request's
-``Engine.generate``, which aborts it: no KV slot is left to a response nobody reads.
-
-A snapshot or final completion with a log-prob that is not finite (broken weights) stops the
-response with ``NonFiniteLogprobs``: JSON has no NaN, and tokens drawn from such logits are noise.
-
-Text: ``running_text`` is the text a stream may show while a request runs, its decoded output with
-a trailing replacement character dropped (an incomplete UTF-8 sequence whose next bytes are still
-to come, as SGLang's detokenizer holds it back), so each chunk's text is a prefix of the next one's
-and of the finished text, which is decoded as a response that is not streamed decodes it.
+``run_requests`` queues one engine request per prompt (prompts x ``n`` for OpenAI) and calls
+``emit(index, completion)`` with snapshots (``finish_reason`` ``None``) by SGLang's
+``--stream-interval`` rule (docs/sglang_api.md, "Streaming") and once with each final completion
+(only then, with ``interval=None``). Tokens are pushed to it (``_Progress``, an ``engine.TokenSink``),
+never polled. Cancelling it, or an ``emit`` that raises, aborts every request, freeing their KV
+slots; a log-prob that is not finite raises ``NonFiniteLogprobs``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The bodies of ``/init_weights_update_group``, ``/update_weights_from_distributed`` and
-``/destroy_weights_update_group``, read as SGLang reads them.
+``/destroy_weights_update_group``, read as SGLang 0.5.23's lax pydantic schemas read them.
 
-SGLang 0.5.23 declares them as ``InitWeightsUpdateGroupReqInput``,
-``UpdateWeightsFromDistributedReqInput`` and ``DestroyWeightsUpdateGroupReqInput`` (one field,
-``group_name``, default ``"weight_update_group"``; ``sglang/srt/managers/io_struct.py``) and FastAPI
-validates them with pydantic in lax mode, which coerces scalars: an integer field takes
-``29612``, ``29612.0``, ``"29612"``, ``" +29612 "``, ``"29_612"`` or ``"29612.00"`` (AReaL sends
-``master_port`` as a string); a boolean field takes ``true``, ``0``/``1``, ``0.0``/``1.0`` or, in
-any case, ``"true"``/``"false"``, ``"yes"``/``"no"``, ``"on"``/``"off"``, ``"t"``/``"f"``,
-``"y"``/``"n"``, ``"1"``/``"0"``. Strings stay strings (``names: [1]`` is refused), lists stay
-lists. The one difference: a JSON boolean is not an integer here (pydantic reads ``true`` as
-``1``: a port or rank of ``true`` is a client's bug, refused with the field's name).
-
-``load_format`` is SGLang's: absent (one broadcast per tensor, in ``names`` order) or
-``"flattened_bucket"`` (one broadcast of every tensor's bytes, concatenated in ``names`` order,
-as SGLang's ``FlattenedTensorBucket``); any other value is refused before the broadcast, which
-would otherwise not match the sender's. Bad input is ``ValueError`` naming the field, the value
-and what to send.
+Scalars are coerced as pydantic's lax mode does (``lax_int``, ``lax_bool``;
+docs/sglang_api.md#weights), but a JSON boolean is not an integer here. ``load_format`` is absent
+or ``"flattened_bucket"`` (``LOAD_FORMATS``), any other refused before the broadcast. Bad input is
+a ``ValueError`` naming the field, the value and what to send.
 """
 
 from __future__ import annotations
@@ -59,7 +47,7 @@ class BucketRequest(msgspec.Struct, frozen=True):
 
 
 def lax_int(key: str, value) -> int:
-    """``value`` as pydantic's lax ``int`` reads it (see the module docstring).
+    """``value`` as pydantic's lax ``int`` reads it (docs/sglang_api.md#weights).
 
     Raises:
         ValueError: a bool, a fractional or non-finite number, a non-numeric string, or another type.
@@ -75,7 +63,7 @@ def lax_int(key: str, value) -> int:
 
 
 def lax_bool(key: str, value) -> bool:
-    """``value`` as pydantic's lax ``bool`` reads it (see the module docstring).
+    """``value`` as pydantic's lax ``bool`` reads it (docs/sglang_api.md#weights).
 
     Raises:
         ValueError: any other number, string or type.

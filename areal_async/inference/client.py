@@ -1,41 +1,14 @@
 """``InferenceClient``: the async HTTP client for SGLang-compatible servers (embedded or real SGLang).
 
 Only SGLang's request fields are sent (docs/sglang_api.md), so the same code drives both backends.
-``generate`` implements AReaL's interruptible generation: when a response comes back with
-``finish_reason.type == "abort"`` because the servers were paused for a weight update, the client
-resubmits ``input_ids + output so far`` with the remaining ``max_new_tokens`` and the same
-``sampling_seed``, and labels each segment's tokens with that response's ``weight_version``. A
-request the caller aborted itself (``abort(rid)``) ends with ``"abort"``.
-
-Each response's ``output_token_logprobs`` are checked against its ``output_ids``, entry by entry
-(count, and the token id each entry names), before they are paired; a mismatch raises
-``LogprobAlignmentError``. A resubmitted request's response holds only the new segment, so the
-check is per segment and the concatenated output stays aligned.
-
-Failover (several servers): a generation whose server dies (the connection is refused or reset
-and the server no longer answers ``GET /ready`` at all, or, with ``health_check_interval_s``, the server
-does not answer ``/health_generate`` in that time while the generation waits) is resubmitted to the next live server
-(``routing.py``) with the same rid and ``sampling_seed`` and ``input_ids + output so far``, the
-output of the segments already returned (a request's sampling noise depends on the seed and the
-absolute position only, so in deterministic mode the continuation is bit for bit the one the dead
-server would have made; the tokens of its unfinished segment were never received and are drawn
-again). The dead server leaves routing (``server_failures`` counts departures) and rejoins once it
-serves the current weights again; the calls to every server (pause, continue_generation, abort, weight updates
-through ``each_live``) skip it. When none is left, a call waits up to ``rejoin_timeout_s`` for one
-to rejoin (a job's only server, restarted by the launcher), then raises ``NoServerLeft``.
-
-Retries, at the network boundary only: connection errors (server not up yet, connection reset)
-are retried ``max_retries`` times with exponential backoff (a generation and the calls to every
-server: only while the server still answers ``GET /ready``, with any status). HTTP 503 from a server whose waiting
-queue is full (``admission.py``: the embedded server sends ``Retry-After``; SGLang's
-``--max-queued-requests`` refusal of ``/generate`` has none) is asked again after the
-``Retry-After`` delay (without it: the backoff, doubling to 16x), spread by up to 25 % so refused
-callers do not all return at once, until ``overload_timeout_s`` has passed since the first
-attempt; then ``ServerError`` (status 503). A refused request never entered the server's queue, so
-asking again is safe (same rid, same seed). Other HTTP errors raise ``ServerError`` at once (HTTP
-401: the job's token is missing or wrong, ``areal_async/auth.py``).
-
-``token``: sent as ``Authorization: Bearer <token>`` on every request, SGLang's ``--api-key`` scheme.
+``generate`` is AReaL's interruptible generation: a response that comes back ``abort`` because the
+servers paused for a weight update is resubmitted as ``input_ids + output so far`` with the
+remaining ``max_new_tokens`` and the same ``sampling_seed``; each segment's tokens carry that
+response's ``weight_version``, and its ``output_token_logprobs`` must pair one to one with its
+``output_ids`` (else ``LogprobAlignmentError``). Only ``abort(rid)`` ends a generation ``"abort"``.
+Retries: at the network boundary only (``_call``). A server that dies: its generations go on at
+the next live one (``routing.py``; docs/faults.md#an-inference-server-dies-or-hangs). ``token`` is
+sent as ``Authorization: Bearer <token>``, SGLang's ``--api-key`` scheme.
 """
 
 from __future__ import annotations
@@ -73,12 +46,10 @@ def _segment_logprobs(url: str, rid: str, version: int, ids: list[int], entries:
         ``[L]`` float log-probs, entry j belonging to ``ids[j]``.
     Raises:
         LogprobAlignmentError: a count that differs from ``len(ids)``, or an entry whose token id
-            is not the output id at its position (SGLang has answered with more entries than
-            output ids, sglang#20799): paired anyway they would crash the trainer on a tensor
-            size or train on another token's log-prob.
-        ServerError: a log-prob that is not a finite number. Weights that produce NaN give
-            ``null`` from SGLang (JSON has no NaN) and HTTP 500 from the embedded server; either
-            way the served weights are broken and their tokens are noise.
+            is not the output id at its position (sglang#20799; paired anyway they would crash
+            the trainer on a tensor size or train on another token's log-prob).
+        ServerError: a log-prob that is not a finite number (broken weights:
+            docs/faults.md#an-inference-server-dies-or-hangs).
     """
     for j in range(max(len(ids), len(entries))):
         want = ids[j] if j < len(ids) else None
@@ -230,9 +201,19 @@ class InferenceClient:
 
     async def _call(self, server: int, method: str, path: str, payload: dict | None = None,
                     failover: bool = False):
-        """One HTTP call, retried as the module docstring says. ``failover``: a connection error
-        is retried only while the server answers ``GET /ready`` (any status); otherwise the server is taken out of
-        routing and the error raised."""
+        """One HTTP call, retried at the network boundary only. A connection error (server not up
+        yet, connection reset) is retried ``max_retries`` times, after ``backoff_s`` doubling; with
+        ``failover`` only while the server still answers ``GET /ready`` (any status), else the server
+        leaves routing and the error is raised. HTTP 503 from a full server queue (``admission.py``;
+        SGLang's refusal of ``/generate`` carries no ``Retry-After``) is asked again after
+        ``Retry-After`` (without it: the backoff, doubling up to 16x), spread by up to 25 % so refused
+        callers do not all return at once, until ``overload_timeout_s`` has passed since the first
+        attempt: a refused request never entered the queue, so the same rid and seed are safe.
+
+        Raises:
+            ServerError: any other HTTP error, at once (401: the job's token is missing or wrong,
+                ``areal_async/auth.py``), or a 503 still refused after ``overload_timeout_s``.
+        """
         url = self.urls[server] + path
         started = time.monotonic()
         failures = refusals = 0
@@ -328,7 +309,7 @@ class InferenceClient:
     # ---- generation -----------------------------------------------------------------------------
 
     async def generate(self, input_ids: list[int], sampling: dict, rid: str, server: int | None = None) -> GenResult:
-        """Generate until stop/length, resubmitting across weight-update aborts (see module doc).
+        """Generate until stop/length, resubmitting across weight-update aborts (module docstring).
 
         Args:
             input_ids: prompt token ids.
@@ -345,7 +326,7 @@ class InferenceClient:
             LogprobAlignmentError: a response's ``output_token_logprobs`` differ in count from its
                 ``output_ids`` or carry another token id at some position (names the rid, the
                 server, the position and both ids). Never retried: the same request gets the
-                same answer; in the rollout worker it stops the job like any ``ServerError``.
+                same answer.
         """
         preferred = next(self._next_server) if server is None else server
         remaining = int(sampling.get("max_new_tokens", 128))

@@ -1,10 +1,8 @@
 """The inference servers as their callers see them: ``GenerationClient`` (the generation worker
 and the evaluator) and ``WeightUpdateClient`` (the trainer's ``WeightSender`` on rank 0).
 
-``client.InferenceClient`` satisfies both; test fakes implement only the one they stand in for.
-``tests/test_interfaces.py`` checks each implementation against its Protocol, method by method
-(``async`` on both sides, the same parameters). What each call does is documented once, on
-``InferenceClient``.
+``client.InferenceClient`` satisfies both (what each call does is documented there, once); test
+fakes implement only the one they stand in for; ``tests/test_interfaces.py`` checks them all.
 """
 
 from __future__ import annotations

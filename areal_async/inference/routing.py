@@ -1,55 +1,13 @@
 """``ServerPool``: which inference servers a client routes to, and how a dead one leaves and rejoins.
 
-A server leaves routing when a call to it could not connect or lost its connection (refused,
-reset: the process died or was killed) and a short ``GET /ready`` (``probe_timeout_s``, any status)
-does not answer either; one that answers was a transient failure, which the caller retries on the same
-server. Each departure is counted (``failures``) and printed once. A hung server (alive, never
-answering): while a call to it waits, every ``health_check_interval_s`` (``watch``) it is asked
-``GET /health_generate``, which a live server answers even when busy (SGLang's rule, which the
-embedded server follows); one that does not answer within ``health_check_interval_s`` leaves
-routing and the call is cancelled (the launcher's health check, with the same interval, kills it);
-a paused one is not asked (below).
-
-Paused servers: SGLang (0.5.23, ``http_server.health_generate``) answers ``/health_generate`` (and
-``/health``, which runs the same generation by default) only once its scheduler sends something
-back; while generation is paused its health request waits behind the pause, and after
-``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) it answers 503 and marks itself unhealthy. A server paused
-for a long weight update would so fail every check. Each check therefore first asks ``GET
-/ready`` (SGLang's: 503 while paused or unhealthy, at once; open without the token): a 503 counts
-as paused, alive, for up to ``max_pause_s`` seconds in a row (``Readiness``), and only a server
-that said it was ready (or has no ``/ready``, HTTP 404: older SGLang) is asked for a generation. A
-server that is paused and hung at once is not caught here; the trainer's next weight update call to
-it fails instead. The embedded server answers ``/ready`` as SGLang does, and its
-``/health_generate`` at once while paused.
-
-A server that was restarted behind the client's back (it died and came back between two of the
-client's calls, so no call failed) is found by its ``weight_version``, which only a new process
-moves backwards: a response of a lower version than that server's previous one is dropped, the
-server leaves routing as a failure, and the segment is generated again on the next live one. A
-client that starts (``wait_healthy``) keeps out of routing the servers behind the highest version
-any of them serves. Not caught: a server restarted at exactly the version the client last saw
-from it while the others moved on, with no call of the client to it in between (with disk weight
-sync a restarted server starts from the newest weights, so it is behind only when an update was
-under way).
-
-A departed server is asked again, at most every ``reprobe_interval_s`` while some server is out,
-in a background task the routing starts (``route``): it rejoins when it answers
-``GET /health_generate`` (a one-token generation) and its ``GET /get_weight_version`` is at least
-the highest version any live server reports, i.e. it serves the current weights (with disk
-weight sync the launcher restarts a server from the newest weights directory, so it comes up
-current, or one version behind when an update was under way, which the trainer's next update
-mends; with the distributed sync it comes up with the initial weights; with none live, any
-version is taken). The trainer's weight senders ask without the version rule
-(``probe(require_version=False)``) just before an update, which then brings the rejoined server
-up to date (either sender; the distributed one first rebuilds its weight-update group over the
-live servers, ``trainer/weight_sync.py``).
-
-Routing (``route``): the caller's preferred server while it is live, else the next live one in
-index order (``(preferred + 1) % n``, ...), so the choice is a function of which servers are out,
-never of timing. No server left: the client's calls first wait, up to ``rejoin_timeout_s``
-(``inference.server_rejoin_timeout_s``), for the background probe to take one back (``wait_live``:
-a job's only server, restarted by the launcher), then ``NoServerLeft``, naming each server and why
-it left. Which server a call then goes to is still a function of which servers are out.
+``route``: the preferred server while live, else the next live one in index order, so the choice
+depends on which servers are out, never on timing. A server leaves (``take_out``; ``failures``
+counts departures) when a call lost its connection and a short ``GET /ready`` gets no answer
+either, or when it fails the check a waiting call runs every ``health_check_interval_s``
+(``watch``); a paused one counts as alive for ``max_pause_s`` (``Readiness``). A background
+``probe`` takes back one that answers ``GET /health_generate`` at the current weight version; with
+none live, calls wait ``rejoin_timeout_s`` (``wait_live``), then raise ``NoServerLeft``. The rules,
+and what they miss: docs/faults.md#an-inference-server-dies-or-hangs.
 """
 
 from __future__ import annotations
@@ -67,8 +25,9 @@ class NoServerLeft(ConnectionError):
 
 
 class Readiness:
-    """What a server's ``GET /ready`` says before its generation check (module docstring,
-    "Paused servers"), per server; used by the clients (``ServerPool.watch``) and the launcher.
+    """What a server's ``GET /ready`` says before its generation check, per server (a paused
+    server is not a hung one: docs/faults.md#an-inference-server-dies-or-hangs); used by the
+    clients (``ServerPool.watch``) and the launcher.
 
     Args:
         max_pause_s: seconds in a row a server may answer 503 (paused) and still count as alive.
@@ -235,7 +194,7 @@ class ServerPool:
     async def alive(self, server: int) -> bool:
         """Whether ``server``'s HTTP layer answers ``GET /ready`` at all (any status) within
         ``probe_timeout_s``: the process is up. Not ``/health``: SGLang's runs a generation, which
-        waits behind a pause (module docstring, "Paused servers")."""
+        waits behind a pause (docs/sglang_api.md#flow-control)."""
         return await self.status(server, "/ready", self.probe_timeout_s) is not None
 
     async def answers(self, server: int, path: str = "/health", timeout_s: float | None = None) -> bool:

@@ -1,29 +1,8 @@
 """Admission of generation requests: the bound on requests waiting for a KV slot, and its HTTP 503.
 
-The engine decodes at most ``max_running_requests`` requests at once (one KV slot each); the
-others wait in its queue. ``max_queued_requests`` bounds that queue, as SGLang's
-``--max-queued-requests`` does: a request arriving when it is full is refused at once instead of
-waiting behind it, so a flood of requests (a misconfigured rollout, 1,000 clients at once) is
-answered within milliseconds, never by a connection that hangs or a server that runs out of memory.
-Requests holding a KV slot are not counted, nor are as many waiting ones as there are free slots
-(the next step admits them): a burst into an idle server gets ``max_running_requests +
-max_queued_requests`` requests in. A prefill-only request (``max_new_tokens: 0``) never queues.
-
-What SGLang 0.5.23 does (``Scheduler._abort_on_queued_limit``): the bound counts its waiting
-queue only, free slots or not (a burst that arrives between two scheduler iterations is queued
-before the next batch is formed, so it gets ``max_queued_requests`` in); the default is no bound;
-a refused non-streamed ``/generate`` is HTTP 503 with ``{"object": "error", "message": "The
-request queue is full.", "code": 503}`` and no ``Retry-After`` header; a refused streamed one is
-an abort chunk in an HTTP 200 stream. Here a refusal is HTTP 503 with ``Retry-After:
-RETRY_AFTER_S`` and this project's error body (its message starts with SGLang's sentence),
-streamed or not: the bound is checked before a stream's headers are sent, and again when its
-requests enter the queue (another call may have filled it meanwhile; the stream then ends with an
-error event of code 503, ``retryable: true``). A batch (several prompts, or ``n`` choices) is
-admitted whole or refused whole. The default bound is ``config.DEFAULT_MAX_QUEUED`` (not unbounded):
-each waiting request holds its prompt as Python ints (~36 bytes a token) and an open connection.
-
-``InferenceClient`` retries a 503 after its ``Retry-After`` (SGLang's, without the header, after
-its own backoff), within a bounded time (``client.py``).
+At most ``max_queued_requests`` requests wait beyond the KV slots free now (a batch counts whole);
+one more raises ``QueueFull``, answered with HTTP 503 and ``retry_after_headers()``. How the server
+applies it: docs/engine.md ("Admission"); how SGLang counts: docs/sglang_api.md#generation.
 """
 
 from __future__ import annotations

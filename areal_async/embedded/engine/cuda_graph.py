@@ -1,29 +1,9 @@
-"""CUDA-graph-captured decode steps for the embedded engine.
+"""CUDA-graph-captured decode steps for the embedded engine (``DecodeGraphs``).
 
-An eager decode step of a 28-layer model issues ~250 kernels (~1,000 without the fused layer
-kernels); at small per-kernel work the host cannot issue them as fast as the GPU runs them
-(docs/performance.md: 8.8 ms per eager step against 3.3 ms replayed at batch 256). A captured
-graph replays the whole step with one launch.
-
-A graph has fixed shapes and fixed addresses, so:
-
-- the step's inputs (token, position and cache slot of every row) live in one static
-  ``[3, max_rows]`` int64 buffer, filled per step by a device-to-device copy of the tokens (the
-  previous step's samples, which the host has not seen yet) and one host-to-device copy of the
-  positions and slots, and the logits land in one static ``[max_rows, V]`` float32 buffer shared
-  by every graph;
-- a step of n running requests replays the graph of the smallest captured row count
-  ``rows ≥ n`` (``batch_sizes``: 1, 2, 4, 8, then multiples of 16); rows ``n..rows-1`` are
-  padding (token 0, position 0) that write their keys and values to the cache's scratch slot;
-- with the matmul attention, attention spans a multiple of ``length_step`` positions (rounded up
-  from the longest running sequence, at most ``max_seq_len``), the positions past each row's own
-  masked out; the Triton kernel ends each row's loop at its own position, so its graphs all use
-  ``max_seq_len`` and there is one per row count.
-
-Graphs are captured on first use of a ``(rows, length)`` pair, into one shared memory pool (steps
-run in stream order, and each step's logits are consumed by its sampling before the next replay
-overwrites them). Weight updates copy
-into the same parameter tensors, so captured graphs see new weights without recapture.
+A step of n running requests replays the graph of the smallest captured row count ``≥ n``
+(``decode_bucket``), its extra rows padding that writes to the scratch slot (``padded_inputs``).
+Graphs are captured on first use into one memory pool and read the weights that updates copy into
+place, so nothing is recaptured. How: docs/engine.md#how-it-works; gain: docs/performance.md, round 3.
 """
 
 from __future__ import annotations

@@ -1,49 +1,13 @@
 """A lean batched forward pass over an HF Llama-family / Qwen3 model's own modules and weights.
 
-The HF model is loaded as usual and kept as the owner of the parameters (so weights are updated by
-their HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``); this module only replaces the
-*forward* with one built for serving from a slot KV cache:
-
-- **fused projections**: per layer ``q|k|v`` and ``gate|up`` weights are concatenated once into
-  one tensor and the HF parameters are re-pointed to views of it, so one matmul per projection
-  group serves the whole batch and an in-place update of an HF parameter updates the fused copy;
-- **prefill**: new requests' prompts are packed into one token row (positions restart at 0), the
-  projections run once over all of them, attention runs per sequence (causal SDPA); a prompt whose
-  first ``start`` positions were copied into its slot from the prefix cache runs only the rest
-  (positions from ``start``), attending to the slot's cached keys and values (SDPA, explicit mask);
-- **decode**: one token per running slot; attention over the packed cache view up to the longest
-  running sequence, shorter rows masked; on CUDA each step replays a captured CUDA graph
-  (``cuda_graph.py``) of a padded batch size, so a step costs a few launches instead of ~1,000;
-  attention is one Triton kernel per layer (``triton_decode_attention.py``) that reads only each row's
-  own cached positions, and the rest of a layer's element-wise work is 4 fused Triton kernels
-  (``triton_fused.py``: add + RMSNorm, q/k norm + RoPE + KV-cache store, SiLU · up), so a layer
-  is 9 launches (``fused_layers``; power-of-two head dims, SiLU MLPs and HF RMSNorms);
-- **prefill on CUDA** (bf16/fp16): one ``varlen_attn`` call over the packed prompts per layer;
-- RoPE cos/sin come from the model's own ``rotary_emb`` (so ``rope_theta`` / ``rope_parameters``
-  and scaling types are read as HF reads them), tabulated once for positions ``[0, max_seq_len)``;
-- norms are the model's own RMSNorm modules (Qwen3's per-head ``q_norm`` / ``k_norm`` included);
-  on CUDA each runs as one fused ``F.rms_norm`` kernel over the module's weight and epsilon (fp32
-  inside, one rounding) instead of HF's ~8 element-wise kernels, which dominate a decode step's
-  launches; on CPU the module itself runs.
-
-Which of these paths runs (linears, attention, fused layers, graphs) is chosen once at construction
-(``kernels.py``: ``self.kernels``, a frozen ``KernelPlan``) and each phase is handed its linear; no
-mode changes during a forward.
-
-Logits are computed only for the positions that sample (the last prompt token, each decode token)
-and returned in float32. Not supported: sliding-window attention, MoE, biases on ``o_proj``.
-
-**Batch-invariant mode** (``batch_invariant=True``, the server's ``--enable-deterministic-inference``)
-makes a request's logits bitwise the same whatever else shares the step. Decode attention always
-reduces over the whole cache row (``max_seq_len`` positions, the unused ones masked to exact
-zeros) instead of over the longest running row, whose length depends on the others. Then:
-
-- CPU: every projection and the LM head run through ``batch_invariant.tiled_linear`` (fixed row
-  blocks); prefill attention is per sequence;
-- CUDA: decode steps have **fixed shapes** instead of tiles — every step runs all ``max_slots``
-  rows (idle rows are padding that writes to the scratch slot), so every kernel sees the same
-  shapes at every step and a row's arithmetic cannot depend on how many requests run; prefill
-  projections run in ``CUDA_ROW_TILE``-row blocks and prefill attention per prompt.
+``BatchedForward`` leaves the HF model the owner of the parameters (updated by HF name, e.g.
+``model.layers.0.self_attn.q_proj.weight``): ``q|k|v`` and ``gate|up`` are fused once and the HF
+parameters re-pointed to views of the fused tensors, so an in-place update lands in them.
+``prefill`` packs new prompts into one token row; ``decode_batch`` runs one token per running
+slot, as a CUDA graph replay on CUDA. Each phase's kernels are chosen once (``kernels.py``). Logits
+come only for positions that sample, in float32; with ``batch_invariant=True`` they are bitwise
+independent of the batch. Not supported: sliding-window attention, MoE, a bias on ``o_proj``.
+How each path works: docs/engine.md#how-it-works.
 """
 
 from __future__ import annotations

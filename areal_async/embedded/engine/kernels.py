@@ -1,28 +1,8 @@
 """Which kernels ``BatchedForward`` runs, chosen once at construction (``plan_kernels``).
 
-A ``KernelPlan`` names, per forward phase, the linear (``F.linear`` or the batch-invariant
-``tiled_linear``) and the attention path, plus whether a layer runs as the fused Triton
-element-wise kernels and whether decode steps replay CUDA graphs. Nothing in it changes after
-construction: the forward passes each phase its own linear.
-
-The plan for each case (``bi``: ``batch_invariant``; "triton" needs Triton installed and a
-power-of-two head dim ≥ 16; "fused" layers also need SiLU, HF RMSNorms and full-dim RoPE):
-
-===================  ==============  =============  ============  ===========  ============  =====  ==========
-case                 prefill linear  decode linear  prefill attn  decode attn  fused layers  fixed  cuda graph
-===================  ==============  =============  ============  ===========  ============  =====  ==========
-CPU fp32 / bf16      F.linear        F.linear       per_sequence  matmul       no            no     no
-CPU bi               tiled_linear    tiled_linear   per_sequence  matmul       no            no     no
-CUDA bf16 / fp16     F.linear        F.linear       varlen        triton       yes           no     if asked
-CUDA bi (any dtype)  tiled_linear    F.linear       per_sequence  triton       yes           yes    if asked
-CUDA fp32            F.linear        F.linear       per_sequence  triton       yes           no     if asked
-===================  ==============  =============  ============  ===========  ============  =====  ==========
-
-On CUDA without Triton (or a non-power-of-two head dim) decode attention is "matmul" and layers
-are not fused. "varlen" prefill applies to a forward whose prompts have no cached prefix; one
-with a prefix runs per sequence. "fixed" (``fixed_shape``): every decode step runs all slots over
-the whole cache row. In batch-invariant mode decode attention always spans the whole cache row
-(``full_span``).
+A frozen ``KernelPlan`` names each forward phase's linear and attention path, and whether layers
+run the fused Triton kernels and decode steps replay CUDA graphs; nothing changes during a
+forward. The plan for each device, dtype and mode: docs/engine.md#kernels-by-device-and-mode.
 """
 
 from __future__ import annotations
@@ -43,7 +23,7 @@ DECODE_ATTENTION = ("triton", "matmul")
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-    """The kernels of each forward phase (see the module's table).
+    """The kernels of each forward phase (the plan per case: docs/engine.md#kernels-by-device-and-mode).
 
     Attributes:
         prefill_linear: ``(x [T, K], weight [N, K], bias [N] | None) -> [T, N]`` for prefill.

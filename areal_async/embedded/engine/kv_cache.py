@@ -1,19 +1,9 @@
 """A preallocated, slot-based KV cache: one row of ``max_seq_len`` positions per running request.
 
-Layout per layer: values ``v: [S, Hkv, L, D]``, keys either transposed ``k: [S, Hkv, D, L]``
-(``keys_transposed=True``, the matmul attention path) or like the values ``k: [S, Hkv, L, D]``
-(the fused CUDA kernel's layout), with S = ``max_running_requests`` slots and L = ``max_seq_len``.
-The scheduler keeps running requests packed in slots ``0..B-1`` (a finished request's hole is
-filled by moving the last one in), so decode attends over the plain views of slots ``0..B-1``
-without gathering. Transposed keys let both attention matmuls read row-major operands (a sliced
-``[len, D]`` key block would be copied by CPU bf16 ``bmm``); the fused kernel instead wants each
-token's key as one contiguous ``D``-element row, so a token's K and V are written as two
-contiguous rows rather than ``D`` scattered elements. There is no paging: memory is
-``2 * layers * (S + 1 + E) * Hkv * L * D * bytes`` up front (SmolLM2-135M, 32 × 1024, bf16, E = 0:
-778 MB; each prefix row adds 23.6 MB). Slot ``S`` (``scratch_slot``) belongs to no request: the
-padding rows of a fixed-shape decode step (CUDA graphs, deterministic mode) write their keys and
-values there. Rows ``S + 1 .. S + E`` (``prefix_rows``) belong to the prefix cache
-(``prefix_cache.py``): a cached prompt's keys and values, copied into a slot with ``move``.
+Per layer, values ``[S + 1 + E, Hkv, L, D]`` and keys transposed, ``[S + 1 + E, Hkv, D, L]`` (the
+matmul attention), or laid out like the values (the fused CUDA kernels): S request slots (running
+requests in ``0..B-1``), the ``scratch_slot`` that padding rows write, then E ``prefix_rows`` of the
+prefix cache, all allocated up front (no paging). Why these layouts, and sizes: docs/engine.md.
 """
 
 from __future__ import annotations

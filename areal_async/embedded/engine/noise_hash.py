@@ -1,17 +1,10 @@
 """The sampler's counter-based Gumbel noise: a pure function of (seed, position, vocab index).
 
-Row key: ``noise_key(seed, p) = splitmix64(splitmix64(seed) ^ p)`` (``areal_async/splitmix.py``),
-64 bits per (request, absolute position). Entry i of the row: the key folded to 32 bits
-``k = (key >> 32) ^ (key & 0xFFFFFFFF)``, then ``fmix32(k + i * WEYL32 mod 2**32)`` (MurmurHash3's
-32-bit finalizer, Appleby 2011, over a Weyl sequence), whose top 23 bits give
-``u = (bits + 0.5) / 2**23`` in ``(0, 1)``, exact in float32, and the Gumbel noise
-``g = -log(-log(u))``. Nothing is drawn from a generator: any entry is computed directly, so a
-row never depends on the other rows of its batch.
-
-Three implementations draw the same uniforms: the pure-Python reference (``noise_key``,
-``noise_uniform``), the torch one (``noise_keys``, ``gumbel_from_keys``; 32-bit lanes, since on
-CPUs torch's int32 arithmetic is vectorised and its int64 multiply is not), and the Triton kernels
-of ``triton_sampling.py``, which take ``WEYL32``, ``FMIX1`` and ``FMIX2`` from here.
+Row key ``noise_key(seed, p) = splitmix64(splitmix64(seed) ^ p)``; entry i folds it to 32 bits
+``k`` and hashes ``k + i * WEYL32`` with MurmurHash3's ``fmix32`` (Appleby 2011), whose top 23 bits
+give ``u = (bits + 0.5) / 2**23`` and the noise ``-log(-log(u))``. The pure-Python reference
+(``noise_uniform``), torch's 32-bit lanes (``gumbel_from_keys``) and ``triton_sampling.py`` draw
+the same uniforms.
 """
 
 from __future__ import annotations
@@ -41,7 +34,7 @@ def _fmix32(x: int) -> int:
 
 def noise_uniform(key: int, index: int) -> float:
     """Reference (pure Python) of the uniform at vocab ``index`` of the row keyed ``key``, in
-    ``(0, 1)`` (see the module docstring)."""
+    ``(0, 1)`` and exact in float32 (the module docstring gives the formula)."""
     k = (key >> 32) ^ (key & _MASK32)
     return ((_fmix32((k + index * WEYL32) & _MASK32) >> 9) + 0.5) / 2.0**23
 

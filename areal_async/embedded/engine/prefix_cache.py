@@ -1,21 +1,10 @@
 """The embedded engine's prefix cache: recent prompts whose keys and values later prompts reuse.
 
-The idea is SGLang's radix cache (Zheng et al. 2024, "SGLang: Efficient Execution of Structured
-Language Model Programs", §3): attention is causal, so the keys and values of positions
-``[0, L)`` of a sequence are a function of its first ``L`` tokens only, and any prompt that starts
-with those tokens can copy them instead of computing them. Two RL cases matter: the
-``n_samples`` requests of a group send one prompt, and every prompt of a few-shot task starts with
-the same demonstrations (the CPU quickstart: 186 of ~210 tokens).
-
-Simplified against SGLang's tree of KV pages: each entry is one whole prompt in one dedicated row
-of the slot cache (``KVCache.prefix_rows``, ``max_seq_len`` positions each, allocated up front),
-matched by its longest common prefix with the new prompt (a linear scan over the few entries),
-replaced least recently used first. A prefix shared by many entries is stored once per entry.
-Output tokens are never cached. What this class holds is the host-side index; the engine copies
-the rows (``KVCache.move``) in the order it plans them.
-
-Entries are valid for one set of weights: the engine calls ``clear`` on every weight update and
-on ``/flush_cache``.
+SGLang's radix cache (Zheng et al. 2024, §3), simplified: one whole prompt per dedicated KV row
+(``KVCache.prefix_rows``), matched by longest common prefix (a linear scan), evicted least
+recently used; no tree, no pages, no output tokens. ``PrefixCache`` is the host-side index; the
+engine copies the rows, and calls ``clear`` on every weight update and ``/flush_cache``. Why, and
+what it saves: docs/engine.md#prompt-reuse-decision-and-measurements-the-cpu-quickstart.
 """
 
 from __future__ import annotations

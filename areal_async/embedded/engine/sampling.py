@@ -1,17 +1,10 @@
-"""Seeded, batch-invariant token sampling and the sampling parameters of one request.
+"""Seeded, batch-invariant token sampling (``sample``) and one request's ``SamplingParams``.
 
-A request's randomness is a pure function of ``(sampling_seed, absolute position, vocab index)``:
-the Gumbel noise added to the scaled logits at position p, vocab index i, comes from output i of a
-hash keyed by ``splitmix64(seed, p)`` (``noise_hash.py``; counter-based: computed directly, never
-drawn from a generator shared across requests). So a
-request's tokens do not depend on which other requests share its batch, and a request resubmitted
-as prompt + partial output with the same seed continues exactly as it would have uninterrupted.
-
-Sampling is Gumbel-max (Gumbel 1954; Maddison et al. 2014, "A* Sampling"): ``argmax(z + g)`` with
-``z = logits / T`` (top-k / top-p filtered to ``-inf``) and ``g = -log(-log(u))`` draws exactly
-from ``softmax(z)``. The returned log-prob is ``log_softmax(logits / T)`` of the chosen token over
-the *whole* vocabulary — what the trainer recomputes at the rollout temperature — even when top-k /
-top-p filtered the draw. ``T == 0`` is greedy and reports ``log_softmax(logits)``.
+Gumbel-max (Gumbel 1954; Maddison et al. 2014): ``argmax(z + g)`` with ``z = logits / T``, top-k /
+top-p filtered, draws from ``softmax(z)``; ``g`` is a pure function of (seed, absolute position,
+vocab index) (``noise_hash.py``), so tokens ignore batch-mates and a resubmission continues exactly.
+The log-prob returned is ``log_softmax(logits / T)`` over the whole vocabulary (what the trainer
+recomputes), even after top-k / top-p; ``T == 0`` is greedy, with ``log_softmax(logits)``.
 """
 
 from __future__ import annotations

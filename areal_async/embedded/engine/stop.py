@@ -1,19 +1,9 @@
-"""Stop strings: matched on the detokenized output as SGLang's scheduler matches them.
+"""Stop strings: matched on the detokenized output as SGLang 0.5.23's scheduler matches them.
 
-SGLang 0.5.23 (``Req._check_str_based_finish`` / ``tail_str`` in ``managers/schedule_batch.py``),
-after each new token: decode the last ``w`` output tokens, ``w = min(max_len + 1, len(output))``
-where ``max_len`` is the longest stop string's length in tokens
-(``tokenizer.encode(stop, add_special_tokens=False)``, set by ``SamplingParams.normalize``), with
-the tokenizer's default ``decode`` (special tokens kept), and finish when any stop string, in the
-order given, occurs in that text. The finished output keeps every token through the one that
-completed the match, whole, even when the stop string ends inside it; the detokenizer then trims
-``text`` at the first occurrence of the matched string (``DetokenizerManager.trim_matched_stop``:
-``text[:pos]``, or ``text[:pos + len(stop)]`` with ``no_stop_trim``). A stop string that the
-output spells with more tokens than ``w - 1`` is missed, on SGLang and here alike.
-
-Matching is a pure function of the output tokens (no timing enters), so deterministic mode
-replays it. It runs on the event loop at commit, one ``decode`` of at most ``w`` tokens per
-request with stop strings per step.
+``StopStrings.match`` checks the decoded last ``window`` output tokens after each new token;
+``answer_text`` keeps every token and cuts the text at the match; ``hold_back`` keeps a stream from
+sending text the answer may cut. SGLang's rule: docs/sglang_api.md#generation. A pure function of
+the output tokens (deterministic mode replays it), run on the event loop at commit.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Grouped-query decode attention over the slot KV cache, one Triton program per (row, KV head).
 
-Each program loads the ``G = H / Hkv`` query heads that share its KV head once (zero-padded to 16
-rows so both products run on tensor cores), then streams that head's keys and values for
-positions ``0..positions[b]`` in blocks of ``BLOCK_N`` with an online softmax (Milakov &
-Gimelshein 2018; as in FlashAttention, Dao et al. 2022): scores and accumulators in fp32, the
-probabilities rounded to the cache dtype for the ``P·V`` product (as the matmul path does). Keys
-and values are both ``[S, Hkv, L, D]`` (``KVCache(keys_transposed=False)``): each position's key is
-one contiguous row of ``D`` elements, so every block load is ``BLOCK_N`` full rows. The loop runs
-to the row's own position (a bound read from device memory, so one compiled kernel serves every
-span and a CUDA graph replays it for any positions). It reads each key/value byte of the row's own
-positions once, where the matmul formulation in ``forward.py`` reads the whole span of the longest
-row, materialises fp32 scores and probabilities and runs a batched GEMM with ``M = G`` rows (2 for
-Qwen3-0.6B) that cannot reach memory bandwidth.
-
-A row's result depends only on its own query, cache and position (never on the batch, the other
-rows or the span), so the kernel is batch-invariant as it stands.
-
-``decode_attention`` returns ``None`` without Triton; the caller then uses the matmul path.
+Each program loads its KV head's ``H / Hkv`` query heads once (padded to 16 rows for tensor cores)
+and streams that head's ``[S, Hkv, L, D]`` keys and values up to the row's own position, read on
+the device (so one kernel and one CUDA graph serve every span), with an online softmax (Milakov &
+Gimelshein 2018; FlashAttention, Dao et al. 2022) in fp32, ``P`` rounded to the cache dtype for
+``P·V``. A row's result depends only on its own query, cache and position (batch-invariant).
 """
 
 from __future__ import annotations

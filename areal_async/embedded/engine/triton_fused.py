@@ -1,27 +1,10 @@
 """Fused element-wise kernels of a decoder layer on CUDA (Triton): 3 launches where PyTorch issues ~25.
 
-A decoder layer of the embedded engine on CUDA runs as: add + RMSNorm → ``q|k|v`` GEMM →
-**q/k norm + RoPE + KV-cache store** → decode attention → ``o_proj`` GEMM → **add + RMSNorm** →
-``gate|up`` GEMM → **SiLU · up** → ``down`` GEMM (the residual add of ``down``'s output is fused
-into the next layer's first norm). The bold steps are the kernels here:
-
-- ``add_rms_norm(x, delta, weight, eps)``: ``x += delta`` in place (rounded to ``x``'s dtype, as
-  ``x = x + delta`` is), then ``RMSNorm(x)`` (Zhang & Sennrich 2019) in fp32 with one rounding at
-  the end, as ``F.rms_norm`` computes it. ``delta=None``: the norm alone.
-- ``qkv_rope_store(qkv, ...)``: per token and head, the per-head RMSNorm of Qwen3 (``q_norm`` /
-  ``k_norm``, optional), rotary embedding (Su et al. 2021, RoFormer; HF's ``rotate_half``
-  convention, cos/sin tables of the model's own ``rotary_emb``), then queries to a ``[T, H, D]``
-  tensor and keys/values straight into their cache rows (``KVCache(keys_transposed=False)``:
-  one contiguous ``D``-element row each), optionally also to ``[T, Hkv, D]`` tensors for prefill
-  attention. fp32 inside, one rounding per output — HF rounds after the norm and after each
-  RoPE product, so results differ from the module path in the last bits (within bf16 rounding).
-- ``silu_mul(gate_up)``: ``silu(gate) · up`` over the fused ``[T, 2I]`` projection, fp32 inside,
-  one rounding.
-
-Every kernel works row by row (a row's result never depends on the other rows), so batch
-invariance (deterministic mode) holds. Without Triton ``triton`` is ``None`` and the callers keep
-the PyTorch path; ``TRITON_INTERPRET=1`` runs these kernels on the CPU (how they are tested
-without a GPU).
+``add_rms_norm`` (residual add + RMSNorm, Zhang & Sennrich 2019), ``qkv_rope_store`` (Qwen3's q/k
+norms + RoPE, Su et al. 2021, + the K/V cache store) and ``silu_mul``: fp32 inside, one rounding per
+output (HF rounds after every op: last-bit differences), row by row (batch-invariant). Without
+Triton ``triton`` is ``None`` (the callers keep PyTorch); ``TRITON_INTERPRET=1`` runs them on the
+CPU, as the tests do. Where each sits in a layer: docs/engine.md#how-it-works.
 """
 
 from __future__ import annotations
@@ -113,7 +96,8 @@ if triton is not None:
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x += delta`` (in place, unless ``delta`` is ``None``), then ``RMSNorm(x) · weight``.
+    """``x += delta`` (in place, rounded to ``x``'s dtype as ``x = x + delta`` is; not when ``delta``
+    is ``None``), then ``RMSNorm(x) · weight`` in fp32, rounded once, as ``F.rms_norm`` computes it.
 
     Args:
         x: ``[T, N]`` the residual stream (model dtype), rows contiguous; updated in place.
@@ -138,7 +122,8 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
                    sin: torch.Tensor, q_norm: tuple[torch.Tensor, float] | None,
                    k_norm: tuple[torch.Tensor, float] | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    num_heads: int, kv_out: bool = False):
-    """Split the fused projection, normalise and rotate q and k, store k and v in the cache.
+    """Split the fused projection, normalise and rotate q and k (HF's ``rotate_half`` convention),
+    store k and v in the cache.
 
     Args:
         qkv: ``[T, (H + 2·Hkv)·D]`` the ``q|k|v`` projection output, rows contiguous.

@@ -1,28 +1,10 @@
 """Fused Gumbel-max sampling on CUDA (Triton): the draw and its log-prob without ``[R, V]`` temporaries.
 
-``fused_sample(logits, temperature, keys)`` is the engine's sampler on CUDA for rows without
-top-k / top-p: the vocabulary is cut into ``CHUNK``-entry pieces, one program per (row, piece)
-computes ``z = logits / T`` on the fly, the piece's max and ``Σ exp(z - max)`` (for the
-log-sum-exp) and its best ``z + g`` (``g`` the Gumbel noise below; greedy rows, ``T = 0``, add no
-noise and use ``T = 1``); a second kernel, one program per row, combines the pieces in a fixed
-order: the token is the best over pieces (lowest index on ties) and its log-prob
-``z[token] - logsumexp(z)``. It reads the fp32 logits once (plus one element per row) — at
-R = 256, V = 151,936 the former path (divide, ``log_softmax``, arg-max over the log-probs,
-gather) made five passes over 156 MB with 256 programs for the arg-max. Each row's result
-depends only on that row (batch-invariant). Against ``sampling.sample``'s torch path the token is
-drawn from ``z + g`` rather than ``log_softmax(z) + g`` (the same arg-max up to rounding, so a
-token can differ only at a near-tie) and the log-prob is rounded differently (last bits).
-
-``fused_gumbel_argmax(z, keys)`` returns ``argmax_i(z[r, i] + g(keys[r], i))`` where ``g`` is the
-counter-based Gumbel noise of ``noise_hash.gumbel_from_keys``: ``fmix32(k + i * 0x9E3779B9)`` with
-``k`` the 32-bit fold of ``keys[r]``, top 23 bits → ``u = (bits + 0.5) / 2**23`` →
-``-log(-log(u))``. It reads ``z`` once and writes one int64 per row, where the torch formulation
-makes and reads a ``[R, V]`` int32 tensor a dozen times (at R = 256, V = 151,936: ~2 GB of
-traffic against 0.16 GB).
-The uniforms are bitwise those of the torch path; ``log`` is libdevice's (as torch's CUDA ``log``)
-when Triton exposes it. Ties go to the lowest index, as ``torch.argmax``.
-
-Returns ``None`` when Triton is not importable, and the caller falls back to the torch path.
+``fused_sample`` (rows without top-k / top-p): one program per (row, ``CHUNK``-entry vocabulary
+piece) finds ``max z``, ``Σ exp(z - max)`` and the best ``z + g``; one per row combines the pieces
+in a fixed order into the token and ``z[token] - logsumexp(z)``. ``fused_gumbel_argmax``: the
+arg-max of ``z + g``. ``g`` is ``noise_hash``'s, bitwise the torch path's uniforms (``log``:
+libdevice's, where Triton has it); ties go to the lowest index; rows are independent.
 """
 
 from __future__ import annotations
@@ -146,7 +128,10 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor,
         temperature: ``[R] float32`` on the same device; ``<= 0`` ⇒ greedy (arg-max of ``logits``).
         keys: ``[R] int64`` noise keys (``noise_hash.noise_keys``); ignored for greedy rows.
     Returns:
-        ``(tokens [R] int64, logprobs [R] float32)``, or ``None`` without Triton.
+        ``(tokens [R] int64, logprobs [R] float32)``, or ``None`` without Triton. Against
+        ``sampling.sample``'s torch path the token is drawn from ``z + g`` rather than
+        ``log_softmax(z) + g`` (the same arg-max up to rounding: a token can differ only at a
+        near-tie) and the log-prob is rounded differently (last bits).
     """
     if triton is None:
         return None
