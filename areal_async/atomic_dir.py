@@ -1,16 +1,9 @@
 """Directories written atomically: a reader sees the previous directory or the new one, never a mix.
 
-A directory ``D`` is written whole into its staging directory ``D.partial`` and then swapped in by
-``publish``: ``D`` is renamed to ``D.old``, ``D.partial`` to ``D``, and ``D.old`` is removed. An
-interruption before the swap leaves ``D`` untouched; one between the two renames leaves no ``D``
-but a whole ``D.old``, which a caller that can tell a complete directory from a partial one puts
-back (``trainer.resume.recover_checkpoint``). ``write_atomically`` is the whole sequence for one
-writer; the trainer's checkpoint is written by several calls into the staging directory and
-published at the end. ``remove_atomically`` takes ``D`` away the same way: renamed first, so a
-reader never finds ``D`` half deleted.
-
-Published files get the mode any new file of the user gets (``0o666 & ~umask``):
-``safetensors`` writes each file through a temporary file, which is created ``0600``.
+``D`` is written into ``D.partial``; ``publish`` renames ``D`` to ``D.old`` and ``D.partial`` to ``D``,
+then removes ``D.old`` (one left between the renames is put back by a caller that can tell it is
+whole, ``trainer.resume.recover_checkpoint``); ``remove_atomically`` renames ``D`` away first.
+Published files get the user's usual mode (``0o666 & ~umask``, not safetensors' ``0600``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The job's token: who may call the inference servers and the replay queue.
 
-``launcher.local`` makes one token per launch (``new_token``: 32 random bytes, URL-safe base64)
-and hands it to every child in the environment variable ``AREAL_ASYNC_TOKEN`` (never on a command
-line or in ``config.yaml``/``run.json``; the one exception is a real SGLang server, which takes it
-only as ``--api-key``). The clients send it:
-
-- HTTP (``InferenceClient``): ``Authorization: Bearer <token>`` on every request, SGLang's own
-  scheme for ``--api-key`` (``sglang.srt.utils.auth.decide_request_auth``): the scheme word in any
-  case, one space, the token; paths starting with ``/health`` or ``/ready`` are open, as on SGLang,
-  so health probes need no secret. A missing or wrong token is HTTP 401 before the body is read.
-- the queue (``QueueClient``): an ``Auth`` frame first on each connection; any other first frame,
-  or a wrong token, is answered with an ``Unauthorized`` error and the connection is closed.
-
-Tokens are compared with ``hmac.compare_digest`` (time independent of where they differ). A server
-or queue without a token accepts every caller, which is allowed only on a loopback address
-(``require_token``): bound to any other address (``inference.host``/``queue.host`` = ``0.0.0.0``)
-it refuses to start without one.
+One random token per launch, in ``AREAL_ASYNC_TOKEN``; sent as ``Authorization: Bearer <token>``
+(SGLang's ``--api-key`` scheme; ``/health*`` and ``/ready`` open) or as the queue's first ``Auth``
+frame; compared with ``hmac.compare_digest``. Without a token a server or queue serves loopback only
+(``require_token``). docs/configuration.md#security.
 """
 
 from __future__ import annotations

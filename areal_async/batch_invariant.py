@@ -1,24 +1,9 @@
-"""Batch-invariant building blocks for ``mode: deterministic`` (embedded engine and trainer).
+"""Batch-invariant linears for ``mode: deterministic`` (embedded engine and trainer).
 
-A CPU GEMM's result for one row depends on how many rows the call has (M): the library picks its
-blocking, and so the order of the K-reduction, from the shape. The same row can therefore come out
-a few ulp different when a request is decoded alone, next to 3 others or next to 33 others, or
-when a sequence is packed with different neighbours in a training micro-batch.
-
-``tiled_linear`` removes that dependence: the rows are cut into blocks of exactly ``ROW_TILE``
-rows (the last block zero-padded) and each block is one GEMM call of the same shape
-``[ROW_TILE, K] @ [K, N]``. Measured on torch 2.13 CPU (MKL/oneDNN, fp32 and bf16, 1–2 threads):
-a row's result in such a call does not depend on the other rows' values nor on its position in
-the block, so every row's arithmetic is a function of that row alone (``tests/
-test_batch_invariance.py`` checks it). Row-wise reductions (RMSNorm, softmax, log-softmax over the
-last dimension) are already per-row in torch and need nothing.
-
-On CUDA the block is ``CUDA_ROW_TILE`` rows: one GEMM per 16 rows would mean thousands of kernel
-launches per training micro-batch, and a fixed-shape cuBLAS call picks the same kernel every time,
-without a split of the K-reduction across blocks of rows (``tests/test_batch_invariance.py`` has
-the same check, marked ``gpu``).
-
-Cost: up to ``tile - 1`` padded rows per call and one call per block; see docs/determinism.md.
+A GEMM's per-row result depends on the call's row count (it picks the K-reduction order).
+``tiled_linear`` runs blocks of exactly ``ROW_TILE`` rows (``CUDA_ROW_TILE`` on CUDA; the last
+zero-padded), each one GEMM of one shape, so a row's result depends on that row alone
+(``tests/test_batch_invariance.py``), at the cost of padding and one call per block. docs/determinism.md#how.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Deterministic mode's process settings and its one exclusion, defined once.
+"""Deterministic mode's process settings and its one exclusion, defined once (docs/determinism.md#how).
 
-``deterministic_env``: the environment a job's processes need in ``mode: deterministic``, set
-before CUDA and NCCL initialise: ``NCCL_ALGO=Ring`` / ``NCCL_PROTO=Simple`` (one algorithm and
-protocol, so collectives such as the trainer's all-reduce and the weight broadcast reduce in a
-fixed order) and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (which cuBLAS needs for
-``torch.use_deterministic_algorithms(True)``). The launcher gives it to the servers and the
-trainer; the trainer applies it again itself, so a trainer started by hand gets it too. Values
-already in the environment win.
-
-``check_compile``: ``trainer.compile`` is refused in deterministic mode (the batch-invariant
-linears are checked for eager kernels only); the config check and ``build_policy`` both call it.
+``deterministic_env``: ``NCCL_ALGO=Ring``, ``NCCL_PROTO=Simple`` (a fixed reduction order) and
+``CUBLAS_WORKSPACE_CONFIG=:4096:8``, set before CUDA and NCCL start; values already set win.
+``check_compile``: ``trainer.compile`` is refused (batch invariance is checked for eager kernels only).
 """
 
 from __future__ import annotations

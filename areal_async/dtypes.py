@@ -1,10 +1,5 @@
-"""torch dtypes by name: the one map between the names configs, CLI flags and SGLang's weight
-requests use (``"bfloat16"``, the part of ``str(torch.bfloat16)`` after ``torch.``) and torch dtypes.
-
-``FLOAT_DTYPES`` are the floating-point dtypes a model may run in (``model.dtype``, the server's
-``--dtype``; ``trainer.dtype`` takes a subset, see ``config.TrainerConfig``); ``DTYPES`` adds the
-integer dtypes a weight bucket may carry (buffers such as position ids).
-"""
+"""torch dtypes by name (``"bfloat16"``, as configs, CLI flags and SGLang's weight requests spell
+them): ``FLOAT_DTYPES`` a model may run in; ``DTYPES`` adds the integer dtypes a weight bucket may carry."""
 
 from __future__ import annotations
 

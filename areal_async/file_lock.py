@@ -1,10 +1,8 @@
-"""Lock files that are removed when released: the launcher's run lock and the model cache's lock.
+"""Lock files removed when released: the launcher's run lock and the model cache's lock.
 
-``file_lock(path)`` holds an exclusive ``flock`` on ``path`` while its block runs, then removes
-the file while still holding it, so no lock file outlives the process that held it. A process
-that opened the file before it was removed finds, once it has the lock, that ``path`` names
-another file or none, and opens ``path`` again; so two holders never lock different files of one
-path. A process killed with SIGKILL leaves its file behind, unlocked: the next holder takes it.
+``file_lock(path)`` holds an exclusive ``flock`` while its block runs and removes the file before
+letting go; a waiter that then finds ``path`` names another file (or none) opens it again, so two
+holders never lock different files. A SIGKILLed holder leaves its file unlocked for the next one.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Seeded random timing jitter (``debug.jitter_ms``) for the determinism tests.
-
-Each process that takes part in a run (workers, servers, the queue, the trainer) owns one
-``Jitter`` keyed by ``(debug.jitter_seed, stream)``, where ``stream`` names the process (e.g.
-``"server", 1``). Every ``await jitter()`` sleeps a uniform random ``[0, jitter_ms)`` milliseconds,
-so two runs with different ``jitter_seed`` interleave their work differently. With
-``jitter_ms == 0`` (the default) it returns at once and draws nothing.
-"""
+"""Seeded random timing jitter (``debug.jitter_ms``) for the determinism tests: each process draws
+uniform ``[0, jitter_ms)`` ms delays from its own stream keyed by ``(debug.jitter_seed, stream)``."""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
 """Per-step metrics: ``metrics.jsonl``, a wandb run (offline by default) and one console line.
 
-Metric names follow docs/design.md (``rollout/*``, ``staleness/*``, ``queue/*``, ``train/*``,
-``perf/*``, ``version/*``, ``eval/*``). Values are floats, except ``*/hist`` entries, which are
-lists of raw values: they go to ``metrics.jsonl`` as lists and to wandb as histograms. wandb's
-directories (``WANDB_DIR``, cache, data, config) live under the run directory; runs are grouped by
-``logging.wandb_group`` (default: the experiment name) and tagged with ``logging.wandb_tags``, so the
-cells of a staleness study (``launcher.ablation``) overlay in one dashboard.
-
-A resumed job logs to a NEW wandb run, ``<name>-r<n>`` (n = 1, 2, ... per resume), in the same group
-with the same tags, whose config adds ``resumed_from: {step: k, runs: [earlier run ids]}``. It cannot
-continue the stopped job's run: that run holds rows past the checkpoint's step k (logged before the
-stop), wandb keeps a run's steps increasing, and so it drops a resumed run's rows at steps it already
-has (online: "Tried to log to step k that is less than the current step"; an offline job records
-them, but by wandb-core's code ``wandb sync`` then moves them to the run's next free steps).
-wandb's rewind (``resume_from=``) and fork (``fork_from=``) would keep one run, but both are
-server-side preview features (not on every server, not on self-managed ones), and a refused rewind
-fails ``wandb.init``. docs/dashboards.md says what was checked offline. The stopped job's run is left as it was, rows past k included (``metrics.jsonl``
-drops those, ``trainer/resume.py::drop_superseded_rows``); the new run starts at step k with the rows
-``metrics.jsonl`` kept there (the evaluation of version k) and then the resumed job's, so the new
-run's rows are ``metrics.jsonl``'s from step k on. ``RUN_DIR/wandb_runs.jsonl`` lists one run per
-job: ``{"id", "name", "start_step"}``.
+Values are floats, except ``*/hist``: lists (histograms in wandb). Names: docs/metrics.md. A resumed
+job logs to a new wandb run ``<name>-r<n>`` starting at the checkpoint's step, so its rows are
+``metrics.jsonl``'s from there on (``RUN_DIR/wandb_runs.jsonl`` lists them; docs/dashboards.md#resumed-runs).
 """
 
 from __future__ import annotations
@@ -115,7 +98,7 @@ class MetricsLogger:
         total_steps: for the console progress line.
         resumed_at: ``None`` for a fresh run; for a resumed job, the checkpoint's step k (the first
             step it logs), after ``drop_superseded_rows`` has cut ``metrics.jsonl`` at k. It starts
-            a new wandb run (module docstring) and gives it the rows ``metrics.jsonl`` kept at
+            a new wandb run (docs/dashboards.md#resumed-runs) and gives it the rows ``metrics.jsonl`` kept at
             steps >= k.
     """
 

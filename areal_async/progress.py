@@ -1,19 +1,8 @@
 """Progress of the waits a user sits through (an evaluation, a step's rollouts and training).
 
-Two renderings, chosen once per process by ``AREAL_ASYNC_PROGRESS`` (``bar`` | ``lines`` | ``off``),
-which the launcher sets to ``bar`` when its own output is a terminal and ``lines`` otherwise (its
-children write into pipes, so they cannot tell); unset, a process whose stdout is a terminal uses
-``bar``, any other ``lines``:
-
-- ``bar``: a ``tqdm`` bar on stdout, redrawn in place with ``\\r``, shown only once a phase has
-  lasted ``delay_s`` (fast GPU steps never draw one) and cleared when it closes. The launcher
-  passes the trainer's bytes to the terminal unchanged and writes only finished lines to
-  ``logs/trainer.log`` (``launcher.supervisor``), so bars never reach the log.
-- ``lines``: a plain line ``[trainer] <what>: <n>/<total> <unit> (<s> s)`` at most every
-  ``interval_s`` seconds while a phase lasts, nothing for a phase shorter than that: a log file
-  (``logs/trainer.log``, or the launcher's output redirected) shows life without filling up.
-
-Updates cost a counter increment and a clock read; nothing here touches a device.
+``AREAL_ASYNC_PROGRESS`` (``bar`` | ``lines`` | ``off``; unset: ``bar`` on a terminal) picks a
+``tqdm`` bar after ``delay_s`` or a line at most every ``interval_s``; an update costs a counter
+increment and a clock read (docs/running.md#what-the-main-job-does).
 """
 
 from __future__ import annotations

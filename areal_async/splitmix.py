@@ -1,12 +1,6 @@
-"""splitmix64 (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number generators") on
-Python ints: the one definition of its constants and its output function.
-
-``mix64`` is splitmix64's output function (Stafford's "Mix13" variant of MurmurHash3's 64-bit
-finalizer); ``splitmix64(x)`` is the first output of the stream seeded ``x``,
-``mix64(x + GOLDEN)``. The sampling seeds of a run (``types.sample_seed``) and the noise keys of
-the inference sampler (``embedded/engine/noise_hash.py``) are built from them. All values are unsigned
-64-bit ints (arithmetic modulo 2**64).
-"""
+"""splitmix64 (Steele, Lea and Flood 2014) on Python ints, unsigned 64-bit: ``mix64`` (its output
+function, Stafford's Mix13) and ``splitmix64(x) = mix64(x + GOLDEN)``; the one definition that
+``types.sample_seed`` and the engine's sampling noise (``embedded/engine/noise_hash.py``) build on."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""A c10d ``TCPStore`` server that listens on one address, not on every interface.
-
-torch's ``TCPStore(host, port, is_master=True)`` never binds ``host``: ``host`` is only where its
-own client connects. Its server binds the wildcard address: the libuv backend (the default)
-binds ``::`` or ``0.0.0.0`` (``UvTcpServer::makeWithPort``,
-``torch/csrc/distributed/c10d/TCPStoreLibUvBackend.cpp``). Measured with torch 2.13 on Linux: a store made with
-``"127.0.0.1"`` listens on ``[::]:port`` (every IPv4 and IPv6 address), with ``use_libuv`` True
-or False. ``TCPStore`` has no bind-address option; what it does take is ``master_listen_fd``, a
-socket already bound and listening, which both backends adopt as their server socket
-(``UvTcpServer::makeWithSocket``, ``uv_tcp_open``). ``hosted_store`` binds that socket to ``host``
-itself, so the store listens there only (``127.0.0.1`` for the jobs of ``launcher.local``).
-
-Used for the trainer↔server weight group (``weight_group.new_weight_group``, rank 0) and for
-torchrun's static rendezvous (``launcher.torchrun``: a multi-tenant store hosted here first,
-which torchrun's own ``TCPStore(..., multi_tenant=True)`` on the same port then reuses, as torch
-keys multi-tenant servers by port within a process).
-"""
+"""A c10d ``TCPStore`` server that listens on one address: torch's own binds every interface whatever
+``host`` says, so ``hosted_store`` binds the socket itself and hands it over as ``master_listen_fd``
+(docs/configuration.md#security)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Messages that cross process boundaries: trajectories and the arrays inside them.
-
-Arrays travel as raw bytes with dtype and shape (``Array``), never as Python lists. A
-``Trajectory`` is one group: the ``n_samples`` responses to one prompt, scored, with the policy
-version that produced every output token.
-"""
+"""Messages that cross process boundaries: a ``Trajectory`` (one scored group, with the version of
+every output token) and ``Array`` (raw bytes with dtype and shape, never Python lists)."""
 
 from __future__ import annotations
 

@@ -1,39 +1,9 @@
 """The trainer→server weight-update process group, outside torch.distributed's default group.
 
-The trainer ranks already own the default group (torchrun); the weight-update group joins
-trainer rank 0 (rank 0 here) with every inference server (ranks ``rank_offset + tp_rank``), as
-SGLang's ``/init_weights_update_group`` does. It is built exactly as SGLang's
-``sglang.srt.utils.common.init_custom_process_group`` builds it (what a real SGLang server runs
-for its side, and what slime's and AReaL's trainers use for theirs), so either end can be SGLang:
-
-- the rendezvous is a ``TCPStore`` on ``master_address:master_port`` that rank 0 hosts, opened
-  with the arguments of torch's ``tcp://`` rendezvous (``world_size`` peers, multi-tenant,
-  libuv); it is opened here rather than through ``rendezvous()``, which under torchrun
-  (``TORCHELASTIC_USE_AGENT_STORE``) would make rank 0 a client too, with nobody hosting. Rank 0's
-  store listens on ``master_address`` only (``tcp_store.hosted_store``; torch's own would listen
-  on every interface), so the peers must be given an address of rank 0's machine, as for SGLang;
-- the store is wrapped in ``PrefixStore(group_name, store)`` and the group built by torch's
-  ``_new_process_group_helper`` with the same world size, rank, ``global_ranks_in_group=[]``,
-  group name and timeout, so every key of the join lives under
-  ``<group>/<group>//<device>//`` (``cpu`` for gloo, ``cuda`` for NCCL), e.g. gloo's
-  ``weight_update_group/weight_update_group//cpu//0/1``;
-- the group is registered in torch's process-group registry under ``group_name`` (as SGLang's
-  is), so one process holds one group of each name: ``destroy_weight_group`` releases it.
-
-Rebuilding (``trainer/weight_sync.py``, after a server died or came back): rank 0 may host the
-store once (``host_store``) and build successive groups over it, each under a new
-``group_name``. The name is the store's key prefix, so a new group never reads the keys an old
-one left there (a dead server's address among them); the servers' side is unchanged, a
-``TCPStore`` client per join, as SGLang's. Destroying a group that a daemon thread is still
-blocked in (a broadcast, ``in_daemon_thread``) releases its name at once; measured with gloo on
-CPU (torch 2.13), the thread stays blocked until its peers close their side or the timeout ends
-it, and the group's connections close when that thread lets go of it.
-
-One difference, on CUDA only: when the caller's default group is bound to a device
-(``init_process_group(device_id=...)``, as the trainer does), ``_new_process_group_helper``
-would make the NCCL communicator by splitting the default group's, a collective of the trainer's
-ranks that the servers are not part of; the binding is lifted while the group is built, so the
-communicator is made through the store as on the SGLang side (which binds no device).
+Trainer rank 0 is rank 0, server ranks ``rank_offset + tp_rank``. Invariant: built exactly as
+SGLang's ``init_custom_process_group`` builds it, so either end can be SGLang; one group per name
+per process, and ``host_store`` lets rank 0 build successive named groups over one store.
+How: docs/trainer.md#weight-sync; rebuilds: docs/faults.md#an-inference-server-dies-or-hangs.
 """
 
 from __future__ import annotations
@@ -67,7 +37,7 @@ def new_weight_group(
 ) -> dist.ProcessGroup:
     """Join (rank > 0) or host (rank 0) a weight-update group. Blocks until all ranks joined.
 
-    Built as SGLang's ``init_custom_process_group`` builds it (see the module docstring), so a
+    Built as SGLang's ``init_custom_process_group`` builds it (docs/trainer.md#weight-sync), so a
     peer running SGLang's helper with the same ``group_name`` meets this one.
 
     Args:
@@ -120,8 +90,8 @@ def new_weight_group(
 
 def host_store(master_address: str, master_port: int, timeout_s: float = 300.0) -> dist.TCPStore:
     """Rank 0's rendezvous store on ``master_address:master_port``, for ``new_weight_group(...,
-    store=)``: several groups, one after another, each under its own ``group_name`` (module
-    docstring). Returns at once (it does not wait for peers: each group's join does).
+    store=)``: several groups, one after another, each under its own ``group_name`` (docs/faults.md
+    says why). Returns at once (it does not wait for peers: each group's join does).
 
     Raises:
         OSError: ``master_address:master_port`` cannot be bound (taken, or not an address of this
@@ -138,8 +108,8 @@ def destroy_weight_group(group: dist.ProcessGroup) -> None:
 
 @contextlib.contextmanager
 def _unbound_default_group(backend: str):
-    """Lift the default group's device binding while an NCCL weight group is built (the module
-    docstring says why); a no-op for gloo or without a bound default group."""
+    """Lift the default group's device binding while an NCCL weight group is built (docs/trainer.md#weight-sync
+    says why); a no-op for gloo or without a bound default group."""
     default = c10d.GroupMember.WORLD if dist.is_initialized() else None
     bound = default.bound_device_id if default is not None else None
     if bound is None or str(backend).lower() != "nccl":

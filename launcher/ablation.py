@@ -3,54 +3,10 @@
     python -m launcher.ablation CONFIG --etas 0,1,2,4,8 [--objectives decoupled,naive] [--seeds 1,2,3]
         [--interrupt on,off] [--name STUDY] [--parallel N] [override ...]
 
-Each cell is ``python -m launcher.local CONFIG OVERRIDES name=<cell> run_root=<run_root>/<study>
-queue.max_staleness=η algo.decoupled=<objective == decoupled> seed=<seed>
-rollout.interrupt_on_update=<interrupt == on>
-logging.wandb_group=<study> logging.wandb_tags=[eta=η, objective=<objective>, seed=<seed>]``
-(``launcher/jobs.py``), so every cell has the same config, data and, per seed, the same prompt
-order and sampling seeds; only η and the objective differ within a seed. The run directory of
-cell ``eta2-naive-s1`` is ``<run_root>/<study>/eta2-naive-s1/`` (``run_root`` from the config,
-``runs`` by default; ``STUDY`` defaults to ``<config name>-ablation``) and its console output
-``<run_root>/<study>/eta2-naive-s1.out``. Cells run in the order seed, η, objective (a seed's
-comparisons complete first), one at a time or ``--parallel N`` side by side (every job's ports are
-chosen at start, ``launcher/ports.py``; on one GPU, N jobs must fit its memory together).
-
-``--interrupt on,off`` (default ``on``) adds the axis "does a weight update interrupt the
-generations in flight" (``rollout.interrupt_on_update``, docs/design.md): a cell with ``off`` has
-the name suffix ``-nointerrupt`` (``eta2-naive-s1-nointerrupt``) and the extra tag
-``interrupt=off``, and runs right after its ``on`` twin; cells with ``on`` keep the names and tags
-of a study without the axis.
-
-Resumable: run the same command again. A finished cell (a ``metrics.jsonl`` row for step
-``trainer.total_steps - 1`` and a checkpoint at ``trainer.total_steps``) is skipped; a started one
-that did not finish is resumed from its checkpoint (``launcher.local --resume``) when it has one,
-else run again from scratch (``--overwrite``); an evaluation at the end cut off after the final
-checkpoint is not re-run. A failed cell is reported (its launcher's error and last lines) and the
-study goes on; the exit status is 1 if any cell failed, 2 for bad input, 130 when interrupted
-(Ctrl-C or SIGTERM stop every running cell). Progress of the whole study: a tqdm bar (cells done
-of N, ETA) on a terminal, else a line per cell started and ended with cells done of N and the
-ETA (``AREAL_ASYNC_PROGRESS=bar|lines`` overrides the choice, as for ``launcher.local``).
-
-``<run_root>/<study>/study.json`` records the study (written when it starts, each cell's state
-updated as it ends); the fields:
-
-- ``name``: the study name; ``config``: the CONFIG path as given; ``overrides``: the overrides
-  given to every cell, in order; ``total_steps``: ``trainer.total_steps`` of every cell;
-- ``etas`` (ints), ``objectives`` (``"decoupled"`` | ``"naive"``), ``seeds`` (ints), ``interrupts``
-  (``"on"`` | ``"off"``): the grid, in the order given; ``config``, ``overrides``, ``etas``,
-  ``objectives``, ``seeds`` and ``interrupts`` are the study's identity: running a study name again
-  with other values is an error (a study.json without ``interrupts`` was written before the axis
-  existed and reads as ``["on"]``);
-- ``cells``: one per cell, in run order: ``name`` (``eta<η>-<objective>-s<seed>``, then
-  ``-nointerrupt`` for ``off``; also its directory under the study), ``eta``, ``objective``,
-  ``seed``, ``interrupt``, ``state`` (``pending`` | ``finished`` | ``failed``) and ``error`` (the
-  failed launcher's exit status and error line, else ``null``).
-
-The cells' ``metrics.jsonl`` (``areal_async/metrics.py``) hold everything measured. At the end of
-every invocation (also when cells failed; not when interrupted) the study's report is written:
-``<run_root>/<study>/summary.csv`` (a row per cell) and ``report.html`` (``areal_async/report``; a
-cell without metrics is listed as missing). ``python tools/report.py <run_root>/<study>`` writes it
-again, e.g. with another ``--threshold``.
+Each cell is ``launcher.local CONFIG`` with its grid values as overrides, in
+``<run_root>/<study>/<cell>/``, so within a seed only η and the objective differ. Resumable: run
+it again. ``study.json`` records the grid and each cell's state; the report is written at the end.
+Cells, order, exit statuses, ``study.json``: docs/dashboards.md#what-a-study-runs-and-records.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Several whole jobs on one machine: ``python -m launcher.local`` processes, side by side or in turn.
 
-Used by ``launcher.ablation`` (a staleness study's grid) and ``tools/learning_table.py``. Each job
-is one launcher process with its own run directory; its ports are chosen at start
-(``launcher/ports.py``), so jobs started together never collide. Its console output goes to a
-file (appended, after a ``===== <time> <argv> =====`` line). ``run_jobs`` keeps at most
-``parallel`` of them running, starting the next in order as one ends. Stopping: on Ctrl-C or
-SIGTERM of the caller (``KeyboardInterrupt``), or at ``deadline_s``, every running launcher gets
-SIGINT, stops its processes and exits 130; one that has not exited within ``grace_s`` is killed.
-The launchers run in their own sessions, so a Ctrl-C in the terminal reaches them once (from
-here), and die with the caller even if it is killed with SIGKILL (``PR_SET_PDEATHSIG``).
+``run_jobs`` keeps at most ``parallel`` running, output appended to a file each; Ctrl-C, SIGTERM or
+``deadline_s`` sends each SIGINT (exit 130), then SIGKILL after ``grace_s``. Each is detached from
+the terminal (a Ctrl-C reaches it once, from here) and dies with the caller (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -32,7 +26,8 @@ def local_argv(config: str, overrides: list[str], flags: list[str] = ()) -> list
 
 @dataclasses.dataclass
 class Job:
-    """One launcher process: ``argv``, console output appended to ``out``."""
+    """One launcher process: ``argv``, console output appended to ``out`` (each start after a
+    ``===== <time> $ <argv> =====`` line)."""
 
     name: str
     argv: list[str]

@@ -1,25 +1,8 @@
 """The ports of a job: which config keys name one, free ones for the keys set to 0, and their record.
 
-A job listens on ``inference.num_servers`` consecutive ports from ``inference.base_port`` (server i
-on ``base_port + i``), on ``queue.port`` (the replay queue), ``trainer.master_port`` (torchrun's
-rendezvous) and ``trainer.weight_sync_port`` (the trainer↔server weight group's ``TCPStore``).
-All four default to 0: the launcher then picks free ones at start (``choose_ports``: bind port 0,
-keep every socket bound until all are chosen so no two keys get the same port, close, hand the
-numbers on), so a second job on the same machine needs no overrides. A chosen port can still be
-taken by another process before the job's own process binds it; ``launcher.local.launch`` retries
-such a bind failure once with newly chosen ports (``is_bind_failure``).
-
-``RUN_DIR/run.json`` records them (``write_record``)::
-
-    {"ports": {"inference.base_port": 41213, "queue.port": 41877, "trainer.master_port": 39411,
-               "trainer.weight_sync_port": 45301},
-     "server_urls": ["http://127.0.0.1:41213"],
-     "chosen": ["inference.base_port", "queue.port", "trainer.master_port", "trainer.weight_sync_port"]}
-
-``chosen``: the keys the launcher picked (the others were given). ``config.yaml`` holds the same
-numbers. ``--resume`` picks fresh ports for every key that is 0 in the config it is given, and also
-for a key whose port was chosen last time and is given again as that number (the run's own
-``config.yaml`` passed as the config): the old port may be taken by now.
+``PORT_KEYS`` (server i on ``inference.base_port + i``); ``choose_ports`` picks free ones, no two
+equal; ``keys_to_choose`` says which (also on ``--resume``); ``write_record`` writes
+``RUN_DIR/run.json``; ``is_bind_failure`` tells the launcher to retry once. docs/configuration.md#ports.
 """
 
 from __future__ import annotations
@@ -122,14 +105,14 @@ def read_record(run_dir: pathlib.Path) -> dict:
 
 def keys_to_choose(cfg: Config, resume: bool) -> tuple[str, ...]:
     """The port keys the launcher picks: those set to 0 and, on ``resume``, those the stopped job
-    chose whose number is given again (see the module docstring)."""
+    chose whose number is given again (docs/configuration.md#ports)."""
     before = read_record(cfg.run_dir) if resume else {}
     again = {k for k in before.get("chosen", []) if before.get("ports", {}).get(k) == port_of(cfg, k)}
     return tuple(k for k in PORT_KEYS if port_of(cfg, k) == 0 or k in again)
 
 
 def write_record(cfg: Config, chosen: tuple[str, ...]) -> None:
-    """Write ``RUN_DIR/run.json`` (the module docstring shows it)."""
+    """Write ``RUN_DIR/run.json`` (docs/configuration.md#ports shows it)."""
     record = {"ports": {k: port_of(cfg, k) for k in PORT_KEYS}, "server_urls": cfg.inference.urls(),
               "chosen": list(chosen)}
     (cfg.run_dir / RECORD).write_text(json.dumps(record, indent=1) + "\n")

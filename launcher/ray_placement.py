@@ -1,12 +1,6 @@
-"""Where a ``launcher.ray`` job's processes run: one placement group, one bundle per process.
-
-``bundles_of`` turns the ``cluster`` section into the bundles (``cluster.*`` resources, a pinned
-role's ``node:<ip>`` resource), ``reserve`` creates the group and waits until Ray granted it, and
-``Placement`` records where each bundle landed and makes its ``launcher.ray_actor.ProcessActor``
-ahead of the process. ``bind_hosts`` then sets where the servers and the queue listen: on
-loopback while they and their callers share one host, else on their node's address (with the
-job's token), each port checked free on its node.
-"""
+"""Where a ``launcher.ray`` job's processes run: one placement group, one bundle per process, and
+the address each server and the queue listens on (loopback while their callers share the host,
+else their node's, with the job's token). docs/ray.md."""
 
 from __future__ import annotations
 

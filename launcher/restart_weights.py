@@ -1,22 +1,9 @@
 """Which weights an inference server the launcher restarts starts from (``trainer.weight_sync=disk``).
 
-The disk weight sender (``areal_async/trainer/weight_sync.py``) writes version N as
-``RUN_DIR/weights/v{N}/`` and removes the previous version's directory once every live server
-loaded the new one, so the newest directory is the version the servers serve, or the one they
-are being given. A restarted server starts from it (``--model-path`` and ``--weight-version N``)
-instead of the initial weights.
-
-Complete: ``write_hf_directory`` writes ``v{N}.partial`` and renames it to ``v{N}`` when it is
-whole (``areal_async/atomic_dir.py``), and the sender removes a directory by renaming it out of
-that name before deleting its files (``atomic_dir.remove_atomically``), so a directory named
-``v{N}`` is always whole. Only such names count.
-
-Removed while a server loads it: the sender would remove ``v{N}`` once ``v{N+1}`` is live, maybe
-while the restarted server still reads it. So the server never reads ``v{N}`` itself: ``pin``
-first links its files (hard links: no bytes copied; a copy where the file system has none) into
-``RUN_DIR/restart_weights/server{i}/v{N}/``, which only the launcher removes (at the next restart of
-that server). A directory removed before its files were all linked is skipped for the newest one
-at that moment; none left: the caller falls back to the original command line.
+``pin`` finds the newest whole ``RUN_DIR/weights/v{N}/`` (``complete_versions``) and links its
+files into ``RUN_DIR/restart_weights/server{i}/v{N}/``, which only the launcher removes, so the
+trainer cannot remove them while the server loads them; none: the original command line
+(docs/faults.md#an-inference-server-dies-or-hangs).
 """
 
 from __future__ import annotations
@@ -30,8 +17,8 @@ _VERSION_DIR = re.compile(r"v(\d+)")
 
 
 def complete_versions(weights_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
-    """``(N, weights_dir/v{N})`` of every complete version directory, newest first (module
-    docstring: only the exact name ``v{N}`` counts; ``.partial`` and removed ones do not)."""
+    """``(N, weights_dir/v{N})`` of every complete version directory, newest first (only the
+    exact name ``v{N}`` counts: ``.partial`` and removed ones do not, ``areal_async/atomic_dir.py``)."""
     try:
         entries = list(pathlib.Path(weights_dir).iterdir())
     except FileNotFoundError:
@@ -60,7 +47,7 @@ def _link_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
 
 def pin(weights_dir: pathlib.Path, pin_dir: pathlib.Path, attempts: int = 3) -> tuple[int, pathlib.Path] | None:
     """The newest complete version in ``weights_dir`` as ``(N, pin_dir/v{N})``, its files linked
-    there (module docstring); what ``pin_dir`` held before is removed first. A version removed while
+    there (hard links); what ``pin_dir`` held before is removed first. A version removed while
     it was being linked is given up for the newest one then, ``attempts`` times at most; ``None``:
     no complete version (the server starts from the original weights)."""
     pin_dir = pathlib.Path(pin_dir)

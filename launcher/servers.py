@@ -1,17 +1,10 @@
 """The launcher's inference servers: their command lines, health probes and restarts.
 
-- Command lines (``SERVER_ARGV[inference.backend]``): ``embedded_server_argv`` (``python -m
-  areal_async.embedded.server``) and ``sglang_server_argv`` (``python -m sglang.launch_server``),
-  the same flags where SGLang has them; ``check_backend`` refuses a backend this Python lacks.
-- Health (``launcher/supervisor.py`` ``HealthCheck``): ``ServerProbe`` asks ``GET /ready`` before
-  ``GET /health_generate`` so a paused server is not taken for a hung one
-  (``areal_async/inference/routing.py``, "Paused servers"); ``probe_http``, ``http_status``.
-- Restarts (``Restart``): ``server_failed`` counts a death in the queue (or refuses a job that
-  cannot go on without the server); ``restart_argv`` starts a server again from the newest
-  complete weights directory of the disk sync (``launcher/restart_weights.py``);
-  ``remove_stale_weights`` clears a stopped job's directories at the start.
-
-``launcher.local.run_job`` (and so ``launcher.ray``) uses them.
+``SERVER_ARGV[inference.backend]`` builds the embedded server's or ``sglang.launch_server``'s
+command line (the same flags where SGLang has them); ``ServerProbe`` asks ``GET /ready`` before
+``GET /health_generate``, so a paused server is not taken for a hung one; ``server_failed`` and
+``restart_argv`` start a dead one again, from the disk sync's newest weights
+(docs/faults.md#an-inference-server-dies-or-hangs). Used by ``launcher.local.run_job``.
 """
 
 from __future__ import annotations

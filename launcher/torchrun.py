@@ -1,23 +1,6 @@
-"""``torchrun`` (``torch.distributed.run``) whose rendezvous listens on ``--master-addr`` only and
-whose stop by a signal is one line, not a traceback.
-
-    python -m launcher.torchrun [torchrun arguments ...]
-
-The rendezvous: torchrun's static rendezvous (one node, ``--master-addr``/``--master-port``, no
-``--rdzv-backend``) is a ``TCPStore`` that torchrun's agent hosts, and torch's store listens on
-every interface whatever ``--master-addr`` says (``areal_async/tcp_store.py``). Here the store is
-hosted first, on ``--master-addr`` (default ``127.0.0.1``) only, in the agent's process and
-multi-tenant; torchrun's own ``TCPStore(..., multi_tenant=True)`` on that port then reuses it, as
-torch shares a multi-tenant server per port within a process. Other rendezvous setups run as
-torchrun runs them.
-
-The launcher stops the trainer with SIGTERM (``Supervisor.stop``; Ctrl-C of the job). torchrun's
-agent then shuts its ranks down and raises ``SignalException`` out of its ``main``, which ends
-``trainer.log`` with a 30-line traceback and two warnings about the signal, although nothing went
-wrong. Here that exception becomes the single line ``[trainer] stopped by SIGTERM; ranks shut
-down`` and exit status 128 + the signal number (as a shell reports it); those two warnings are
-dropped. Everything else, a rank's failure included, is torchrun's own behaviour and output.
-"""
+"""``torchrun`` whose rendezvous listens on ``--master-addr`` only (docs/configuration.md#security)
+and whose stop by SIGTERM is one line, ``[trainer] stopped by SIGTERM; ranks shut down``, exit
+status 128 + the signal, not a traceback. Usage: ``python -m launcher.torchrun [torchrun arguments]``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""Group-relative advantages (GRPO) for sequence-level rewards.
+"""Group-relative advantages (GRPO; Shao et al., "DeepSeekMath", arXiv:2402.03300, §4.1.2).
 
-GRPO (Shao et al., "DeepSeekMath", arXiv:2402.03300, §4.1.2, outcome supervision) replaces a
-learned critic by the statistics of the ``group_size`` responses sampled for one prompt:
+    A_i = (R_i - mean(R_group)) / (std(R_group) + eps)   over the ``group_size`` responses to one prompt
 
-    A_i = (R_i - mean(R_group)) / (std(R_group) + eps)
-
-With γ = λ = 1 and a single sparse reward at the end of the response, every token of response i
-gets the same advantage ``A_i``; broadcasting to tokens is the caller's job (see
-``areal_async.trainer.step``). The standard deviation is the population std (``unbiased=False``),
-and a group whose rewards are all equal gets advantages of exactly 0 (its centred rewards are
-exactly 0, and the std is floored so that the division never makes a NaN).
+Population std (``unbiased=False``), floored so that an all-equal group gets exactly 0, never NaN.
+With γ = λ = 1 and one reward at the end every token of response i gets ``A_i`` (``trainer.step``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """The decoupled PPO loss of AReaL over packed token tensors, and its naive-PPO control.
 
-AReaL (Fu et al., arXiv:2505.24298, §5.2, Eq. 5) decouples the *behaviour* policy that generated
-the tokens (possibly several versions old, even mixed within one response) from the *proximal*
-policy that anchors the trust region (the trainer's policy before this update):
+AReaL (Fu et al., arXiv:2505.24298, §5.2, Eq. 5) anchors the trust region on the *proximal* policy
+(the trainer's before this update), not the *behaviour* policy that generated the tokens:
 
     L(θ) = -Σ_t m_t · w_t · min(r_t A_t, clip(r_t, 1-ε, 1+ε_high) A_t) / Σ_t m_t
     r_t = π_θ(y_t) / π_prox(y_t) = exp(theta_t - prox_t)
     w_t = π_prox(y_t) / π_behav(y_t) = exp(prox_t - behav_t)   (no gradient)
 
-With ``behav_imp_weight_cap`` = c, tokens whose w_t > c contribute 0 (their w_t is set to 0) but
-still count in the denominator, as in AReaL's implementation. All log-probs are of the
-temperature-scaled distribution the rollout sampled from. A KL penalty is not part of this
-function (AReaL-boba uses coefficient 0).
-
-Aggregation: by default the loss is the token mean over this call's ``loss_mask``. For a global
-token mean across micro-batches and data-parallel ranks, pass ``num_tokens`` = the total number
-of loss tokens in the whole step (all micro-batches, all ranks); then each call returns its
-*share* of the global mean (its sum divided by ``num_tokens``), the shares add up across
-micro-batches, and averaging gradients over R ranks needs the loss scaled by R (see
-``areal_async.trainer.step``). The statistics are normalised the same way.
-
-``naive_ppo_loss`` is the control of AReaL's staleness ablation ("naive PPO"): the standard PPO
-clipped objective (Schulman et al., arXiv:1707.06347, Eq. 7, L^CLIP) with π_old = π_behav, i.e.
-Eq. 5 above with π_prox := π_behav, so w_t = 1 and the trust region is centred on the (stale)
-behaviour policy instead of the current one. It needs no proximal log-probs.
+w_t > ``behav_imp_weight_cap``: w_t = 0, still in the denominator (AReaL's code). Log-probs of the
+temperature-scaled distribution; no KL term. With ``num_tokens`` = the step's loss tokens (all
+micro-batches and ranks) each call returns its share of the global token mean (R ranks averaging
+gradients need the loss scaled by R). ``naive_ppo_loss``: the control, π_prox := π_behav.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Prompt sources. ``TASKS`` maps ``data.task`` names to loaders ``loader(cfg, split) -> Task``.
-
-Adding a task is one line here: ``TASKS["name"] = module.load`` (see ``data.task.Task``).
-"""
+"""Prompt sources: ``TASKS`` maps ``data.task`` names to loaders ``loader(cfg, split) -> Task``."""
 
 from areal_async.data.arith import load_arith
 from areal_async.data.gsm8k import load_gsm8k

@@ -1,25 +1,13 @@
-"""Generated small-number arithmetic: the CPU quickstart task.
-
-Plain GSM8K gives SmolLM2-135M-Instruct an all-zero reward (no ``\\boxed{}`` answers, no right
-ones), so GRPO has no gradient. This task is easy enough for that model to get a mixed reward
-within a group of samples at temperature 1.0, with headroom to improve (measured with
-``tools/measure_task.py``; numbers in docs/quickstart_task.md). Three kinds of question, all with an integer
-answer:
+"""Generated small-number arithmetic: the CPU quickstart task (why: docs/quickstart_task.md).
 
     add   "What is a + b?"       0 <= a, b < 30          (900 problems)
     sub   "What is a - b?"       0 <= b <= a < 40        (820 problems)
     sum3  "What is a + b + c?"   0 <= a, b, c < 10       (1000 problems)
 
-Every distinct problem is enumerated once and shuffled with ``seed`` (``random.Random``, so the
-dataset is a pure function of the seed). From each kind, the first ``TEST_PER_KIND`` shuffled
-problems form the test split and the next ``DEMOS_PER_KIND`` are the few-shot pool; the rest are
-the training split, so train, test and demonstrations are disjoint. Items are interleaved kind by
-kind (add, sub, sum3, add, ...) while every kind lasts, so a prefix of the test split (what
-evaluation reads) covers all kinds evenly.
-
-Prompt: a system turn, ``data.few_shot`` demonstrations as earlier chat turns (one kind after
-another) whose answers end in ``\\boxed{N}``, then the question; the gold is the integer as a
-string, scored by the ``"math"`` reward.
+Every problem once, shuffled by ``seed`` (a pure function of it); per kind the first
+``TEST_PER_KIND`` are the test split, the next ``DEMOS_PER_KIND`` the few-shot pool, the rest
+training (disjoint), interleaved kind by kind so any test prefix covers every kind. Answers are
+integers; demonstrations end in ``\\boxed{N}``; scored by ``"math"``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """GSM8K (Cobbe et al., 2021, "Training Verifiers to Solve Math Word Problems") as a ``Task``.
 
-Each JSONL line is ``{"question": str, "answer": str}``; the answer is a worked solution ending
-in ``#### <number>``. Gold = that number with thousands commas removed. Few-shot demonstrations
-(``data.few_shot`` = k) are the first k training items, their solutions rewritten to end in
-``\\boxed{}`` (calculator annotations ``<<48/2=24>>`` dropped); they are left out of the training
-split so no prompt contains its own answer.
+JSONL lines ``{"question", "answer"}``; gold = the number after the answer's ``####``, thousands
+commas removed. The ``data.few_shot`` demonstrations are the first training items, rewritten to end
+in ``\\boxed{}`` (``<<48/2=24>>`` annotations dropped) and left out of the training split.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""``PromptSet``: a task's prompts tokenised, length-filtered, and mapped from group ids.
+"""``PromptSet``: a task's prompts rendered with the chat template, tokenised once, length-filtered.
 
-Prompts are rendered with the tokenizer's chat template (generation prompt appended) and
-tokenised once, at construction. Prompts longer than ``max_prompt_len`` tokens are dropped
-before any generation and counted (``num_filtered``), so no request is ever sent with no room
-to generate. The kept prompts keep their dataset order; group id g maps to
-
-    kept[perm(seed, epoch)[g % N]],  epoch = g // N,  perm = default_rng([seed, epoch]).permutation(N)
-
-(docs/design.md, "Determinism"), a pure function of (seed, g) — the same in every worker process.
+Prompts over ``max_prompt_len`` are dropped before any generation (``num_filtered``). Invariant:
+group g maps to ``kept[perm(seed, epoch)[g % N]]``, ``epoch = g // N``, ``perm =
+default_rng([seed, epoch]).permutation(N)``: the same in every worker (docs/design.md#determinism-the-contract).
 """
 
 from __future__ import annotations

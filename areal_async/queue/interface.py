@@ -1,11 +1,5 @@
-"""The replay queue as its users see it: ``TrainerQueue`` (rank 0 of the trainer) and
-``WorkerQueue`` (a generation worker).
-
-Both are satisfied by the in-process ``core.ReplayQueue`` and by the TCP ``client.QueueClient``,
-call for call, every call ``async`` (``stats`` too, so a caller never asks which one it holds);
-``tests/test_interfaces.py`` checks it. What each call does, its blocking and its errors are
-documented once, on ``ReplayQueue``; the wire format is ``protocol.py``.
-"""
+"""The replay queue as its users see it, ``TrainerQueue`` and ``WorkerQueue``: both met, call for
+call, by ``core.ReplayQueue`` (which documents each call) and ``client.QueueClient``."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Wire format of the replay-queue service: length-prefixed msgpack frames of small messages.
 
-A frame is a 4-byte big-endian payload length followed by one msgpack-encoded message. Requests
-and replies are tagged unions (field ``op``); each request carries a client-chosen ``rid`` that
-its reply echoes, so one connection can have many calls in flight (a worker blocks in ``lease``
-while its group tasks ``submit``).
-
-Access: a queue started with the job's token (``areal_async/auth.py``) reads the first frame of a
-connection as ``Auth``; any other first frame, or a wrong token, gets ``Error(kind="Unauthorized")``
-and the connection is closed, nothing dispatched. Errors about the connection rather than one call
-carry ``rid = -1``: ``Unauthorized``, ``BadRequest`` (a payload that is not a request; the
-connection goes on, as frames stay aligned) and ``TooLarge`` (a length prefix over the queue's
-``max_request_bytes``; the connection is closed, as the payload is not read).
+A frame is a 4-byte big-endian length, then one message; requests and replies are tagged unions
+(``op``) and a reply echoes its request's ``rid``, so one connection carries many calls. With a
+token the first frame must be ``Auth``. Connection errors carry ``rid = -1``: ``Unauthorized`` and
+``TooLarge`` close it, ``BadRequest`` does not.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
-"""The replay queue as an asyncio TCP service (one ``ReplayQueue`` behind msgpack frames).
+"""The replay queue as an asyncio TCP service (one ``ReplayQueue`` behind ``protocol`` frames).
 
     python -m areal_async.queue.server --config RUN_DIR/config.yaml [--start-version V]
         [--restore RUN_DIR/checkpoint/buffer.msgpack]
 
-Listens on ``queue.host:queue.port`` (port 0 picks a free one) and prints one ready line,
-``replay queue ready on HOST:PORT``. With the job's token (``AREAL_ASYNC_TOKEN``, set by
-``launcher.local``) a connection must open with an ``Auth`` frame carrying it (``protocol.py``);
-without one the queue starts only on a loopback ``queue.host``. A request frame over
-``queue.max_request_bytes`` (64 MiB by default) is refused with ``TooLarge`` and its connection
-closed; a payload that is not a request gets ``BadRequest`` and the connection goes on. A request
-that may wait on the queue (``get_batch``, ``wait_drained``, a ``lease`` the staleness bound holds
-back; every request under jitter) runs as its own task, so it never holds up other calls on the
-same connection; the others are answered in the read loop, in the order they came. When a client
-disconnects, its unanswered calls are cancelled, then the groups it leased and did not finish go back to the queue
-(``ReplayQueue.release`` of each worker id that leased on it, unless that worker id has leased on a
-newer connection since: a restarted worker is never robbed), one ``[queue]`` line names them. The
-launcher also sends ``Release(worker_id, restart=True)`` before it starts a dead worker again, and
-``ServerFailed(server, restart=True)`` before it starts a dead or hung inference server again (counted
-only: no group changes state).
-Every ``GetStats(check=True)`` (the trainer's, once a step) checks the accounting against every
-group's state; when the trainer closes the queue, and again at shutdown, it is checked too and the
-counters and every group's state are written to ``RUN_DIR/queue_accounting.json`` (with
-``violation``: the message, when the check failed). A failed check ends the service with status 1. With ``debug.jitter_ms`` every request waits a seeded random
-delay before it reaches the queue (determinism tests). The process runs until SIGTERM/SIGINT (exit 0); an internal
-error (a broken invariant) ends it with status 1 and the traceback.
+Prints ``replay queue ready on HOST:PORT``. A request that may wait runs as its own task, the
+others in order. A closed connection releases its workers' groups (docs/faults.md). The accounting
+is checked each step and at the end, and written to ``RUN_DIR/queue_accounting.json``; a failed
+check or broken invariant exits 1, SIGTERM/SIGINT exits 0.
 """
 
 from __future__ import annotations

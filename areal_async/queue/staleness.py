@@ -1,16 +1,8 @@
 """The staleness bound: how many more groups the queue may admit, and which version a group needs.
 
-Both functions are pure integer arithmetic over the quantities of docs/design.md ("Staleness"):
-
-- ``v``: latest trained policy version made live on the servers (the trainer announces it);
-- ``B``: groups per training batch; ``η`` (``max_staleness``): how many versions a group may lag;
-- ``accepted``: groups that finished and entered the buffer (monotone, consumed ones included);
-- ``running``: groups handed to a worker and not yet finished.
-
-The capacity bound is AReaL's (Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
-Learning System for Language Reasoning", section 5.1): at version ``v`` no more than
-``(η + v + 1) * B`` groups may ever have been admitted, so no sample trained at step ``i ≥ v``
-comes from a policy older than ``i - η``.
+Pure integer functions of docs/design.md#staleness-the-one-definition. The bound is AReaL's (Fu et
+al., 2025, arXiv:2505.24298, §5.1): at version ``v`` at most ``(η + v + 1) * B`` groups may ever
+have been admitted, so no sample trained at step ``i ≥ v`` is older than ``i - η``.
 """
 
 from __future__ import annotations

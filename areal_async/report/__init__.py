@@ -1,6 +1,4 @@
-"""Reports of runs and staleness studies: ``summary.csv`` and a self-contained ``report.html``
-(``build.py``: usage; ``runs.py``: reading ``metrics.jsonl``; ``summary.py``: the columns;
-``plots.py``: the figures)."""
+"""Reports of runs and staleness studies: ``summary.csv`` and a self-contained ``report.html``."""
 
 from areal_async.report.build import ReportFiles, main, report_paths, write_report, write_study_report
 from areal_async.report.runs import ReportInputError, RunMetrics, read_run

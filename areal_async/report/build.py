@@ -4,24 +4,8 @@
     python tools/report.py RUN_DIR [RUN_DIR ...] [--out DIR]   # any runs (one run: into RUN_DIR)
         [--threshold X] [--window N] [--resume-gap-s S]
 
-A **study directory** holds ``study.json`` (``launcher/ablation.py``); its cells are its run
-directories ``<study>/<cell>/`` with η, objective, interruption (``interrupt``: on | off; ``on``
-for every cell of a ``study.json`` written before that axis, without ``interrupts``) and seed from
-``study.json``. A cell with no metrics (failed before its first step, or not run yet) is a row
-with blank numbers and state ``missing``, and is listed with the reason in the report; it does not
-stop the report. ``launcher.ablation`` writes this report at the end of every study invocation.
-
-A **run directory** holds ``config.yaml`` and/or ``metrics.jsonl``; η, objective, interruption and
-seed come from its ``config.yaml`` (``queue.max_staleness``, ``algo.decoupled``,
-``rollout.interrupt_on_update``, missing: on, its default; ``seed``). A run directory given
-without metrics is an error (``ReportInputError``, exit status 2), as is a path that is neither
-kind, a study directory given together with other paths, several run directories without
-``--out``, or a threshold outside [0, 1].
-
-How rows are read (each step once, the last occurrence of a step wins; evaluation rows; the run
-clock and resume gaps) is ``runs.py``; the columns are ``summary.COLUMNS``; the figures
-``plots.py``. ``report.html`` embeds its figures as base64 PNG data URIs: it opens offline and
-can be mailed as one file. Nothing is measured here: every number comes from the runs' rows.
+Figures are embedded as PNG data URIs; bad input raises ``ReportInputError`` (exit status 2).
+What it reads and shows: docs/dashboards.md#the-studys-report.
 """
 
 from __future__ import annotations

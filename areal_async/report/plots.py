@@ -1,24 +1,6 @@
-"""The report's figures: matplotlib PNGs of a set of runs, grouped by η, objective and interruption.
-
-A **group** is the runs of one (η, objective, interrupt), i.e. the seeds of one grid point; a run
-whose η or objective is unknown is a group of its own, named after it. A curve is the mean over
-the group's runs at each step that they logged, and the band around it spans their min to max
-(only the runs that logged that step count there). Colour stands for η, line style for the
-objective (solid decoupled, dashed naive). **Interruption** (``interrupt``, ``summary.Cell``) is
-shown only when the runs differ in it: then a group without interruption is labelled
-"η=2 decoupled, no interruption" and drawn with ``x`` markers and a lighter line, the
-throughput lines are per (objective, interrupt), and, when both on and off occur, one more panel
-sets ``multi_version_frac_mean`` and ``tokens_per_wall_s`` of the two side by side per η. When
-every run has the same interruption, the figures do not mention it.
-
-Reward and correct curves are trailing means over ``window`` steps (the threshold's window,
-``summary.py``) taken per run before the mean over seeds; the other curves are per step. Against
-wall time, a step's x is the mean over seeds of its run clock (``runs.py``).
-
-Each function returns a ``Panel`` (title, caption, PNG bytes), or ``None`` when no run holds the
-metrics it draws. Figures are ``matplotlib.figure.Figure`` objects rendered by the Agg canvas, not
-pyplot: no global backend or figure state is touched (importing this module changes nothing).
-"""
+"""The report's figures as ``Panel``s of PNG bytes (``None`` when no run holds the metrics), drawn
+on matplotlib's Agg canvas, not pyplot: importing or drawing touches no global state.
+What each shows: docs/dashboards.md#the-studys-report."""
 
 from __future__ import annotations
 
@@ -108,7 +90,8 @@ def _trailing(values: list[float], window: int) -> list[float]:
 
 
 def seed_band(runs: list[RunMetrics], key: str, window: int = 1, evals: bool = False):
-    """``(steps, x_clock_s, mean, lo, hi)`` arrays over the runs' rows holding ``key`` (module doc)."""
+    """``(steps, x_clock_s, mean, lo, hi)`` arrays over the runs' rows holding ``key``: the group's mean and
+    min–max band at each step (docs/dashboards.md#the-studys-report)."""
     at: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for run in runs:
         rows = [r for r in (run.evals if evals else run.train) if isinstance(r.get(key), (int, float))]

@@ -1,43 +1,9 @@
 """One run directory read for a report: its training rows, evaluation rows and run clock.
 
-A run directory (``runs/<name>/``, or ``runs/<study>/<cell>/`` in a study) holds ``config.yaml``
-(the resolved config, written by the launcher) and ``metrics.jsonl`` (``areal_async/metrics.py``:
-one JSON object a line, each with ``step`` and ``time``, epoch seconds when it was written).
-Two kinds of row are in it:
-
-- a **training row**: step k's metrics (``train/*``, ``rollout/*``, ``staleness/*``, ``perf/*``,
-  ...), logged at the end of step k;
-- an **evaluation row**: only ``eval/*`` keys (``eval/pass@1``, ...), logged with ``step`` = the
-  evaluated policy version v (v = 0 before step 0 with ``eval.at_start``, v = k + 1 after step k
-  with ``eval.every_steps``, v = ``trainer.total_steps`` at the end). An evaluation row at step v
-  and the training row of step v are different rows: the evaluation measured the weights after v
-  steps, the training row is step v's batch.
-
-A resumed job appends to the same file; a step logged again after a resume from an earlier
-checkpoint appears twice. Here the **last** occurrence of each step wins (separately for training
-and evaluation rows), and rows are returned in step order, each step once.
-
-**Run clock.** ``clock_s`` of a row is seconds since the start of the run, with the downtime of
-resumes left out:
-
-- the start is the earlier of the first row's ``time`` and the start of the first training step
-  (its row's ``time`` minus its ``perf/step_s``), so step 0's own time is counted;
-- a **resume gap** is the interval between consecutive training rows k−1 and k (step order) that
-  a job stop and restart lies in. Detected: (a) certainly, where the file goes back in steps (the
-  row of step k is from a later job than step k−1's: a step re-run after a resume); (b) by
-  the job's own clock, where both rows carry ``perf/elapsed_s`` (the trainer's training wall
-  time, summed over resumes): the interval is longer than the rows' ``perf/elapsed_s`` difference
-  by more than ``ELAPSED_SLACK_S``, and that excess is the gap, exactly; (c) for rows without it,
-  by duration, where the interval is longer than step k's ``perf/step_s`` by more than
-  ``resume_gap_s`` (default ``RESUME_GAP_S``): the stopped job's lost steps, the downtime and the
-  new job's start-up. A resume faster than that is not detected by (c) (its start-up counts as
-  run time), and a checkpoint save slower than that would be taken for one. The excess (over the
-  ``perf/elapsed_s`` difference, else over ``perf/step_s``) of every detected gap is left out of
-  the clock (from that row on) and counted in ``resumes``; a row written inside a gap (a resumed
-  job's first evaluation) is placed at the gap's start.
-
-A truncated last line (a job killed while writing it) is skipped and noted; a bad line elsewhere
-is an error.
+``read_run`` returns each step once (the last occurrence in ``metrics.jsonl`` wins, training and
+evaluation rows apart), in step order, each row with ``clock_s``: seconds since the run's start,
+resume downtime left out. ``read_cell_config`` reads the grid values from ``config.yaml``.
+The rows, the clock and resume gaps: docs/dashboards.md#how-a-run-is-read.
 """
 
 from __future__ import annotations
@@ -65,8 +31,8 @@ class RunMetrics:
         train: training rows, ascending ``step``, one per step; each row has ``clock_s`` added.
         evals: evaluation rows, ascending ``step`` (= evaluated version), one per version, with
             ``clock_s`` added.
-        resumes: resume gaps detected (module doc), left out of the clock.
-        elapsed_s: seconds from the start (module doc) to the last row, resume gaps included.
+        resumes: resume gaps detected (docs/dashboards.md#how-a-run-is-read), left out of the clock.
+        elapsed_s: seconds from the start (the same page) to the last row, resume gaps included.
         wall_s: the same span on the run clock (resume gaps left out); 0.0 for no rows.
         notes: what was skipped while reading (a truncated last line).
     """
@@ -122,7 +88,7 @@ def read_rows(path: pathlib.Path) -> tuple[list[dict], list[str]]:
 
 
 def read_run(run_dir: pathlib.Path, resume_gap_s: float = RESUME_GAP_S) -> RunMetrics:
-    """Read ``run_dir/metrics.jsonl`` (module doc: last occurrence wins, run clock, resume gaps).
+    """Read ``run_dir/metrics.jsonl`` (last occurrence wins, run clock, resume gaps: docs/dashboards.md#how-a-run-is-read).
 
     Raises:
         ReportInputError: no ``metrics.jsonl``, or it holds no row (nothing logged yet), or a bad line.

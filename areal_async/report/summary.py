@@ -1,11 +1,5 @@
-"""One row per run: the numbers of ``summary.csv`` (``COLUMNS`` defines each one).
-
-Every "mean" is over the training rows that hold the metric as a finite number (each step once,
-``runs.py``), so a step where a statistic was left out (e.g. ``train/behav_kl`` with every sequence
-skipped) does not count as 0. Times are on the run clock of ``runs.py`` (seconds from the start of
-the run, resume gaps left out). A cell without metrics has its name, grid values, state and
-``run_dir`` and every number blank.
-"""
+"""One row per run: the numbers of ``summary.csv`` (``COLUMNS`` defines each one). A "mean" is over
+the steps holding the metric as a finite number; times are on the run clock of ``runs.py``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Verifiable math reward: the last ``\\boxed{...}`` answer, checked for equivalence with math-verify.
 
-``math_reward`` is 1.0 when the response's last boxed answer is mathematically equivalent to the
-gold answer and 0.0 otherwise (no box, an empty box, unparsable, not equal). Scaling to +5 / −5
-and the optional format bonus happen in ``reward.pool``. Before math-verify sees them, both sides
-are lightly normalised the way GSM8K answers need: ``\\text{..}`` unwrapped, thin spaces and
-``{,}`` dropped inside numbers, and a number followed only by words ("18 dollars") reduced to the
-number. math-verify then handles ``\\$``, ``%``, thousands commas, ``72.0`` vs ``72`` and
-``\\frac{1}{2}`` vs ``0.5``.
-
-math-verify's own signal-based timeouts work only in a main thread; elsewhere they are off and
-the caller (the reward pool, which kills a stuck process) must bound the time.
+``math_reward`` is 1.0 when equivalent to the gold answer, else 0.0 (no box, empty, unparsable);
+both sides first go through ``normalize_answer``. math-verify's timeouts work only in a main thread,
+so the caller bounds the time (the reward pool kills a stuck process).
 """
 
 from __future__ import annotations
@@ -73,7 +66,9 @@ def _box_content(text: str, i: int) -> str | None:
 
 
 def normalize_answer(answer: str) -> str:
-    """Light normalisation applied to both sides before math-verify (see module docstring)."""
+    """Light normalisation applied to both sides before math-verify: ``\\text{..}`` unwrapped, thin
+    spaces and ``{,}`` dropped inside numbers, a number followed only by words ("18 dollars")
+    reduced to the number."""
     s = _TEXT_WRAP.sub(r"\1", answer)
     s = re.sub(r"(?<=\d)(?:\\,|\\!|\{,\}|\\ )(?=\d)", "", s)
     m = _NUMBER_THEN_WORDS.match(s)
@@ -84,6 +79,9 @@ def normalize_answer(answer: str) -> str:
 
 def math_reward(response: str, gold: str) -> float:
     """1.0 if the last boxed answer of ``response`` is equivalent to ``gold``, else 0.0.
+
+    math-verify handles ``\\$``, ``%``, thousands commas, ``72.0`` vs ``72`` and ``\\frac{1}{2}`` vs
+    ``0.5``; ``normalize_answer`` does what GSM8K answers need beyond that.
 
     Args:
         response: decoded model output (any text; the answer must be in ``\\boxed{}``).

@@ -1,26 +1,11 @@
-"""Reward functions by name, and the process pool that runs them with a per-call timeout.
+"""Reward functions by name (``REWARD_FNS``), and the process pool that runs them with a timeout.
 
-A reward function is a plain top-level function ``fn(response: str, gold: str) -> float``
-returning 1.0 (correct) or 0.0 (wrong). ``REWARD_FNS`` maps the names that tasks use
-(``Task.reward_fn``) to them; registering one is one line: ``REWARD_FNS["name"] = fn``.
-
-``RewardPool`` keeps ``num_procs`` worker processes (``spawn``), each serving one call at a
-time over a pipe. The function itself travels pickled by reference, so any importable function
-works, registered or not. A call that raises, or runs past ``timeout_s`` (the process is then
-killed and replaced, so a runaway sympy simplification cannot wedge the pool), scores as wrong and
-is counted. Scaling: ``reward = correct if value > 0.5 else wrong``, plus ``format_bonus`` when
-the response has a non-empty ``\\boxed{}``.
-
-A process that dies during a call (a segfault, an OOM kill, the function calling ``sys.exit()``
-or ``os._exit()``) is replaced by a fresh one and the call is retried once on it: a death caused
-by something else (the OOM killer picking this process) then costs nothing, while a response that
-crashes the verifier every time scores as an error (wrong, counted in ``reward/errors``).
-Replacements are counted in ``reward/restarts`` and each one is printed with the exit code or
-signal. Deaths are counted in a row across calls (a call that ends any other way resets the
-count); at ``reward.max_consecutive_deaths`` the pool raises ``RewardProcessError`` naming the
-function and how its process ended, which stops the job: a function that kills its process on
-every call would otherwise score every response wrong, every group's advantages would be 0 and
-training would silently stop learning.
+A reward function is a top-level ``fn(response: str, gold: str) -> float``, 1.0 correct or 0.0
+wrong; reward = ``correct if value > 0.5 else wrong``, plus ``format_bonus`` for a non-empty
+``\\boxed{}``. ``RewardPool`` keeps ``num_procs`` spawned processes, each serving one call at a
+time (the function travels pickled by reference: any importable one works). Invariant: a call
+that fails scores as wrong and is counted, and a dead or stuck process is replaced; deaths in a
+row stop the job (docs/faults.md#a-reward-function-fails).
 """
 
 from __future__ import annotations

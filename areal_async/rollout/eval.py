@@ -1,14 +1,8 @@
-"""Greedy pass@1 on the first prompts of the test split (run by the trainer at the start, every
-``eval.every_steps`` steps and at the end).
+"""Greedy pass@1 on the first ``num_prompts`` prompts of the test split, one policy version at a time.
 
-Each of the first ``num_prompts`` test prompts (dataset order, after length filtering) gets one
-greedy response (temperature 0, ``sampling_seed`` 0); prompt j goes to server
-``j % num_servers``. All requests are in flight at once; the servers batch them.
-
-An evaluation measures one policy version: the trainer starts it after making version v live and
-makes the next version live only once it has finished, so no weight update lands in the middle
-(a mixed evaluation was reported against slime-based ``miles``, issue #1740). Every token's
-``weight_version`` (``meta_info.weight_version`` of its response) is checked against v.
+One greedy response per prompt (temperature 0, ``sampling_seed`` 0), prompt j to server
+``j % num_servers``, all in flight at once. Invariant: every token's ``weight_version`` is the
+evaluated version, else ``MixedVersionError`` (when it runs: docs/metrics.md#evaluations).
 """
 
 from __future__ import annotations
@@ -34,7 +28,8 @@ async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: Reward
         client: an ``InferenceClient``, or a stand-in for it.
         prompts: the test prompts (``PromptSet`` of the task's ``"test"`` split).
         rewards: the reward pool; scores with ``prompts.task.reward_fn``.
-        num_prompts: how many of the first test prompts to use (capped at ``len(prompts)``).
+        num_prompts: how many of the first test prompts to use (capped at ``len(prompts)``; dataset
+            order, after length filtering).
         max_new_tokens: response budget per prompt (``>= 1``).
         version: the policy version the servers hold for the whole evaluation.
         on_done: called once per scored prompt (progress display).

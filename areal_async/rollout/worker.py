@@ -2,21 +2,12 @@
 
     python -m areal_async.rollout.worker --config RUN_DIR/config.yaml --worker-id I
 
-For each leased group g: prompt = ``PromptSet.for_group(g)``; ``n_samples`` requests go out at
-once, sample i with ``sampling_seed = sample_seed(seed, g, i)``, ``rid = "g{g}-s{i}"``, to
-server ``(g * n_samples + i) % num_servers`` — all functions of (g, i), never of timing or of
-which worker runs it (while that server is out of routing, dead or restarting, the inference client
-sends it to the next live one with the same rid and seed, ``areal_async/inference/routing.py``). Each response is decoded and scored in the reward pool as soon as it
-returns; the group's ``Trajectory`` (per-token versions included, as the inference client
-recorded them) is submitted the moment its last sample is scored. At most
-``rollout.max_groups_in_flight`` groups are in flight. When the queue closes (``lease`` returns
-``[]``) the groups still in flight can no longer be trained; they are cancelled and the worker
-exits 0. Any error (server, reward pool, queue) cancels everything and exits non-zero with the
-traceback; the launcher then starts the worker again, a bounded number of times
-(``rollout.max_worker_restarts``; one more death stops the job), and the queue hands the groups it
-held out again, with the same ids (``ReplayQueue.release``), so they are generated again with the
-same prompts and seeds. ``debug.jitter_ms`` adds a uniform random delay before each
-request (seeded by ``debug.jitter_seed`` and the worker id) to shake up timing in tests.
+Invariant: sample i of group g has prompt ``PromptSet.for_group(g)``, ``sampling_seed =
+sample_seed(seed, g, i)``, ``rid = "g{g}-s{i}"`` and server ``(g * n_samples + i) % num_servers``:
+functions of (g, i), never of timing or of which worker runs it. Each response is scored as it
+returns and the group's ``Trajectory`` submitted when its last one is; at most
+``rollout.max_groups_in_flight`` groups are in flight. A closed queue cancels them and exits 0; any
+error cancels everything and exits non-zero (docs/faults.md#a-generation-worker-dies).
 """
 
 from __future__ import annotations

@@ -1,51 +1,13 @@
-"""Packed (variable-length) causal attention for HF models, registered as ``"packed"``
-(and ``"packed_repeat_kv"``, ``"packed_triton"``).
-
-``use_packed_attention(model)`` registers the functions below with transformers'
-``AttentionInterface`` and switches the model to one of them. The model is then called on one
-packed row (batch size 1) with the boundaries as keyword arguments, which transformers forwards to
-every attention layer::
+"""Packed (variable-length) causal attention for HF models, registered as ``"packed"``,
+``"packed_repeat_kv"`` and ``"packed_triton"`` (``use_packed_attention``). The model then takes one
+packed row, the boundaries as keyword arguments that transformers forwards to every layer::
 
     model(input_ids=ids[None], position_ids=pos[None], **packed_kwargs(batch))
 
-Attention never crosses a sequence boundary:
-
-- CUDA, bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (flash varlen kernel) with
-  ``window_size=(-1, 0)`` (causal); or, with ``backend="triton"`` (``trainer.attention_backend``),
-  this project's Triton kernels (``trainer/triton_packed_attention.py``: FlashAttention-2 forward and a
-  deterministic backward, native GQA).
-- Otherwise (CPU, or fp32 anywhere): ``scaled_dot_product_attention`` with ``is_causal=True``
-  applied to each sequence's slice in turn. This is the block-diagonal causal mask built from
-  ``cu_seqlens``, evaluated block by block: the result is the same as with the full ``[T, T]``
-  mask, but it costs Σ L_b² instead of T², which on a CPU is the difference between a cheap and
-  an unusable training step for a 4k-token micro-batch.
-
-Prefix trees (``trainer/tree.py``, shared-prefix packing): with ``tree_attention_kwargs`` the
-row is a forest of token tries in pre-order and node ``i`` attends to node ``j`` iff
-``j <= i < subtree_end[j]`` (its ancestors and itself). Three paths (``trainer.tree_attention``,
-docs/trainer.md "Tree attention paths"):
-
-- ``varlen``: the forest cut into chains (``tree.ChainLayout``: query run = a chain's own nodes,
-  key run = its ancestors' K/V gathered with ``index_select``, then its own), and
-  ``varlen_attn`` with separate ``cu_seqlens_q/k``, causal aligned to the bottom right (query
-  ``i`` of a run of ``q`` reads the first ``k - q + i + 1`` keys: flash attention's alignment when
-  the runs differ in length). The backward of ``index_select`` (an ``index_add``) sums the dK/dV
-  of the gathered copies into the ancestor nodes. Off CUDA bf16/fp16 the kernel is stood in for
-  by ``sdpa`` per run with that mask (``bottom_right_varlen_reference``), for checking.
-- ``flex``: compiled FlexAttention (``torch.nn.attention.flex_attention``) with a block mask built
-  once per micro-batch (CUDA bf16/fp16).
-- ``sdpa``: ``sdpa`` per tree with the boolean ``[n, n]`` mask (CPU, fp32, deterministic).
-
-Grouped-query attention: on the ``varlen_attn`` path K/V keep their ``H_kv`` heads (the flash
-kernel maps query head ``h`` to K/V head ``h // (H / H_kv)``, and its backward sums the group's
-dK/dV); ``use_packed_attention(model, native_gqa=False)`` selects ``"packed_repeat_kv"``, which
-repeats K/V heads up to the query head count first, as the CPU path always does. Because
-transformers only builds masks for the attention names it knows, no ``[T, T]`` mask is ever
-created for either name.
-
-Under ``torch.compile`` the per-sequence ``sdpa`` loop runs eagerly (``torch.compiler.disable``:
-its Python loop over ``cu_seqlens`` values would otherwise specialise the graph on every packing);
-``varlen_attn`` and the Triton attention are custom ops and stay in the graph.
+Invariant: attention never crosses a sequence boundary; in a prefix tree (``tree_attention_kwargs``)
+node ``i`` reads node ``j`` iff ``j <= i < subtree_end[j]``. Paths: CUDA bf16/fp16 ``varlen_attn`` or
+the Triton kernels, else causal ``sdpa`` per sequence; trees ``varlen``, ``flex`` or ``sdpa``.
+Which, and why: docs/trainer.md#packed-attention, docs/trainer.md#tree-attention-paths.
 """
 
 from __future__ import annotations
@@ -185,7 +147,7 @@ def tree_attention_kwargs(cu_trees: Tensor, max_tree_len: int, subtree_end: Tens
         cu_trees: ``[K+1] int32`` tree boundaries, on the model's device.
         max_tree_len: nodes of the largest tree.
         subtree_end: ``[N] int64`` one past the last node of each node's subtree (global index).
-        path: ``varlen``, ``flex`` or ``sdpa`` (``TREE_PATHS``; see the module docstring).
+        path: ``varlen``, ``flex`` or ``sdpa`` (``TREE_PATHS``; docs/trainer.md#tree-attention-paths).
         chains: ``tree.ChainLayout`` of the forest on the model's device; needed by ``varlen``.
 
     Built once per micro-batch and shared by every layer: ``flex`` builds the FlexAttention block

@@ -1,20 +1,10 @@
-"""HF checkpoints of the trained policy: a ``save_pretrained`` directory plus the tokenizer.
+"""HF directories of the trained policy, loadable by ``from_pretrained`` and both inference backends.
 
-The directory is what ``AutoModelForCausalLM.from_pretrained`` and both inference backends load
-(``/update_weights_from_disk``, a fresh server's ``--model-path``). The config comes from the
-starting checkpoint with its dtype set to the weights'; the starting checkpoint's
-``generation_config.json`` and tokenizer files (chat template included) are copied unchanged,
-byte for byte (``base_model_files``): ``save_pretrained`` alone would write a generation config
-derived from ``config.json``, which keeps one ``eos_token_id`` where Qwen2.5/Qwen3 list several,
-so the checkpoint would stop on fewer tokens than the base model. The weights are the gathered
-full state dict, cast to the requested dtype. Saving builds the model skeleton on the ``meta`` device and assigns the tensors,
-so no second copy of the weights is allocated. ``state_dict_sha256`` fingerprints a state dict
-(bitwise run-to-run comparisons).
-
-For weight updates through disk (``DiskWeightSender``) ``write_hf_directory`` writes the same kind
-of directory from tensors already cast and on the CPU, as a few safetensors files in parallel,
-with the config (its ``dtype`` set to the weights'), generation config and tokenizer files that
-``hf_metadata_files`` renders once per run.
+``save_hf_checkpoint`` writes a gathered state dict (the checkpoint); ``write_hf_directory`` writes
+CPU tensors already cast, as a few safetensors files in parallel (the disk weight sync); the config
+is the base model's with the weights' dtype. Invariant: the base model's generation config and
+tokenizer files are kept byte for byte (a derived ``generation_config.json`` keeps one
+``eos_token_id`` where Qwen2.5/Qwen3 list several). ``state_dict_sha256`` compares runs bitwise.
 """
 
 from __future__ import annotations
@@ -40,6 +30,9 @@ def save_hf_checkpoint(
     dtype: torch.dtype = torch.float32,
 ) -> pathlib.Path:
     """Write ``state_dict`` (HF names) as safetensors + config + tokenizer into ``out_dir``.
+
+    The model skeleton is built on the ``meta`` device and the tensors assigned to it, so no second
+    copy of the weights is allocated.
 
     Args:
         state_dict: full tensors keyed by HF parameter name (e.g. from

@@ -1,16 +1,6 @@
-"""The deterministic-mode contract on every batch the trainer takes (docs/design.md, "Determinism").
-
-``check_batch`` raises ``ContractViolation`` when batch k of a deterministic run breaks one of:
-
-- its groups are exactly ``[k*B, (k+1)*B)``, in id order;
-- every sample of group g has index i (``0..n-1``, in order) and seed ``sample_seed(seed, g, i)``;
-- every output token of group g was produced by version ``v(g) = max(0, floor(g/B) - η)``
-  (``max(v(g), start_version)`` after a resume from ``start_version``).
-
-A violation is a bug in the queue, a worker or a server, never a condition to log and skip.
-``dump_batch`` writes the deterministic content of a batch as one JSON line (token ids,
-behaviour log-probs as exact float repr, rewards, versions, seeds) for run-to-run comparison.
-"""
+"""The deterministic-mode contract on every batch (docs/determinism.md#how): ``check_batch`` raises
+``ContractViolation`` on a broken one; ``dump_batch`` writes its deterministic content as one JSON
+line (ids, behaviour log-probs as exact floats, rewards, versions, seeds) for run-to-run comparison."""
 
 from __future__ import annotations
 

@@ -4,29 +4,10 @@
 
     take(k) → Learner.step (showing training(k)) → publish(k + 1) → log(k, ...) → settle(k)
 
-and ``finish()`` after the last step. A follower's call joins the collectives of the
-coordinator's, in the same order, and does nothing else:
-
-- ``take(k)``: rank 0 takes batch k from the replay queue (showing its ready groups meanwhile) and
-  broadcasts it over the default group; every rank decodes it and, in deterministic mode, checks
-  it against the id/seed/version contract (``contract.check_batch``, a violation raises); rank 0
-  appends it to ``RUN_DIR/trajectories.jsonl`` (``logging.dump_trajectories``).
-- ``publish(v)``: [deterministic: rank 0 waits until every group of version ≤ v-1 has finished
-  (the queue refuses ``set_version(v)`` before), and on a checkpoint step keeps the queue's ready
-  groups of those versions for the checkpoint: they resume as is] → wait for a running evaluation
-  (it measures one version) → every rank sends the weights of version v to the servers → rank 0
-  announces v to the queue.
-- ``log(k, ...)``: rank 0 completes step k's metrics (the batch's, the queue's: the queue checks
-  its accounting first and a broken one raises ``AccountingError``; phase timings; versions), logs
-  them, then starts the background evaluation of version k+1 if ``eval.every_steps`` is due
-  (after step k's row: wandb's steps only increase).
-- ``settle(k)``: every ``trainer.checkpoint_every`` steps and after the last, the collective
-  checkpoint of version k+1 with the kept groups (``Learner.save_checkpoint``); ``trainer.resume``
-  restarts from it (``resume.py``).
-
-The deterministic-mode behaviour (contract check, drain) is chosen once, at construction.
-``debug.jitter_ms`` sleeps a seeded random delay before taking a batch (every rank) and before
-announcing a version (rank 0).
+take: batch k from the queue, to every rank, checked; publish: [drain] → [running evaluation] →
+weights → version announced; log: metrics, then the next evaluation if due; settle: checkpoint if
+due. Invariant: a follower's call joins the coordinator's collectives, in the same order, and does
+nothing else; deterministic mode's check and drain are chosen once. docs/trainer.md#the-loop.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""``Evaluations``: when rank 0 evaluates the served policy, and how it waits for it.
-
-The schedule (``eval.*``): version 0 before the first step (``at_start``, a fresh run); version
-k+1 every ``every_steps`` steps, in the background while step k+1 waits for its batch and trains;
-the last version at the end (``at_end``). A resumed job first evaluates the checkpoint's version
-if ``every_steps`` was due there and the stopped job did not log it (it was still running in the
-background). An evaluation measures one version, so the coordinator awaits ``finish`` before it
-sends the next weights. Each result is logged at the step of its version
-(``rollout.eval.evaluate``).
-"""
+"""``Evaluations``: when rank 0 evaluates the served policy (``eval.*``). Invariant: an evaluation
+measures one version, so the next weight send awaits ``finish`` (docs/metrics.md#evaluations)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""``Learner``: one trainer rank's trainable state (policy, AdamW, learning-rate schedule).
+"""``Learner``: one trainer rank's policy, AdamW and learning-rate schedule, fresh or restored.
 
-Every rank builds one. Construction joins the torchrun default group and builds the policy
-(FSDP2 shard or DDP replica, ``policy.build_policy``) from ``model.path``, or, with
-``trainer.resume``, from ``RUN_DIR/checkpoint`` with the optimizer, schedule and RNG restored
-(``resume.load_training_state``). ``step`` runs one decoupled-PPO step (``step.train_step``) and
-one scheduler step; ``save_checkpoint`` writes ``RUN_DIR/checkpoint``. All three are collectives.
-
-Deterministic mode (``mode: deterministic``) is set up here, once: the environment of
-``determinism.deterministic_env`` (on CUDA ``CUBLAS_WORKSPACE_CONFIG`` plus ``NCCL_ALGO=Ring`` /
-``NCCL_PROTO=Simple``: a fixed all-reduce order; values already set win), before CUDA and NCCL start; ``torch.use_deterministic_algorithms(True)``;
-and the model's linears in fixed row tiles (``batch_invariant``).
+``step`` and ``save_checkpoint`` are collectives. Deterministic mode is set up here once, before
+CUDA and NCCL start (environment, deterministic algorithms, tiled linears; docs/determinism.md#how).
 """
 
 from __future__ import annotations

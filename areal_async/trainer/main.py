@@ -1,24 +1,7 @@
 """The trainer process: ``torchrun --nproc-per-node N -m areal_async.trainer.main --config RUN_DIR/config.yaml``.
 
-Every rank holds a shard (FSDP2) or replica (DDP) of the policy (``learner.Learner``); rank 0
-alone talks to the replay queue, the inference servers, the metrics logger and the evaluator, and
-hands each batch to the other ranks over the default group (``coordinator.Coordinator``; the other
-ranks run its twin ``coordinator.Follower``, which only joins the collectives). Per step k: take
-batch k → one decoupled-PPO step → publish version k+1: [deterministic: wait until every group of
-version ≤ k has finished] → [wait for a running evaluation] → make it live on the servers →
-announce it to the queue → log (the queue checks its accounting first; a broken one raises
-``AccountingError``) → [every ``eval.every_steps``: start evaluating version k+1 in the
-background, overlapping step k+1's wait for data and its training] → checkpoint (every
-``trainer.checkpoint_every`` steps and at the end; ``trainer.resume`` restarts from it, see
-``resume.py``). The run directory is the directory of the config file.
-
-Deterministic mode additionally: every rank checks each batch against the id/seed/version
-contract (``contract.check_batch``, a violation raises), the model's linears compute in fixed row
-tiles (``batch_invariant``), ``torch.use_deterministic_algorithms(True)``, and the environment of
-``determinism.deterministic_env`` (set up by ``learner.Learner``). ``logging.dump_trajectories`` makes rank 0 append every batch to
-``RUN_DIR/trajectories.jsonl``; ``debug.jitter_ms`` sleeps a seeded random delay before taking a
-batch and before announcing a version. Any exception ends the process with its traceback and a
-non-zero status (torchrun then stops the other ranks, the launcher the job).
+Per step k: take batch k, one decoupled-PPO step, publish version k+1, log, checkpoint; any
+exception ends the process with its traceback, non-zero (docs/trainer.md#the-loop).
 """
 
 from __future__ import annotations
@@ -55,7 +38,7 @@ def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torc
 
 
 async def train(cfg: Config, run_dir: pathlib.Path) -> None:
-    """Run steps ``learner.start .. trainer.total_steps - 1`` on this rank (module docstring)."""
+    """Run steps ``learner.start .. trainer.total_steps - 1`` on this rank (docs/trainer.md#the-loop)."""
     learner = Learner(cfg, run_dir)  # joins the default group; the policy built or restored
     async with contextlib.AsyncExitStack() as stack:
         coord = await connect(cfg, run_dir, learner, stack, make_sender)  # rank 0's duties, or their twin

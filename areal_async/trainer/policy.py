@@ -1,28 +1,11 @@
 """Process group, device and the data-parallel wrapping of the policy (FSDP2 or DDP).
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) works with the gloo backend on CPU in torch 2.13:
-each decoder layer is its own unit and the ``PackedPolicy`` wrapper is the root (embeddings,
-final norm and the tied LM head). Parameters become ``DTensor``s sharded on dim 0; gradients are
-reduce-scattered (averaged). ``trainer.parallel: ddp`` wraps the policy in
-``DistributedDataParallel`` instead (full replicas, all-reduced gradients).
-
-Precision: weights, gradients and the optimizer state are always float32 ("master weights");
-``trainer.dtype`` is the compute dtype. With ``bfloat16`` FSDP2 gathers the parameters in bf16
-(``MixedPrecisionPolicy``, gradients reduced in fp32); DDP and the single-rank wrapper use
-``torch.autocast``. The LM head's logits are upcast to fp32 before the log-softmax either way.
-On a CPU with AVX512-BF16, bf16 compute made a SmolLM2-135M forward+backward 1.6× faster.
-On CUDA every RMSNorm module runs as ``F.rms_norm`` (``use_fused_rms_norm``), as the embedded
-engine's norms do.
-
-``trainer.compile``: each decoder layer's ``forward`` runs through ``torch.compile`` (regional
-compilation: every layer runs the same code, so one graph serves all of them; the FSDP2 hooks,
-which run around ``forward``, stay eager), and the fused LM head's per-chunk kernels are compiled
-too (``PackedPolicy(compile_head=True)``). Shapes change with every micro-batch: the first call
-compiles for static shapes, the second recompiles with the token count dynamic. Not combined with
-deterministic mode (the tiled linears' batch invariance is checked for eager kernels only).
-
-``full_parameters`` and ``full_state_dict`` are collectives: every rank must call them, and only
-rank 0 receives the gathered tensors.
+FSDP2 (also with gloo on CPU): each decoder layer is a unit and ``PackedPolicy`` the root;
+``trainer.parallel: ddp`` keeps full replicas. Weights, gradients and optimizer state are fp32;
+``trainer.dtype`` is the compute dtype. ``trainer.compile`` compiles each decoder layer's
+``forward`` and the head's chunks. ``full_parameters`` and ``full_state_dict`` are collectives, and
+only rank 0 gets the tensors. docs/trainer.md#data-parallelism-fsdp2-with-gloo-works-on-cpu and
+the sections after it.
 """
 
 from __future__ import annotations

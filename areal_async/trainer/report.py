@@ -1,8 +1,5 @@
-"""Per-step measurements of the trainer: phase timing and the metrics of a consumed batch.
-
-Names follow docs/design.md: ``rollout/*`` and ``staleness/*`` describe the batch the trainer took,
-``queue/*`` a snapshot of the queue, ``perf/*`` the step's phases (``Timer``).
-"""
+"""Per-step measurements of the trainer: phase timing (``Timer``) and the metrics of a consumed batch
+and of the queue (names: docs/metrics.md)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,10 @@
-"""Training state for a resume: step, optimizer, RNG, and the replay queue's saved buffer.
+"""Training state for a resume: step, optimizer, schedule, RNG, and the replay queue's saved buffer.
 
-``RUN_DIR/checkpoint/`` holds the HF weights (``checkpoint.save_hf_checkpoint``, fp32 master
-weights) and, written after them by ``save_training_state``:
-
-- ``trainer_state.pt``: ``{"step": s, "optimizer": <full optimizer state dict>, "scheduler":
-  <the learning-rate scheduler's state dict>, "rng": <torch CPU RNG state>}`` where ``s`` = steps
-  done = the policy version of the weights;
-- ``buffer.msgpack``: the finished, unconsumed groups the queue held (``list[Trajectory]``), which
-  the resumed queue restores (``ReplayQueue(restored=...)``);
-- ``trainer_state.json``: ``{"step": s, "elapsed_s": e}``, written last, so its presence marks a
-  complete state (the launcher reads it to start the queue and servers at version ``s``); ``e`` is
-  the run's training wall time in seconds when the checkpoint was written (``perf/elapsed_s``).
-
-The optimizer state is gathered to full tensors (``torch.distributed.checkpoint.state_dict``,
-``full_state_dict``) so that it does not depend on the sharding; on load every rank reads the
-same file and keeps its own shard. The data order needs no state (prompt of group g is a pure
-function of the run seed and g), nor does sampling (seeds are functions of (seed, g, i)).
-
-An optimizer that has taken no update yet (every one so far skipped for a non-finite gradient,
-``train/skipped_updates``) has no state, and ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
-first create one on it (a step with zero gradients and lr 0: AdamW's ``step`` 1 and zero moments),
-which would make the next real update's bias correction that of a second step (about 0.74 of its
-size with betas (0.9, 0.999)). Saving such an optimizer removes that state from the live optimizer
-again and writes an empty ``"state"``; loading an empty ``"state"`` leaves none. So writing a
-checkpoint never changes training, and a resume continues as the unbroken run would.
+``save_training_state`` writes it into the checkpoint after the weights, ``trainer_state.json``
+last; ``load_training_state`` restores it on every rank (each keeps its shard). Invariants: a
+checkpoint is complete iff it holds ``trainer_state.json``; writing one never changes training
+(an optimizer with no update yet stays without state), so a resume continues as the unbroken run
+would. The files: docs/running.md#checkpoints-and---resume.
 """
 
 from __future__ import annotations
@@ -50,7 +31,7 @@ def _rank() -> int:
 def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, ckpt_dir: pathlib.Path,
                         step: int, buffer: list[Trajectory], elapsed_s: float = 0.0) -> None:
-    """Collective: gather the optimizer state; rank 0 writes the files listed in the module doc.
+    """Collective: gather the optimizer state; rank 0 writes the files of docs/running.md#checkpoints-and---resume.
 
     Args:
         policy: the (FSDP2/DDP-wrapped) policy the optimizer steps.
@@ -134,7 +115,7 @@ def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     and the RNG; returns the step.
 
     The weights are loaded separately (``build_policy`` from ``ckpt_dir``). An optimizer saved
-    before its first update is restored with no state (module docstring). The learning rate
+    before its first update is restored with no state (docs/trainer.md#precision). The learning rate
     follows ``scheduler`` as built from this run's config, at the checkpoint's step (``last_epoch =
     step``): unchanged, that is the rate an unbroken run has (the same expression, bit for bit);
     a resume that changes the schedule (``trainer.total_steps`` to train further, ``trainer.lr``)

@@ -1,22 +1,7 @@
-"""The learning-rate schedule: linear warm-up, then constant, linear or cosine decay to a floor.
+"""The learning-rate schedule (warm-up, then constant, linear or cosine decay to a floor; ``lr_factor``).
 
-The schedule advances once per **training step** (one batch from the queue), not once per
-optimizer update: with ``algo.ppo_minibatches`` = n > 1 the n updates of step ``k`` all use the
-same learning rate ``lr · lr_factor(k, ...)``. This is verl's convention (its actor steps the
-scheduler once per ``update_policy`` call, after all mini-batches), and it keeps
-``trainer.total_steps`` and ``trainer.warmup_steps`` in the unit the user counts in.
-
-Factor of step ``k`` (0-based) with W = ``warmup_steps``, T = ``total_steps``, r = ``min_lr_ratio``:
-
-- warm-up, ``k < W``: ``(k + 1) / W`` (so step 0 already learns, at ``lr / W``; step ``W - 1``
-  is at the full ``lr``);
-- after it, ``p = (k - W) / (T - W)`` in ``[0, 1)``:
-  ``constant``: 1; ``linear``: ``r + (1 - r)(1 - p)``; ``cosine``: ``r + (1 - r)(1 + cos πp) / 2``
-  (the floor ``r`` is approached, and reached one step after the last).
-
-The scheduler is a ``torch.optim.lr_scheduler.LambdaLR``; its state (``last_epoch``) is saved in
-the checkpoint and restored by a resume (``resume.py``), so a resumed run's ``train/lr`` is the
-unbroken run's.
+Invariant: it advances once per training step, not per optimizer update (verl's convention), and
+its state is checkpointed, so a resumed run's ``train/lr`` is the unbroken run's.
 """
 
 from __future__ import annotations
@@ -32,9 +17,13 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 
 def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of ``trainer.lr`` during training step ``step`` (see the module doc).
+    """Multiplier of ``trainer.lr`` during training step ``step`` (0-based).
 
-    A step at or past ``total_steps`` gets the floor ``min_lr_ratio`` (``constant``: 1).
+    With W = ``warmup_steps``, T = ``total_steps``, r = ``min_lr_ratio``: warm-up, ``step < W``:
+    ``(step + 1) / W`` (step 0 already learns, at ``lr / W``; step ``W - 1`` at the full ``lr``);
+    after it, ``p = (step - W) / (T - W)`` in ``[0, 1)``: ``constant`` 1, ``linear``
+    ``r + (1 - r)(1 - p)``, ``cosine`` ``r + (1 - r)(1 + cos πp) / 2``. A step at or past ``total_steps``
+    gets the floor ``r`` (``constant``: 1).
 
     Raises:
         ValueError: ``schedule`` is not one of ``SCHEDULES``.

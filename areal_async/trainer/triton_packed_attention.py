@@ -1,31 +1,10 @@
 """Packed causal attention for the trainer in Triton: forward and a deterministic backward.
 
-The FlashAttention-2 algorithm (Dao 2023, Algorithms 1 and 2) over sequences packed into one row:
-``q [T, H, D]``, ``k, v [T, Hkv, D]`` and ``cu_seqlens [B+1]``; attention stays inside each
-sequence and is causal in it. Query head ``h`` reads K/V head ``h // (H / Hkv)`` (grouped-query
-attention without repeating K/V).
-
-- **Forward**: one program per (block of ``BLOCK_M`` queries of one sequence, query head). It
-  streams the sequence's keys and values below the diagonal in blocks of ``BLOCK_N`` without any
-  mask, then the diagonal block(s) with the causal mask, keeping the online-softmax statistics in
-  fp32 (scores in base 2: ``exp2(s · log2 e)``); it writes the output and the log-sum-exp.
-- **Backward**: ``Δ = rowsum(dO ∘ O)`` (torch), then two kernels that each recompute the
-  probabilities ``P = exp2(S·log2 e − lse)`` from the saved log-sum-exp: one program per (key
-  block, K/V head) accumulates ``dV = Pᵀ dO`` and ``dK = scale · dSᵀ Q`` over the query heads of
-  its group and the query blocks at or after its keys; one program per (query block, query head)
-  accumulates ``dQ = scale · dS K`` with ``dS = P ∘ (dO Vᵀ − Δ)``. Every gradient element is
-  summed by one program in a fixed order (no atomics): the backward is deterministic, and a
-  sequence's results do not depend on what else is packed with it.
-
-Programs are dealt from a block table built on the device from ``cu_seqlens`` (no host sync): the
-grid is the upper bound ``T // BLOCK + B`` and surplus programs do nothing; query blocks run
-longest-work first (late blocks of long sequences), key blocks likewise (early ones).
-
-``varlen_attention`` is a ``torch.library`` custom op with its autograd formula, so a compiled
-decoder layer keeps it in its graph as one opaque call. ``TRITON_INTERPRET=1`` runs the kernels on
-the CPU (the tests). Older interpreters cannot end a loop at a loaded value, so under the
-interpreter every loop runs to a fixed bound (``SPAN``) under full masks, which gives the same
-numbers; the tests run both loop forms (recent interpreters run the GPU's).
+FlashAttention-2 (Dao 2023, Algorithms 1 and 2) over one packed row: ``q [T, H, D]``,
+``k, v [T, Hkv, D]``, ``cu_seqlens [B+1] int32``, causal inside each sequence, native GQA. Backward:
+``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``; per key block ``dV = Pᵀ dO``, ``dK = scale · dSᵀ Q``; per
+query block ``dQ = scale · dS K``. Invariant: each gradient element is summed by one program in a
+fixed order (no atomics): deterministic, and independent of the packing. docs/trainer.md#packed-attention.
 """
 
 from __future__ import annotations

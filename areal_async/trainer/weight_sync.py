@@ -1,93 +1,15 @@
 """Pushing the trainer's weights to the inference servers as a new policy version.
 
-``WeightSender`` is the seam; two implementations:
+``WeightSender`` is the seam: collective over the trainer's ranks (each takes part in gathering the
+full tensors), only rank 0 talks to the servers. ``DistributedWeightSender`` (default) broadcasts
+buckets over a group of trainer rank 0 and the live servers (gloo on CPU, NCCL on CUDA), rebuilt
+when the live set changes; ``DiskWeightSender`` writes ``RUN_DIR/weights/v{N}/`` for them to load.
+``rollout.interrupt_on_update`` pauses the servers around an update (their partial outputs are
+resubmitted), or lets each update wait for the generations in flight, then sent as one bucket.
 
-- ``DistributedWeightSender`` (default): one torch.distributed group joins trainer rank 0
-  (rank 0 of that group) and every live server (the ``j``-th of them rank ``1 + j``, world size
-  ``1 + live servers``), set up through each server's ``/init_weights_update_group`` while rank 0
-  hosts the rendezvous
-  (``weight_group.new_weight_group``: built as SGLang's ``init_custom_process_group`` builds it, so
-  the servers may be real SGLang ones). Each update: pause generation (in-flight requests return
-  partial outputs and are resubmitted by the client), then for each bucket of at most
-  ``trainer.weight_bucket_bytes`` the ``/update_weights_from_distributed`` calls are in flight
-  while rank 0 broadcasts the bucket's tensors in ``names`` order; every call carries the new
-  ``weight_version`` (generation is paused until the last bucket is in); then continued (``continue_generation``). gloo on
-  CPU, NCCL on CUDA.
-- ``DiskWeightSender`` (fallback, for servers that share the trainer's GPU, where NCCL refuses):
-  rank 0 writes an HF directory ``RUN_DIR/weights/v{version}/`` (the weights in ``send_dtype`` as
-  four safetensors files written by four threads, the config, and the base model's generation
-  config and tokenizer files unchanged; written as ``v{version}.partial`` and renamed when whole) and
-  calls ``/update_weights_from_disk`` on every server; the previous directory is then removed
-  (renamed out of its name first, ``atomic_dir.remove_atomically``), so a directory named
-  ``v{N}`` is always whole and the newest one holds the servers' weights: the launcher starts a
-  dead server again from it (``launcher/restart_weights.py``). Each
-  parameter is cast on the training device and copied into pinned CPU memory, so half the bytes of
-  fp32 cross PCIe and no cast runs on the CPU. On the H200 machine an earlier variant of this
-  (streaming each tensor into the files as it was gathered) took a 0.6B update from 1.5 s to
-  0.29 s without the servers' read; writing to ``/dev/shm`` was slower there (0.43–0.49 s), so the
-  files go under the run directory. On the 2-core CPU machine, end to end with a real server
-  (``tools/bench_weight_sync.py --sync disk``): 1.24–1.44 s against 1.74 s.
-
-``rollout.interrupt_on_update`` (``interrupt_on_update``) picks what an update does to the
-generations in flight. ``True`` (AReaL's interruptible generation): the pause above, in mode
-``abort``; their partial outputs come back, the client resubmits them, and their tokens span
-versions. ``False``: no pause; each server's update call waits until the requests in flight when
-it arrived have finished under the old weights, and requests arriving meanwhile wait for the new
-ones (SGLang 0.5.23's model-update lock, which the embedded server copies), so every sample comes
-from one version and the send takes as long as the longest generation in flight. SGLang takes that
-lock per call, so the requests held behind one bucket would run on half-updated weights before the
-next: without interruption, ``DistributedWeightSender`` sends the whole model as one bucket (one
-full copy of the weights in ``send_dtype`` on rank 0's device and in the servers' receive buffers).
-The embedded server receives the broadcast while its requests finish; SGLang joins it only once it
-holds the lock, so there the longest generation in flight must end within the weight group's
-collective timeout (``weight_group.new_weight_group``, 300 s) and the client's
-``inference.request_timeout_s``.
-
-Dead servers (``areal_async/inference/routing.py``): both senders pause, update and continue only the
-servers in the client's routing, so a dead one is skipped, never waited for (a call to it fails to
-connect; a hung one fails once the launcher's health check has killed it); with no server left
-they wait for one to rejoin (``inference.server_rejoin_timeout_s``, ``InferenceClient.each_live``).
-Both first ask the departed servers again (``probe(require_version=False)``): a server the
-launcher restarted (with disk sync it starts from the newest ``v{N}`` directory, the version live
-or the one this update replaces; with the distributed sync from the initial weights) is loaded
-with the update like the others and so rejoins with the current version. ``DiskWeightSender``
-needs nothing more. ``DistributedWeightSender`` follows the live set with its group, as slime's fault tolerance does for restarted rollout engines:
-
-- before an update (after the pause), when the live servers differ from the group's members (one
-  left routing, or came back), or a member serves a version behind the last one sent (restarted
-  between two calls, unseen), the group is rebuilt: rank 0 destroys its side first (its
-  connections close, which ends a survivor's receive still blocked in it, with gloo), then each
-  surviving member destroys its own (SGLang's ``POST /destroy_weights_update_group``
-  ``{group_name}``; its 400 "does not exist", e.g. from a restarted server, is ignored), then the
-  live servers join a new group (world size ``1 + live``);
-- rendezvous: rank 0 hosts one ``TCPStore`` on ``master_address:master_port`` for the sender's
-  life (``weight_group.host_store``) and each group takes the next name, ``weight_update_group``,
-  ``weight_update_group_1``, ... The name is the store's key prefix, so a new group never reads
-  the keys an old one left (a dead server's address), and the port stays the one configured
-  (``trainer.weight_sync_port``, one port to open between machines) rather than a new free one
-  per rebuild that rank 0 would have to choose and the servers reach. SGLang keeps its groups in
-  a dict by name, so the servers hold each name once;
-- a server that dies during an update (its HTTP call fails to connect and it no longer answers
-  ``GET /ready``, or the broadcast fails): it leaves routing, the group is rebuilt over the
-  survivors and the whole version is sent again, every bucket (the survivors overwrite their
-  partial copy; the same version is accepted again). Bounded: a second failure of that version,
-  or no server left (``NoServerLeft``), raises, naming the servers. A failure with every member
-  still answering and none restarted (a refusal: bad names, a version behind) raises at once.
-  The other trainer ranks follow rank 0's decision (one broadcast over the default group after
-  each version) and take part in the gathers again.
-
-Limits: measured with gloo on CPU only (``tests/test_trainer_weight_sync.py``), where a dead peer
-fails the broadcast within milliseconds. With NCCL a broadcast to a dead peer, and a survivor's
-receive in the abandoned group, may block until the group's timeout
-(``weight_group.new_weight_group``, 300 s) before the rebuild goes on, and a real SGLang survivor
-serves the destroy and the new join only once that receive has ended. A member restarted at
-exactly the version last sent to it (killed before the first update) is not recognised: its
-refusal of the bucket stops the job. If rank 0 fails before the first bucket (the rebuild), the
-other ranks wait in their gathers until torchrun stops them.
-
-Under FSDP2 every trainer rank takes part in gathering the full tensors (one all-gather per
-parameter, ``policy.full_parameters``); only rank 0 talks to the servers. Tensors are sent in
-``send_dtype`` (the servers' dtype, so no bytes are wasted on precision they drop).
+Invariants: a send returns once every live server serves the version; a dead server is skipped,
+never waited for; a directory named ``v{N}`` is always whole. How: docs/trainer.md#weight-sync;
+dead servers: docs/faults.md#an-inference-server-dies-or-hangs.
 """
 
 from __future__ import annotations
@@ -124,7 +46,7 @@ class WeightSender(Protocol):
 
     async def send(self, version: int) -> None:
         """Called after optimizer step k with ``version = k + 1``; returns once every live server
-        serves ``version`` (its ``weight_version`` reports it; module docstring: dead servers)."""
+        serves ``version`` (its ``weight_version`` reports it; dead servers: docs/faults.md)."""
 
 
 def _rank() -> int:
@@ -133,7 +55,7 @@ def _rank() -> int:
 
 class DistributedWeightSender:
     """Broadcast over a trainer-rank-0 + live-servers process group (SGLang's distributed update),
-    rebuilt when the set of live servers changes (module docstring: dead servers).
+    rebuilt when the set of live servers changes (docs/faults.md).
 
     Args:
         policy: the (FSDP2/DDP-wrapped) ``PackedPolicy``.
@@ -142,11 +64,11 @@ class DistributedWeightSender:
         master_address, master_port: where rank 0 hosts the group's rendezvous (``TCPStore``; port
             0: a free one), once for every group it builds.
         bucket_bytes: most bytes of tensors per ``/update_weights_from_distributed`` call (with
-            interruption; without, the whole model is one call, see the module docstring).
+            interruption; without, the whole model is one call: docs/trainer.md#weight-sync).
         send_dtype: dtype of the broadcast tensors.
         device: the trainer's device (decides gloo vs NCCL).
         interrupt_on_update: pause the servers (mode ``abort``) around the update; ``False``: let
-            the update wait for the generations in flight (module docstring).
+            the update wait for the generations in flight.
     """
 
     def __init__(self, policy, client: WeightUpdateClient | None, num_servers: int, master_address: str,
@@ -282,7 +204,7 @@ class DistributedWeightSender:
 
     async def _rebuild(self, restarted: list[int]) -> None:
         """Destroy the group (rank 0's, then each surviving member's) and build one over the live
-        servers under the next name (module docstring)."""
+        servers under the next name (docs/faults.md)."""
         live = self.client.servers.live()
         survivors = [i for i in self.members if i in live and i not in restarted]
         print(f"[trainer] rebuilding the weight-update group '{self.group_name}' of {self._urls(self.members)} "
@@ -365,7 +287,7 @@ class DiskWeightSender:
             be readable by the servers.
         save_dtype: dtype of the written floating-point weights (the servers').
         interrupt_on_update: pause the servers (mode ``abort``) around the load; ``False``: each
-            server's load waits for its generations in flight (module docstring).
+            server's load waits for its generations in flight.
     """
 
     def __init__(self, policy, client: WeightUpdateClient | None, num_servers: int, base_model_path: str,
