@@ -15,7 +15,6 @@ import ipaddress
 import json
 import math
 import pathlib
-import socket
 import typing
 from typing import Annotated, Any, Literal
 
@@ -23,6 +22,7 @@ import msgspec
 import yaml
 
 from areal_async.determinism import check_compile
+from areal_async.devices import cpu_has_bf16, cuda_index
 from areal_async.inference.admission import DEFAULT_MAX_QUEUED
 
 
@@ -517,52 +517,12 @@ def check_config(cfg: Config) -> None:
             f"or lower the others")
 
 
-def port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on (the OS's reason), or ``None`` if it can. Bound with
-    ``SO_REUSEADDR`` as the servers bind, so a port held only by connections in TIME_WAIT is free."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return exc.strerror or str(exc)
-    return None
-
-
-def cuda_index(key: str, device: str, cuda_available: bool) -> int | None:
-    """The CUDA device index ``key``'s ``device`` resolves to (``None``: CPU).
-
-    Raises:
-        ValueError: not ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA asked for without one.
-    """
-    if device == "auto":
-        device = "cuda" if cuda_available else "cpu"
-    if device == "cpu":
-        return None
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not (index == "" or index.isdigit()):
-        raise ValueError(f"{key}={device!r} is not a device; use auto, cpu, cuda or cuda:N")
-    if not cuda_available:
-        raise ValueError(f"{key}={device!r} but torch sees no CUDA device here; use {key}=cpu (or auto)")
-    return int(index or 0)
-
-
-def _cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); elsewhere torch emulates it,
-    slower than fp32 (measured on an AVX2-only EPYC: SmolLM2-135M decode 2.7× slower)."""
-    try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtypes(cfg: Config, cuda_available: bool) -> Config:
     """Replace ``auto`` in ``model.dtype`` (the servers') and ``trainer.dtype`` (compute): bf16
     on CUDA and on CPUs with native bf16, float32 on other CPUs."""
     def pick(key: str, device: str) -> str:
         on_cuda = cuda_index(key, device, cuda_available) is not None
-        return "bfloat16" if on_cuda or _cpu_has_bf16() else "float32"
+        return "bfloat16" if on_cuda or cpu_has_bf16() else "float32"
 
     model, trainer = cfg.model, cfg.trainer
     if model.dtype == "auto":

@@ -75,8 +75,9 @@ from typing import Callable, Iterator
 import msgspec
 
 from areal_async import auth
-from areal_async.config import Config, dump_config, load_config, port_in_use
+from areal_async.config import Config, dump_config, load_config
 from areal_async.determinism import deterministic_env
+from areal_async.devices import port_in_use
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record

@@ -87,7 +87,7 @@ def test_device_strings_are_checked_and_dtypes_resolved(monkeypatch):
         check_devices(load_config(None, ["inference.device=cpu", "trainer.device=cuda"]), cuda_available=True)
     auto = load_config(None, ["model.dtype=auto", "trainer.dtype=auto", "inference.device=cpu", "trainer.device=cpu"])
     for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(config_module, "_cpu_has_bf16", lambda native=native: native)
+        monkeypatch.setattr(config_module, "cpu_has_bf16", lambda native=native: native)
         resolved = resolve_dtypes(auto, cuda_available=False)
         assert (resolved.model.dtype, resolved.trainer.dtype) == (expected, expected)
     gpu = resolve_dtypes(load_config(None, ["model.dtype=auto", "inference.device=cuda:1"]), cuda_available=True)

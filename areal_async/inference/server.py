@@ -34,7 +34,7 @@ import torch
 
 from .. import auth
 from ..dtypes import FLOAT_DTYPES
-from ..config import cuda_index, port_in_use
+from ..devices import cuda_index, port_in_use
 from ..jitter import Jitter
 from .admission import DEFAULT_MAX_QUEUED
 from . import fields
