@@ -23,6 +23,7 @@ import yaml
 
 from areal_async.determinism import check_compile
 from areal_async.devices import cpu_has_bf16, cuda_index
+from areal_async.trainer.tree_paths import tree_attention_choice
 from areal_async.inference.admission import DEFAULT_MAX_QUEUED
 
 
@@ -530,37 +531,6 @@ def resolve_dtypes(cfg: Config, cuda_available: bool) -> Config:
     if trainer.dtype == "auto":
         trainer = msgspec.structs.replace(trainer, dtype=pick("trainer.device", trainer.device))
     return msgspec.structs.replace(cfg, model=model, trainer=trainer)
-
-
-def tree_attention_choice(setting: str, cuda: bool, dtype: str, deterministic: bool) -> str:
-    """The tree attention path ``trainer.tree_attention=setting`` takes: ``auto`` → ``varlen`` on
-    CUDA with a bf16/fp16 compute ``dtype`` (``auto`` counts as bf16 there, see
-    ``resolve_dtypes``) outside deterministic algorithms, else ``sdpa``; any other value itself.
-
-    Args:
-        setting: ``auto``, ``varlen``, ``flex`` or ``sdpa``.
-        cuda: the trainer runs on CUDA.
-        dtype: ``trainer.dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``).
-        deterministic: deterministic algorithms (``mode: deterministic``) are on.
-
-    Raises:
-        ValueError: ``setting`` is unknown, or ``varlen``/``flex`` where their kernels do not run:
-            on CPU, with float32, or with deterministic algorithms (neither kernel's backward is
-            deterministic).
-    """
-    if setting not in ("auto", "varlen", "flex", "sdpa"):
-        raise ValueError(f"trainer.tree_attention={setting!r} is not a path; use auto, varlen, flex or sdpa")
-    half = dtype in ("bfloat16", "float16") or (dtype == "auto" and cuda)
-    if setting == "auto":
-        return "varlen" if cuda and half and not deterministic else "sdpa"
-    if setting in ("varlen", "flex"):
-        why = ("the trainer runs on CPU" if not cuda else f"trainer.dtype={dtype} (the kernel takes bf16/fp16)"
-               if not half else "deterministic algorithms are on (its backward is not deterministic)"
-               if deterministic else None)
-        if why is not None:
-            raise ValueError(f"trainer.tree_attention={setting} needs CUDA with bf16/fp16 outside deterministic "
-                             f"mode, but {why}; use trainer.tree_attention=auto (or sdpa)")
-    return setting
 
 
 def resolve_tree_attention(cfg: Config, cuda_available: bool) -> Config:

@@ -23,7 +23,7 @@ Attention never crosses a sequence boundary:
 Prefix trees (``trainer/tree.py``, shared-prefix packing): with ``tree_attention_kwargs`` the
 row is a forest of token tries in pre-order and node ``i`` attends to node ``j`` iff
 ``j <= i < subtree_end[j]`` (its ancestors and itself). Three paths (``trainer.tree_attention``,
-docs/trainer.md "Tree attention paths"):
+chosen by ``tree_paths.tree_attention_choice``; docs/trainer.md "Tree attention paths"):
 
 - ``varlen``: the forest cut into chains (``tree.ChainLayout``: query run = a chain's own nodes,
   key run = its ancestors' K/V gathered with ``index_select``, then its own), and
@@ -58,6 +58,7 @@ from torch import Tensor
 from torch.nn.attention import varlen
 from transformers import AttentionInterface
 
+from areal_async.trainer.tree_paths import TREE_PATHS
 from areal_async.trainer.triton_packed_attention import varlen_attention
 
 NAME = "packed"
@@ -73,7 +74,6 @@ _GQA_FLAG = {"enable_gqa": True} if "enable_gqa" in _VARLEN_PARAMS else {}
 # the flash kernel's causal mask is aligned to the bottom right of each (q, k) run pair, which is
 # what the tree path's gathered key runs need (for q == k runs the alignments coincide).
 _CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
-TREE_PATHS = ("varlen", "flex", "sdpa")
 
 
 def packed_kwargs(cu_seqlens: Tensor, max_seqlen: int) -> dict:
