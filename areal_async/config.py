@@ -22,8 +22,6 @@ import msgspec
 import yaml
 
 from areal_async.determinism import check_compile
-from areal_async.devices import cpu_has_bf16, cuda_index
-from areal_async.trainer.tree_paths import tree_attention_choice
 from areal_async.inference.admission import DEFAULT_MAX_QUEUED
 
 
@@ -49,7 +47,7 @@ class ModelConfig(_Cfg):
 
     path: str = "smollm2-135m-instruct"
     cache_dir: str = "~/.cache/areal_async"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"  # auto: see resolve_dtypes
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"  # auto: see launcher/resolve.py
 
 
 class DataConfig(_Cfg):
@@ -181,7 +179,7 @@ class TrainerConfig(_Cfg):
     # attention over a prefix forest (share_prefixes, docs/trainer.md "Tree attention paths"):
     # varlen (torch's varlen_attn over gathered ancestor K/V), flex (FlexAttention, compiled), sdpa
     # (per-tree sdpa with the ancestor mask); auto: varlen on CUDA bf16/fp16 outside deterministic
-    # mode, sdpa otherwise (resolve_tree_attention)
+    # mode, sdpa otherwise (trainer/tree_paths.py; resolved by launcher/resolve.py)
     tree_attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
     # exact savings (trainer/step.py): sequences whose loss tokens all have advantage 0 are not run;
     # tokens that sequences of a micro-batch share (a prompt, a few-shot preamble) are forwarded once
@@ -516,75 +514,6 @@ def check_config(cfg: Config) -> None:
             f"eval.max_new_tokens) ({need - cfg.data.max_prompt_len}) = {need} exceeds "
             f"inference.max_seq_len ({cfg.inference.max_seq_len}); raise inference.max_seq_len "
             f"or lower the others")
-
-
-def resolve_dtypes(cfg: Config, cuda_available: bool) -> Config:
-    """Replace ``auto`` in ``model.dtype`` (the servers') and ``trainer.dtype`` (compute): bf16
-    on CUDA and on CPUs with native bf16, float32 on other CPUs."""
-    def pick(key: str, device: str) -> str:
-        on_cuda = cuda_index(key, device, cuda_available) is not None
-        return "bfloat16" if on_cuda or cpu_has_bf16() else "float32"
-
-    model, trainer = cfg.model, cfg.trainer
-    if model.dtype == "auto":
-        model = msgspec.structs.replace(model, dtype=pick("inference.device", cfg.inference.device))
-    if trainer.dtype == "auto":
-        trainer = msgspec.structs.replace(trainer, dtype=pick("trainer.device", trainer.device))
-    return msgspec.structs.replace(cfg, model=model, trainer=trainer)
-
-
-def resolve_tree_attention(cfg: Config, cuda_available: bool) -> Config:
-    """Replace ``auto`` in ``trainer.tree_attention`` by the path it takes on this machine
-    (``tree_attention_choice``; call after ``resolve_dtypes``).
-
-    Raises:
-        ValueError: see ``tree_attention_choice``.
-    """
-    cuda = cuda_index("trainer.device", cfg.trainer.device, cuda_available) is not None
-    path = tree_attention_choice(cfg.trainer.tree_attention, cuda, cfg.trainer.dtype, cfg.mode == "deterministic")
-    return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, tree_attention=path))
-
-
-def check_devices(cfg: Config, cuda_available: bool, own_gpus: bool = False) -> None:
-    """NCCL weight sync needs every process of its group on its own GPU: trainer rank r runs on
-    ``cuda:r``, and each server on ``inference.device``. Raises ``ValueError`` naming the keys
-    and the fix when two would share one (NCCL refuses: "Duplicate GPU detected").
-
-    ``own_gpus``: ``launcher.ray`` with GPUs in every server's and trainer rank's bundle
-    (``cluster.gpus_per_server``, ``cluster.gpus_per_trainer_rank``): each process sees only its own
-    GPUs, as ``cuda:0``, on a node that may not be this one, so no two share one and this
-    machine's CUDA is not asked; ``inference.device`` must then be ``cuda``/``cuda:0``/``auto``."""
-    if cfg.trainer.device.startswith("cuda:"):
-        raise ValueError(f"trainer.device={cfg.trainer.device!r}: rank r always runs on cuda:r; use "
-                         f"trainer.device=cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
-    if own_gpus:
-        if cfg.inference.device not in ("auto", "cuda", "cuda:0"):
-            raise ValueError(f"inference.device={cfg.inference.device!r}, but each server's Ray bundle holds its "
-                             f"own GPUs (cluster.gpus_per_server={cfg.cluster.gpus_per_server:g}), which it "
-                             f"sees from cuda:0; use inference.device=cuda")
-        return
-    server = cuda_index("inference.device", cfg.inference.device, cuda_available)
-    trainer = cuda_index("trainer.device", cfg.trainer.device, cuda_available)
-    if cfg.trainer.weight_sync != "distributed" or cfg.inference.backend != "embedded":
-        return
-    if (server is None) != (trainer is None):
-        raise ValueError(
-            f"NCCL/gloo weight sync needs the trainer and the servers on the same kind of device, got "
-            f"trainer.device={cfg.trainer.device!r} and inference.device={cfg.inference.device!r}; "
-            f"put both on CUDA (or both on CPU), or set trainer.weight_sync=disk")
-    if server is None:
-        return
-    if cfg.inference.num_servers > 1:
-        raise ValueError(
-            f"inference.num_servers={cfg.inference.num_servers} servers would all run on "
-            f"inference.device={cfg.inference.device!r} (cuda:{server}), and NCCL weight sync needs one GPU "
-            f"per process; set trainer.weight_sync=disk, or run one server per GPU")
-    if server < cfg.trainer.nproc:
-        raise ValueError(
-            f"inference.device={cfg.inference.device!r} (cuda:{server}) is also trainer rank {server}'s GPU "
-            f"(trainer.nproc={cfg.trainer.nproc} ranks use cuda:0..{cfg.trainer.nproc - 1}), and NCCL weight "
-            f"sync needs one GPU per process; set inference.device=cuda:{cfg.trainer.nproc} on a machine with "
-            f"more GPUs, or trainer.weight_sync=disk")
 
 
 class _DuplicateKey(ValueError):
