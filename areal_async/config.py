@@ -1,11 +1,17 @@
-"""Experiment configuration: a tree of frozen ``msgspec.Struct``s loaded from YAML.
+"""Experiment configuration: the schema, a tree of frozen ``msgspec.Struct``s, and its reading.
 
-One YAML file per experiment lives in ``configs/``. Values are overridden from the command line
-with dotted keys (``queue.max_staleness=2``); override values are parsed as YAML scalars, so text
-that looks like a number is quoted (``'name="123"'`` in a shell). An unknown key anywhere in the
-tree raises ``ValueError`` naming the closest valid key. Each component receives its own
-sub-config, never the root; the resolved config is written to the run directory (``config.yaml``)
-and given to wandb.
+Here: the config classes (``Config``, one sub-config per component; each component receives its
+own, never the root); ``load_config``: a YAML file from ``configs/`` (a key given twice is refused),
+then dotted overrides from the command line (``queue.max_staleness=2``, parsed as YAML scalars, so
+text that looks like a number is quoted: ``'name="123"'`` in a shell); ``from_dict``, whose
+``ValueError`` names the key, the value and the fix (an unknown key: the closest valid one);
+``check_config``, the rules that span several fields; ``dump_config``.
+
+Invariant: everything here is a function of the config's own values. Nothing asks the machine
+(free ports, CUDA devices, CPU features: ``areal_async/devices.py``) or settles a value against it
+(``dtype: auto``, ``trainer.tree_attention: auto``, the NCCL weight sync's device rules:
+``launcher/resolve.py``). The launcher writes the resolved config to ``RUN_DIR/config.yaml``, which
+the trainer, the queue and the workers load (the trainer gives it to wandb).
 """
 
 from __future__ import annotations

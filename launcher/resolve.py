@@ -9,8 +9,9 @@
   (``areal_async/trainer/tree_paths.py``; call after ``resolve_dtypes``).
 
 ``launcher.local.prepare_run`` calls them in that order (``launcher.ray`` through it) and writes the
-result to ``RUN_DIR/config.yaml``, so every process of the job reads the resolved values. Each takes
-``cuda_available`` from its caller and asks nothing else of torch. The machine facts they use
+result to ``RUN_DIR/config.yaml``, so the job's processes see the resolved values (the trainer,
+the queue and the workers load that file; the servers get theirs on their command lines). Each
+takes ``cuda_available`` from its caller and asks nothing else of torch. The machine facts they use
 (``cuda_index``, ``cpu_has_bf16``) are in ``areal_async/devices.py``; the rules on the config's own
 values, whatever the machine, are ``config.check_config``.
 """
