@@ -1,7 +1,7 @@
 """Facts about this machine that a config is checked against: ports, CUDA devices, CPU features.
 
 - ``port_in_use``: whether ``host:port`` can be listened on now (the servers' check of ``--port``,
-  the launcher's of the job's ports and hosts).
+  the launcher's of the job's ports and hosts); ``free_port``: a port of 127.0.0.1 free now.
 - ``cuda_index``: the CUDA device index a device string (``auto``, ``cpu``, ``cuda``, ``cuda:N``)
   resolves to, given whether torch sees CUDA.
 - ``cpu_has_bf16``: whether this CPU computes bf16 natively.
@@ -28,6 +28,14 @@ def port_in_use(host: str, port: int) -> str | None:
         except OSError as exc:
             return exc.strerror or str(exc)
     return None
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that is free now (bound as port 0, then released: another process may
+    take it before the caller binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cuda_index(key: str, device: str, cuda_available: bool) -> int | None:
