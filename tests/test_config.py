@@ -193,8 +193,8 @@ def test_an_empty_value_says_what_to_give(override, words):
 
 
 def test_tree_attention_auto_and_its_errors():
-    from launcher.resolve import resolve_tree_attention
     from areal_async.trainer.tree_paths import tree_attention_choice
+    from launcher.resolve import resolve_tree_attention
 
     assert tree_attention_choice("auto", True, "bfloat16", False) == "varlen"
     assert tree_attention_choice("auto", True, "auto", False) == "varlen"
