@@ -1,11 +1,17 @@
-"""Experiment configuration: a tree of frozen ``msgspec.Struct``s loaded from YAML.
+"""Experiment configuration: the schema, a tree of frozen ``msgspec.Struct``s, and its reading.
 
-One YAML file per experiment lives in ``configs/``. Values are overridden from the command line
-with dotted keys (``queue.max_staleness=2``); override values are parsed as YAML scalars, so text
-that looks like a number is quoted (``'name="123"'`` in a shell). An unknown key anywhere in the
-tree raises ``ValueError`` naming the closest valid key. Each component receives its own
-sub-config, never the root; the resolved config is written to the run directory (``config.yaml``)
-and given to wandb.
+Here: the config classes (``Config``, one sub-config per component; each component receives its
+own, never the root); ``load_config``: a YAML file from ``configs/`` (a key given twice is refused),
+then dotted overrides from the command line (``queue.max_staleness=2``, parsed as YAML scalars, so
+text that looks like a number is quoted: ``'name="123"'`` in a shell); ``from_dict``, whose
+``ValueError`` names the key, the value and the fix (an unknown key: the closest valid one);
+``check_config``, the rules that span several fields; ``dump_config``.
+
+Invariant: everything here is a function of the config's own values. Nothing asks the machine
+(free ports, CUDA devices, CPU features: ``areal_async/devices.py``) or settles a value against it
+(``dtype: auto``, ``trainer.tree_attention: auto``, the NCCL weight sync's device rules:
+``launcher/resolve.py``). The launcher writes the resolved config to ``RUN_DIR/config.yaml``, which
+the trainer, the queue and the workers load (the trainer gives it to wandb).
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ import ipaddress
 import json
 import math
 import pathlib
-import socket
 import typing
 from typing import Annotated, Any, Literal
 
@@ -49,7 +54,7 @@ class ModelConfig(_Cfg):
 
     path: str = "smollm2-135m-instruct"
     cache_dir: str = "~/.cache/areal_async"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"  # auto: see resolve_dtypes
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"  # auto: see launcher/resolve.py
 
 
 class DataConfig(_Cfg):
@@ -181,7 +186,7 @@ class TrainerConfig(_Cfg):
     # attention over a prefix forest (share_prefixes, docs/trainer.md "Tree attention paths"):
     # varlen (torch's varlen_attn over gathered ancestor K/V), flex (FlexAttention, compiled), sdpa
     # (per-tree sdpa with the ancestor mask); auto: varlen on CUDA bf16/fp16 outside deterministic
-    # mode, sdpa otherwise (resolve_tree_attention)
+    # mode, sdpa otherwise (trainer/tree_paths.py; resolved by launcher/resolve.py)
     tree_attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
     # exact savings (trainer/step.py): sequences whose loss tokens all have advantage 0 are not run;
     # tokens that sequences of a micro-batch share (a prompt, a few-shot preamble) are forwarded once
@@ -516,146 +521,6 @@ def check_config(cfg: Config) -> None:
             f"eval.max_new_tokens) ({need - cfg.data.max_prompt_len}) = {need} exceeds "
             f"inference.max_seq_len ({cfg.inference.max_seq_len}); raise inference.max_seq_len "
             f"or lower the others")
-
-
-def port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on (the OS's reason), or ``None`` if it can. Bound with
-    ``SO_REUSEADDR`` as the servers bind, so a port held only by connections in TIME_WAIT is free."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return exc.strerror or str(exc)
-    return None
-
-
-def cuda_index(key: str, device: str, cuda_available: bool) -> int | None:
-    """The CUDA device index ``key``'s ``device`` resolves to (``None``: CPU).
-
-    Raises:
-        ValueError: not ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA asked for without one.
-    """
-    if device == "auto":
-        device = "cuda" if cuda_available else "cpu"
-    if device == "cpu":
-        return None
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not (index == "" or index.isdigit()):
-        raise ValueError(f"{key}={device!r} is not a device; use auto, cpu, cuda or cuda:N")
-    if not cuda_available:
-        raise ValueError(f"{key}={device!r} but torch sees no CUDA device here; use {key}=cpu (or auto)")
-    return int(index or 0)
-
-
-def _cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX); elsewhere torch emulates it,
-    slower than fp32 (measured on an AVX2-only EPYC: SmolLM2-135M decode 2.7× slower)."""
-    try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtypes(cfg: Config, cuda_available: bool) -> Config:
-    """Replace ``auto`` in ``model.dtype`` (the servers') and ``trainer.dtype`` (compute): bf16
-    on CUDA and on CPUs with native bf16, float32 on other CPUs."""
-    def pick(key: str, device: str) -> str:
-        on_cuda = cuda_index(key, device, cuda_available) is not None
-        return "bfloat16" if on_cuda or _cpu_has_bf16() else "float32"
-
-    model, trainer = cfg.model, cfg.trainer
-    if model.dtype == "auto":
-        model = msgspec.structs.replace(model, dtype=pick("inference.device", cfg.inference.device))
-    if trainer.dtype == "auto":
-        trainer = msgspec.structs.replace(trainer, dtype=pick("trainer.device", trainer.device))
-    return msgspec.structs.replace(cfg, model=model, trainer=trainer)
-
-
-def tree_attention_choice(setting: str, cuda: bool, dtype: str, deterministic: bool) -> str:
-    """The tree attention path ``trainer.tree_attention=setting`` takes: ``auto`` → ``varlen`` on
-    CUDA with a bf16/fp16 compute ``dtype`` (``auto`` counts as bf16 there, see
-    ``resolve_dtypes``) outside deterministic algorithms, else ``sdpa``; any other value itself.
-
-    Args:
-        setting: ``auto``, ``varlen``, ``flex`` or ``sdpa``.
-        cuda: the trainer runs on CUDA.
-        dtype: ``trainer.dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``).
-        deterministic: deterministic algorithms (``mode: deterministic``) are on.
-
-    Raises:
-        ValueError: ``setting`` is unknown, or ``varlen``/``flex`` where their kernels do not run:
-            on CPU, with float32, or with deterministic algorithms (neither kernel's backward is
-            deterministic).
-    """
-    if setting not in ("auto", "varlen", "flex", "sdpa"):
-        raise ValueError(f"trainer.tree_attention={setting!r} is not a path; use auto, varlen, flex or sdpa")
-    half = dtype in ("bfloat16", "float16") or (dtype == "auto" and cuda)
-    if setting == "auto":
-        return "varlen" if cuda and half and not deterministic else "sdpa"
-    if setting in ("varlen", "flex"):
-        why = ("the trainer runs on CPU" if not cuda else f"trainer.dtype={dtype} (the kernel takes bf16/fp16)"
-               if not half else "deterministic algorithms are on (its backward is not deterministic)"
-               if deterministic else None)
-        if why is not None:
-            raise ValueError(f"trainer.tree_attention={setting} needs CUDA with bf16/fp16 outside deterministic "
-                             f"mode, but {why}; use trainer.tree_attention=auto (or sdpa)")
-    return setting
-
-
-def resolve_tree_attention(cfg: Config, cuda_available: bool) -> Config:
-    """Replace ``auto`` in ``trainer.tree_attention`` by the path it takes on this machine
-    (``tree_attention_choice``; call after ``resolve_dtypes``).
-
-    Raises:
-        ValueError: see ``tree_attention_choice``.
-    """
-    cuda = cuda_index("trainer.device", cfg.trainer.device, cuda_available) is not None
-    path = tree_attention_choice(cfg.trainer.tree_attention, cuda, cfg.trainer.dtype, cfg.mode == "deterministic")
-    return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, tree_attention=path))
-
-
-def check_devices(cfg: Config, cuda_available: bool, own_gpus: bool = False) -> None:
-    """NCCL weight sync needs every process of its group on its own GPU: trainer rank r runs on
-    ``cuda:r``, and each server on ``inference.device``. Raises ``ValueError`` naming the keys
-    and the fix when two would share one (NCCL refuses: "Duplicate GPU detected").
-
-    ``own_gpus``: ``launcher.ray`` with GPUs in every server's and trainer rank's bundle
-    (``cluster.gpus_per_server``, ``cluster.gpus_per_trainer_rank``): each process sees only its own
-    GPUs, as ``cuda:0``, on a node that may not be this one, so no two share one and this
-    machine's CUDA is not asked; ``inference.device`` must then be ``cuda``/``cuda:0``/``auto``."""
-    if cfg.trainer.device.startswith("cuda:"):
-        raise ValueError(f"trainer.device={cfg.trainer.device!r}: rank r always runs on cuda:r; use "
-                         f"trainer.device=cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
-    if own_gpus:
-        if cfg.inference.device not in ("auto", "cuda", "cuda:0"):
-            raise ValueError(f"inference.device={cfg.inference.device!r}, but each server's Ray bundle holds its "
-                             f"own GPUs (cluster.gpus_per_server={cfg.cluster.gpus_per_server:g}), which it "
-                             f"sees from cuda:0; use inference.device=cuda")
-        return
-    server = cuda_index("inference.device", cfg.inference.device, cuda_available)
-    trainer = cuda_index("trainer.device", cfg.trainer.device, cuda_available)
-    if cfg.trainer.weight_sync != "distributed" or cfg.inference.backend != "embedded":
-        return
-    if (server is None) != (trainer is None):
-        raise ValueError(
-            f"NCCL/gloo weight sync needs the trainer and the servers on the same kind of device, got "
-            f"trainer.device={cfg.trainer.device!r} and inference.device={cfg.inference.device!r}; "
-            f"put both on CUDA (or both on CPU), or set trainer.weight_sync=disk")
-    if server is None:
-        return
-    if cfg.inference.num_servers > 1:
-        raise ValueError(
-            f"inference.num_servers={cfg.inference.num_servers} servers would all run on "
-            f"inference.device={cfg.inference.device!r} (cuda:{server}), and NCCL weight sync needs one GPU "
-            f"per process; set trainer.weight_sync=disk, or run one server per GPU")
-    if server < cfg.trainer.nproc:
-        raise ValueError(
-            f"inference.device={cfg.inference.device!r} (cuda:{server}) is also trainer rank {server}'s GPU "
-            f"(trainer.nproc={cfg.trainer.nproc} ranks use cuda:0..{cfg.trainer.nproc - 1}), and NCCL weight "
-            f"sync needs one GPU per process; set inference.device=cuda:{cfg.trainer.nproc} on a machine with "
-            f"more GPUs, or trainer.weight_sync=disk")
 
 
 class _DuplicateKey(ValueError):

@@ -75,11 +75,13 @@ from typing import Callable, Iterator
 import msgspec
 
 from areal_async import auth
-from areal_async.config import Config, dump_config, load_config, port_in_use
+from areal_async.config import Config, dump_config, load_config
 from areal_async.determinism import deterministic_env
+from areal_async.devices import port_in_use
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
+from launcher.resolve import check_devices, resolve_dtypes, resolve_tree_attention
 from launcher.servers import (PY, SERVER_ARGV, ServerProbe, _server_argv, check_backend, http_status,
                               remove_stale_weights, restart_argv, server_failed)
 from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
@@ -207,7 +209,6 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
     ``own_gpus``: every server and trainer rank gets its own GPUs from Ray (``check_devices``)."""
     import torch
 
-    from areal_async.config import check_devices, resolve_dtypes, resolve_tree_attention
     from areal_async.model.source import resolve_model_path
 
     from areal_async.data import TASKS, load_task

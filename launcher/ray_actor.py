@@ -94,8 +94,8 @@ class ProcessActor:
 
     def port_in_use(self, host: str, port: int) -> str | None:
         """Why ``host:port`` cannot be listened on, on this actor's node (the OS's reason), or
-        ``None`` if it can (``areal_async.config.port_in_use``)."""
-        from areal_async.config import port_in_use
+        ``None`` if it can (``areal_async.devices.port_in_use``)."""
+        from areal_async.devices import port_in_use
 
         return port_in_use(host, port)
 

@@ -42,7 +42,7 @@ def test_bad_keys_and_values(override, expected):
 
 
 def test_nccl_weight_sync_needs_one_gpu_per_process():
-    from areal_async.config import check_devices
+    from launcher.resolve import check_devices
 
     one_gpu = load_config(None, ["inference.device=cuda:0", "trainer.device=cuda"])
     with pytest.raises(ValueError, match=r"cuda:0.*trainer rank 0.*trainer.weight_sync=disk"):
@@ -61,7 +61,7 @@ def test_nccl_weight_sync_needs_one_gpu_per_process():
 def test_under_ray_with_gpu_bundles_every_process_has_its_own_gpu():
     # launcher.ray, the two-node recipe of docs/ray.md: 4 ranks and 4 servers, each bundle with its own
     # GPU (seen as cuda:0), launched from a node that may have none: NCCL weight sync is allowed.
-    from areal_async.config import check_devices
+    from launcher.resolve import check_devices
 
     over = ["inference.device=cuda", "trainer.device=cuda", "trainer.nproc=4", "inference.num_servers=4",
             "cluster.gpus_per_server=1", "cluster.gpus_per_trainer_rank=1"]
@@ -74,8 +74,8 @@ def test_under_ray_with_gpu_bundles_every_process_has_its_own_gpu():
 
 
 def test_device_strings_are_checked_and_dtypes_resolved(monkeypatch):
-    from areal_async import config as config_module
-    from areal_async.config import check_devices, resolve_dtypes
+    from launcher import resolve as resolve_module
+    from launcher.resolve import check_devices, resolve_dtypes
 
     with pytest.raises(ValueError, match=r"inference.device='cuda:x' is not a device"):
         check_devices(load_config(None, ["inference.device=cuda:x"]), cuda_available=True)
@@ -87,7 +87,7 @@ def test_device_strings_are_checked_and_dtypes_resolved(monkeypatch):
         check_devices(load_config(None, ["inference.device=cpu", "trainer.device=cuda"]), cuda_available=True)
     auto = load_config(None, ["model.dtype=auto", "trainer.dtype=auto", "inference.device=cpu", "trainer.device=cpu"])
     for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(config_module, "_cpu_has_bf16", lambda native=native: native)
+        monkeypatch.setattr(resolve_module, "cpu_has_bf16", lambda native=native: native)
         resolved = resolve_dtypes(auto, cuda_available=False)
         assert (resolved.model.dtype, resolved.trainer.dtype) == (expected, expected)
     gpu = resolve_dtypes(load_config(None, ["model.dtype=auto", "inference.device=cuda:1"]), cuda_available=True)
@@ -193,7 +193,8 @@ def test_an_empty_value_says_what_to_give(override, words):
 
 
 def test_tree_attention_auto_and_its_errors():
-    from areal_async.config import resolve_tree_attention, tree_attention_choice
+    from areal_async.trainer.tree_paths import tree_attention_choice
+    from launcher.resolve import resolve_tree_attention
 
     assert tree_attention_choice("auto", True, "bfloat16", False) == "varlen"
     assert tree_attention_choice("auto", True, "auto", False) == "varlen"

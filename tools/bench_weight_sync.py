@@ -32,17 +32,10 @@ import json
 import multiprocessing as mp
 import os
 import pathlib
-import socket
 import tempfile
 import time
 
 import torch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def checksums(named: dict[str, torch.Tensor], names, dtype: torch.dtype) -> dict[str, str]:
@@ -72,6 +65,7 @@ def _server(model_dir: str, device: str, url_q, done, result_q) -> None:
 
 async def _trainer(policy, url: str, device: torch.device, bucket_bytes: int, reps: int, sync: str,
                    model_dir: str) -> tuple[list[float], float]:
+    from areal_async.devices import free_port
     from areal_async.inference.client import InferenceClient
     from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
 
@@ -81,7 +75,7 @@ async def _trainer(policy, url: str, device: torch.device, bucket_bytes: int, re
             sender = DiskWeightSender(policy, client, 1, model_dir, pathlib.Path(model_dir).parent / "weights",
                                       torch.bfloat16)
         else:
-            sender = DistributedWeightSender(policy, client, 1, "127.0.0.1", _free_port(), bucket_bytes,
+            sender = DistributedWeightSender(policy, client, 1, "127.0.0.1", free_port(), bucket_bytes,
                                              torch.bfloat16, device)
         start = time.perf_counter()
         await sender.setup()
@@ -101,6 +95,7 @@ def bench_shape(shape: str, args) -> dict:
     import torch.distributed as dist
 
     from areal_async.config import TrainerConfig
+    from areal_async.devices import free_port
     from areal_async.trainer.policy import build_policy, full_parameters, hf_model
     from qwen3_shapes import write_model_dir
 
@@ -115,7 +110,7 @@ def bench_shape(shape: str, args) -> dict:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+                              MASTER_PORT=str(free_port()))
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     device_id=device if device.type == "cuda" else None)
             cfg = TrainerConfig(dtype="bfloat16", parallel="fsdp2")

@@ -31,7 +31,6 @@ import collections
 import os
 import pathlib
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,12 +39,6 @@ import time
 import aiohttp
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -212,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             model = str(build_tiny_model(pathlib.Path(tmp) / "tiny-llama"))
         from transformers import AutoConfig
 
+        from areal_async.devices import free_port
+
         vocab = AutoConfig.from_pretrained(model).vocab_size
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "areal_async.embedded.server", "--model-path", model, "--port", str(port),
                "--dtype", "float32", "--device", "cpu", "--threads", str(args.threads),
                "--max-running-requests", str(args.max_running_requests),

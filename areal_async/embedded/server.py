@@ -20,7 +20,7 @@ import torch
 
 from .. import auth
 from ..dtypes import FLOAT_DTYPES
-from ..config import cuda_index, port_in_use
+from ..devices import cuda_index, port_in_use
 from ..jitter import Jitter
 from ..config import DEFAULT_MAX_QUEUED
 from . import fields

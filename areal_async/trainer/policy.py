@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from areal_async.batch_invariant import make_linears_batch_invariant
 from areal_async.config import TrainerConfig
 from areal_async.determinism import check_compile
+from areal_async.devices import free_port
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.tcp_store import hosted_store
 from areal_async.trainer.attention import use_packed_attention
@@ -45,7 +46,7 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> torch.device:
     store = None
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         store = hosted_store("127.0.0.1", int(os.environ["MASTER_PORT"]), 1,
                              datetime.timedelta(seconds=timeout_s), multi_tenant=False)
     if device == "cuda":
@@ -58,14 +59,6 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> torch.device:
     rank = {} if store is None else {"store": store, "rank": 0, "world_size": 1}
     dist.init_process_group(backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None, **rank)
     return dev
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fused_rms_norm(module: torch.nn.Module, x: Tensor) -> Tensor:

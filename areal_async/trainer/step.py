@@ -50,10 +50,11 @@ from torch import Tensor
 
 from areal_async.algo.advantages import batch_normalize, group_advantages
 from areal_async.algo.loss import decoupled_ppo_loss, naive_ppo_loss
-from areal_async.config import AlgoConfig, TrainerConfig, tree_attention_choice
+from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.packed_policy import packed_logprobs
 from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences, to_device
 from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
+from areal_async.trainer.tree_paths import tree_attention_choice
 from areal_async.types import Trajectory
 
 STAT_KEYS = ("loss", "clip_ratio", "importance_weight", "behav_capped_ratio", "ratio", "approx_kl", "behav_kl")

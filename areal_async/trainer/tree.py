@@ -51,8 +51,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from areal_async.trainer.attention import TREE_PATHS, tree_attention_kwargs
+from areal_async.trainer.attention import tree_attention_kwargs
 from areal_async.trainer.packing import to_device
+from areal_async.trainer.tree_paths import TREE_PATHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ class TreeBatch:
         head_index: ``[M] int64`` where the row lands in the unshared layout (the sequences in the
             given order, back to back, ``T`` positions).
         num_seq_tokens: ``T`` (int).
-        attention: tree attention path, ``varlen``, ``flex`` or ``sdpa`` (``attention.TREE_PATHS``).
+        attention: tree attention path, ``varlen``, ``flex`` or ``sdpa`` (``tree_paths.TREE_PATHS``).
         chains: ``ChainLayout`` of the forest (``varlen`` only, else ``None``).
     """
 
@@ -261,7 +262,7 @@ def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None, attention
         head_index: ``[M] int64`` positions of the unshared layout whose next-token log-prob is
             wanted (the loss positions); ``None`` = every position that has a next token in its
             sequence.
-        attention: the tree attention path the batch will take (``attention.TREE_PATHS``);
+        attention: the tree attention path the batch will take (``tree_paths.TREE_PATHS``);
             ``varlen`` also builds the chain layout (on the host, once per micro-batch).
 
     Returns:
