@@ -13,8 +13,10 @@ batch of long prompts or a weight bucket's names and shapes) is HTTP 413. A ``/g
 call finding ``--max-queued-requests`` requests already waiting for a KV slot is HTTP 503 with
 ``Retry-After`` (``admission.py``, SGLang's flag; ``/health_generate`` is never refused, and
 answers 200 once its one-token generation ends or, as SGLang's, once any step of other requests
-commits, so a server whose slots are all busy answers without waiting for one; at once while
-generation is paused or a weight update waits). The
+commits (here: with finite log-probs; 503 otherwise), so a server whose slots are all busy answers
+without waiting for one; at once while generation is paused or a weight update waits). An engine
+whose loop died (``EngineFailed``) is SGLang's unhealthy server: ``/health*`` and ``/ready`` are 503,
+every request HTTP 500 (a stream: an error event), each with the error body naming the cause. The
 listen backlog is SGLang's, 2048: a burst of that many connections waits in the kernel, none for a
 SYN retransmission.
 
@@ -24,7 +26,7 @@ events, one cumulative chunk per request every ``--stream-interval`` tokens, see
 ``_generate_stream``; decoded with SGLang 0.5.23's
 meaning by ``request.py``: stop strings, ``min_new_tokens``, ``ignore_eos``, ``max_new_tokens: 0``
 prefill-only, ``logprob_start_len`` → ``meta_info.input_token_logprobs``, ``e2e_latency``),
-``/health``, ``/health_generate``, ``/ready`` (503 while paused, as SGLang), ``/get_model_info``, ``/get_server_info`` (and ``/server_info``),
+``/health``, ``/health_generate``, ``/ready`` (503 while paused or dead, as SGLang), ``/get_model_info``, ``/get_server_info`` (and ``/server_info``),
 ``/get_weight_version``, ``/flush_cache`` (empties the prefix cache; 400 while requests run, as
 SGLang), ``/pause_generation`` (``abort`` | ``in_place``), ``/continue_generation``,
 ``/abort_request``, ``/init_weights_update_group``, ``/update_weights_from_distributed`` (gloo or
@@ -77,7 +79,7 @@ from safetensors.torch import load_file
 from .. import auth, weight_group
 from ..dtypes import dtype_from_name, dtype_name
 from .engine.admission import QueueFull, retry_after_headers
-from .engine.engine import Completion, Engine
+from .engine.engine import Completion, Engine, EngineFailed
 from . import fields
 from . import weight_requests
 from .engine.forward import check_weight_names
@@ -237,6 +239,8 @@ class InferenceServer:
             self.engine.check_room(len(call.prompts))  # a batch is admitted whole or refused whole
         except QueueFull as exc:
             return _overloaded(exc)
+        except EngineFailed as exc:  # a dead engine refuses before the body is read
+            return _error(str(exc), status=500)
         except ValueError as exc:
             return _error(str(exc))
         if call.stream:
@@ -252,6 +256,8 @@ class InferenceServer:
                 return _overloaded(first)
             if isinstance(first, ValueError):  # its rid was taken by a request queued since the check
                 return _error(str(first))
+            if isinstance(first, EngineFailed):  # the engine died under it
+                return _error(str(first), status=500)
             raise first from None
         done = [t.result() for t in running]
         broken = non_finite([c for c, _ in done], [p.rid for p in call.prompts])
@@ -290,8 +296,8 @@ class InferenceServer:
             return response
         except QueueFull as exc:  # filled by other calls since the check before the headers went out
             await response.write(sse_error(str(exc), 503))
-        except (ValueError, NonFiniteLogprobs) as exc:
-            await response.write(sse_error(str(exc), 500 if isinstance(exc, NonFiniteLogprobs) else 400))
+        except (ValueError, NonFiniteLogprobs, EngineFailed) as exc:
+            await response.write(sse_error(str(exc), 400 if isinstance(exc, ValueError) else 500))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
@@ -362,22 +368,31 @@ class InferenceServer:
         return {"text": text, "output_ids": c.output_ids, "meta_info": meta}
 
     async def health(self, request: web.Request) -> web.Response:
+        # SGLang's 503 for an unhealthy server: a dead engine serves nothing more
+        if self.engine.failure is not None:
+            return _error(str(self.engine.failure), status=503)
         return web.Response(text="")
 
     async def ready(self, request: web.Request) -> web.Response:
-        # SGLang's /ready: 503 while generation is paused (pause_generation), at once
+        # SGLang's /ready: 503 while generation is paused (pause_generation) or the server is
+        # unhealthy (here: its engine died), at once
+        if self.engine.failure is not None:
+            return _error(str(self.engine.failure), status=503)
         return web.Response(status=503 if self.engine.paused else 200, text="")
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        start = next(iter(self.engine.eos_token_ids), 0)
-        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        if self.engine.failure is not None:
+            return _error(str(self.engine.failure), status=503)
         if self.engine.holding:  # paused or updating weights on purpose: alive, and no step is due
             return web.Response(text="")
+        start = next(iter(self.engine.eos_token_ids), 0)
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         rid = f"health-{uuid.uuid4().hex}"
         # not bounded by max_queued_requests: a busy server is alive, and says so
         probe = asyncio.ensure_future(self.engine.generate([start], params, rid, bounded=False))
         # as SGLang's: a step of other requests committed meanwhile proves the server alive too, so a
-        # server whose slots are all taken by long generations answers without waiting for a slot
+        # server whose slots are all taken by long generations answers without waiting for a slot;
+        # unlike SGLang's, only a step whose log-probs are finite proves it healthy
         progress = asyncio.ensure_future(self.engine.next_step())
         try:
             await asyncio.wait([probe, progress], return_when=asyncio.FIRST_COMPLETED)
@@ -385,12 +400,20 @@ class InferenceServer:
             for work in (probe, progress):
                 if not work.done():
                     work.cancel()  # the probe's request is aborted (Engine.generate)
-        if not probe.done() or probe.cancelled():
+        if self.engine.failure is not None:  # it died meanwhile: the probe and the step raise its error
+            for work in (probe, progress):
+                if work.done() and not work.cancelled():
+                    work.exception()  # read here, so asyncio does not log it as never retrieved
+            return _error(str(self.engine.failure), status=503)
+        if probe.done():  # its own generation; SGLang answers 503 when that fails
+            broken = non_finite([probe.result()], [rid])
+            return _error(broken, status=503) if broken else web.Response(text="")
+        step = progress.result()
+        if step.finite:
             return web.Response(text="")
-        broken = non_finite([probe.result()], [rid])
-        if broken:  # SGLang answers 503 when its health generation fails
-            return _error(broken, status=503)
-        return web.Response(text="")
+        return _error(f"a step of the running requests committed non-finite log-probs (NaN or inf) under weight "
+                      f"version {step.weight_version}: those weights are broken (e.g. a diverged training step); "
+                      f"load good weights, e.g. a version from before the divergence", status=503)
 
     # ---- info and flow control ------------------------------------------------------------------
 
@@ -447,6 +470,8 @@ class InferenceServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
             await self.engine.pause(fields.field(await _body(request), "mode", "str", "abort"))
+        except EngineFailed as exc:
+            return _error(str(exc), status=500)
         except ValueError as exc:
             return _error(str(exc))
         return web.json_response({"success": True, "message": "Generation paused."})

@@ -125,7 +125,7 @@ async def run_requests(engine: Engine, prompts: list[list[int]], params: list[Sa
     Raises:
         ValueError: a request the engine refuses (e.g. its rid was taken since it was validated).
         NonFiniteLogprobs: a request produced a NaN or inf log-prob; the others are aborted.
-        RuntimeError: the engine failed.
+        EngineFailed: the engine died.
         Whatever ``emit`` raises (the others are aborted).
     """
     if interval is not None and interval < 1:
