@@ -51,7 +51,8 @@ from aiohttp import web
 from ..types import sample_seed
 from . import fields
 from .engine.admission import QueueFull, retry_after_headers
-from .engine.engine import Completion, Engine, EngineFailed
+from .engine.engine import Engine
+from .engine.requests import Completion, EngineFailed
 from .request import decode_sampling
 from .engine.stop import answer_text, hold_back
 from .engine.sampling import SamplingParams

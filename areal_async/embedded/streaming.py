@@ -32,7 +32,8 @@ from typing import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from .engine.engine import Completion, Engine
+from .engine.engine import Engine
+from .engine.requests import Completion
 from .engine.sampling import SamplingParams
 
 Emit = Callable[[int, Completion], Awaitable[None]]
