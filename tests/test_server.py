@@ -790,10 +790,7 @@ def test_non_finite_logprobs_are_a_json_500_naming_the_weight_version(tiny_model
     # bare NaN in it), and the rollout worker must fail on them rather than train on noise
     from areal_async.inference.client import InferenceClient, ServerError
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.fill_(float("nan"))
-    model.save_pretrained(tmp_path / "nan")
+    nan_weights(tiny_model_dir, tmp_path / "nan")
 
     def no_constants(name):
         raise ValueError(f"{name} in a JSON answer")
@@ -1009,3 +1006,106 @@ def test_health_generate_answers_at_once_while_paused_for_an_update(tiny_model_d
             return paused, await api.get("/health_generate")
 
     assert asyncio.run(main()) == ((200, ""), (200, ""))
+
+
+def nan_weights(model_dir, out_dir):
+    """The tiny model with a NaN final norm, saved to ``out_dir``: every logit, so every
+    log-prob, is NaN (broken weights, e.g. a diverged training step)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_health_generate_is_503_when_the_busy_step_commits_non_finite_log_probs(tiny_model_dir, tmp_path):
+    # One slot, held by a long generation under broken weights: its committed steps prove the loop
+    # alive but the weights broken (that request ends in a 500), so the probe answers 503 naming
+    # the version, not 200 as for a step whose log-probs are finite
+    nan_dir = nan_weights(tiny_model_dir, tmp_path / "nan")
+
+    async def main():
+        async with running(tiny_model_dir, slots=1) as (api, engine):
+            loaded = await api.post("/update_weights_from_disk", {"model_path": str(nan_dir), "weight_version": "3"})
+            body = {"input_ids": prompt_ids(tiny_model_dir), "sampling_params": {"max_new_tokens": 200,
+                                                                                 "ignore_eos": True}}
+            long = asyncio.create_task(api.post("/generate", body))
+            await engine.next_step()
+            health = await api.get("/health_generate")
+            busy = not long.done()
+            return loaded, health, busy, await long
+
+    loaded, (status, out), busy, (long_status, _) = asyncio.run(main())
+    assert loaded[0] == 200 and busy and long_status == 500
+    assert status == 503 and "non-finite log-probs" in out["error"]["message"], out
+    assert "under weight version 3" in out["error"]["message"], out
+
+
+def _fail_next_prefill(engine) -> None:
+    """Make the engine's next prefill raise, as a device fault would: its loop dies (``Engine.run``)."""
+    def fault(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.forward.prefill = fault
+
+
+_DEAD = "inference engine failed: RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+def test_a_dead_engine_fails_health_and_ready_at_once(tiny_model_dir):
+    # SGLang answers /ready and /health* 503 for an unhealthy server: a server whose engine loop
+    # died serves nothing more, and its health answers must say so (with the error body), even
+    # after a /continue_generation, which restarts nothing (nor may it queue requests for it)
+    paths = ("/health", "/ready", "/health_generate")
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            before = [await api.get(p) for p in paths]
+            _fail_next_prefill(engine)
+            killing = await api.post("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+            after = [await api.get(p) for p in paths]
+            continued = await api.post("/continue_generation", {})
+            # before: queued into the dead engine, never answered (the guard only bounds the failure)
+            late = await asyncio.wait_for(api.post("/generate", {"input_ids": [1, 2]}), 60)
+            return before, killing, after, continued, await api.get("/ready"), late
+
+    before, killing, after, continued, ready, late = asyncio.run(main())
+    assert before == [(200, "")] * 3
+    assert killing == (500, {"error": {"message": killing[1]["error"]["message"]}}), killing
+    assert _DEAD in killing[1]["error"]["message"]
+    for path, (status, out) in zip(paths, after):
+        assert status == 503 and _DEAD in out["error"]["message"], (path, status, out)
+    assert continued[0] == 200 and ready[0] == 503 and _DEAD in ready[1]["error"]["message"], ready
+    assert late[0] == 500 and _DEAD in late[1]["error"]["message"], late
+
+
+def test_requests_to_a_dead_engine_get_json_error_answers(tiny_model_dir):
+    # the stream the engine dies under ends with SGLang's error event, then [DONE]; later calls
+    # get HTTP 500 with the path's JSON error body (SGLang's, or OpenAI's under /v1), never
+    # aiohttp's plain-text 500
+    stream = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}, "stream": True}
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            _fail_next_prefill(engine)
+            async with api.http.post(api.url + "/generate", json=stream) as resp:
+                streamed = resp.status, await resp.read()
+            answers = [
+                await api.post("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}),
+                await api.post("/generate", {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 0}),
+                await api.post("/generate", stream),
+                await api.post("/pause_generation", {"mode": "abort"}),
+            ]
+            completion = await api.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+            return streamed, answers, completion
+
+    (status, raw), answers, completion = asyncio.run(main())
+    events = raw.decode().split("\n\n")
+    assert status == 200 and events[-2:] == ["data: [DONE]", ""], raw
+    error = json.loads(events[-3].removeprefix("data: "))["error"]
+    assert error["code"] == 500 and error["type"] == "server_error" and _DEAD in error["message"], error
+    for status, out in answers:
+        assert status == 500 and isinstance(out, dict) and _DEAD in out["error"]["message"], (status, out)
+    status, out = completion
+    assert status == 500 and out["error"]["type"] == "server_error" and out["error"]["code"] == 500, out
+    assert _DEAD in out["error"]["message"], out

@@ -6,7 +6,7 @@ Two kinds of tests:
   decoded by SGLang's own code in ``.venv-sglang`` (its contract decoder
   ``api_types.GenerateRequest``, then ``GenerateReqInput.normalize_batch_and_arguments`` and
   ``srt.sampling.SamplingParams`` ``__init__`` / ``normalize`` / ``verify`` with the fixture's
-  tokenizer) and by our server's ``_parse_generate``, and the normalised meanings compared; bodies
+  tokenizer) and by our server's ``GenerateApi.parse``, and the normalised meanings compared; bodies
   SGLang refuses are refused by both. Stop strings: SGLang's own ``Req._check_str_based_finish``
   and ``DetokenizerManager.trim_matched_stop`` replayed over our server's tokens give the same
   finish, ``output_ids`` and ``text``.
@@ -481,7 +481,7 @@ def sglang_side(tiny_model_dir):
 
     def ours(body):
         try:
-            return server._parse_generate(json.loads(json.dumps(body)))
+            return server.generation.parse(json.loads(json.dumps(body)))
         except ValueError as exc:
             return exc
 

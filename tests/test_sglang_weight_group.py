@@ -331,7 +331,7 @@ def test_a_failed_join_is_answered_and_logged_once(tiny_model_dir, monkeypatch, 
         await asyncio.sleep(0)
         return reply
 
-    with caplog.at_level(logging.WARNING, logger="areal_async.embedded.http_server"):
+    with caplog.at_level(logging.WARNING, logger="areal_async.embedded.weight_api"):
         status, out = asyncio.run(main())
     assert status == 400 and out["message"] == ("init_weights_update_group failed: DistNetworkError: "
                                                 "Connection reset by peer"), out

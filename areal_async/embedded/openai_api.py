@@ -21,7 +21,8 @@ from aiohttp import web
 from ..types import sample_seed
 from . import fields
 from .engine.admission import QueueFull, retry_after_headers
-from .engine.engine import Completion, Engine
+from .engine.engine import Engine
+from .engine.requests import Completion, EngineFailed
 from .request import decode_sampling
 from .engine.stop import answer_text, hold_back
 from .engine.sampling import SamplingParams
@@ -240,6 +241,8 @@ class _Call:
                 return OpenAIError(str(exc), status=500).response()
             except QueueFull as exc:  # other calls filled the queue since _call checked it
                 return OpenAIError(str(exc), status=503).response()
+            except EngineFailed as exc:  # the engine died under it
+                return OpenAIError(str(exc), status=500).response()
             except ValueError as exc:  # a rid taken since validation (not one a client chose: cannot happen)
                 return OpenAIError(str(exc)).response()
             choices = [fmt.choice(i, self.text(i, c), c) for i, c in enumerate(done)]
@@ -267,8 +270,8 @@ class _Call:
                 await response.write(self.chunk(fmt, [], usage=self.usage(done)))
         except ConnectionResetError:  # the client went away; its requests were aborted
             return response
-        except (ValueError, NonFiniteLogprobs, QueueFull) as exc:
-            status = 500 if isinstance(exc, NonFiniteLogprobs) else 503 if isinstance(exc, QueueFull) else 400
+        except (ValueError, NonFiniteLogprobs, QueueFull, EngineFailed) as exc:
+            status = 503 if isinstance(exc, QueueFull) else 400 if isinstance(exc, ValueError) else 500
             await response.write(sse_event(OpenAIError(str(exc), status=status).body()))
         await response.write(SSE_DONE)
         await response.write_eof()
@@ -323,11 +326,14 @@ class _ChatFormat:
 
 
 def _room(engine: Engine, asked: int) -> None:
-    """``engine.check_room(asked)``, its ``QueueFull`` as an ``OpenAIError`` of status 503."""
+    """``engine.check_room(asked)``, its ``QueueFull`` as an ``OpenAIError`` of status 503 (a dead
+    engine's ``EngineFailed``: 500)."""
     try:
         engine.check_room(asked)
     except QueueFull as exc:
         raise OpenAIError(str(exc), status=503) from None
+    except EngineFailed as exc:
+        raise OpenAIError(str(exc), status=500) from None
 
 
 def _matched(c: Completion):

@@ -17,7 +17,8 @@ from typing import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from .engine.engine import Completion, Engine
+from .engine.engine import Engine
+from .engine.requests import Completion
 from .engine.sampling import SamplingParams
 
 Emit = Callable[[int, Completion], Awaitable[None]]
@@ -110,7 +111,7 @@ async def run_requests(engine: Engine, prompts: list[list[int]], params: list[Sa
     Raises:
         ValueError: a request the engine refuses (e.g. its rid was taken since it was validated).
         NonFiniteLogprobs: a request produced a NaN or inf log-prob; the others are aborted.
-        RuntimeError: the engine failed.
+        EngineFailed: the engine died.
         Whatever ``emit`` raises (the others are aborted).
     """
     if interval is not None and interval < 1:
