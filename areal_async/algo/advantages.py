@@ -7,7 +7,7 @@ learned critic by the statistics of the ``group_size`` responses sampled for one
 
 With γ = λ = 1 and a single sparse reward at the end of the response, every token of response i
 gets the same advantage ``A_i``; broadcasting to tokens is the caller's job (see
-``areal_async.trainer.step``). The standard deviation is the population std (``unbiased=False``),
+``areal_async.trainer.plan``). The standard deviation is the population std (``unbiased=False``),
 and a group whose rewards are all equal gets advantages of exactly 0 (its centred rewards are
 exactly 0, and the std is floored so that the division never makes a NaN).
 """
