@@ -188,7 +188,7 @@ class TrainerConfig(_Cfg):
     # (per-tree sdpa with the ancestor mask); auto: varlen on CUDA bf16/fp16 outside deterministic
     # mode, sdpa otherwise (trainer/tree_paths.py; resolved by launcher/resolve.py)
     tree_attention: Literal["auto", "varlen", "flex", "sdpa"] = "auto"
-    # exact savings (trainer/step.py): sequences whose loss tokens all have advantage 0 are not run;
+    # exact savings (trainer/plan.py): sequences whose loss tokens all have advantage 0 are not run;
     # tokens that sequences of a micro-batch share (a prompt, a few-shot preamble) are forwarded once
     skip_zero_advantage: bool = True
     share_prefixes: bool = True

@@ -170,6 +170,7 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
     # temperature 1, or taken after the first update) are off by 0.1–0.6.
     from transformers import AutoModelForCausalLM
 
+    from areal_async.trainer import plan as plan_module
     from areal_async.trainer import step as step_module
     from areal_async.trainer.attention import use_packed_attention
     from areal_async.trainer.packed_policy import PackedPolicy
@@ -177,12 +178,12 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
     torch.set_num_threads(1)
     temperature = 0.7
     trajs = make_trajectories(384)
-    seqs = step_module.build_sequences(trajs, AlgoConfig())
+    seqs = plan_module.build_sequences(trajs, AlgoConfig())
     expected = _initial_logprobs(tiny_model_dir, seqs, temperature)
     first_minibatch = set(range(len(seqs) // 2))  # groups 0–1: 2 samples each
 
     packed, calls = [], []  # sequence indices of each packed micro-batch; what each loss call got
-    pack, loss = step_module._pack, step_module.decoupled_ppo_loss
+    pack, loss = plan_module.pack_micro_batch, step_module.decoupled_ppo_loss
 
     def recording_pack(seqs, idx, *args, **kwargs):
         packed.append(list(idx))
@@ -192,7 +193,7 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
         calls.append((packed[-1], theta.detach().clone(), prox.detach().clone(), mask.clone()))
         return loss(theta, prox, behav, advantages, mask, *args, **kwargs)
 
-    monkeypatch.setattr(step_module, "_pack", recording_pack)
+    monkeypatch.setattr(plan_module, "pack_micro_batch", recording_pack)
     monkeypatch.setattr(step_module, "decoupled_ppo_loss", recording_loss)
     results = {}
     for n in (1, 2):
@@ -205,7 +206,7 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
         results[n] = step_module.train_step(policy, optimizer, trajs, AlgoConfig(ppo_minibatches=n),
                                             TrainerConfig(max_tokens_per_mb=24), temperature, torch.device("cpu"))
         seen = {i for idx, *_ in calls for i in idx}
-        assert {i for i in range(len(seqs)) if step_module.runs_forward(seqs[i])} <= seen
+        assert {i for i in range(len(seqs)) if plan_module.runs_forward(seqs[i])} <= seen
         for idx, theta, prox, mask in calls:
             assert idx, "one rank runs no dummy micro-batch"
             if n == 1:
@@ -373,7 +374,7 @@ def test_zero_advantage_skip_off_for_a_kl_term_and_by_switch(tiny_model_dir):
 def test_the_plan_is_a_function_of_the_batch(tiny_model_dir):
     # Same batch, trajectories and samples handed over in another order: the same sequences are
     # skipped, the same micro-batches made, and the update is bitwise the same.
-    from areal_async.trainer.step import _plan, build_sequences, runs_forward
+    from areal_async.trainer.plan import assign_micro_batches, build_sequences, runs_forward
 
     trajs = shared_prefix_trajectories(384)
     shuffled = [msgspec.structs.replace(t, samples=t.samples[::-1]) for t in trajs[::-1]]
@@ -381,7 +382,7 @@ def test_the_plan_is_a_function_of_the_batch(tiny_model_dir):
     for batch in (trajs, shuffled):
         seqs = build_sequences(batch, AlgoConfig())
         run = [i for i in range(len(seqs)) if runs_forward(seqs[i])]
-        plans.append((run, _plan(seqs, run, 30, 2, True), [seqs[i].ids for i in run]))
+        plans.append((run, assign_micro_batches(seqs, run, 30, 2, True), [seqs[i].ids for i in run]))
     assert plans[0] == plans[1]
     assert len(plans[0][1][0]) == len(plans[0][1][1])  # both ranks run as many passes
     (m1, w1), (m2, w2) = _step(tiny_model_dir, trajs, max_tokens_per_mb=30), _step(tiny_model_dir, shuffled,
@@ -468,7 +469,7 @@ def test_naive_and_decoupled_steps_coincide_on_fresh_data(tiny_model_dir):
 
 
 def test_pack_takes_the_tree_attention_path():
-    from areal_async.trainer.step import SeqTensors, _pack
+    from areal_async.trainer.plan import SeqTensors, pack_micro_batch
 
     def seq(ids):
         n = len(ids)
@@ -476,11 +477,11 @@ def test_pack_takes_the_tree_attention_path():
         return SeqTensors(ids, torch.zeros(n), (pos >= 2) & (pos < n - 1), torch.ones(n))  # loss rows have a next token
 
     seqs = [seq([1, 2, 3, 4]), seq([1, 2, 3, 5, 6])]
-    tree, _ = _pack(seqs, [0, 1], torch.device("cpu"), True, "varlen")
+    tree = pack_micro_batch(seqs, [0, 1], True, "varlen")
     assert tree.attention == "varlen"
     assert tree.chains.key_index.tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 4, 5]
     assert "tree_chains" in tree.model_inputs() and "tree_block_mask" not in tree.model_inputs()
-    plain, _ = _pack(seqs, [0, 1], torch.device("cpu"), True)
+    plain = pack_micro_batch(seqs, [0, 1], True)
     assert plain.attention == "sdpa" and plain.chains is None and "tree_chains" not in plain.model_inputs()
 
 

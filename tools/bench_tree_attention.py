@@ -90,7 +90,7 @@ def make_sequences(groups: int, samples: int, prompt_len: tuple[int, int], respo
 
 def first_micro_batch(seqs: list[list[int]], max_tokens: int) -> tuple[list[int], int]:
     """Indices of the sequences in the first micro-batch of the trainer's shared-prefix plan
-    (``cut_units`` + ``allocate_micro_batches``, as ``step._plan`` does), and the plan's count."""
+    (``cut_units`` + ``allocate_micro_batches``, as ``plan.assign_micro_batches`` does), and the plan's count."""
     units = cut_units(seqs, max_tokens)
     mbs = allocate_micro_batches([cost for _, cost in units], max_tokens)
     return sorted(i for u in mbs[0] for i in units[u][0]), len(mbs)

@@ -3,7 +3,7 @@
     A_i = (R_i - mean(R_group)) / (std(R_group) + eps)   over the ``group_size`` responses to one prompt
 
 Population std (``unbiased=False``), floored so that an all-equal group gets exactly 0, never NaN.
-With γ = λ = 1 and one reward at the end every token of response i gets ``A_i`` (``trainer.step``).
+With γ = λ = 1 and one reward at the end every token of response i gets ``A_i`` (``trainer.plan``).
 """
 
 from __future__ import annotations

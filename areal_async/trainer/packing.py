@@ -36,6 +36,14 @@ class PackedBatch:
         max_seqlen: length of the longest sequence (int).
         head_index: ``[M] int64`` positions whose next-token log-prob is computed (the loss
             positions), or ``None``: every position (0 at each sequence's last).
+
+    Per-token loss fields (position ``t`` predicts token ``t+1``; all ``None`` for a batch that
+    only feeds a forward; set by ``trainer/plan.py``):
+        behav_logprobs: ``[T] float32`` log π_behav of the token position ``t`` predicts (the
+            server's log-prob of the sampled token), 0 off the loss mask.
+        advantages: ``[T] float32`` that token's advantage, 0 off the loss mask.
+        loss_mask: ``[T] bool`` true at the positions whose next token enters the loss (those
+            that predict a sampled response token).
     """
 
     input_ids: Tensor
@@ -43,6 +51,9 @@ class PackedBatch:
     cu_seqlens: Tensor
     max_seqlen: int
     head_index: Tensor | None = None
+    behav_logprobs: Tensor | None = None
+    advantages: Tensor | None = None
+    loss_mask: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,10 +64,10 @@ class PackedBatch:
         return int(self.cu_seqlens.numel()) - 1
 
     def to(self, device: torch.device | str, non_blocking: bool | None = None) -> "PackedBatch":
-        """The batch on ``device``; see ``to_device`` for ``non_blocking``."""
-        ids, pos, cu = (to_device(t, device, non_blocking) for t in (self.input_ids, self.position_ids, self.cu_seqlens))
-        head = None if self.head_index is None else to_device(self.head_index, device, non_blocking)
-        return PackedBatch(ids, pos, cu, self.max_seqlen, head)
+        """The batch, loss fields included, on ``device``; see ``to_device`` for ``non_blocking``."""
+        return dataclasses.replace(self, **{f.name: to_device(getattr(self, f.name), device, non_blocking)
+                                            for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), Tensor)})
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the decoder: ``input_ids``/``position_ids`` ``[1, T]`` and the

@@ -1,127 +1,46 @@
-"""One decoupled-PPO training step over a batch of trajectories, on every data-parallel rank.
+"""One decoupled-PPO training step: the optimizer loop over a batch plan, on every data-parallel rank.
 
-Every rank receives the whole batch (the same list of ``Trajectory``s) and builds the same
-token tensors; the sequences are then split into balanced micro-batches under
-``trainer.max_tokens_per_mb`` (``packing.allocate_micro_batches``) and dealt round-robin to ranks
-(``packing.assign_to_ranks``), so the allocation is a function of the batch only.
-
-Two exact savings (``trainer.skip_zero_advantage``, ``trainer.share_prefixes``, both on by
-default):
-
-- **Zero-advantage skip.** A sequence whose every loss token has advantage exactly 0 (a group
-  with all-equal rewards; an empty response) is not run. Its per-token loss is
-  ``-w·max(-0·r, -0·clip(r)) = 0`` with gradient 0 for any log-probs, so the loss, its gradient
-  and the clip fraction are unchanged, and the denominator still counts its loss tokens. Only
-  while no term is non-zero at A = 0 (``algo.kl_coef = 0``; there is no entropy bonus). The
-  statistics that need its log-probs (``LOGP_STAT_KEYS``) cannot be had without its forward:
-  they are means over the loss tokens that were run. One difference: a non-finite behaviour
-  log-prob in a skipped sequence no longer makes the update's gradient NaN (nothing reads it).
-- **Shared-prefix packing** (``trainer/tree.py``): each micro-batch's sequences are forwarded as
-  a forest of token tries, shared prefixes once; the allocation units are the trees (cut where
-  over the budget) costing their unique tokens. The LM head runs only at loss positions (also
-  without sharing).
-
-Per token, position ``t`` of a sequence ``prompt + response`` predicts token ``t+1``; the loss
-mask is true on the positions that predict response tokens, and the behaviour log-prob and the
-advantage of response token ``j`` sit at position ``P-1+j``.
+Every rank receives the whole batch; ``trainer/plan.py`` turns it into this rank's plan (per
+optimizer update, its packed micro-batches, each carrying its ``[T]`` behaviour log-probs,
+advantages and loss mask: sequence building, the zero-advantage skip, the minibatch split,
+packing and shared-prefix trees). This file runs it: per micro-batch forward, loss, backward;
+per minibatch one optimizer step.
 
 Aggregation is the global token mean over the whole (mini)batch: the denominator is the number
-of loss tokens over all micro-batches of all ranks (known on every rank, since every rank holds
-the whole batch), and the loss is multiplied by the world size because FSDP2/DDP average
-gradients over ranks. A rank with fewer micro-batches runs zero-loss passes so that every rank
-runs the same collectives.
+of loss tokens over all micro-batches of all ranks (``Minibatch.loss_tokens``, known on every rank,
+since every rank holds the whole batch), and the loss is multiplied by the world size because
+FSDP2/DDP average gradients over ranks. A rank with fewer micro-batches runs zero-loss passes so
+that every rank runs the same collectives. With sequences skipped for all-zero advantages, the
+statistics that need their log-probs (``LOGP_STAT_KEYS``) cannot be had without their forward:
+they are means over the loss tokens that were run.
 
-``algo.ppo_minibatches`` = n splits the batch into n consecutive slices of groups with one
-optimizer step each. With n = 1, π_prox (the policy before the update) equals π_θ during the only
-forward, so the proximal log-probs are that forward's values, detached; with n > 1 they are
-recomputed in a no-grad pass over the whole batch before the first update. ``algo.decoupled``
-false (the naive-PPO control) takes π_prox = π_behav instead and runs no proximal pass at any n
-(``algo.loss.naive_ppo_loss``).
+``algo.ppo_minibatches`` = n gives n optimizer steps. With n = 1, π_prox (the policy before the
+update) equals π_θ during the only forward, so the proximal log-probs are that forward's values,
+detached; with n > 1 they are recomputed in a no-grad pass over the whole plan before the first
+update. ``algo.decoupled`` false (the naive-PPO control) takes π_prox = π_behav instead and runs
+no proximal pass at any n (``algo.loss.naive_ppo_loss``). An update whose gradient norm is inf or
+NaN is skipped and counted.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from areal_async.algo.advantages import batch_normalize, group_advantages
 from areal_async.algo.loss import decoupled_ppo_loss, naive_ppo_loss
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.packed_policy import packed_logprobs
-from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences, to_device
-from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
-from areal_async.trainer.tree_paths import tree_attention_choice
+from areal_async.trainer.packing import PackedBatch
+from areal_async.trainer.plan import Minibatch, Plan, make_plan
+from areal_async.trainer.tree import TreeBatch
 from areal_async.types import Trajectory
 
 STAT_KEYS = ("loss", "clip_ratio", "importance_weight", "behav_capped_ratio", "ratio", "approx_kl", "behav_kl")
 # statistics that need the policy's log-probs: with sequences skipped, means over the tokens run
 LOGP_STAT_KEYS = ("importance_weight", "behav_capped_ratio", "ratio", "approx_kl", "behav_kl", "entropy")
-
-
-@dataclasses.dataclass
-class SeqTensors:
-    """One sequence ``prompt + response`` aligned to next-token positions (all ``[L]``)."""
-
-    ids: list[int]
-    behav_logp: Tensor  # float32, log π_behav of token t+1 at position t (0 off the mask)
-    loss_mask: Tensor  # bool
-    advantages: Tensor  # float32
-
-
-def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensors]:
-    """Token tensors of every sample of every group, groups in id order, samples in index order.
-
-    Raises:
-        ValueError: groups of different sizes (advantages are normalised per group).
-    """
-    trajs = sorted(trajs, key=lambda t: t.group_id)
-    sizes = {len(t.samples) for t in trajs}
-    if len(sizes) != 1:
-        raise ValueError(f"all groups of a batch must have the same number of samples, got sizes {sorted(sizes)}")
-    samples = [(t, s) for t in trajs for s in sorted(t.samples, key=lambda s: s.index)]
-    rewards = torch.tensor([s.reward for _, s in samples], dtype=torch.float32)
-    adv = group_advantages(rewards, sizes.pop(), std_norm=algo.std_norm)
-    if algo.batch_norm:
-        adv = batch_normalize(adv)
-    out = []
-    for (traj, s), a in zip(samples, adv.tolist()):
-        prompt, resp = traj.prompt_ids.tolist(), s.output_ids.tolist()
-        n_p, n_r = len(prompt), len(resp)
-        assert n_p >= 1, f"group {traj.group_id} has an empty prompt"
-        length = n_p + n_r
-        mask = torch.zeros(length, dtype=torch.bool)
-        mask[n_p - 1 : length - 1] = True
-        behav = torch.zeros(length, dtype=torch.float32)
-        behav[n_p - 1 : length - 1] = torch.from_numpy(s.behav_logprobs.numpy().astype("float32"))
-        out.append(SeqTensors(prompt + resp, behav, mask, torch.where(mask, a, 0.0)))
-    return out
-
-
-def _pack(seqs: list[SeqTensors], idx: list[int], device: torch.device, share_prefixes: bool,
-          tree_attention: str = "sdpa") -> tuple[PackedBatch | TreeBatch, dict[str, Tensor]]:
-    """Pack sequences ``idx`` as a prefix forest (``share_prefixes``, attention path
-    ``tree_attention``) or back to back, with the LM head at their loss positions only (a dummy
-    1-token, all-masked row when ``idx`` is empty)."""
-    if not idx:
-        one = torch.zeros(1, device=device)
-        return pack_sequences([[0]]).to(device), {"behav_logp": one, "loss_mask": one.bool(), "advantages": one}
-    keys = ("behav_logp", "loss_mask", "advantages")
-    fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]) for k in keys}
-    head_index = fields["loss_mask"].nonzero()[:, 0]
-    ids = [seqs[i].ids for i in idx]
-    batch = pack_tree(ids, head_index, tree_attention) if share_prefixes else pack_sequences(ids, head_index)
-    return batch.to(device), {k: to_device(v, device) for k, v in fields.items()}
-
-
-def runs_forward(seq: SeqTensors) -> bool:
-    """Whether a sequence must be forwarded: some loss token has a non-zero advantage (NaN counts
-    as non-zero). One with none adds exactly 0 to the loss and the gradient (see the module
-    docstring) and is skipped when ``trainer.skip_zero_advantage`` is on."""
-    return bool((seq.advantages[seq.loss_mask] != 0).any())
 
 
 def train_step(
@@ -155,94 +74,88 @@ def train_step(
         are left out when no loss token was run (every sequence skipped).
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    seqs = build_sequences(trajs, algo)
-    n_groups, n_mini = len(trajs), algo.ppo_minibatches
-    if not 1 <= n_mini <= n_groups:
-        raise ValueError(f"algo.ppo_minibatches={n_mini} must be in [1, groups per batch = {n_groups}]")
-    per_group = len(seqs) // n_groups
-    bounds = [round(i * n_groups / n_mini) * per_group for i in range(n_mini + 1)]
-    minibatches = [list(range(bounds[i], bounds[i + 1])) for i in range(n_mini)]
-    # skipping is exact only while nothing in the loss is non-zero at A = 0 (config rejects kl_coef ≠ 0)
-    skip = trainer.skip_zero_advantage and algo.kl_coef == 0.0
-    runs = [[i for i in mb if not skip or runs_forward(seqs[i])] for mb in minibatches]
-    share = trainer.share_prefixes
-    tree_path = tree_attention_choice(trainer.tree_attention, torch.device(device).type == "cuda", trainer.dtype,
-                                      torch.are_deterministic_algorithms_enabled())
-    plans = [_plan(seqs, run, trainer.max_tokens_per_mb, world, share)[rank] for run in runs]
-
-    total_mbs, done_mbs = sum(len(plan) for plan in plans), 0
-    prox: dict[int, Tensor] = {}  # micro-batch key → π_prox log-probs, when recomputed
-    if n_mini > 1 and algo.decoupled:  # naive PPO: π_prox = π_behav, nothing to recompute
-        with torch.no_grad():
-            for m, plan in enumerate(plans):
-                for j, idx in enumerate(plan):
-                    batch, _ = _pack(seqs, idx, device, share, tree_path)
-                    prox[(m, j)] = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)[0]
-
+    plan = make_plan(trajs, algo, trainer, device, world, rank)
+    n_mini, chunk = len(plan.minibatches), trainer.logit_chunk_tokens
+    # naive PPO: π_prox = π_behav, nothing to recompute; one minibatch: π_prox = π_θ, detached
+    prox = _proximal_logprobs(policy, plan, temperature, chunk, device) if n_mini > 1 and algo.decoupled else None
     params = [p for p in policy.parameters() if p.requires_grad]
-    skipped = 0  # optimizer updates skipped for a non-finite gradient norm
+    done, skipped = 0, 0  # micro-batches run; updates skipped for a non-finite gradient norm
     # summed on the device and read once at the end: a read per micro-batch would stall the host
     # until the GPU finished it, and the next micro-batch would start with the GPU idle
     sums = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64, device=device)  # + entropy, forward tokens
-    for m, plan in enumerate(plans):
-        num_tokens = sum(int(seqs[i].loss_mask.sum()) for i in minibatches[m])
-        run_tokens = sum(int(seqs[i].loss_mask.sum()) for i in runs[m])
-        # shares of num_tokens → means over the tokens run, for the statistics that need log-probs
-        scale = torch.tensor([1.0 if k not in LOGP_STAT_KEYS else num_tokens / max(run_tokens, 1)
-                              for k in STAT_KEYS + ("entropy",)], dtype=torch.float64, device=device) / n_mini
-        for j, idx in enumerate(plan):
-            batch, f = _pack(seqs, idx, device, share, tree_path)
-            theta, entropy = packed_logprobs(policy, batch, temperature, trainer.logit_chunk_tokens)
-            if algo.decoupled:
-                prox_logp = prox[(m, j)] if n_mini > 1 else theta.detach()
-                loss, st = decoupled_ppo_loss(
-                    theta, prox_logp, f["behav_logp"], f["advantages"], f["loss_mask"],
-                    algo.eps_clip, algo.eps_clip_high, algo.behav_imp_weight_cap, num_tokens=num_tokens,
-                )
-            else:
-                loss, st = naive_ppo_loss(theta, f["behav_logp"], f["advantages"], f["loss_mask"],
-                                          algo.eps_clip, algo.eps_clip_high, num_tokens=num_tokens)
+    for m, minibatch in enumerate(plan.minibatches):
+        scale = _stat_scale(minibatch, n_mini, device)
+        for j, micro_batch in enumerate(minibatch.micro_batches()):
+            batch = micro_batch.to(device)
+            theta, entropy = packed_logprobs(policy, batch, temperature, chunk)
+            prox_logp = theta.detach() if prox is None else prox[m][j]
+            loss, st = _loss(theta, prox_logp, batch, algo, minibatch.loss_tokens)
             (loss * world).backward()  # ranks' gradients are averaged; the loss is a global share
-            ent = (entropy * f["loss_mask"]).sum() / max(num_tokens, 1)
+            ent = (entropy * batch.loss_mask).sum() / max(minibatch.loss_tokens, 1)
             sums[:-1] += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) * scale
-            sums[-1] += batch.num_tokens if idx else 0
-            done_mbs += 1
+            sums[-1] += batch.num_tokens if minibatch.seq_index[j] else 0  # a dummy pass is not counted
+            done += 1
             if on_micro_batch is not None:
-                on_micro_batch(done_mbs, total_mbs)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, trainer.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        # A non-finite gradient (one inf/NaN log-prob is enough) would make every weight NaN and
-        # reach the servers with the next version: the update is skipped and counted instead. The
-        # norm is all-reduced, so every rank takes the same branch.
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-        else:
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
+                on_micro_batch(done, plan.num_micro_batches)
+        grad_norm, stepped = _clip_and_step(optimizer, params, trainer.grad_clip)
+        skipped += not stepped
     if world > 1:
         dist.all_reduce(sums)
-    values = sums.cpu().tolist()
+    return _metrics(sums.cpu().tolist(), plan, float(grad_norm), optimizer.param_groups[0]["lr"], skipped)
+
+
+def _proximal_logprobs(policy: torch.nn.Module, plan: Plan, temperature: float, chunk_tokens: int,
+                       device: torch.device) -> list[list[Tensor]]:
+    """log π_prox ``[T] float32`` of every micro-batch of ``plan`` (``[minibatch][micro-batch]``):
+    the policy before the step's first update, in one no-grad pass."""
+    with torch.no_grad():
+        return [[packed_logprobs(policy, mb.to(device), temperature, chunk_tokens)[0] for mb in minibatch.micro_batches()]
+                for minibatch in plan.minibatches]
+
+
+def _loss(theta: Tensor, prox_logp: Tensor, batch: PackedBatch | TreeBatch, algo: AlgoConfig,
+          num_tokens: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of the minibatch's loss (``num_tokens``: its loss tokens, all
+    ranks): decoupled PPO, or naive PPO (``prox_logp`` unused) without ``algo.decoupled``."""
+    if algo.decoupled:
+        return decoupled_ppo_loss(theta, prox_logp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
+                                  algo.eps_clip, algo.eps_clip_high, algo.behav_imp_weight_cap, num_tokens=num_tokens)
+    return naive_ppo_loss(theta, batch.behav_logprobs, batch.advantages, batch.loss_mask, algo.eps_clip,
+                          algo.eps_clip_high, num_tokens=num_tokens)
+
+
+def _stat_scale(minibatch: Minibatch, n_mini: int, device: torch.device) -> Tensor:
+    """``[len(STAT_KEYS) + 1] float64`` factor of each statistic (entropy last) of one minibatch:
+    shares of its loss tokens → means over the tokens run for ``LOGP_STAT_KEYS``; averaged over
+    the ``n_mini`` minibatches."""
+    run = minibatch.loss_tokens / max(minibatch.run_loss_tokens, 1)
+    return torch.tensor([1.0 if k not in LOGP_STAT_KEYS else run for k in STAT_KEYS + ("entropy",)],
+                        dtype=torch.float64, device=device) / n_mini
+
+
+def _clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float) -> tuple[Tensor, bool]:
+    """Clip the gradient norm to ``grad_clip``, step if it is finite, zero the gradients; returns
+    the norm before clipping and whether the optimizer stepped.
+
+    A non-finite gradient (one inf/NaN log-prob is enough) would make every weight NaN and reach
+    the servers with the next version: the update is skipped instead. The norm is all-reduced, so
+    every rank takes the same branch."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    stepped = bool(torch.isfinite(grad_norm))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped
+
+
+def _metrics(values: list[float], plan: Plan, grad_norm: float, lr: float, skipped: int) -> dict[str, float]:
+    """``train/*`` metrics from the all-reduced sums ``values`` (``STAT_KEYS``, entropy, forward tokens)."""
     stats = dict(zip(STAT_KEYS + ("entropy",), values[:-1]))
-    if not any(seqs[i].loss_mask.any() for run in runs for i in run):
+    if not any(mb.run_loss_tokens for mb in plan.minibatches):
         # no loss token was run: the log-prob statistics have no tokens to average (0 would read
         # as, e.g., an entropy collapse), so they are left out of this step's metrics
         stats = {k: v for k, v in stats.items() if k not in LOGP_STAT_KEYS}
-    tokens = float(sum(len(s.ids) for s in seqs))
-    stats.update(grad_norm=float(grad_norm), lr=optimizer.param_groups[0]["lr"], tokens=tokens,
-                 forward_tokens=values[-1], skipped_seqs=float(len(seqs) - sum(len(r) for r in runs)),
-                 skipped_updates=float(skipped))
+    stats.update(grad_norm=grad_norm, lr=lr, tokens=float(plan.tokens), forward_tokens=values[-1],
+                 skipped_seqs=float(plan.skipped_seqs), skipped_updates=float(skipped))
     return {f"train/{k}": v for k, v in stats.items()}
-
-
-def _plan(seqs: list[SeqTensors], idx: list[int], max_tokens_per_mb: int, world: int,
-          share_prefixes: bool) -> list[list[list[int]]]:
-    """Micro-batches of the sequences ``idx`` (global indices, ascending in each), dealt to
-    ``world`` ranks. The allocation units are the sequences (cost: length) or, with
-    ``share_prefixes``, their prefix trees, cut where over the budget (cost: unique tokens)."""
-    if share_prefixes:
-        units = [([idx[k] for k in members], cost)
-                 for members, cost in cut_units([seqs[i].ids for i in idx], max_tokens_per_mb)]
-    else:
-        units = [([i], len(seqs[i].ids)) for i in idx]
-    mbs = allocate_micro_batches([cost for _, cost in units], max_tokens_per_mb)
-    return assign_to_ranks([sorted(i for u in mb for i in units[u][0]) for mb in mbs], world)

@@ -134,6 +134,8 @@ class TreeBatch:
         num_seq_tokens: ``T`` (int).
         attention: tree attention path, ``varlen``, ``flex`` or ``sdpa`` (``tree_paths.TREE_PATHS``).
         chains: ``ChainLayout`` of the forest (``varlen`` only, else ``None``).
+        behav_logprobs, advantages, loss_mask: the per-token loss fields, ``[T]`` in the unshared
+            layout, as ``packing.PackedBatch``'s (``None`` for a batch that only feeds a forward).
     """
 
     input_ids: Tensor
@@ -147,6 +149,9 @@ class TreeBatch:
     num_seq_tokens: int
     attention: str = "sdpa"
     chains: ChainLayout | None = None
+    behav_logprobs: Tensor | None = None
+    advantages: Tensor | None = None
+    loss_mask: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +159,7 @@ class TreeBatch:
         return int(self.input_ids.numel())
 
     def to(self, device: torch.device | str, non_blocking: bool | None = None) -> "TreeBatch":
-        """The batch on ``device`` (see ``packing.to_device``)."""
+        """The batch, loss fields included, on ``device`` (see ``packing.to_device``)."""
         moved = {f.name: to_device(getattr(self, f.name), device, non_blocking)
                  for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
         if self.chains is not None:

@@ -1,0 +1,205 @@
+"""The batch plan: how a consumed batch becomes each rank's packed micro-batches.
+
+``make_plan`` composes, on every rank from the whole batch (the same list of ``Trajectory``s):
+sequence building (``build_sequences``: ids, behaviour log-probs, GRPO advantages and the loss
+mask of every sample), the zero-advantage skip (``runs_forward``), the split into
+``algo.ppo_minibatches`` optimizer updates, the balanced micro-batches under
+``trainer.max_tokens_per_mb`` dealt round-robin to ranks (``assign_micro_batches``), and packing
+(``pack_micro_batch``): a ``PackedBatch`` or, with shared prefixes, a ``TreeBatch``, each carrying
+its own ``[T]`` loss fields (``behav_logprobs``, ``advantages``, ``loss_mask``). The plan holds
+index lists; a micro-batch is packed on the host when the step reaches it, so that packing
+overlaps the device's work on the micro-batch before.
+
+Invariants: the plan is a function of the batch (token ids, rewards, config, world size), never
+of timing or of the order trajectories and samples arrived in; every sequence is in exactly one
+minibatch and, unless skipped, in exactly one micro-batch of one rank; every rank has as many
+micro-batches in each minibatch (at least one: a rank with none runs a dummy pass), so all ranks
+run the same collectives. Alignment: position ``t`` of ``prompt + response`` predicts token
+``t+1``; the loss mask is true on the positions that predict response tokens, and the behaviour
+log-prob and advantage of response token ``j`` sit at position ``P-1+j``.
+
+Elsewhere: ``cu_seqlens`` and the allocator in ``packing.py``, prefix forests and their cutting in
+``tree.py``, group advantages in ``algo/advantages.py``, the optimizer loop over a plan in
+``step.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from areal_async.algo.advantages import batch_normalize, group_advantages
+from areal_async.config import AlgoConfig, TrainerConfig
+from areal_async.trainer.tree_paths import tree_attention_choice
+from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences
+from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
+from areal_async.types import Trajectory
+
+LOSS_FIELDS = ("behav_logprobs", "advantages", "loss_mask")
+
+
+@dataclasses.dataclass
+class SeqTensors:
+    """One sequence ``prompt + response`` aligned to next-token positions (all ``[L]``)."""
+
+    ids: list[int]
+    behav_logprobs: Tensor  # float32, log π_behav of token t+1 at position t (0 off the mask)
+    loss_mask: Tensor  # bool
+    advantages: Tensor  # float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Minibatch:
+    """This rank's share of one optimizer update.
+
+    Fields:
+        seq_index: this rank's micro-batches, each as its sequences' indices into
+            ``build_sequences``' order; at least one: a rank with none gets the dummy ``()`` (1
+            token, no loss token), at most one dummy, last.
+        loss_tokens: loss tokens of every sequence of the update, all ranks, skipped ones
+            included: the loss's denominator (the global token mean).
+        run_loss_tokens: loss tokens of the sequences run, all ranks.
+        pack: ``seq_index[j]`` → that micro-batch (``pack_micro_batch`` bound to the batch's
+            sequences and the packing choice).
+    """
+
+    seq_index: list[tuple[int, ...]]
+    loss_tokens: int
+    run_loss_tokens: int
+    pack: Callable[[tuple[int, ...]], PackedBatch | TreeBatch]
+
+    def micro_batches(self) -> Iterator[PackedBatch | TreeBatch]:
+        """This rank's micro-batches in order, each packed on the host with its loss fields when
+        the iteration reaches it: the host packs the next one while the device still runs the one
+        before (packed all up front, the device would wait for every one of them)."""
+        return (self.pack(idx) for idx in self.seq_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One training step of this rank: ``minibatches`` in update order; ``tokens`` the batch's
+    Σ prompt + response (as if every sequence ran unshared); ``skipped_seqs`` the sequences not
+    run for all-zero advantages (all ranks)."""
+
+    minibatches: list[Minibatch]
+    tokens: int
+    skipped_seqs: int
+
+    @property
+    def num_micro_batches(self) -> int:
+        return sum(len(mb.seq_index) for mb in self.minibatches)
+
+
+def make_plan(trajs: list[Trajectory], algo: AlgoConfig, trainer: TrainerConfig, device: torch.device | str,
+              world: int = 1, rank: int = 0) -> Plan:
+    """Rank ``rank``'s plan of the batch ``trajs`` (see the module docstring).
+
+    ``algo.ppo_minibatches`` = n splits the batch into n consecutive slices of groups. The
+    zero-advantage skip applies with ``trainer.skip_zero_advantage`` and ``algo.kl_coef`` = 0.
+    ``device`` (where the micro-batches will run) picks the tree attention path.
+
+    Raises:
+        ValueError: groups of different sizes, ``algo.ppo_minibatches`` outside [1, groups], or a
+            tree attention path the device cannot run (``tree_paths.tree_attention_choice``).
+    """
+    seqs = build_sequences(trajs, algo)
+    n_groups, n_mini = len(trajs), algo.ppo_minibatches
+    if not 1 <= n_mini <= n_groups:
+        raise ValueError(f"algo.ppo_minibatches={n_mini} must be in [1, groups per batch = {n_groups}]")
+    per_group = len(seqs) // n_groups
+    bounds = [round(i * n_groups / n_mini) * per_group for i in range(n_mini + 1)]
+    # skipping is exact only while nothing in the loss is non-zero at A = 0 (config rejects kl_coef ≠ 0)
+    skip = trainer.skip_zero_advantage and algo.kl_coef == 0.0
+    share = trainer.share_prefixes
+    tree_path = tree_attention_choice(trainer.tree_attention, torch.device(device).type == "cuda", trainer.dtype,
+                                      torch.are_deterministic_algorithms_enabled())
+    pack = functools.partial(pack_micro_batch, seqs, share_prefixes=share, tree_attention=tree_path)
+    minibatches, skipped = [], 0
+    for m in range(n_mini):
+        every = range(bounds[m], bounds[m + 1])
+        run = [i for i in every if not skip or runs_forward(seqs[i])]
+        mine = assign_micro_batches(seqs, run, trainer.max_tokens_per_mb, world, share)[rank]
+        minibatches.append(Minibatch(seq_index=[tuple(idx) for idx in mine],
+                                     loss_tokens=sum(int(seqs[i].loss_mask.sum()) for i in every),
+                                     run_loss_tokens=sum(int(seqs[i].loss_mask.sum()) for i in run), pack=pack))
+        skipped += len(every) - len(run)
+    return Plan(minibatches, tokens=sum(len(s.ids) for s in seqs), skipped_seqs=skipped)
+
+
+def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensors]:
+    """Token tensors of every sample of every group, groups in id order, samples in index order;
+    each response token gets its sample's group advantage (``algo.std_norm``, ``algo.batch_norm``).
+
+    Raises:
+        ValueError: groups of different sizes (advantages are normalised per group).
+    """
+    trajs = sorted(trajs, key=lambda t: t.group_id)
+    sizes = {len(t.samples) for t in trajs}
+    if len(sizes) != 1:
+        raise ValueError(f"all groups of a batch must have the same number of samples, got sizes {sorted(sizes)}")
+    samples = [(t, s) for t in trajs for s in sorted(t.samples, key=lambda s: s.index)]
+    rewards = torch.tensor([s.reward for _, s in samples], dtype=torch.float32)
+    adv = group_advantages(rewards, sizes.pop(), std_norm=algo.std_norm)
+    if algo.batch_norm:
+        adv = batch_normalize(adv)
+    out = []
+    for (traj, s), a in zip(samples, adv.tolist()):
+        prompt, resp = traj.prompt_ids.tolist(), s.output_ids.tolist()
+        n_p, n_r = len(prompt), len(resp)
+        assert n_p >= 1, f"group {traj.group_id} has an empty prompt"
+        length = n_p + n_r
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[n_p - 1 : length - 1] = True
+        behav = torch.zeros(length, dtype=torch.float32)
+        behav[n_p - 1 : length - 1] = torch.from_numpy(s.behav_logprobs.numpy().astype("float32"))
+        out.append(SeqTensors(prompt + resp, behav, mask, torch.where(mask, a, 0.0)))
+    return out
+
+
+def runs_forward(seq: SeqTensors) -> bool:
+    """Whether a sequence must be forwarded: some loss token has a non-zero advantage (NaN counts
+    as non-zero).
+
+    One with none is skipped when ``trainer.skip_zero_advantage`` is on (a group with all-equal
+    rewards; an empty response). Its per-token loss is ``-w·max(-0·r, -0·clip(r)) = 0`` with
+    gradient 0 for any log-probs, so the loss, its gradient and the clip fraction are unchanged,
+    and the denominator (``Minibatch.loss_tokens``) still counts its loss tokens; only while no
+    term is non-zero at A = 0 (``algo.kl_coef = 0``; there is no entropy bonus). A non-finite
+    behaviour log-prob in a skipped sequence no longer makes the update's gradient NaN.
+    """
+    return bool((seq.advantages[seq.loss_mask] != 0).any())
+
+
+def assign_micro_batches(seqs: list[SeqTensors], idx: list[int], max_tokens_per_mb: int, world: int,
+                         share_prefixes: bool) -> list[list[list[int]]]:
+    """Micro-batches of the sequences ``idx`` (global indices, ascending in each), ``[world][M]``,
+    dealt round-robin to ranks (``packing.assign_to_ranks``, ``[]`` where a rank runs out). The
+    allocation units are the sequences (cost: length) or, with ``share_prefixes``, their prefix
+    trees, cut where over the budget (cost: unique tokens; ``tree.cut_units``)."""
+    if share_prefixes:
+        units = [([idx[k] for k in members], cost)
+                 for members, cost in cut_units([seqs[i].ids for i in idx], max_tokens_per_mb)]
+    else:
+        units = [([i], len(seqs[i].ids)) for i in idx]
+    mbs = allocate_micro_batches([cost for _, cost in units], max_tokens_per_mb)
+    return assign_to_ranks([sorted(i for u in mb for i in units[u][0]) for mb in mbs], world)
+
+
+def pack_micro_batch(seqs: list[SeqTensors], idx: Sequence[int], share_prefixes: bool,
+                     tree_attention: str = "sdpa") -> PackedBatch | TreeBatch:
+    """Sequences ``idx`` as a prefix forest (``share_prefixes``, attention path ``tree_attention``)
+    or back to back, on the host, with their loss fields (``[T]``, ``T`` = Σ their lengths) and
+    the LM head at their loss positions only. For ``idx`` empty, the dummy: one token ``[0]``,
+    all-masked loss fields, the head at that position."""
+    if not idx:
+        zero = torch.zeros(1)
+        return dataclasses.replace(pack_sequences([[0]]), behav_logprobs=zero, advantages=zero, loss_mask=zero.bool())
+    fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]) for k in LOSS_FIELDS}
+    head_index = fields["loss_mask"].nonzero()[:, 0]
+    ids = [seqs[i].ids for i in idx]
+    batch = pack_tree(ids, head_index, tree_attention) if share_prefixes else pack_sequences(ids, head_index)
+    return dataclasses.replace(batch, **fields)
