@@ -175,3 +175,27 @@ def test_prompt_set_carries_the_row_and_names_the_rows_it_filters(tmp_path, tiny
     assert ps.at(1).gold == "3"
     assert ps.filtered_sources == [f"{path}:2"]
     assert f"1 longer than max_prompt_len=64 filtered ({path}:2; raise data.max_prompt_len" in ps.summary()
+
+
+def test_the_documented_example_loads_and_its_reward_reads_the_row(tmp_path, monkeypatch):
+    import pathlib
+    import re
+
+    from areal_async.reward.fn import keywords, resolve_reward_fn
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # the example's paths and module are relative to the checkout
+    doc = (repo / "docs/configuration.md").read_text()
+    section = doc[doc.index("## Your own data"):]
+    snippet = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "own.yaml").write_text(snippet)
+    cfg = load_config(tmp_path / "own.yaml")
+    train, test = load_task(cfg.data, "train"), load_task(cfg.data, "test")
+    assert (len(train), len(test)) == (8, 4) and cfg.eval.num_prompts <= len(test)
+    assert train.messages(0)[0] == {"role": "system", "content": "Put the final answer in \\boxed{}."}
+    fn = resolve_reward_fn(cfg.reward.fn)
+    assert keywords(fn) == ("response", "answer", "item")
+    k = next(i for i in range(len(train)) if train.item(i).row["tolerance"] > 0)  # 16.09 ± 0.1
+    assert fn(response="\\boxed{16.1}", answer=train.gold(k), item=train.item(k).row) == 1.0
+    assert fn(response="\\boxed{16.3}", answer=train.gold(k), item=train.item(k).row) == 0.0
+    assert fn(response="\\boxed{16.3}", answer=train.gold(k), item={**train.item(k).row, "tolerance": 1}) == 1.0
