@@ -58,13 +58,48 @@ class ModelConfig(_Cfg):
 
 
 class DataConfig(_Cfg):
-    """Prompt source. ``task`` picks an entry of ``areal_async.data.TASKS``."""
+    """Prompt source. ``task`` picks an entry of ``areal_async.data.TASKS``.
+
+    ``task: file`` reads your rows from ``train_path`` / ``test_path`` (``.jsonl`` or
+    ``.parquet``): each row has a prompt string or a list of chat messages under ``prompt_key``, or
+    messages under ``messages_key`` (exactly one), and an answer under ``answer_key`` (``""``: rows
+    have none); ``system_prompt`` becomes a system turn before every prompt. Those four keys are the
+    ``file`` task's only (docs/configuration.md#your-own-data).
+    """
 
     task: str = "gsm8k"
     train_path: str = "data/gsm8k/train.jsonl"
     test_path: str = "data/gsm8k/test.jsonl"
     max_prompt_len: PosInt = 512
     few_shot: NonNegInt = 0
+    prompt_key: str = "prompt"
+    messages_key: str = "messages"
+    answer_key: str = "answer"
+    system_prompt: str = ""
+
+    def __post_init__(self):
+        default = {f.name: f.default for f in msgspec.structs.fields(DataConfig)}
+        keys = {"prompt_key": self.prompt_key, "messages_key": self.messages_key}
+        if self.answer_key:
+            keys["answer_key"] = self.answer_key
+        for key, value in keys.items():
+            if not value:
+                raise ValueError(f"data.{key}='' must name a field of your rows, e.g. data.{key}="
+                                 f"{default[key]}")
+        if len(set(keys.values())) < len(keys):
+            raise ValueError(f"{', '.join(f'data.{k}={v!r}' for k, v in keys.items())}: each must name "
+                             f"a different field")
+        if self.task != "file":
+            changed = [f"data.{k}" for k in ("prompt_key", "messages_key", "answer_key", "system_prompt")
+                       if getattr(self, k) != default[k]]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} {'applies' if len(changed) == 1 else 'apply'} to data.task=file only (your own rows); "
+                                 f"data.task={self.task!r} reads its own fields: set data.task=file or "
+                                 f"leave them out")
+        elif self.few_shot:
+            raise ValueError(f"data.few_shot={self.few_shot}: data.task=file takes no demonstrations from "
+                             f"the data; put them in each row's messages (or in data.system_prompt) and "
+                             f"set data.few_shot=0")
 
 
 class InferenceConfig(_Cfg):
@@ -216,8 +251,9 @@ class RewardConfig(_Cfg):
     """Verifiable reward: +``correct`` / ``wrong`` (sequence level), computed in a process pool.
 
     ``fn`` replaces the task's own reward function: a registered name (``math``) or an import
-    path ``package.module:function`` of a top-level ``fn(response, gold) -> float``; empty keeps
-    the task's. A reward process that dies is replaced and its call retried once;
+    path ``package.module:function`` of a top-level function, either ``fn(response, gold) ->
+    float`` or one taking by keyword any of ``response``, ``answer``, ``messages``, ``item``
+    (``areal_async/reward/fn.py``); empty keeps the task's. A reward process that dies is replaced and its call retried once;
     ``max_consecutive_deaths`` deaths in a row (no call ending otherwise in between) stop the job.
     """
 

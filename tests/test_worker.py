@@ -350,3 +350,54 @@ def test_worker_cli_exit_codes(tiny_model_dir, tokenizer, tmp_path):
     assert "prompts kept" in log
     rc, log, _ = asyncio.run(asyncio.wait_for(run_cli("g1-s0"), timeout=200))
     assert rc != 0 and "ServerError" in log and "HTTP 500" in log, log
+
+
+def test_a_file_tasks_rows_reach_a_keyword_reward_from_the_worker_and_the_evaluation(tokenizer, tmp_path):
+    # Rows of data.task=file with pass-through fields; reward.fn takes (response, answer, messages,
+    # item) and records what it got. The fake answers right ("\boxed{4}") for even seeds; the
+    # reward is 1 when the row's `target` is in the response, so odd rows want the wrong answer.
+    import json
+
+    from areal_async.config import DataConfig
+    from areal_async.data import load_task
+
+    calls = tmp_path / "calls.jsonl"
+    rows = [{"prompt": "What is 2+2?" + " 1" * k, "answer": "4", "k": k, "record_to": str(calls),
+             "target": "boxed{4}" if k % 2 == 0 else "no idea"} for k in range(4)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = load_task(DataConfig(task="file", train_path=str(tmp_path / "t.jsonl")), "train")
+    prompts = PromptSet(task, tokenizer, max_prompt_len=256, seed=SEED)
+    rollout = RolloutConfig(n_samples=2, max_new_tokens=32, max_groups_in_flight=2)
+
+    async def body(rewards):
+        fake = FakeSGLang(tokenizer)
+        runners, urls = await start_fakes(fake, 1)
+        queue = ReplayQueue(QueueConfig(batch_size=2, max_staleness=0, max_concurrent=8), "deterministic")
+        async with InferenceClient(urls, timeout_s=30) as client:
+            worker = GenerationWorker(0, queue, client, prompts, rewards, rollout, SEED)
+            run = asyncio.create_task(worker.run())
+            batch = await queue.get_batch(0)
+            await queue.close()
+            await run
+            metrics = await evaluate(client, prompts, rewards, num_prompts=4, max_new_tokens=32, version=0)
+        for r in runners:
+            await r.cleanup()
+        return fake, batch, metrics
+
+    with RewardPool(RewardConfig(fn="tests.reward_forms:record", num_procs=1, timeout_s=30.0)) as rewards:
+        fake, batch, metrics = asyncio.run(asyncio.wait_for(body(rewards), timeout=120))
+    got = [json.loads(x) for x in calls.read_text().splitlines()]
+    assert len(got) == 2 * 2 + 4  # two groups of two samples, then four evaluation prompts
+    right, wrong = (tokenizer.decode(ids, skip_special_tokens=True) for ids in (fake.right, fake.wrong))
+    for call in got:
+        k = call["item"]["k"]
+        assert call["item"] == rows[k] and call["answer"] == "4"
+        assert call["messages"] == task.messages(k) + [{"role": "assistant", "content": call["response"]}]
+        assert call["response"] in (right, wrong)
+    for traj in batch:
+        k = traj.data_index
+        for s in traj.samples:
+            said_right = s.seed % 2 == 0
+            assert s.correct == (said_right == (k % 2 == 0)), (k, s.seed)
+    even = [len(prompts.at(j).prompt_ids) % 2 == 0 for j in range(4)]  # greedy: right on even lengths
+    assert metrics["eval/pass@1"] == sum(e == (j % 2 == 0) for j, e in enumerate(even)) / 4

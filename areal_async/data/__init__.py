@@ -1,11 +1,14 @@
-"""Prompt sources: ``TASKS`` maps ``data.task`` names to loaders ``loader(cfg, split) -> Task``."""
+"""Prompt sources: ``TASKS`` maps ``data.task`` names to loaders ``loader(cfg, split) -> Task``:
+``file`` (your JSONL or Parquet rows), ``gsm8k``, ``arith``; all three are ``ChatTask``s."""
 
 from areal_async.data.arith import load_arith
+from areal_async.data.file import load_file
 from areal_async.data.gsm8k import load_gsm8k
 from areal_async.data.prompts import PromptItem, PromptSet
-from areal_async.data.task import Task, TaskLoader, build_messages
+from areal_async.data.task import ChatTask, Task, TaskItem, TaskLoader, build_messages
 
 TASKS: dict[str, TaskLoader] = {
+    "file": load_file,
     "gsm8k": load_gsm8k,
     "arith": load_arith,
 }
@@ -19,4 +22,5 @@ def load_task(cfg, split: str) -> Task:
     return TASKS[cfg.task](cfg, split)
 
 
-__all__ = ["TASKS", "PromptItem", "PromptSet", "Task", "TaskLoader", "build_messages", "load_task"]
+__all__ = ["TASKS", "ChatTask", "PromptItem", "PromptSet", "Task", "TaskItem", "TaskLoader",
+           "build_messages", "load_task"]

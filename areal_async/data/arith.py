@@ -7,7 +7,8 @@
 Every problem once, shuffled by ``seed`` (a pure function of it); per kind the first
 ``TEST_PER_KIND`` are the test split, the next ``DEMOS_PER_KIND`` the few-shot pool, the rest
 training (disjoint), interleaved kind by kind so any test prefix covers every kind. Answers are
-integers; demonstrations end in ``\\boxed{N}``; scored by ``"math"``.
+integers; demonstrations end in ``\\boxed{N}``; scored by ``"math"``. Generated items are
+``TaskItem``s of a ``ChatTask``, as the ``file`` task's rows are.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import random
 import msgspec
 
 from areal_async.config import DataConfig
-from areal_async.data.task import build_messages
+from areal_async.data.task import ChatTask, TaskItem
 
 SYSTEM = "You are a helpful assistant. Put the final answer in \\boxed{}."
 INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -86,25 +87,20 @@ def generate_splits(seed: int = DATASET_SEED) -> dict[str, list[ArithItem]]:
     return {name: _interleave(lists) for name, lists in splits.items()}
 
 
-class ArithTask:
-    """Arithmetic items with ``few_shot`` demonstrations; scored by ``"math"``."""
-
-    name = "arith"
-    reward_fn = "math"
+class ArithTask(ChatTask):
+    """Arithmetic items with ``few_shot`` demonstrations; scored by ``"math"``. Each item's row is
+    what a ``file`` task row would hold: ``prompt``, ``answer`` (an int), ``kind``, ``operands``."""
 
     def __init__(self, items: list[ArithItem], demos: list[ArithItem] = ()):
-        self.items = items
-        self._demos = [(d.question(), d.demo_answer()) for d in demos]
+        super().__init__("arith", [_task_item(x) for x in items], reward_fn="math",
+                         demos=[(d.question(), d.demo_answer()) for d in demos], system=SYSTEM,
+                         instruction=INSTRUCTION)
 
-    def __len__(self) -> int:
-        return len(self.items)
 
-    def messages(self, i: int) -> list[dict[str, str]]:
-        return build_messages(self.items[i].question(), self._demos, system=SYSTEM,
-                              instruction=INSTRUCTION)
-
-    def gold(self, i: int) -> str:
-        return str(self.items[i].answer)
+def _task_item(x: ArithItem) -> TaskItem:
+    row = {"prompt": x.question(), "answer": x.answer, "kind": x.kind, "operands": list(x.operands)}
+    return TaskItem(prompt=[{"role": "user", "content": row["prompt"]}], answer=str(x.answer),
+                    row=row, source=f"arith {x.kind} {x.expression}")
 
 
 def load_arith(cfg: DataConfig, split: str) -> ArithTask:

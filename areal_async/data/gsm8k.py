@@ -1,29 +1,40 @@
-"""GSM8K (Cobbe et al., 2021, "Training Verifiers to Solve Math Word Problems") as a ``Task``.
+"""GSM8K (Cobbe et al., 2021, "Training Verifiers to Solve Math Word Problems") as a ``ChatTask``.
 
-JSONL lines ``{"question", "answer"}``; gold = the number after the answer's ``####``, thousands
-commas removed. The ``data.few_shot`` demonstrations are the first training items, rewritten to end
-in ``\\boxed{}`` (``<<48/2=24>>`` annotations dropped) and left out of the training split.
+Read with the ``file`` task's reader (``data.file.read_items``: same files, same errors naming
+file and line) and its own row rule: fields ``question`` (stripped, one user turn) and ``answer``;
+gold = the number after the answer's ``####``, thousands commas removed. Every question ends with
+``BOXED_INSTRUCTION``. The ``data.few_shot`` demonstrations are the first training items,
+rewritten to end in ``\\boxed{}`` (``<<48/2=24>>`` annotations dropped) and left out of the
+training split.
 """
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 
-import msgspec
-
 from areal_async.config import DataConfig
-from areal_async.data.task import build_messages, resolve_data_path
+from areal_async.data.file import read_items
+from areal_async.data.task import BOXED_INSTRUCTION, ChatTask, TaskItem, resolve_data_path
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _CALC = re.compile(r"<<[^>]*>>")
 
 
-class GSM8KItem(msgspec.Struct, frozen=True):
-    question: str
-    solution: str
-    gold: str
+class GSM8KItem(TaskItem, frozen=True):
+    """A GSM8K ``TaskItem``, with the dataset's own names for its parts."""
+
+    @property
+    def question(self) -> str:
+        return self.prompt[-1]["content"]
+
+    @property
+    def solution(self) -> str:
+        return self.row["answer"]
+
+    @property
+    def gold(self) -> str:
+        return self.answer
 
 
 def read_gsm8k(path: str | pathlib.Path) -> list[GSM8KItem]:
@@ -34,35 +45,21 @@ def read_gsm8k(path: str | pathlib.Path) -> list[GSM8KItem]:
         ValueError: a malformed line: names the file and 1-based line number, and what is wrong
             (not JSON, missing/non-string field, no ``####``, not a number after ``####``).
     """
-    path = pathlib.Path(path)
-    items = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                items.append(_parse_line(line))
-            except ValueError as exc:
-                raise ValueError(f"{path}:{lineno}: malformed GSM8K line: {exc}") from None
-    return items
+    return read_items(path, _parse_row, what="GSM8K line")
 
 
-def _parse_line(line: str) -> GSM8KItem:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(row, dict):
-        raise ValueError("expected a JSON object with 'question' and 'answer'")
+def _parse_row(row: dict, source: str) -> GSM8KItem:
     for key in ("question", "answer"):
         if not isinstance(row.get(key), str) or not row[key].strip():
-            raise ValueError(f"field '{key}' is missing or not a non-empty string")
+            raise ValueError(f"field '{key}' is missing or not a non-empty string (for rows of "
+                             f"your own, set data.task=file)")
     if "####" not in row["answer"]:
         raise ValueError("the answer has no '#### <number>' final line")
     gold = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
     if not _NUMBER.fullmatch(gold):
         raise ValueError(f"'{gold}' after '####' is not a number")
-    return GSM8KItem(question=row["question"].strip(), solution=row["answer"], gold=gold)
+    return GSM8KItem(prompt=[{"role": "user", "content": row["question"].strip()}], answer=gold,
+                     row=row, source=source)
 
 
 def demo_answer(item: GSM8KItem) -> str:
@@ -71,24 +68,13 @@ def demo_answer(item: GSM8KItem) -> str:
     return f"{steps}\nThe final answer is \\boxed{{{item.gold}}}."
 
 
-class GSM8KTask:
+class GSM8KTask(ChatTask):
     """GSM8K items with optional few-shot demonstrations; scored by ``"math"``."""
 
-    name = "gsm8k"
-    reward_fn = "math"
-
     def __init__(self, items: list[GSM8KItem], demos: list[GSM8KItem] = ()):
-        self.items = items
-        self._demos = [(d.question, demo_answer(d)) for d in demos]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def messages(self, i: int) -> list[dict[str, str]]:
-        return build_messages(self.items[i].question, self._demos)
-
-    def gold(self, i: int) -> str:
-        return self.items[i].gold
+        super().__init__("gsm8k", items, reward_fn="math",
+                         demos=[(d.question, demo_answer(d)) for d in demos],
+                         instruction=BOXED_INSTRUCTION)
 
 
 def load_gsm8k(cfg: DataConfig, split: str) -> GSM8KTask:

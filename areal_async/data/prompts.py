@@ -1,11 +1,14 @@
 """``PromptSet``: a task's prompts rendered with the chat template, tokenised once, length-filtered.
 
-Prompts over ``max_prompt_len`` are dropped before any generation (``num_filtered``). Invariant:
+Prompts over ``max_prompt_len`` are dropped before any generation: counted (``num_filtered``) and
+named (``filtered_sources``, the first ones in ``summary()``). Invariant:
 group g maps to ``kept[perm(seed, epoch)[g % N]]``, ``epoch = g // N``, ``perm =
 default_rng([seed, epoch]).permutation(N)``: the same in every worker (docs/design.md#determinism-the-contract).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -20,11 +23,14 @@ class PromptItem(msgspec.Struct, frozen=True):
         data_index: index of the item in the task (before filtering).
         prompt_ids: ``[P]`` token ids, chat template applied, ``P <= max_prompt_len``.
         gold: the gold answer for the reward function.
+        row: the item's row as read (``TaskItem.row``; ``{}`` for a task without ``item``), for
+            reward functions that take ``item``.
     """
 
     data_index: int
     prompt_ids: list[int]
     gold: str
+    row: dict[str, Any] = {}
 
 
 class PromptSet:
@@ -55,6 +61,8 @@ class PromptSet:
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         lengths = [len(x) for x in ids]
         self._kept = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
+        self._item = getattr(task, "item", None)  # test doubles implement only messages and gold
+        self.filtered_sources = [self._source(i) for i, n in enumerate(lengths) if n > max_prompt_len]
         self._ids = [np.asarray(ids[i], dtype=np.int32) for i in self._kept]
         self.num_total = len(lengths)
         self.num_filtered = self.num_total - len(self._kept)
@@ -73,7 +81,11 @@ class PromptSet:
     def at(self, j: int) -> PromptItem:
         """The ``j``-th kept prompt in dataset order (``0 <= j < N``); used for evaluation."""
         i = self._kept[j]
-        return PromptItem(data_index=i, prompt_ids=self._ids[j].tolist(), gold=self.task.gold(i))
+        return PromptItem(data_index=i, prompt_ids=self._ids[j].tolist(), gold=self.task.gold(i),
+                          row=self._item(i).row if self._item else {})
+
+    def _source(self, i: int) -> str:
+        return (self._item(i).source if self._item else "") or f"item {i}"
 
     def for_group(self, group_id: int) -> PromptItem:
         """The prompt of group ``g``: ``kept[perm(seed, g // N)[g % N]]``.
@@ -103,6 +115,10 @@ class PromptSet:
         return [] if eos is None else [int(eos)]
 
     def summary(self) -> str:
-        """One line for the logs: prompts kept and filtered."""
-        return (f"task {self.task.name}: {len(self)} of {self.num_total} prompts kept, "
+        """One line for the logs: prompts kept and filtered, the first filtered ones named."""
+        line = (f"task {self.task.name}: {len(self)} of {self.num_total} prompts kept, "
                 f"{self.num_filtered} longer than max_prompt_len={self.max_prompt_len} filtered")
+        if self.filtered_sources:
+            shown = self.filtered_sources[:3] + (["..."] if self.num_filtered > 3 else [])
+            line += f" ({', '.join(shown)}; raise data.max_prompt_len to keep them)"
+        return line

@@ -1,32 +1,30 @@
-"""Reward functions by name (``REWARD_FNS``), and the process pool that runs them with a timeout.
+"""The process pool that runs reward functions (``reward/fn.py``: names and forms) with a timeout.
 
-A reward function is a top-level ``fn(response: str, gold: str) -> float``, 1.0 correct or 0.0
-wrong; reward = ``correct if value > 0.5 else wrong``, plus ``format_bonus`` for a non-empty
+Reward = ``correct if value > 0.5 else wrong``, plus ``format_bonus`` for a non-empty
 ``\\boxed{}``. ``RewardPool`` keeps ``num_procs`` spawned processes, each serving one call at a
-time (the function travels pickled by reference: any importable one works). Invariant: a call
-that fails scores as wrong and is counted, and a dead or stuck process is replaced; deaths in a
-row stop the job (docs/faults.md#a-reward-function-fails).
+time (the function travels pickled by reference: any importable one works; an answer-form call
+sends the response and the gold only, a keyword-form call the arguments the function names).
+Invariant: a call that fails scores as wrong and is counted, and a dead or stuck process is
+replaced; deaths in a row stop the job (docs/faults.md#a-reward-function-fails).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import signal
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 
 from areal_async.config import RewardConfig
-from areal_async.reward.math import extract_boxed, math_reward
+from areal_async.reward.fn import REWARD_FNS, RewardFn, fn_name, keywords, resolve_reward_fn
+from areal_async.reward.math import extract_boxed
 
-RewardFn = Callable[[str, str], float]
-
-REWARD_FNS: dict[str, RewardFn] = {"math": math_reward}
+__all__ = ["REWARD_FNS", "RewardPool", "RewardProcessError", "RewardResult", "resolve_reward_fn"]
 
 STARTUP_TIMEOUT_S = 120.0  # a spawned process imports torch-free modules only; generous on 2 cores
 
@@ -48,32 +46,6 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def fn_name(fn: RewardFn) -> str:
-    """``module:qualname`` of a reward function (its import path), for messages."""
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def resolve_reward_fn(fn: str | RewardFn) -> RewardFn:
-    """A reward function from a ``REWARD_FNS`` name, a ``module:function`` path, or itself.
-
-    Raises:
-        ValueError: unknown name, or an import path that does not import (names the fix).
-    """
-    if callable(fn):
-        return fn
-    if fn in REWARD_FNS:
-        return REWARD_FNS[fn]
-    module, sep, attr = fn.partition(":")
-    if not sep:
-        raise ValueError(f"unknown reward function '{fn}'; registered: {sorted(REWARD_FNS)}, "
-                         f"or give an import path 'package.module:function'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reward function '{fn}' does not import ({exc}); the module must be "
-                         f"importable from the working directory or PYTHONPATH") from None
-
-
 class RewardResult(msgspec.Struct, frozen=True):
     """Outcome of one scored response.
 
@@ -91,21 +63,21 @@ class RewardResult(msgspec.Struct, frozen=True):
 
 
 def _serve(conn: mp.connection.Connection) -> None:
-    """Worker process loop: receive ``(fn, response, gold)``, reply ``(status, value)``."""
+    """Worker process loop: receive ``(fn, args, kwargs)``, reply ``(status, value)``."""
     import areal_async.reward.math  # noqa: F401  (warm the default verifier's imports)
     import math_verify  # noqa: F401
 
     conn.send(("ready", None))
     while True:
         try:
-            fn, response, gold = conn.recv()
+            fn, args, kwargs = conn.recv()
         except EOFError:
             return
         except Exception as exc:  # e.g. the function's module cannot be imported here
             conn.send(("error", f"cannot load the reward function: {exc!r}"))
             continue
         try:
-            conn.send(("ok", float(fn(response, gold))))
+            conn.send(("ok", float(fn(*args, **kwargs))))
         except Exception as exc:
             conn.send(("error", repr(exc)))
 
@@ -121,7 +93,7 @@ class _Proc:
         self.ready = False
         self.killed = False
 
-    def call(self, fn: RewardFn, response: str, gold: str, timeout_s: float) -> tuple[str, object]:
+    def call(self, fn: RewardFn, args: tuple, kwargs: dict, timeout_s: float) -> tuple[str, object]:
         """Blocking (runs in a thread): ``("ok", float)`` | ``("error", str)`` |
         ``("timeout", None)`` | ``("died", exitcode)`` (the process ended: its pipe closed)."""
         try:
@@ -130,7 +102,7 @@ class _Proc:
                     return "error", f"reward process not ready within {STARTUP_TIMEOUT_S} s"
                 self.conn.recv()
                 self.ready = True
-            self.conn.send((fn, response, gold))
+            self.conn.send((fn, args, kwargs))
             if not self._wait(timeout_s):
                 return "timeout", None
             return self.conn.recv()
@@ -174,6 +146,8 @@ class RewardPool:
                              f"be >= 1 and reward.timeout_s ({cfg.timeout_s}) > 0")
         self._cfg = cfg
         self._fn = resolve_reward_fn(cfg.fn) if cfg.fn else None
+        # a name or function given to score() -> (the function, its keywords): resolved once
+        self._resolved: dict[str | RewardFn, tuple[RewardFn, tuple[str, ...] | None]] = {}
         self._ctx = mp.get_context("spawn")
         self._procs = [_Proc(self._ctx) for _ in range(cfg.num_procs)]
         self._idle: asyncio.Queue[_Proc] | None = None
@@ -185,19 +159,25 @@ class RewardPool:
         self.restarts = 0  # processes replaced after dying (timeouts are counted apart)
         self._deaths_in_a_row = 0
 
-    async def score(self, fn: str | RewardFn, response: str, gold: str) -> RewardResult:
-        """Score one response against ``gold`` with ``fn`` (a ``REWARD_FNS`` name or function).
+    async def score(self, fn: str | RewardFn, response: str, gold: str,
+                    prompt: list[dict[str, Any]] | None = None,
+                    item: dict[str, Any] | None = None) -> RewardResult:
+        """Score one response against ``gold`` with ``fn`` (a ``REWARD_FNS`` name or function);
+        ``reward.fn``, when set, replaces ``fn``. A keyword-form function also gets, as it names
+        them, ``messages`` (``prompt``, the chat turns the response answers, then the response as
+        the assistant's turn) and ``item`` (the item's row; ``None``: ``{}``).
 
         A call whose process dies is retried once on a fresh process; if that one dies too it
         scores as an error. Otherwise a failing reward function never raises (scored wrong,
         counted in ``errors`` / ``timeouts``).
 
         Raises:
-            ValueError: ``fn`` is an unknown name (lists the registered ones).
+            ValueError: ``fn`` is an unknown name (lists the registered ones) or of neither form.
             RewardProcessError: the pool's processes died ``max_consecutive_deaths`` times in a
                 row (names the function and the last exit code or signal).
         """
-        fn = self._fn or resolve_reward_fn(fn)
+        fn, names = self._resolve(self._fn or fn)
+        args, kwargs = self._arguments(names, response, gold, prompt, item)
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first call, or a new event loop (the old one is done)
             self._loop, self._idle = loop, asyncio.Queue()
@@ -208,7 +188,7 @@ class RewardPool:
         try:
             for _ in range(2):  # a call whose process died is retried once, on a fresh one
                 status, value = await loop.run_in_executor(
-                    self._threads, proc.call, fn, response, gold, self._cfg.timeout_s)
+                    self._threads, proc.call, fn, args, kwargs, self._cfg.timeout_s)
                 if status != "died":
                     break
                 proc = self._replace(proc)
@@ -236,6 +216,29 @@ class RewardPool:
         reward = (self._cfg.correct if correct else self._cfg.wrong)
         reward += self._cfg.format_bonus if boxed else 0.0
         return RewardResult(reward=reward, correct=correct, error=status != "ok", boxed=boxed)
+
+    def _resolve(self, fn: str | RewardFn) -> tuple[RewardFn, tuple[str, ...] | None]:
+        try:
+            return self._resolved[fn]
+        except KeyError:
+            resolved = resolve_reward_fn(fn)
+            self._resolved[fn] = resolved, keywords(resolved)
+            return self._resolved[fn]
+        except TypeError:  # an unhashable callable: resolved every call
+            resolved = resolve_reward_fn(fn)
+            return resolved, keywords(resolved)
+
+    @staticmethod
+    def _arguments(names: tuple[str, ...] | None, response: str, gold: str,
+                   prompt: list[dict[str, Any]] | None,
+                   item: dict[str, Any] | None) -> tuple[tuple, dict[str, Any]]:
+        """What crosses to the process: ``(response, gold)`` for the answer form (``names`` is
+        ``None``); for the keyword form, only the arguments named."""
+        if names is None:
+            return (response, gold), {}
+        value = {"response": lambda: response, "answer": lambda: gold, "item": lambda: item or {},
+                 "messages": lambda: [*(prompt or ()), {"role": "assistant", "content": response}]}
+        return (), {name: value[name]() for name in names}
 
     def stats(self) -> dict[str, float]:
         """Counters since start: ``reward/calls``, ``reward/errors``, ``reward/timeouts``,

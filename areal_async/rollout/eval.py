@@ -27,7 +27,8 @@ async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: Reward
     Args:
         client: an ``InferenceClient``, or a stand-in for it.
         prompts: the test prompts (``PromptSet`` of the task's ``"test"`` split).
-        rewards: the reward pool; scores with ``prompts.task.reward_fn``.
+        rewards: the reward pool; scores with ``prompts.task.reward_fn`` (given the item's chat
+            turns and row, as the generation worker does).
         num_prompts: how many of the first test prompts to use (capped at ``len(prompts)``; dataset
             order, after length filtering).
         max_new_tokens: response budget per prompt (``>= 1``).
@@ -58,7 +59,8 @@ async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: Reward
                                     server=j % len(client.urls))
         seen.update(out.versions)
         score = await rewards.score(prompts.task.reward_fn, prompts.decode(out.output_ids),
-                                    item.gold)
+                                    item.gold, prompt=prompts.task.messages(item.data_index),
+                                    item=item.row)
         if on_done is not None:
             on_done()
         return score.correct, len(out.output_ids), score.boxed

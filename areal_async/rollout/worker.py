@@ -34,7 +34,8 @@ class GenerationWorker:
         queue: a ``QueueClient`` or an in-process ``ReplayQueue``.
         client: an ``InferenceClient``, or a stand-in for it.
         prompts: the training prompts.
-        rewards: the reward pool; responses are scored with ``prompts.task.reward_fn``.
+        rewards: the reward pool; responses are scored with ``prompts.task.reward_fn``, given the
+            item's chat turns and row for a keyword-form function.
         rollout: ``n_samples``, ``max_new_tokens``, sampling parameters, ``max_groups_in_flight``.
         seed: the run seed (sampling seeds derive from it).
         debug: ``jitter_ms``, ``jitter_seed``.
@@ -84,8 +85,9 @@ class GenerationWorker:
         t0 = time.perf_counter()
         try:
             item = self._prompts.for_group(g)
+            messages = self._prompts.task.messages(item.data_index)  # for the reward function
             async with asyncio.TaskGroup() as tg:
-                pending = [tg.create_task(self._run_sample(g, i, item))
+                pending = [tg.create_task(self._run_sample(g, i, item, messages))
                            for i in range(self._rollout.n_samples)]
             samples = [t.result() for t in pending]
             await self._queue.submit(Trajectory(
@@ -98,7 +100,7 @@ class GenerationWorker:
             self._in_flight -= 1
             self._slot_freed.set()
 
-    async def _run_sample(self, g: int, i: int, item: PromptItem) -> Sample:
+    async def _run_sample(self, g: int, i: int, item: PromptItem, messages: list[dict]) -> Sample:
         await self._jitter()  # injected timing noise (debug.jitter_ms), never on by default
         r = self._rollout
         seed = sample_seed(self._seed, g, i)
@@ -111,7 +113,8 @@ class GenerationWorker:
         out = await self._client.generate(item.prompt_ids, sampling, rid=f"g{g}-s{i}",
                                           server=server)
         text = self._prompts.decode(out.output_ids)
-        score = await self._rewards.score(self._prompts.task.reward_fn, text, item.gold)
+        score = await self._rewards.score(self._prompts.task.reward_fn, text, item.gold,
+                                          prompt=messages, item=item.row)
         self.samples_done += 1
         self.tokens_done += len(out.output_ids)
         return Sample(

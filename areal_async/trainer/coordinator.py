@@ -156,6 +156,8 @@ class Coordinator:
         rewards = stack.enter_context(RewardPool(cfg.reward))
         prompts = PromptSet(load_task(cfg.data, "test"), load_tokenizer(cfg.model.path), cfg.data.max_prompt_len,
                             cfg.seed)
+        if prompts.num_filtered:  # the workers print the training split's line
+            print(f"[trainer] test split: {prompts.summary()}", flush=True)
         evals = Evaluations(cfg, run_dir, client, prompts, rewards, logger)
         sender = make_sender(cfg, learner.policy, client, run_dir, learner.device)
         await sender.setup()
