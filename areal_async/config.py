@@ -4,7 +4,8 @@ Here: the config classes (``Config``, one sub-config per component; each compone
 own, never the root); ``load_config``: a YAML file from ``configs/`` (a key given twice is refused),
 then dotted overrides from the command line (``queue.max_staleness=2``, parsed as YAML scalars, so
 text that looks like a number is quoted: ``'name="123"'`` in a shell); ``from_dict``, whose
-``ValueError`` names the key, the value and the fix (an unknown key: the closest valid one);
+``ValueError`` names the key, the value and the fix (an unknown key: the closest valid one; the
+hints: ``config_hints.py``);
 ``check_config``, the rules that span several fields; ``dump_config``.
 
 Invariant: everything here is a function of the config's own values. Nothing asks the machine
@@ -18,15 +19,14 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
-import json
 import math
 import pathlib
-import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
 
+from areal_async.config_hints import choices, finite_rule, given, is_non_finite, lookup, null_hint, quote_hint
 from areal_async.determinism import check_compile
 
 
@@ -399,89 +399,13 @@ def from_dict(data: dict) -> Config:
         if not msg:
             raise ValueError(f"invalid config: {exc}") from None
         key = where.rstrip("`")
-        if msg.startswith("Expected `float`") and _is_non_finite(_lookup(data, key)):
+        if msg.startswith("Expected `float`") and is_non_finite(lookup(data, key)):
             # NaN fails a range constraint (nan > 0 is false) before check_config sees it
-            raise ValueError(_finite_rule(key, float(_lookup(data, key)))) from None
-        raise ValueError(f"invalid config value for '{key}'{_given(data, key)}: {msg}{_choices(key)}"
-                         f"{_quote_hint(data, key, msg)}{_null_hint(data, key)}") from None
+            raise ValueError(finite_rule(key, float(lookup(data, key)))) from None
+        raise ValueError(f"invalid config value for '{key}'{given(data, key)}: {msg}{choices(Config, key)}"
+                         f"{quote_hint(data, key, msg)}{null_hint(Config, data, key)}") from None
     check_config(cfg)
     return cfg
-
-
-def _is_non_finite(value: Any) -> bool:
-    """Whether ``value`` is a float, or text msgspec reads as one (``nan``, ``-inf``), that is inf or NaN."""
-    try:
-        return isinstance(value, (float, str)) and not math.isfinite(float(value))
-    except ValueError:
-        return False
-
-
-def _finite_rule(key: str, value: float) -> str:
-    return f"{key}={value}: must be a finite number"
-
-
-def _null_hint(data: dict, key: str) -> str:
-    """What to give instead of YAML null (``key=`` with nothing after ``=``); empty otherwise."""
-    field = _field(key)
-    if _lookup(data, key) is not None or field is None:
-        return ""
-    default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
-    if default == "":
-        return f"; nothing after '=' is YAML null: give text, or '{key}=\"\"' for an empty string"
-    kind, example = ("a non-empty string", default) if isinstance(default, str) else ("a value", json.dumps(default))
-    return f"; nothing after '=' is YAML null: {key} must be {kind}, e.g. {key}={example}"
-
-
-def _quote_hint(data: dict, key: str, msg: str) -> str:
-    """How to give a number or boolean as the text a ``str`` key wants (YAML reads ``name=123`` as
-    the int 123); empty for other errors."""
-    value = _lookup(data, key)
-    if not msg.startswith("Expected `str`") or not isinstance(value, (bool, int, float)):
-        return ""
-    text = str(value).lower() if isinstance(value, bool) else str(value)
-    kind = "a boolean" if isinstance(value, bool) else "a number"
-    return (f"; YAML reads {text} as {kind}, so quote it: '{key}=\"{text}\"' on the command line, "
-            f"{key.rpartition('.')[2]}: \"{text}\" in the YAML file")
-
-
-_MISSING = object()
-
-
-def _lookup(data: dict, key: str) -> Any:
-    """The value given for dotted ``key`` in ``data``, or ``_MISSING``."""
-    node = data
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
-def _given(data: dict, key: str) -> str:
-    """`` = <value>`` as given for dotted ``key`` in ``data`` (empty if it cannot be looked up)."""
-    value = _lookup(data, key)
-    return "" if value is _MISSING else f" = {value!r}"
-
-
-def _field(key: str) -> msgspec.structs.FieldInfo | None:
-    """The config field at dotted ``key`` (``None`` if there is none, e.g. an index into a list)."""
-    tp, field = Config, None
-    for part in key.split("."):
-        fields = {f.name: f for f in msgspec.structs.fields(tp)} if isinstance(tp, type) and issubclass(
-            tp, msgspec.Struct) else {}
-        if part not in fields:
-            return None
-        field = fields[part]
-        tp = field.type
-    return field
-
-
-def _choices(key: str) -> str:
-    """``; choose one of [...]`` when the field at dotted ``key`` is a ``Literal``."""
-    field = _field(key)
-    if field is None or typing.get_origin(field.type) is not Literal:
-        return ""
-    return f"; choose one of {list(typing.get_args(field.type))}"
 
 
 def _non_finite(struct: _Cfg, prefix: str = "") -> tuple[str, float] | None:
@@ -508,7 +432,7 @@ def check_config(cfg: Config) -> None:
     """Rules that span several fields; raises ``ValueError`` naming the keys and the fix."""
     bad = _non_finite(cfg)
     if bad:
-        raise ValueError(_finite_rule(*bad))
+        raise ValueError(finite_rule(*bad))
     for key, seed in (("seed", cfg.seed), ("debug.jitter_seed", cfg.debug.jitter_seed)):
         if not 0 <= seed <= SEED_MAX:
             raise ValueError(f"{key}={seed} must be in [0, 2**63 - 1] (numpy's default_rng needs a seed >= 0, "
