@@ -58,7 +58,7 @@ def job_argv(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: s
         "queue.batch_size=2", "queue.max_staleness=1", "queue.max_concurrent=4",
         "trainer.nproc=2", f"trainer.total_steps={steps}", "trainer.lr=1e-3", "trainer.weight_decay=0",
         "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
-        "reward.fn=tests.parity_reward:even_length",
+        "reward.fn=tests.support.parity_reward:even_length",
         "logging.wandb_mode=disabled", "logging.dump_trajectories=true",
         f"debug.jitter_ms={jitter_ms}", f"debug.jitter_seed={jitter_seed}", *extra,
     ]

@@ -33,7 +33,7 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
         "eval.num_prompts=8", "eval.max_new_tokens=48", "eval.every_steps=1",
         # Mixed rewards from a random model, and no weight decay: parameters move only through
         # policy-gradient updates.
-        "reward.fn=tests.parity_reward:even_length", "trainer.weight_decay=0",
+        "reward.fn=tests.support.parity_reward:even_length", "trainer.weight_decay=0",
         "logging.wandb_mode=offline",
     ]
     proc = subprocess.run(

@@ -470,7 +470,7 @@ def test_ctrl_c_leaves_a_clean_trainer_log(tmp_path, tiny_model_dir):
             "inference.max_seq_len=512", "inference.threads=1",
             "rollout.n_samples=2", "rollout.max_new_tokens=8", "queue.batch_size=2",
             "trainer.total_steps=1000", "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
-            "reward.fn=tests.parity_reward:even_length", "logging.wandb_mode=disabled"]
+            "reward.fn=tests.support.parity_reward:even_length", "logging.wandb_mode=disabled"]
     proc = subprocess.Popen(argv, cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "c" / "metrics.jsonl"
@@ -645,7 +645,7 @@ def tiny_job_overrides(model_dir, steps: int = 2) -> list[str]:
             "inference.max_running_requests=8", "rollout.n_samples=2", "rollout.max_new_tokens=8",
             "queue.batch_size=2", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
             "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0", "eval.max_new_tokens=8",
-            "reward.fn=tests.parity_reward:even_length", "logging.wandb_mode=disabled"]
+            "reward.fn=tests.support.parity_reward:even_length", "logging.wandb_mode=disabled"]
 
 
 def test_two_jobs_started_at_once_need_no_port_overrides(tmp_path, tiny_model_dir):

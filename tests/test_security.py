@@ -26,8 +26,8 @@ from areal_async.queue.core import ReplayQueue
 from areal_async.queue.server import serve as serve_queue
 from launcher.local import _job_env
 from launcher.servers import SERVER_ARGV
-from tests.listening import listening, needs_proc, off_loopback
-from tests.sglang_ref import needs_sglang, run_sglang
+from tests.support.listening import listening, needs_proc, off_loopback
+from tests.support.sglang_ref import needs_sglang, run_sglang
 from tests.test_sglang_weight_group import _peer, host_group_in_thread
 from tests.test_server import free_port
 
@@ -56,7 +56,7 @@ def test_weight_group_store_listens_on_loopback_only():
 PROBE = """
 import json, os, sys
 import torch.distributed as dist
-from tests.listening import listening
+from tests.support.listening import listening
 dist.init_process_group("gloo")
 dist.barrier()
 out = {"agent": listening(os.getppid()), "rank": listening(os.getpid())}

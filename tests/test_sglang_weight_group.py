@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_async import weight_group
 from areal_async.dtypes import dtype_name
-from tests.sglang_ref import needs_sglang, popen_sglang, run_sglang
+from tests.support.sglang_ref import needs_sglang, popen_sglang, run_sglang
 from tests.test_server import perturbed, prompt_ids, recompute_logprobs, running, server_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
