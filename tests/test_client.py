@@ -20,7 +20,9 @@ from aiohttp import web
 from areal_async.inference.client import (GenResult, InferenceClient, LogprobAlignmentError, NoServerLeft,
                                           ServerError)
 
-from tests.test_server import free_port, prompt_ids, running
+from tests.support.models import prompt_ids
+from tests.support.ports import free_port
+from tests.test_server import running
 
 # Recorded SGLang /generate response shapes (input_ids request, return_logprob=True).
 SGLANG_ABORTED = {
@@ -217,7 +219,7 @@ def test_an_update_without_a_pause_waits_for_the_generation_in_flight(tiny_model
     # model-update lock) for the generation in flight, which ends under version 0, and holds the
     # one arriving meanwhile until version 1 is live (compare the pause test above, whose tokens
     # span versions)
-    from tests.test_server import perturbed
+    from tests.support.models import perturbed
 
     prompt = prompt_ids(tiny_model_dir)
     sampling = {"max_new_tokens": 60, "temperature": 1.0, "sampling_seed": 21, "ignore_eos": True}

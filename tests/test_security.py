@@ -27,9 +27,9 @@ from areal_async.queue.server import serve as serve_queue
 from launcher.local import _job_env
 from launcher.servers import SERVER_ARGV
 from tests.support.listening import listening, needs_proc, off_loopback
+from tests.support.ports import free_port
 from tests.support.sglang_ref import needs_sglang, run_sglang
 from tests.test_sglang_weight_group import _peer, host_group_in_thread
-from tests.test_server import free_port
 
 TOKEN = "job-token-for-tests"
 

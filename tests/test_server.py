@@ -28,6 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal_async import weight_group
 from areal_async.embedded.http_server import InferenceServer, serve
 from areal_async.embedded.loading import load_engine
+from tests.support.models import perturbed, prompt_ids, recompute_logprobs
+from tests.support.ports import free_port
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -61,27 +63,8 @@ class Api:
         return out
 
 
-def prompt_ids(model_dir, question: str = "How many apples are left?") -> list[int]:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def recompute_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
-    """Trainer-side recompute: log_softmax(logits / T) of each output token, one HF forward."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
-
-
 def server_logprobs(resp: dict) -> torch.Tensor:
     return torch.tensor([entry[0] for entry in resp["meta_info"]["output_token_logprobs"]])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_group(port: int, world_size: int = 2, group_name: str = "weight_update_group",
@@ -94,17 +77,6 @@ def trainer_group(port: int, world_size: int = 2, group_name: str = "weight_upda
     store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
     store = torch.distributed.PrefixStore(f"{group_name}/", torch.distributed.PrefixStore(group_name, store))
     return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("cpu/", store), 0, world_size, timeout)
-
-
-def perturbed(model_dir, seed: int):
-    """The tiny model with every parameter moved by N(0, 0.3²) (its logits are near-flat, so a
-    small move would not change which tokens the fixed noise picks)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -24,7 +24,6 @@ import datetime
 import gc
 import json
 import logging
-import socket
 import threading
 import time
 
@@ -36,18 +35,14 @@ from transformers import AutoModelForCausalLM
 
 from areal_async import weight_group
 from areal_async.dtypes import dtype_name
+from tests.support.models import perturbed, prompt_ids, recompute_logprobs
+from tests.support.ports import free_port
 from tests.support.sglang_ref import needs_sglang, popen_sglang, run_sglang
-from tests.test_server import perturbed, prompt_ids, recompute_logprobs, running, server_logprobs
+from tests.test_server import running, server_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GROUP = "weight_update_group"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -10,7 +10,6 @@ differs between the runs.
 from __future__ import annotations
 
 import os
-import socket
 
 import msgspec
 import numpy as np
@@ -21,6 +20,7 @@ from torch import Tensor
 
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.types import Array, Sample, Trajectory
+from tests.support.ports import free_port
 
 
 def make_trajectories(vocab: int, seed: int = 0) -> list[Trajectory]:
@@ -79,16 +79,10 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, p
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2", device_type: str = "cpu",
            dtype: str = "float32", all_equal: bool = False) -> dict:
     out = tmp_path / f"out-{world}-{parallel}-{device_type}-{dtype}-{all_equal}.pt"
-    mp.start_processes(_run_rank, args=(world, _free_port(), str(model_dir), str(out), parallel, device_type, dtype,
+    mp.start_processes(_run_rank, args=(world, free_port(), str(model_dir), str(out), parallel, device_type, dtype,
                                         all_equal),
                        nprocs=world, join=True, start_method="spawn")
     return torch.load(out)

@@ -12,7 +12,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import pathlib
-import socket
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from areal_async.trainer.attention import use_packed_attention
 from areal_async.trainer.packed_policy import PackedPolicy
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
 from areal_async.weight_group import destroy_weight_group
+from tests.support.ports import free_port
 
 torch.set_num_threads(1)
 
@@ -140,12 +140,6 @@ class DiskClient(FakeClient):
         self.calls, self.disk_updates = [], []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _policy(path):
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     use_packed_attention(lm)
@@ -157,7 +151,7 @@ def test_distributed_sender_two_servers_receive_trainer_weights(tiny_model_dir):
     client = FakeClient(num_servers=2)
     try:
         # Bucket of 64 KiB: the embedding (384×64 fp32 = 96 KiB) goes alone, so there are several.
-        sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", _free_port(), 64 * 1024,
+        sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", free_port(), 64 * 1024,
                                          torch.float32, torch.device("cpu"))
 
         async def run():
@@ -440,7 +434,7 @@ def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_i
     from areal_async.inference.client import InferenceClient
     from areal_async.embedded.http_server import InferenceServer, serve
     from areal_async.embedded.loading import load_engine
-    from tests.test_server import free_port, prompt_ids
+    from tests.support.models import prompt_ids
 
     policy = _policy(tiny_model_dir)
     prompt = prompt_ids(tiny_model_dir)
