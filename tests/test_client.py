@@ -22,7 +22,7 @@ from areal_async.inference.client import (GenResult, InferenceClient, LogprobAli
 
 from tests.support.models import prompt_ids
 from tests.support.ports import free_port
-from tests.test_server import running
+from tests.support.servers import running, server_process
 
 # Recorded SGLang /generate response shapes (input_ids request, return_logprob=True).
 SGLANG_ABORTED = {
@@ -309,24 +309,6 @@ def test_server_entry_point_serves_and_stops_on_sigterm(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-@contextlib.contextmanager
-def server_process(model_dir, *extra: str):
-    """An embedded server process (deterministic inference, float32, 1 thread); yields
-    ``(url, proc)``; the process is killed at the end."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_async.embedded.server", "--model-path", str(model_dir),
-         "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256",
-         "--threads", "1", "--enable-deterministic-inference", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
 
 
 class RecordingClient(InferenceClient):

@@ -6,7 +6,6 @@ SIGTERM while a weight-group join waits for peers (a subprocess)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import json
 import os
@@ -26,45 +25,12 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async import weight_group
-from areal_async.embedded.http_server import InferenceServer, serve
-from areal_async.embedded.loading import load_engine
 from tests.support.models import perturbed, prompt_ids, recompute_logprobs
 from tests.support.ports import free_port
+from tests.support.servers import running, server_logprobs
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@contextlib.asynccontextmanager
-async def running(model_dir, slots: int = 8, max_seq_len: int = 256):
-    engine, tokenizer = load_engine(str(model_dir), "float32", "cpu", slots, max_seq_len)
-    async with serve(InferenceServer(engine, tokenizer, str(model_dir))) as url, aiohttp.ClientSession() as http:
-        yield Api(url, http), engine
-
-
-class Api:
-    def __init__(self, url: str, http: aiohttp.ClientSession):
-        self.url, self.http = url, http
-
-    async def post(self, path: str, body: dict | None = None) -> tuple[int, dict | str]:
-        async with self.http.post(self.url + path, json=body) as resp:
-            return resp.status, (await resp.json() if resp.content_type == "application/json" else await resp.text())
-
-    async def get(self, path: str) -> tuple[int, dict | str]:
-        async with self.http.get(self.url + path) as resp:
-            return resp.status, (await resp.json() if resp.content_type == "application/json" else await resp.text())
-
-    async def generate(self, ids: list[int], rid: str | None = None, **sampling) -> dict:
-        body = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True}
-        if rid is not None:
-            body["rid"] = rid
-        status, out = await self.post("/generate", body)
-        assert status == 200, out
-        return out
-
-
-def server_logprobs(resp: dict) -> torch.Tensor:
-    return torch.tensor([entry[0] for entry in resp["meta_info"]["output_token_logprobs"]])
 
 
 def trainer_group(port: int, world_size: int = 2, group_name: str = "weight_update_group",

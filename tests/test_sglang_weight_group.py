@@ -38,7 +38,7 @@ from areal_async.dtypes import dtype_name
 from tests.support.models import perturbed, prompt_ids, recompute_logprobs
 from tests.support.ports import free_port
 from tests.support.sglang_ref import needs_sglang, popen_sglang, run_sglang
-from tests.test_server import running, server_logprobs
+from tests.support.servers import running, server_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

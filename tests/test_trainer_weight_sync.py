@@ -23,6 +23,7 @@ from areal_async.trainer.packed_policy import PackedPolicy
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
 from areal_async.weight_group import destroy_weight_group
 from tests.support.ports import free_port
+from tests.support.servers import start_server
 
 torch.set_num_threads(1)
 
@@ -408,19 +409,6 @@ def _app(handler):
     return app
 
 
-def _server(model_dir, port: int):
-    """An embedded server process on ``port`` (deterministic inference, float32, 1 thread)."""
-    import os
-    import subprocess
-    import sys
-
-    return subprocess.Popen(
-        [sys.executable, "-m", "areal_async.embedded.server", "--model-path", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256", "--threads", "1",
-         "--enable-deterministic-inference"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 @pytest.mark.timeout(240)
 def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_it_comes_back(tiny_model_dir,
                                                                                           tmp_path):
@@ -440,7 +428,7 @@ def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_i
     prompt = prompt_ids(tiny_model_dir)
     sampling = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
     ports = [free_port(), free_port()]
-    procs = [_server(tiny_model_dir, port) for port in ports]
+    procs = [start_server(tiny_model_dir, port) for port in ports]
     generator = torch.Generator().manual_seed(0)
 
     def perturb():  # new weights for the next version; most outputs change with them
@@ -491,7 +479,7 @@ def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_i
             perturb()
             await sender.send(2)  # server 1 fails at the pause and leaves routing; the group is rebuilt
             await check(2)
-            procs[1] = _server(tiny_model_dir, ports[1])  # restarted: a new process on the same port
+            procs[1] = start_server(tiny_model_dir, ports[1])  # restarted: a new process on the same port
             deadline = asyncio.get_running_loop().time() + 120
             while not await client.servers.answers(1, "/health_generate"):
                 assert asyncio.get_running_loop().time() < deadline, "the restarted server did not come up"
