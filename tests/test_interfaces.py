@@ -19,7 +19,7 @@ from areal_async.queue.client import QueueClient
 from areal_async.queue.core import ReplayQueue
 from areal_async.queue.interface import TrainerQueue, WorkerQueue
 from areal_async.queue.server import serve
-from tests.test_trainer_weight_sync import DiskClient, FakeClient
+from tests.support.fakes import DiskClient, FakeClient
 
 
 def check_calls(proto: type, cls: type) -> None:

@@ -4,6 +4,7 @@
 - ``models``: the tiny models' builder (2 layers, hidden 64, a trained BPE tokenizer) and what
   tests do with a tiny model: a chat prompt's ids, a perturbed copy, the trainer-side recompute.
 - ``servers``: the embedded inference server in this process (``running``) or as a subprocess.
+- ``fakes``: a fake HTTP server answering with recorded SGLang shapes; fake weight-update clients.
 - ``listening``: the TCP sockets a process listens on (``/proc``).
 - ``parity_reward``: a reward a random model earns half the time (named by dotted path in configs).
 - ``sglang_ref``: running SGLang's own code in ``.venv-sglang``.
