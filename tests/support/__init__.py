@@ -5,6 +5,8 @@
   tests do with a tiny model: a chat prompt's ids, a perturbed copy, the trainer-side recompute.
 - ``servers``: the embedded inference server in this process (``running``) or as a subprocess.
 - ``fakes``: a fake HTTP server answering with recorded SGLang shapes; fake weight-update clients.
+- ``batches``: trajectories built by hand for the replay queue and the trainer step.
+- ``loop``: letting an event loop run every ready callback (``settle``).
 - ``listening``: the TCP sockets a process listens on (``/proc``).
 - ``parity_reward``: a reward a random model earns half the time (named by dotted path in configs).
 - ``sglang_ref``: running SGLang's own code in ``.venv-sglang``.
