@@ -26,7 +26,8 @@ from areal_async.config import load_config  # noqa: E402
 from launcher.local import PY  # noqa: E402
 from launcher.ray import RankGroup, RayChild, _rank_argv, bind_hosts, bundles_of  # noqa: E402
 from launcher.ray_actor import ProcessActor  # noqa: E402
-from tests.test_determinism import REPO, job_argv, stop_and_read  # noqa: E402
+from tests.support import REPO  # noqa: E402
+from tests.support.jobs import job_argv, stop_and_read  # noqa: E402
 
 
 def test_one_bundle_per_process_with_the_cluster_sections_resources():

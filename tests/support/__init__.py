@@ -7,6 +7,7 @@
 - ``fakes``: a fake HTTP server answering with recorded SGLang shapes; fake weight-update clients.
 - ``batches``: trajectories built by hand for the replay queue and the trainer step.
 - ``loop``: letting an event loop run every ready callback (``settle``).
+- ``jobs``: launching small end-to-end jobs through the launcher and reading what they leave.
 - ``listening``: the TCP sockets a process listens on (``/proc``).
 - ``parity_reward``: a reward a random model earns half the time (named by dotted path in configs).
 - ``sglang_ref``: running SGLang's own code in ``.venv-sglang``.
