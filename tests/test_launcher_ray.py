@@ -202,7 +202,7 @@ def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(
 
 def test_every_child_kind_is_what_the_supervisor_asks_of_a_child():
     from launcher.supervisor import Child, Supervised
-    from tests.test_interfaces import check_calls
+    from tests.support.protocols import check_calls
 
     for cls in (Child, RayChild, RankGroup):
         check_calls(Supervised, cls)

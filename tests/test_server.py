@@ -6,7 +6,6 @@ SIGTERM while a weight-group join waits for peers (a subprocess)."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import os
 import signal
@@ -28,21 +27,10 @@ from areal_async import weight_group
 from tests.support.models import perturbed, prompt_ids, recompute_logprobs
 from tests.support.ports import free_port
 from tests.support.servers import running, server_logprobs
+from tests.support.weight_groups import trainer_group
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def trainer_group(port: int, world_size: int = 2, group_name: str = "weight_update_group",
-                  timeout_s: float = 60.0) -> torch.distributed.ProcessGroup:
-    """Rank 0 (the trainer) of a gloo weight-update group that a server in this test process
-    joins: the store keys ``weight_group.new_weight_group`` writes (SGLang's layout, checked in
-    test_sglang_weight_group.py), built without torch's registry of named groups, which holds one
-    group of a name per process (the server's)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
-    store = torch.distributed.PrefixStore(f"{group_name}/", torch.distributed.PrefixStore(group_name, store))
-    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("cpu/", store), 0, world_size, timeout)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

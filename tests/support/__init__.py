@@ -8,6 +8,8 @@
 - ``batches``: trajectories built by hand for the replay queue and the trainer step.
 - ``loop``: letting an event loop run every ready callback (``settle``).
 - ``jobs``: launching small end-to-end jobs through the launcher and reading what they leave.
+- ``weight_groups``: the other ranks of a gloo weight-update group, at SGLang's store prefixes.
+- ``protocols``: checking a class against a seam's ``Protocol``, call for call.
 - ``listening``: the TCP sockets a process listens on (``/proc``).
 - ``parity_reward``: a reward a random model earns half the time (named by dotted path in configs).
 - ``sglang_ref``: running SGLang's own code in ``.venv-sglang``.
