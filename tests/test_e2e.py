@@ -5,7 +5,6 @@ HTTP to the servers, TCP to the queue, gloo for the trainer ranks and the weight
 """
 
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.support import REPO
 
 
 @pytest.fixture(scope="module")
