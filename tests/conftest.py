@@ -1,8 +1,7 @@
-"""Shared fixtures: tiny causal LMs (2 layers, hidden 64) with a real byte-level BPE tokenizer.
-
-The tokenizer is trained in the fixture from a few GSM8K questions (no downloads), has a chat
-template, and an ``<|im_end|>`` end-of-sequence token, so prompts are built the same way as for
-real models.
+"""Shared fixtures: tiny causal LMs (2 layers, hidden 64) with a real byte-level BPE tokenizer,
+built by ``tests/support/models.py`` (the tokenizer trained from a few GSM8K questions, no
+downloads, with a chat template and an ``<|im_end|>`` end-of-sequence token, so prompts are built
+the same way as for real models), and settings a test opts into (one torch thread, a umask).
 """
 
 from __future__ import annotations
@@ -19,74 +18,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+# the harness's asserts explain their failures as the tests' own do; before any of it is imported
+pytest.register_assert_rewrite("tests.support")
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _train_tokenizer(out_dir: pathlib.Path, vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    lines = (REPO / "data/gsm8k/train.jsonl").read_text().splitlines()[:400]
-    corpus = [json.loads(x)["question"] + " " + json.loads(x)["answer"] for x in lines]
-    corpus += ["Put the final answer in \\boxed{}. The answer is \\boxed{42}."] * 20
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
-    return fast
-
-
-def build_tiny_model(out_dir: pathlib.Path, arch: str = "llama", seed: int = 0) -> pathlib.Path:
-    """Write a tiny random ``arch`` (``llama`` | ``qwen3``) checkpoint + tokenizer to ``out_dir``.
-
-    2 layers, hidden 64, 4 query heads / 2 KV heads (GQA), fp32 safetensors, tied embeddings.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(out_dir)
-    common = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
-    else:
-        raise ValueError(f"unknown tiny arch '{arch}'")
-    model.to(torch.float32).save_pretrained(out_dir)
-    return out_dir
+from tests.support.models import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import pytest
 
 import launcher.ablation
 from launcher.ablation import cell_state, main
-from tests.test_launcher import TINY_JOB_CONFIG as CONFIG, tiny_job_overrides
+from tests.support.jobs import TINY_JOB_CONFIG as CONFIG, tiny_job_overrides
 
 
 def _check_report(root, names, missing=()):

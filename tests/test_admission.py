@@ -18,7 +18,7 @@ from aiohttp import web
 from areal_async.inference.client import InferenceClient, ServerError
 from areal_async.embedded.http_server import InferenceServer, serve
 from areal_async.embedded.loading import load_engine
-from tests.test_client import SGLANG_FINISHED, fake_server
+from tests.support.fakes import SGLANG_FINISHED, fake_server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

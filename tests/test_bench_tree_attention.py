@@ -4,14 +4,13 @@ the dense-mask float64 reference (the logic the GPU run relies on; nothing is ti
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.support import REPO
 
 
 @pytest.fixture(scope="module")

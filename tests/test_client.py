@@ -5,7 +5,6 @@ server, caller aborts, health waiting, and the server's command-line entry point
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -20,48 +19,17 @@ from aiohttp import web
 from areal_async.inference.client import (GenResult, InferenceClient, LogprobAlignmentError, NoServerLeft,
                                           ServerError)
 
-from tests.test_server import free_port, prompt_ids, running
+from tests.support.fakes import SGLANG_ABORTED, SGLANG_FINISHED, fake_server, start_fake_server
+from tests.support.models import prompt_ids
+from tests.support.ports import free_port
+from tests.support.servers import running, server_process
 
-# Recorded SGLang /generate response shapes (input_ids request, return_logprob=True).
-SGLANG_ABORTED = {
-    "text": " Two",
-    "output_ids": [7, 8],
-    "meta_info": {
-        "id": "q-0", "finish_reason": {"type": "abort", "message": "Abort before prefill"},
-        "prompt_tokens": 3, "weight_version": "4", "completion_tokens": 2, "cached_tokens": 0,
-        "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]],
-    },
-}
-SGLANG_FINISHED = {
-    "text": " apples",
-    "output_ids": [9, 2],
-    "meta_info": {
-        "id": "q-0", "finish_reason": {"type": "stop", "matched": 2},
-        "prompt_tokens": 5, "weight_version": "5", "completion_tokens": 2, "cached_tokens": 5,
-        "output_token_logprobs": [[-1.0, 9, None], [-0.125, 2, None]],
-    },
-}
 GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid"}
 INIT_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "backend", "group_name"}
 UPDATE_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@contextlib.asynccontextmanager
-async def fake_server(handler):
-    """Serve every path with ``handler`` on a free local port; yields the base URL."""
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
@@ -217,7 +185,7 @@ def test_an_update_without_a_pause_waits_for_the_generation_in_flight(tiny_model
     # model-update lock) for the generation in flight, which ends under version 0, and holds the
     # one arriving meanwhile until version 1 is live (compare the pause test above, whose tokens
     # span versions)
-    from tests.test_server import perturbed
+    from tests.support.models import perturbed
 
     prompt = prompt_ids(tiny_model_dir)
     sampling = {"max_new_tokens": 60, "temperature": 1.0, "sampling_seed": 21, "ignore_eos": True}
@@ -307,24 +275,6 @@ def test_server_entry_point_serves_and_stops_on_sigterm(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-@contextlib.contextmanager
-def server_process(model_dir, *extra: str):
-    """An embedded server process (deterministic inference, float32, 1 thread); yields
-    ``(url, proc)``; the process is killed at the end."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_async.embedded.server", "--model-path", str(model_dir),
-         "--port", str(port), "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256",
-         "--threads", "1", "--enable-deterministic-inference", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
 
 
 class RecordingClient(InferenceClient):
@@ -422,14 +372,6 @@ def test_with_every_server_out_the_calls_wait_for_one_to_rejoin():
             return web.json_response(SGLANG_FINISHED)
         return web.Response(text="")
 
-    async def restarted() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", reply)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
     async def main():
         async with InferenceClient([url], backoff_s=0.01, probe_timeout_s=0.5, reprobe_interval_s=0.05,
                                    rejoin_timeout_s=60) as client:
@@ -442,7 +384,7 @@ def test_with_every_server_out_the_calls_wait_for_one_to_rejoin():
                 while client.servers._last_probe == probes:
                     assert not any(call.done() for call in calls), [c.exception() for c in calls if c.done()]
                     await asyncio.sleep(0.01)
-            runner = await restarted()
+            runner = await start_fake_server(reply, port)
             try:
                 out, versions = await asyncio.wait_for(asyncio.gather(*calls), 20)
             finally:

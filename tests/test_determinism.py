@@ -3,9 +3,10 @@
 Two runs of ``mode: deterministic`` (η = 1, 2 embedded servers, 2 workers, a 2-rank trainer, the
 tiny fixture model) with random timing jitter in workers, servers, queue and trainer, seeded
 differently (``debug.jitter_seed`` 1 and 2), must give identical per-step metrics (wall-clock
-and queue-snapshot numbers excluded, see ``TIMING_KEYS``), identical trajectories (the trainer's
-``trajectories.jsonl``) and identical final weights (SHA-256 over the state dict). The same pair of
-runs in ``mode: throughput`` must differ, which shows the comparison can fail.
+and queue-snapshot numbers excluded, ``TIMING_KEYS`` in ``tests/support/jobs.py``), identical
+trajectories (the trainer's ``trajectories.jsonl``) and identical final weights (SHA-256 over the
+state dict). The same pair of runs in ``mode: throughput`` must differ, which shows the comparison
+can fail.
 
 The same job under ``launcher.ray`` (each process in a Ray actor, one actor per trainer rank) on
 two Ray nodes of this host, with a hung inference server (killed by the launcher's health check
@@ -28,55 +29,13 @@ import os
 import pathlib
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
-from safetensors.torch import load_file
 
-from areal_async.trainer.checkpoint import state_dict_sha256
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-STEPS = 4
-# Wall-clock timings, and snapshots of the queue taken while workers race on (how many groups
-# happen to be ready/running at the moment of logging): observations of timing, not results.
-TIMING_KEYS = {"time", "rollout/tokens_per_s", "queue/ready", "queue/running", "queue/capacity"}
-
-
-def job_argv(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
-             steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
-             extra: tuple[str, ...] = (), launcher: str = "local") -> list[str]:
-    """The ``launcher.<launcher>`` command line of ``run_job`` (same arguments)."""
-    overrides = [
-        f"name={name}", f"run_root={run_root}", "seed=3", f"mode={mode}",
-        f"model.path={model_dir}", "model.dtype=float32", "data.max_prompt_len=400",
-        "inference.num_servers=2",
-        "inference.max_seq_len=512", "inference.threads=1", "inference.max_running_requests=8",
-        "rollout.num_workers=2", "rollout.n_samples=4", "rollout.max_new_tokens=12",
-        "rollout.max_groups_in_flight=2",
-        "queue.batch_size=2", "queue.max_staleness=1", "queue.max_concurrent=4",
-        "trainer.nproc=2", f"trainer.total_steps={steps}", "trainer.lr=1e-3", "trainer.weight_decay=0",
-        "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
-        "reward.fn=tests.parity_reward:even_length",
-        "logging.wandb_mode=disabled", "logging.dump_trajectories=true",
-        f"debug.jitter_ms={jitter_ms}", f"debug.jitter_seed={jitter_seed}", *extra,
-    ]
-    flags = ["--resume"] if resume else []
-    return [sys.executable, "-m", f"launcher.{launcher}", "configs/gsm8k_smollm2.yaml", *overrides, *flags]
-
-
-def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
-            steps: int = STEPS, resume: bool = False, jitter_ms: float = 20,
-            extra: tuple[str, ...] = (), launcher: str = "local") -> pathlib.Path:
-    """Run one job of ``steps`` steps through ``launcher.<launcher>`` (``resume``: continue the run
-    ``name`` from its checkpoint; ``extra``: more overrides); returns its run directory (asserts
-    exit 0)."""
-    argv = job_argv(model_dir, run_root, name, mode, jitter_seed, steps, resume, jitter_ms, extra, launcher)
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_root / name
-
+from tests.support import REPO
+from tests.support.jobs import STEPS, fingerprint, job_argv, run_job, stop_and_read
 
 CHAOS_TOKEN = "chaos-test-token"  # the job's token, given to the launcher, so a test can ask the queue
 
@@ -102,15 +61,6 @@ def generating(url: str, token: str) -> bool:
     ask = urllib.request.Request(f"{url}/get_server_info", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(ask, timeout=5) as resp:
         return json.load(resp)["internal_states"][0]["num_running_reqs"] > 0
-
-
-def fingerprint(run_dir: pathlib.Path) -> dict:
-    """What must be identical across deterministic runs: metrics, trajectories, weights."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    metrics = [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("perf/")} for r in rows]
-    trajectories = (run_dir / "trajectories.jsonl").read_text().splitlines()
-    weights = state_dict_sha256(load_file(str(run_dir / "checkpoint" / "model.safetensors")))
-    return {"metrics": metrics, "trajectories": trajectories, "weights": weights}
 
 
 @pytest.fixture(scope="module")
@@ -220,18 +170,6 @@ def _killed_run(tiny_model_dir, tmp_path_factory, weight_sync: str):
     finally:
         output = stop_and_read(proc, out)
     return proc.returncode, output, run_dir
-
-
-def stop_and_read(proc: subprocess.Popen, out) -> str:
-    """Stop the launcher ``proc`` if it still runs (SIGTERM, then wait up to 60 s) and return
-    what it wrote to the file ``out``."""
-    import signal
-
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    out.seek(0)
-    return out.read()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ HTTP to the servers, TCP to the queue, gloo for the trainer ranks and the weight
 """
 
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.support import REPO
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,7 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
         "eval.num_prompts=8", "eval.max_new_tokens=48", "eval.every_steps=1",
         # Mixed rewards from a random model, and no weight decay: parameters move only through
         # policy-gradient updates.
-        "reward.fn=tests.parity_reward:even_length", "trainer.weight_decay=0",
+        "reward.fn=tests.support.parity_reward:even_length", "trainer.weight_decay=0",
         "logging.wandb_mode=offline",
     ]
     proc = subprocess.run(

@@ -232,7 +232,7 @@ def test_a_weight_update_invalidates_the_cache(tiny_model_dir, tmp_path):
 
 
 def test_flush_cache_empties_the_prefix_cache(tiny_model_dir):
-    from tests.test_server import running
+    from tests.support.servers import running
 
     prompt = prompts()[0]
 

@@ -470,7 +470,7 @@ def test_ctrl_c_leaves_a_clean_trainer_log(tmp_path, tiny_model_dir):
             "inference.max_seq_len=512", "inference.threads=1",
             "rollout.n_samples=2", "rollout.max_new_tokens=8", "queue.batch_size=2",
             "trainer.total_steps=1000", "eval.at_start=false", "eval.at_end=false", "eval.max_new_tokens=8",
-            "reward.fn=tests.parity_reward:even_length", "logging.wandb_mode=disabled"]
+            "reward.fn=tests.support.parity_reward:even_length", "logging.wandb_mode=disabled"]
     proc = subprocess.Popen(argv, cwd=pathlib.Path(__file__).parents[1], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "c" / "metrics.jsonl"
@@ -635,25 +635,14 @@ def test_a_chosen_port_taken_before_its_bind_is_chosen_again_once(tmp_path, monk
         assert "Address already in use" in err and "new ports" not in err
 
 
-TINY_JOB_CONFIG = "configs/quickstart_cpu.yaml"
-
-
-def tiny_job_overrides(model_dir, steps: int = 2) -> list[str]:
-    """Overrides of ``TINY_JOB_CONFIG`` for a job of the tiny model that takes seconds: 2 groups of
-    2 samples of 8 tokens a step, no evaluation, no wandb, and no port: every one is chosen at start."""
-    return [f"model.path={model_dir}", "model.dtype=float32", "trainer.dtype=float32", "inference.threads=1",
-            "inference.max_running_requests=8", "rollout.n_samples=2", "rollout.max_new_tokens=8",
-            "queue.batch_size=2", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
-            "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0", "eval.max_new_tokens=8",
-            "reward.fn=tests.parity_reward:even_length", "logging.wandb_mode=disabled"]
-
-
 def test_two_jobs_started_at_once_need_no_port_overrides(tmp_path, tiny_model_dir):
     # Every port defaults to 0: two jobs started together on one machine pick distinct free ones
     # (before, the second needed four overrides and failed on the first port it shared)
     import json
     import pathlib
     import subprocess
+
+    from tests.support.jobs import TINY_JOB_CONFIG, tiny_job_overrides
 
     procs = {name: subprocess.Popen([PY, "-m", "launcher.local", TINY_JOB_CONFIG, f"name={name}",
                                      f"run_root={tmp_path}", *tiny_job_overrides(tiny_model_dir)],

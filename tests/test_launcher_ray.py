@@ -28,7 +28,8 @@ from areal_async.config import load_config  # noqa: E402
 from launcher.local import PY  # noqa: E402
 from launcher.ray import RankGroup, RayChild, _rank_argv, bind_hosts, bundles_of  # noqa: E402
 from launcher.ray_actor import ProcessActor  # noqa: E402
-from tests.test_determinism import REPO, job_argv, stop_and_read  # noqa: E402
+from tests.support import REPO  # noqa: E402
+from tests.support.jobs import job_argv, stop_and_read  # noqa: E402
 
 
 def test_one_bundle_per_process_with_the_cluster_sections_resources():
@@ -290,7 +291,7 @@ def test_a_worker_that_can_never_start_stops_the_job_after_its_restarts(local_ra
 
 def test_every_child_kind_is_what_the_supervisor_asks_of_a_child():
     from launcher.supervisor import Child, Supervised
-    from tests.test_interfaces import check_calls
+    from tests.support.protocols import check_calls
 
     for cls in (Child, RayChild, RankGroup):
         check_calls(Supervised, cls)

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from areal_async.embedded.http_server import InferenceServer, serve
 from areal_async.embedded.loading import load_engine
 from areal_async.types import sample_seed
-from tests.sglang_ref import needs_sglang, sglang_env, SGLANG_PYTHON
+from tests.support.sglang_ref import needs_sglang, sglang_env, SGLANG_PYTHON
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -196,7 +196,7 @@ def _deterministic_tree_run(rank: int, port: int, model_dir: str, dtype: str, ou
     """Deterministic mode's settings (``trainer/learner.py``: ``CUBLAS_WORKSPACE_CONFIG`` before CUDA
     starts, ``torch.use_deterministic_algorithms(True)``, batch-invariant linears), one rank of
     FSDP2, ``trainer.share_prefixes=true``: two runs of two ``train_step`` s each from the same
-    weights, on the shared-prefix batch of ``tests/test_trainer_step.py`` at a budget of one tree
+    weights, on the shared-prefix batch of ``tests/support/batches.py`` at a budget of one tree
     (4096) and one that cuts trees (30). Saves the losses, gradients (as the optimizer saw them)
     and weights of every run, the masked ``sdpa`` calls, the determinism warnings, and the error
     text if a step raised. Also: a masked ``sdpa`` forward + backward with only the memory-efficient
@@ -215,7 +215,7 @@ def _deterministic_tree_run(rank: int, port: int, model_dir: str, dtype: str, ou
     from areal_async.trainer import attention
     from areal_async.trainer.policy import build_policy, full_state_dict, hf_model
     from areal_async.trainer.step import train_step
-    from tests.test_trainer_step import shared_prefix_trajectories
+    from tests.support.batches import shared_prefix_trajectories
 
     torch.use_deterministic_algorithms(True)
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
@@ -280,10 +280,10 @@ def test_deterministic_tree_steps_are_bit_identical_on_cuda(tiny_qwen3_dir, dtyp
     # that CUBLAS_WORKSPACE_CONFIG is set before cuBLAS starts, as trainer/learner.py does.
     import torch.multiprocessing as mp
 
-    from tests.test_trainer_step import _free_port
+    from tests.support.ports import free_port
 
     out = tmp_path / f"det-{dtype}.pt"
-    mp.start_processes(_deterministic_tree_run, args=(_free_port(), str(tiny_qwen3_dir), dtype, str(out)),
+    mp.start_processes(_deterministic_tree_run, args=(free_port(), str(tiny_qwen3_dir), dtype, str(out)),
                        nprocs=1, join=True, start_method="spawn")
     result = torch.load(out, weights_only=False)
     assert result["error"] is None, result["error"]

@@ -109,7 +109,7 @@ def test_micro_batches_trained_are_counted_of_the_plans_total(tiny_model_dir):
     from areal_async.trainer.attention import use_packed_attention
     from areal_async.trainer.packed_policy import PackedPolicy
     from areal_async.trainer.step import train_step
-    from tests.test_trainer_step import make_trajectories
+    from tests.support.batches import make_trajectories
 
     torch.set_num_threads(1)
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """Staleness arithmetic and the in-process ReplayQueue state machine.
 
 Concurrency checks drive one event loop: "still blocked" means the waiting task is not done after
-the loop has run every ready callback (``_settle``), which takes no wall-clock time.
+the loop has run every ready callback (``settle``), which takes no wall-clock time.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from areal_async.config import QueueConfig
 from areal_async.queue.core import AccountingError, QueueClosed, QueueStats, ReplayQueue
 from areal_async.queue.staleness import admission_capacity, group_id_limit, group_version
-from areal_async.types import Array, Sample, Trajectory
+from tests.support.batches import traj
+from tests.support.loop import settle
 
 
 # Each row: (version, accepted, running, B, η, max_concurrent, expected), expected derived by hand
@@ -58,27 +59,9 @@ def test_group_version():
         assert group_version(lim - 1, 4, 1) <= v < group_version(lim, 4, 1)
 
 
-def traj(g: int, n: int = 2) -> Trajectory:
-    samples = [
-        Sample(
-            index=i, seed=i, output_ids=Array.of([1, 2], "int32"),
-            behav_logprobs=Array.of([-0.5, -0.25], "float32"),
-            versions=Array.of([0, 0], "int32"), finish_reason="stop",
-        )
-        for i in range(n)
-    ]
-    return Trajectory(group_id=g, prompt_ids=Array.of([5, 6, 7], "int32"), samples=samples,
-                      data_index=g)
-
-
 def make(mode: str, b: int = 2, eta: int = 1, conc: int = 8, start_version: int = 0):
     cfg = QueueConfig(batch_size=b, max_staleness=eta, max_concurrent=conc)
     return ReplayQueue(cfg, mode, start_version=start_version)
-
-
-async def _settle():
-    for _ in range(20):
-        await asyncio.sleep(0)
 
 
 def test_every_group_accounted_throughput():
@@ -111,7 +94,7 @@ def test_deterministic_batch_is_exact_id_range():
         for g in (3, 2, 1):
             await q.submit(traj(g))
         getter = asyncio.create_task(q.get_batch(0))
-        await _settle()
+        await settle()
         assert not getter.done(), "batch 0 must wait for group 0, not take the first finished"
         await q.submit(traj(0))
         assert [t.group_id for t in await getter] == [0, 1]
@@ -126,7 +109,7 @@ def test_throughput_batch_is_first_ready():
         assert await q.lease(0, 8) == [0, 1, 2, 3]
         getter = asyncio.create_task(q.get_batch(0))
         await q.submit(traj(3))
-        await _settle()
+        await settle()
         assert not getter.done()
         await q.submit(traj(1))
         assert [t.group_id for t in await getter] == [1, 3]
@@ -139,14 +122,14 @@ def test_deterministic_version_gates_admission_and_drain():
         q = make("deterministic", b=2, eta=1, conc=8)
         assert await q.lease(0, 8) == [0, 1, 2, 3]
         leaser = asyncio.create_task(q.lease(1, 8))
-        await _settle()
+        await settle()
         assert not leaser.done(), "group 4 needs version 1"
         with pytest.raises(ValueError, match="wait_drained"):
             await q.set_version(1)
         drain = asyncio.create_task(q.wait_drained(0))
         for g in (0, 1, 2):
             await q.submit(traj(g))
-        await _settle()
+        await settle()
         assert not drain.done(), "group 3 (v = 0) is still running"
         await q.reject(3, "test")
         await drain
@@ -166,7 +149,7 @@ def test_wait_drained_counts_groups_not_yet_leased():
         drain = asyncio.create_task(q.wait_drained(0))  # needs g < 4 finished
         await q.submit(traj(0))
         await q.submit(traj(1))
-        await _settle()
+        await settle()
         assert not drain.done(), "groups 2 and 3 were never leased"
         assert await q.lease(0, 8) == [2, 3]
         await q.submit(traj(2))
@@ -183,7 +166,7 @@ def test_close_releases_blocked_callers():
         leaser = asyncio.create_task(q.lease(0, 8))
         getter = asyncio.create_task(q.get_batch(0))
         drain = asyncio.create_task(q.wait_drained(0))
-        await _settle()
+        await settle()
         assert not (leaser.done() or getter.done() or drain.done())
         await q.close()
         assert await leaser == []
@@ -314,7 +297,7 @@ def test_deterministic_release_holds_the_version_until_the_group_is_done_again()
         # group 1 (v = 0) is requeued, not running: still not drained, version 1 must wait
         drain = asyncio.create_task(q.wait_drained(0))
         getter = asyncio.create_task(q.get_batch(0))
-        await _settle()
+        await settle()
         assert not drain.done() and not getter.done()
         with pytest.raises(ValueError, match="wait_drained"):
             await q.set_version(1)
@@ -367,7 +350,7 @@ def test_lease_waits_says_whether_a_lease_would_block():
         assert await q.lease(0, 8) == [0, 1]
         assert q.lease_waits()  # min(8 - 2, 2 - (0 + 2)) = 0
         leaser = asyncio.create_task(q.lease(0, 8))
-        await _settle()
+        await settle()
         assert not leaser.done(), "lease_waits said a lease would block, and it did not"
         await q.close()
         assert not q.lease_waits()  # a closed queue answers a lease with [] at once

@@ -18,7 +18,8 @@ from areal_async.queue import protocol as p
 from areal_async.queue.core import AccountingError, QueueClosed, ReplayQueue
 from areal_async.queue.server import serve
 from areal_async.trainer.report import queue_metrics
-from tests.test_queue_core import _settle, traj
+from tests.support.batches import traj
+from tests.support.loop import settle
 
 
 def test_two_clients_end_to_end(tmp_path):
@@ -52,7 +53,7 @@ def test_two_clients_end_to_end(tmp_path):
 
         getter = asyncio.create_task(trainer.get_batch(1))
         leaser = asyncio.create_task(worker.lease(0, 8))
-        await _settle()
+        await settle()
         await trainer.close()
         assert await leaser == []
         with pytest.raises(QueueClosed):
@@ -161,7 +162,7 @@ def test_a_closed_connection_releases_its_groups_and_spares_a_restarted_worker(t
         assert await old.lease(0, 1) == [3]
         assert await again.lease(0, 1) == [4]  # worker 0's latest lease is on `again` now
         await old.disconnect()
-        await _settle()
+        await settle()
         s = await trainer.check_accounting()
         assert (s.running, s.requeued, s.released) == (4, 0, 1)
         # the launcher's explicit release, before it starts worker 0 again

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -13,8 +12,7 @@ import pytest
 
 from areal_async.report import main, plots, read_run, report_paths
 from areal_async.report.build import run_cell, study_cells, write_study_report
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.support import REPO
 
 
 def _write_run(run_dir, rows, eta=1, decoupled=True, seed=1, interrupt=None):
@@ -200,7 +198,7 @@ def test_a_truncated_last_line_is_skipped_and_noted(tmp_path):
 
 
 def test_the_script_runs_as_a_script(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "report.py"), str(tmp_path / "nothing")],
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "report.py"), str(tmp_path / "nothing")],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and "nothing does not exist" in proc.stderr, proc.stderr
 

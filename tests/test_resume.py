@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.test_determinism import fingerprint, run_job
+from tests.support.jobs import fingerprint, run_job
 
 
 @pytest.mark.slow

@@ -156,10 +156,10 @@ def test_registry_has_math():
 def test_reward_fn_by_import_path_and_errors():
     from areal_async.reward.pool import resolve_reward_fn
 
-    fn = resolve_reward_fn("tests.parity_reward:even_length")
+    fn = resolve_reward_fn("tests.support.parity_reward:even_length")
     assert fn("ab", "") == 1.0 and fn("abc", "") == 0.0
     assert resolve_reward_fn("math") is math_reward
     with pytest.raises(ValueError, match="registered: \\['math'\\]"):
         resolve_reward_fn("maths")
     with pytest.raises(ValueError, match="does not import"):
-        resolve_reward_fn("tests.parity_reward:missing")
+        resolve_reward_fn("tests.support.parity_reward:missing")

@@ -26,10 +26,10 @@ from areal_async.queue.core import ReplayQueue
 from areal_async.queue.server import serve as serve_queue
 from launcher.local import _job_env
 from launcher.servers import SERVER_ARGV
-from tests.listening import listening, needs_proc, off_loopback
-from tests.sglang_ref import needs_sglang, run_sglang
-from tests.test_sglang_weight_group import _peer, host_group_in_thread
-from tests.test_server import free_port
+from tests.support.listening import listening, needs_proc, off_loopback
+from tests.support.ports import free_port
+from tests.support.sglang_ref import needs_sglang, run_sglang
+from tests.support.weight_groups import host_group_in_thread, peer_group
 
 TOKEN = "job-token-for-tests"
 
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_weight_group_store_listens_on_loopback_only():
     port = free_port()
     trainer, joined, store = host_group_in_thread(port, "loopback")  # join as the server rank
-    peer = _peer(store, "loopback", 1)
+    peer = peer_group(store, "loopback", 1)
     trainer.join(timeout=30)
     sockets = [s for s in listening(os.getpid()) if s[1] == port]
     weight_group.destroy_weight_group(joined["group"])
@@ -56,7 +56,7 @@ def test_weight_group_store_listens_on_loopback_only():
 PROBE = """
 import json, os, sys
 import torch.distributed as dist
-from tests.listening import listening
+from tests.support.listening import listening
 dist.init_process_group("gloo")
 dist.barrier()
 out = {"agent": listening(os.getppid()), "rank": listening(os.getpid())}

@@ -6,8 +6,6 @@ SIGTERM while a weight-group join waits for peers (a subprocess)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import datetime
 import json
 import os
 import signal
@@ -26,85 +24,13 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async import weight_group
-from areal_async.embedded.http_server import InferenceServer, serve
-from areal_async.embedded.loading import load_engine
+from tests.support.models import perturbed, prompt_ids, recompute_logprobs
+from tests.support.ports import free_port
+from tests.support.servers import running, server_logprobs
+from tests.support.weight_groups import trainer_group
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@contextlib.asynccontextmanager
-async def running(model_dir, slots: int = 8, max_seq_len: int = 256):
-    engine, tokenizer = load_engine(str(model_dir), "float32", "cpu", slots, max_seq_len)
-    async with serve(InferenceServer(engine, tokenizer, str(model_dir))) as url, aiohttp.ClientSession() as http:
-        yield Api(url, http), engine
-
-
-class Api:
-    def __init__(self, url: str, http: aiohttp.ClientSession):
-        self.url, self.http = url, http
-
-    async def post(self, path: str, body: dict | None = None) -> tuple[int, dict | str]:
-        async with self.http.post(self.url + path, json=body) as resp:
-            return resp.status, (await resp.json() if resp.content_type == "application/json" else await resp.text())
-
-    async def get(self, path: str) -> tuple[int, dict | str]:
-        async with self.http.get(self.url + path) as resp:
-            return resp.status, (await resp.json() if resp.content_type == "application/json" else await resp.text())
-
-    async def generate(self, ids: list[int], rid: str | None = None, **sampling) -> dict:
-        body = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True}
-        if rid is not None:
-            body["rid"] = rid
-        status, out = await self.post("/generate", body)
-        assert status == 200, out
-        return out
-
-
-def prompt_ids(model_dir, question: str = "How many apples are left?") -> list[int]:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def recompute_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
-    """Trainer-side recompute: log_softmax(logits / T) of each output token, one HF forward."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
-
-
-def server_logprobs(resp: dict) -> torch.Tensor:
-    return torch.tensor([entry[0] for entry in resp["meta_info"]["output_token_logprobs"]])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def trainer_group(port: int, world_size: int = 2, group_name: str = "weight_update_group",
-                  timeout_s: float = 60.0) -> torch.distributed.ProcessGroup:
-    """Rank 0 (the trainer) of a gloo weight-update group that a server in this test process
-    joins: the store keys ``weight_group.new_weight_group`` writes (SGLang's layout, checked in
-    test_sglang_weight_group.py), built without torch's registry of named groups, which holds one
-    group of a name per process (the server's)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout)
-    store = torch.distributed.PrefixStore(f"{group_name}/", torch.distributed.PrefixStore(group_name, store))
-    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("cpu/", store), 0, world_size, timeout)
-
-
-def perturbed(model_dir, seed: int):
-    """The tiny model with every parameter moved by N(0, 0.3²) (its logits are near-flat, so a
-    small move would not change which tokens the fixed noise picks)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async.embedded.http_server import InferenceServer, serve
 from areal_async.embedded.loading import load_engine
-from tests.sglang_ref import needs_sglang, run_sglang
+from tests.support.sglang_ref import needs_sglang, run_sglang
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -24,7 +24,6 @@ import datetime
 import gc
 import json
 import logging
-import socket
 import threading
 import time
 
@@ -36,18 +35,15 @@ from transformers import AutoModelForCausalLM
 
 from areal_async import weight_group
 from areal_async.dtypes import dtype_name
-from tests.sglang_ref import needs_sglang, popen_sglang, run_sglang
-from tests.test_server import perturbed, prompt_ids, recompute_logprobs, running, server_logprobs
+from tests.support.models import perturbed, prompt_ids, recompute_logprobs
+from tests.support.ports import free_port
+from tests.support.sglang_ref import needs_sglang, popen_sglang, run_sglang
+from tests.support.servers import running, server_logprobs
+from tests.support.weight_groups import host_group_in_thread, peer_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GROUP = "weight_update_group"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -223,12 +219,6 @@ def _watch_keys(store: dist.Store, want: int, timeout_s: float = 20.0) -> list[s
     raise AssertionError(f"the store holds {sorted(store.list_keys())} after {timeout_s} s")
 
 
-def _peer(store: dist.TCPStore, group: str, rank: int, timeout_s: float = 30.0) -> dist.ProcessGroup:
-    """The other member of a two-rank gloo group on ``store``, at SGLang's prefixes, unregistered."""
-    prefixed = dist.PrefixStore("cpu/", dist.PrefixStore(f"{group}/", dist.PrefixStore(group, store)))
-    return dist.ProcessGroupGloo(prefixed, rank, 2, datetime.timedelta(seconds=timeout_s))
-
-
 @pytest.mark.parametrize("group", [GROUP, "g"])
 def test_a_server_rank_writes_sglangs_keys(group):
     port = free_port()
@@ -239,7 +229,7 @@ def test_a_server_rank_writes_sglangs_keys(group):
         "gloo", "127.0.0.1", port, 1, 2, timeout_s=30, group_name=group)), daemon=True)
     server.start()
     keys = _watch_keys(store, 1)
-    peer = _peer(store, group, 0)  # rank 0 completes the join, so the thread ends
+    peer = peer_group(store, group, 0)  # rank 0 completes the join, so the thread ends
     server.join(timeout=30)
     assert keys == [_sglang_key(group, 1)]
     tensor = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
@@ -252,28 +242,10 @@ def test_a_server_rank_writes_sglangs_keys(group):
     assert torch.equal(received, tensor)
 
 
-def host_group_in_thread(port: int, group: str) -> tuple[threading.Thread, dict, dist.TCPStore]:
-    """Rank 0 of a two-rank gloo weight group ``group`` joining in a thread (it hosts the store on
-    ``port``), and a client of that store once it listens. Returns (the thread, the dict that gets
-    ``"group"`` when rank 0 has joined, the store)."""
-    joined: dict = {}
-    trainer = threading.Thread(target=lambda: joined.update(group=weight_group.new_weight_group(
-        "gloo", "127.0.0.1", port, 0, 2, timeout_s=30, group_name=group)), daemon=True)
-    trainer.start()
-    deadline = time.monotonic() + 20
-    while True:  # rank 0 hosts the store: connect once it listens
-        try:
-            store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30))
-            return trainer, joined, store
-        except (RuntimeError, dist.DistError):
-            assert time.monotonic() < deadline, "rank 0 does not host the store"
-            time.sleep(0.05)
-
-
 def test_the_trainer_rank_hosts_the_store_and_writes_sglangs_keys():
     trainer, joined, store = host_group_in_thread(free_port(), "g")
     keys = _watch_keys(store, 1)
-    peer = _peer(store, "g", 1)
+    peer = peer_group(store, "g", 1)
     trainer.join(timeout=30)
     weight_group.destroy_weight_group(joined["group"])
     assert keys == [_sglang_key("g", 0)]

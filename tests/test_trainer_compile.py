@@ -11,13 +11,13 @@ temperature changes log-probs by > 1e-2 (``test_packing.py``).
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
 from areal_async.config import TrainerConfig
 from areal_async.trainer.packing import pack_sequences
+from tests.support.ports import free_port
 
 PACKINGS = [
     [[3, 17, 42, 9, 11, 250, 7], [5, 6], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 1], [77]],
@@ -30,12 +30,6 @@ def test_compile_rejected_in_deterministic_mode(tiny_model_dir):
 
     with pytest.raises(ValueError, match="trainer.compile"):
         build_policy(str(tiny_model_dir), TrainerConfig(compile=True), torch.device("cpu"), batch_invariant=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _logp_and_grads(policy, seqs):
@@ -53,7 +47,7 @@ def test_compiled_policy_matches_eager(tiny_qwen3_dir, one_torch_thread):
 
     from areal_async.trainer.policy import build_policy
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         eager = build_policy(str(tiny_qwen3_dir), TrainerConfig(), torch.device("cpu"))

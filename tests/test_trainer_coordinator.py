@@ -4,7 +4,7 @@ The queue is the real state machine (it refuses ``set_version(v)`` in determinis
 every group of version ≤ v-1 has finished, and checks its accounting); sender, evaluations,
 learner, logger and inference client are one recorder that appends to one list of events, so the
 tests read the order of the coordinator's calls.
-"Still blocked" means not done after the loop ran every ready callback (``_settle``).
+"Still blocked" means not done after the loop ran every ready callback (``settle``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from areal_async.jitter import Jitter
 from areal_async.queue.core import AccountingError, ReplayQueue
 from areal_async.trainer.coordinator import Coordinator, Follower, checkpoint_due
 from areal_async.trainer.report import Timer
-from tests.test_queue_core import _settle, traj
+from tests.support.batches import traj
+from tests.support.loop import settle
 
 
 class Recorder:
@@ -74,7 +75,7 @@ def test_deterministic_publish_waits_for_the_drain_and_keeps_the_ready_groups():
             await queue.submit(traj(g))
         await queue.get_batch(0)  # groups 0, 1
         publish = asyncio.create_task(coord.publish(1, Timer()))
-        await _settle()
+        await settle()
         assert not publish.done() and rec.events == []  # group 3 (version 0) still generating
         await queue.submit(traj(3))
         await publish

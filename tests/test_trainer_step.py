@@ -10,7 +10,6 @@ differs between the runs.
 from __future__ import annotations
 
 import os
-import socket
 
 import msgspec
 import numpy as np
@@ -20,32 +19,9 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from areal_async.config import AlgoConfig, TrainerConfig
-from areal_async.types import Array, Sample, Trajectory
-
-
-def make_trajectories(vocab: int, seed: int = 0) -> list[Trajectory]:
-    """4 groups × 2 samples, varied lengths (one empty response), mixed rewards except group 3.
-
-    Behaviour log-probs are near the tiny model's (≈ -log 384 ≈ -6); sample (2, 1) has -20 on
-    every token, so its importance weights exp(-6 + 20) exceed the cap and are dropped.
-    """
-    rng = np.random.default_rng(seed)
-    trajs = []
-    for g in range(4):
-        prompt = rng.integers(3, vocab, size=int(rng.integers(3, 9)))
-        samples = []
-        for i in range(2):
-            n = 0 if (g, i) == (1, 0) else int(rng.integers(2, 12))
-            samples.append(Sample(
-                index=i, seed=g * 2 + i,
-                output_ids=Array.of(rng.integers(3, vocab, size=n), "int32"),
-                behav_logprobs=Array.of(-rng.uniform(5.5, 6.5, size=n) if (g, i) != (2, 1) else
-                                        np.full(n, -20.0), "float32"),
-                versions=Array.of(np.zeros(n), "int32"), finish_reason="stop",
-                reward=5.0 if (i == g % 2 or g == 3) else -5.0,
-            ))
-        trajs.append(Trajectory(group_id=g, prompt_ids=Array.of(prompt, "int32"), samples=samples, data_index=g))
-    return trajs
+from areal_async.types import Array, Trajectory
+from tests.support.batches import make_trajectories, shared_prefix_trajectories
+from tests.support.ports import free_port
 
 
 def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, parallel: str,
@@ -79,16 +55,10 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, p
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2", device_type: str = "cpu",
            dtype: str = "float32", all_equal: bool = False) -> dict:
     out = tmp_path / f"out-{world}-{parallel}-{device_type}-{dtype}-{all_equal}.pt"
-    mp.start_processes(_run_rank, args=(world, _free_port(), str(model_dir), str(out), parallel, device_type, dtype,
+    mp.start_processes(_run_rank, args=(world, free_port(), str(model_dir), str(out), parallel, device_type, dtype,
                                         all_equal),
                        nprocs=world, join=True, start_method="spawn")
     return torch.load(out)
@@ -294,33 +264,6 @@ def _tiny_policy(model_dir):
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     use_packed_attention(lm)
     return PackedPolicy(lm)
-
-
-def shared_prefix_trajectories(vocab: int, seed: int = 0) -> list[Trajectory]:
-    """5 groups × 4 samples whose prompts share a 7-token preamble (as few-shot prompts do).
-
-    Group 1 and 3 have all-equal rewards (advantages 0: skipped). Group 2 has an empty response
-    (no loss token: skipped) and a response that is a prefix of another; group 4 two identical
-    responses. Behaviour log-probs near the tiny model's (≈ -6), so few weights hit the cap.
-    """
-    rng = np.random.default_rng(seed)
-    preamble = rng.integers(3, vocab, size=7)
-    trajs = []
-    for g in range(5):
-        prompt = np.concatenate([preamble, rng.integers(3, vocab, size=int(rng.integers(2, 5)))])
-        responses = [rng.integers(3, vocab, size=int(rng.integers(1, 9))) for _ in range(4)]
-        if g == 2:
-            responses[0] = responses[1][:0]
-            responses[2] = responses[3][: max(1, len(responses[3]) // 2)]
-        if g == 4:
-            responses[1] = responses[0]
-        rewards = [5.0] * 4 if g in (1, 3) else [5.0, -5.0, 5.0 if g == 0 else -5.0, -5.0 if g == 4 else 5.0]
-        samples = [Sample(index=i, seed=g * 4 + i, output_ids=Array.of(r, "int32"),
-                          behav_logprobs=Array.of(-rng.uniform(5.5, 6.5, size=len(r)), "float32"),
-                          versions=Array.of(np.zeros(len(r)), "int32"), finish_reason="stop", reward=rewards[i])
-                   for i, r in enumerate(responses)]
-        trajs.append(Trajectory(group_id=g, prompt_ids=Array.of(prompt, "int32"), samples=samples, data_index=g))
-    return trajs
 
 
 def _step(model_dir, trajs, n_mini: int = 1, **trainer_kwargs) -> tuple[dict, dict]:

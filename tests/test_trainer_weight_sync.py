@@ -1,8 +1,8 @@
 """Weight senders against fake servers: separate processes acting as the server ranks.
 
-The fake client implements the ``InferenceClient`` calls the senders use. Its server side is a
-spawned process per server that joins the weight-update group as rank ``rank_offset`` and
-receives each bucket by broadcast, exactly as an inference server does behind
+The fake client (``tests/support/fakes.py``) implements the ``InferenceClient`` calls the senders
+use. Its server side is a spawned process per server that joins the weight-update group as rank
+``rank_offset`` and receives each bucket by broadcast, exactly as an inference server does behind
 ``/update_weights_from_distributed``.
 """
 
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing as mp
 import pathlib
-import socket
 
 import pytest
 import torch
@@ -23,127 +21,11 @@ from areal_async.trainer.attention import use_packed_attention
 from areal_async.trainer.packed_policy import PackedPolicy
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
 from areal_async.weight_group import destroy_weight_group
+from tests.support.fakes import AllLive, DiskClient, FakeClient
+from tests.support.ports import free_port
+from tests.support.servers import start_server
 
 torch.set_num_threads(1)
-
-
-def _server_main(commands, replies):
-    """Server side of the group: runs commands until ``stop``; replies ``(ok, payload)``."""
-    import torch
-
-    from areal_async.dtypes import dtype_from_name
-    from areal_async.weight_group import broadcast_, new_weight_group
-
-    torch.set_num_threads(1)
-    group, weights, version = None, {}, None
-    while True:
-        cmd, args = commands.get()
-        if cmd == "stop":
-            # numpy arrays pickle by value; torch tensors would be shared through this process's
-            # file descriptors, which are gone once it exits (a race with the reader)
-            replies.put((True, ({n: t.numpy() for n, t in weights.items()}, version)))
-            return
-        if cmd == "init":
-            addr, port, rank, world = args
-            group = new_weight_group("gloo", addr, port, rank, world, timeout_s=60)
-            replies.put((True, None))
-        elif cmd == "update":
-            names, dtypes, shapes, version_now = args
-            tensors = [torch.empty(s, dtype=dtype_from_name(d)) for d, s in zip(dtypes, shapes)]
-            broadcast_(group, tensors)
-            weights.update(zip(names, tensors))
-            version = version_now if version_now is not None else version
-            replies.put((True, len(names)))
-
-
-class AllLive:
-    """``InferenceClient.servers`` of a client whose servers never die."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def live(self) -> list[int]:
-        return list(range(self.n))
-
-    async def probe(self, require_version: bool = True) -> list[int]:
-        return []
-
-    async def version(self, server: int) -> int | None:
-        return None  # not asked: no server is restarted
-
-    async def alive(self, server: int) -> bool:
-        return True
-
-
-class FakeClient:
-    """A ``WeightUpdateClient`` (``inference/interface.py``; ``tests/test_interfaces.py`` checks it),
-    backed by server processes."""
-
-    servers = AllLive(2)
-    urls = ["fake://server0", "fake://server1"]  # what error messages name
-
-    async def each_live(self, call):
-        live = self.servers.live()
-        return dict(zip(live, await asyncio.gather(*(call(i) for i in live))))
-
-    def __init__(self, num_servers: int):
-        ctx = mp.get_context("spawn")
-        self.pipes = [(ctx.Queue(), ctx.Queue()) for _ in range(num_servers)]
-        self.procs = [ctx.Process(target=_server_main, args=p, daemon=True) for p in self.pipes]
-        for proc in self.procs:
-            proc.start()
-        self.calls: list[str] = []
-        self.bucket_sizes: list[int] = []
-        self.disk_updates: list[tuple[int, str, int]] = []
-
-    async def _ask(self, server: int, cmd: str, args=None):
-        commands, replies = self.pipes[server]
-        commands.put((cmd, args))
-        ok, payload = await asyncio.to_thread(replies.get, True, 60)
-        return payload
-
-    async def init_weights_update_group(self, server, master_address, master_port, rank_offset, world_size,
-                                        backend, group_name):
-        assert backend == "gloo" and rank_offset == 1 + server
-        await self._ask(server, "init", (master_address, master_port, rank_offset, world_size))
-
-    async def destroy_weights_update_group(self, server, group_name):
-        raise AssertionError("no server left or came back: the group is never rebuilt")
-
-    async def update_weights_from_distributed(self, server, names, dtypes, shapes, version, group_name):
-        n = await self._ask(server, "update", (names, dtypes, shapes, version))
-        if server == 0:
-            self.bucket_sizes.append(n)
-
-    async def update_weights_from_disk(self, server, path, version):
-        self.disk_updates.append((server, path, version))
-
-    async def pause(self, mode="abort"):
-        self.calls.append("pause")
-
-    async def continue_generation(self):
-        self.calls.append("continue_generation")
-
-    def stop(self):
-        out = []
-        for (commands, replies), proc in zip(self.pipes, self.procs):
-            commands.put(("stop", None))
-            out.append(replies.get(timeout=60))
-            proc.join(timeout=30)
-        return [({n: torch.from_numpy(a) for n, a in weights.items()}, version) for _, (weights, version) in out]
-
-
-class DiskClient(FakeClient):
-    """Records ``update_weights_from_disk`` calls; no server processes."""
-
-    def __init__(self):
-        self.calls, self.disk_updates = [], []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _policy(path):
@@ -157,7 +39,7 @@ def test_distributed_sender_two_servers_receive_trainer_weights(tiny_model_dir):
     client = FakeClient(num_servers=2)
     try:
         # Bucket of 64 KiB: the embedding (384×64 fp32 = 96 KiB) goes alone, so there are several.
-        sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", _free_port(), 64 * 1024,
+        sender = DistributedWeightSender(policy, client, 2, "127.0.0.1", free_port(), 64 * 1024,
                                          torch.float32, torch.device("cpu"))
 
         async def run():
@@ -362,13 +244,13 @@ def test_a_refused_join_fails_the_setup_at_once(tiny_model_dir, monkeypatch):
 
 
 def test_the_disk_sender_skips_a_dead_server_and_brings_a_restarted_one_up_to_date(tiny_model_dir, tmp_path):
-    # Two servers that answer SGLang's calls (tests/test_client.py's recording server); server 1
+    # Two servers that answer SGLang's calls (tests/support/fakes.py's fake_server); server 1
     # dies before update 1, which goes to server 0 alone, without waiting; server 1 comes back on
     # its port with the initial weights (version 0), and update 2 loads on both.
     from aiohttp import web
 
     from areal_async.inference.client import InferenceClient
-    from tests.test_client import fake_server
+    from tests.support.fakes import fake_server, start_fake_server
 
     loads: list[tuple[int, int]] = []
 
@@ -391,9 +273,7 @@ def test_the_disk_sender_skips_a_dead_server_and_brings_a_restarted_one_up_to_da
             await sender.send(1)  # server 1 is gone
             after_1 = (list(loads), client.server_failures, client.servers.live())
             port1 = int(url1.rsplit(":", 1)[1])
-            runner = web.AppRunner(_app(handler(1)))
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port1).start()  # restarted on the same port
+            runner = await start_fake_server(handler(1), port1)  # restarted on the same port
             try:
                 await sender.send(2)
             finally:
@@ -404,27 +284,6 @@ def test_the_disk_sender_skips_a_dead_server_and_brings_a_restarted_one_up_to_da
     (loads_1, failures, live_1), live_2 = asyncio.run(main())
     assert loads_1 == [(0, 1)] and failures == 1 and live_1 == [0]
     assert sorted(loads[1:]) == [(0, 2), (1, 2)] and live_2 == [0, 1]
-
-
-def _app(handler):
-    from aiohttp import web
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    return app
-
-
-def _server(model_dir, port: int):
-    """An embedded server process on ``port`` (deterministic inference, float32, 1 thread)."""
-    import os
-    import subprocess
-    import sys
-
-    return subprocess.Popen(
-        [sys.executable, "-m", "areal_async.embedded.server", "--model-path", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--max-running-requests", "4", "--max-seq-len", "256", "--threads", "1",
-         "--enable-deterministic-inference"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.timeout(240)
@@ -440,13 +299,13 @@ def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_i
     from areal_async.inference.client import InferenceClient
     from areal_async.embedded.http_server import InferenceServer, serve
     from areal_async.embedded.loading import load_engine
-    from tests.test_server import free_port, prompt_ids
+    from tests.support.models import prompt_ids
 
     policy = _policy(tiny_model_dir)
     prompt = prompt_ids(tiny_model_dir)
     sampling = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
     ports = [free_port(), free_port()]
-    procs = [_server(tiny_model_dir, port) for port in ports]
+    procs = [start_server(tiny_model_dir, port) for port in ports]
     generator = torch.Generator().manual_seed(0)
 
     def perturb():  # new weights for the next version; most outputs change with them
@@ -497,7 +356,7 @@ def test_the_distributed_sender_rebuilds_its_group_when_a_server_dies_and_when_i
             perturb()
             await sender.send(2)  # server 1 fails at the pause and leaves routing; the group is rebuilt
             await check(2)
-            procs[1] = _server(tiny_model_dir, ports[1])  # restarted: a new process on the same port
+            procs[1] = start_server(tiny_model_dir, ports[1])  # restarted: a new process on the same port
             deadline = asyncio.get_running_loop().time() + 120
             while not await client.servers.answers(1, "/health_generate"):
                 assert asyncio.get_running_loop().time() < deadline, "the restarted server did not come up"

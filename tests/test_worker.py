@@ -24,7 +24,7 @@ from areal_async.reward.pool import RewardPool
 from areal_async.rollout.eval import evaluate
 from areal_async.rollout.worker import GenerationWorker
 from areal_async.types import sample_seed
-from tests.test_queue_core import _settle
+from tests.support.loop import settle
 
 SEED = 11
 N_SAMPLES = 3
@@ -157,7 +157,7 @@ def test_worker_streams_scored_versioned_groups(tokenizer, rewards):
             run = asyncio.create_task(worker.run())
             # Two groups of three samples are in flight at once, and no third group starts.
             await fake.gate_reached.wait()
-            await _settle()
+            await settle()
             assert fake.in_flight == 2 * N_SAMPLES and (await queue.stats()).running == 2
             fake.gate.set()
 

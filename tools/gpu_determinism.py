@@ -9,7 +9,7 @@ Four jobs through ``python -m launcher.local configs/async_vs_sync_gpu.yaml <ove
 one after the other: ``mode`` deterministic and throughput, each with ``debug.jitter_seed`` 1 and 2
 (same ``debug.jitter_ms``). Each job: one embedded server (``cuda:0``), the replay queue, 2
 generation workers, a 1-rank trainer (``cuda``), η = 1, bf16 server and trainer compute (fp32 on
-CPU), the ``arith`` task without few-shot demonstrations, reward ``tests.parity_reward:even_length``
+CPU), the ``arith`` task without few-shot demonstrations, reward ``tests.support.parity_reward:even_length``
 (mixed rewards from random weights), no eval, an eager trainer (``trainer.compile=false`` in both
 modes: deterministic mode refuses compilation). If ``--model-path`` does not exist, a random Qwen3-0.6B-
 shaped model (``tiny`` with ``--device cpu``) is written there first (``tools/qwen3_shapes.py``).
@@ -80,7 +80,7 @@ def overrides(args, mode: str, seed: int) -> list[str]:
         # eager in both modes: deterministic mode refuses trainer.compile (the config compiles),
         # and the cost compares the same kernels less their batch invariance
         "trainer.compile=false",
-        "reward.fn=tests.parity_reward:even_length",
+        "reward.fn=tests.support.parity_reward:even_length",
         "eval.at_start=false", "eval.at_end=false", f"eval.max_new_tokens={args.new_tokens}",
         "logging.wandb_mode=disabled", "logging.dump_trajectories=true",
         f"debug.jitter_ms={args.jitter_ms}", f"debug.jitter_seed={seed}",

@@ -5,7 +5,7 @@
 
 Builds a one-rank weight-update group (``areal_async.weight_group.new_weight_group``, the store on
 127.0.0.1, as the launcher's jobs do), runs one broadcast on it, then prints one line per TCP socket
-this process listens on (``tests/listening.py``, from ``/proc``): its local address and whether it
+this process listens on (``tests/support/listening.py``, from ``/proc``): its local address and whether it
 is loopback only. Run from the repository root (``PYTHONPATH=.``). The store's own socket is on 127.0.0.1 by construction; what this
 shows is where the backend's own sockets (NCCL's bootstrap and proxy, gloo's pairs) listen.
 Prints the environment variables that steer them (``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``).
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tests.listening import listening, off_loopback
+from tests.support.listening import listening, off_loopback
 
 
 def main() -> int:

@@ -5,7 +5,7 @@
         [--model-path DIR] [--timeout-s 180]
 
 Starts ``python -m areal_async.embedded.server`` as a subprocess on the CPU (a tiny random Llama,
-2 layers, hidden 64, built with ``tests/conftest.py``'s ``build_tiny_model`` unless ``--model-path``
+2 layers, hidden 64, built with ``tests/support/models.py``'s ``build_tiny_model`` unless ``--model-path``
 names an HF directory), waits for ``/health``, then sends all ``--requests`` at once from one
 aiohttp session (no connection limit). Each asks for exactly ``--new-tokens`` tokens
 (``ignore_eos``, temperature 1, its own ``sampling_seed``) after a random prompt of
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model_path
         if model is None:
             sys.path.insert(0, str(REPO))
-            from tests.conftest import build_tiny_model
+            from tests.support.models import build_tiny_model
 
             model = str(build_tiny_model(pathlib.Path(tmp) / "tiny-llama"))
         from transformers import AutoConfig

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
-
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.support import REPO
+
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 SGLANG_VERSION = "0.5.23"
 

@@ -1,0 +1,22 @@
+"""The test suite's shared harness; test modules import from here, never from one another.
+
+- ``ports``: a free local TCP port.
+- ``models``: the tiny models' builder (2 layers, hidden 64, a trained BPE tokenizer) and what
+  tests do with a tiny model: a chat prompt's ids, a perturbed copy, the trainer-side recompute.
+- ``servers``: the embedded inference server in this process (``running``) or as a subprocess.
+- ``fakes``: a fake HTTP server answering with recorded SGLang shapes; fake weight-update clients.
+- ``batches``: trajectories built by hand for the replay queue and the trainer step.
+- ``loop``: letting an event loop run every ready callback (``settle``).
+- ``jobs``: launching small end-to-end jobs through the launcher and reading what they leave.
+- ``weight_groups``: the other ranks of a gloo weight-update group, at SGLang's store prefixes.
+- ``protocols``: checking a class against a seam's ``Protocol``, call for call.
+- ``listening``: the TCP sockets a process listens on (``/proc``).
+- ``parity_reward``: a reward a random model earns half the time (named by dotted path in configs).
+- ``sglang_ref``: running SGLang's own code in ``.venv-sglang``.
+
+Fixtures stay in ``tests/conftest.py`` (it builds the tiny models with ``models``).
+"""
+
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
