@@ -21,7 +21,7 @@ from areal_async.inference.client import (GenResult, InferenceClient, LogprobAli
 
 from tests.support.fakes import SGLANG_ABORTED, SGLANG_FINISHED, fake_server, start_fake_server
 from tests.support.models import prompt_ids
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 from tests.support.servers import running, server_process
 
 GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid"}

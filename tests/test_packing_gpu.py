@@ -280,7 +280,7 @@ def test_deterministic_tree_steps_are_bit_identical_on_cuda(tiny_qwen3_dir, dtyp
     # that CUBLAS_WORKSPACE_CONFIG is set before cuBLAS starts, as trainer/learner.py does.
     import torch.multiprocessing as mp
 
-    from tests.support.ports import free_port
+    from areal_async.devices import free_port
 
     out = tmp_path / f"det-{dtype}.pt"
     mp.start_processes(_deterministic_tree_run, args=(free_port(), str(tiny_qwen3_dir), dtype, str(out)),

@@ -1,6 +1,6 @@
 """The batch plan (``trainer/plan.py``), on the host: no model, no forward.
 
-Batches are those of ``tests/test_trainer_step.py``. ``make_trajectories``: 4 groups × 2 samples,
+Batches are those of ``tests/support/batches.py``. ``make_trajectories``: 4 groups × 2 samples,
 sample (g, i) is sequence ``2g + i``; rewards ±5 in groups 0–2 (advantages ±5 / (5 + 1e-6), the
 population std of {5, −5} being 5), all +5 in group 3 (advantage 0); sample (1, 0) has an empty
 response. ``shared_prefix_trajectories``: 5 groups × 4, sequence ``4g + i``; groups 1 and 3
@@ -17,7 +17,7 @@ from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.packing import PackedBatch
 from areal_async.trainer.plan import make_plan
 from areal_async.trainer.tree import TreeBatch
-from tests.test_trainer_step import make_trajectories, shared_prefix_trajectories
+from tests.support.batches import make_trajectories, shared_prefix_trajectories
 
 
 def _plans(trajs, world: int = 1, n_mini: int = 1, **trainer_kwargs):

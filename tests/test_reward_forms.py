@@ -12,8 +12,8 @@ from areal_async.config import RewardConfig
 from areal_async.reward.fn import KEYWORDS, keywords, resolve_reward_fn
 from areal_async.reward.math import math_reward
 from areal_async.reward.pool import RewardPool
-from tests import reward_forms
-from tests.parity_reward import even_length
+from tests.support import reward_forms
+from tests.support.parity_reward import even_length
 
 
 def answer_named(response, answer):
@@ -77,9 +77,9 @@ def test_a_signature_of_neither_form_is_refused_at_resolution(fn):
 
 
 def test_the_launch_check_reads_the_form_of_an_import_path():
-    with pytest.raises(ValueError, match=r"tests\.reward_forms:prompts_completions\(prompts, completions, "
+    with pytest.raises(ValueError, match=r"tests\.support\.reward_forms:prompts_completions\(prompts, completions, "
                                          r"\*\*kwargs\) fits neither form"):
-        resolve_reward_fn("tests.reward_forms:prompts_completions")
+        resolve_reward_fn("tests.support.reward_forms:prompts_completions")
 
 
 PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
@@ -105,14 +105,14 @@ def test_the_keyword_form_gets_what_it_names_through_the_pool(tmp_path):
                       "messages": PROMPT + [{"role": "assistant", "content": "\\boxed{4}"}]}]
     _, calls, _ = scored(tmp_path / "b.jsonl", reward_forms.record_some, prompt=PROMPT)
     assert sorted(calls[0]) == ["item", "response"]  # nothing it does not name crosses
-    _, calls, _ = scored(tmp_path / "c.jsonl", "tests.reward_forms:record_all")  # by path; no prompt
+    _, calls, _ = scored(tmp_path / "c.jsonl", "tests.support.reward_forms:record_all")  # by path; no prompt
     assert sorted(calls[0]) == sorted(KEYWORDS)
     assert calls[0]["messages"] == [{"role": "assistant", "content": "\\boxed{4}"}]
 
 
 def test_reward_fn_in_the_config_replaces_the_tasks_and_the_item_decides(tmp_path):
     out = tmp_path / "calls.jsonl"
-    cfg = RewardConfig(fn="tests.reward_forms:record", num_procs=1, timeout_s=30.0)
+    cfg = RewardConfig(fn="tests.support.reward_forms:record", num_procs=1, timeout_s=30.0)
 
     async def body(pool):
         return [await pool.score("math", "\\boxed{4}", "4", item={**ROW, "target": t, "record_to": str(out)})

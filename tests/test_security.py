@@ -27,7 +27,7 @@ from areal_async.queue.server import serve as serve_queue
 from launcher.local import _job_env
 from launcher.servers import SERVER_ARGV
 from tests.support.listening import listening, needs_proc, off_loopback
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 from tests.support.sglang_ref import needs_sglang, run_sglang
 from tests.support.weight_groups import host_group_in_thread, peer_group
 

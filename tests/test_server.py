@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async import weight_group
 from tests.support.models import perturbed, prompt_ids, recompute_logprobs
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 from tests.support.servers import running, server_logprobs
 from tests.support.weight_groups import trainer_group
 

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM
 from areal_async import weight_group
 from areal_async.dtypes import dtype_name
 from tests.support.models import perturbed, prompt_ids, recompute_logprobs
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 from tests.support.sglang_ref import needs_sglang, popen_sglang, run_sglang
 from tests.support.servers import running, server_logprobs
 from tests.support.weight_groups import host_group_in_thread, peer_group

@@ -17,7 +17,7 @@ import torch
 
 from areal_async.config import TrainerConfig
 from areal_async.trainer.packing import pack_sequences
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 
 PACKINGS = [
     [[3, 17, 42, 9, 11, 250, 7], [5, 6], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 1], [77]],

@@ -21,7 +21,7 @@ from torch import Tensor
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.types import Array, Trajectory
 from tests.support.batches import make_trajectories, shared_prefix_trajectories
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 
 
 def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, parallel: str,

@@ -22,7 +22,7 @@ from areal_async.trainer.packed_policy import PackedPolicy
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender
 from areal_async.weight_group import destroy_weight_group
 from tests.support.fakes import AllLive, DiskClient, FakeClient
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 from tests.support.servers import start_server
 
 torch.set_num_threads(1)

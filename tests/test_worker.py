@@ -384,7 +384,7 @@ def test_a_file_tasks_rows_reach_a_keyword_reward_from_the_worker_and_the_evalua
             await r.cleanup()
         return fake, batch, metrics
 
-    with RewardPool(RewardConfig(fn="tests.reward_forms:record", num_procs=1, timeout_s=30.0)) as rewards:
+    with RewardPool(RewardConfig(fn="tests.support.reward_forms:record", num_procs=1, timeout_s=30.0)) as rewards:
         fake, batch, metrics = asyncio.run(asyncio.wait_for(body(rewards), timeout=120))
     got = [json.loads(x) for x in calls.read_text().splitlines()]
     assert len(got) == 2 * 2 + 4  # two groups of two samples, then four evaluation prompts

@@ -1,6 +1,5 @@
 """The test suite's shared harness; test modules import from here, never from one another.
 
-- ``ports``: a free local TCP port.
 - ``models``: the tiny models' builder (2 layers, hidden 64, a trained BPE tokenizer) and what
   tests do with a tiny model: a chat prompt's ids, a perturbed copy, the trainer-side recompute.
 - ``servers``: the embedded inference server in this process (``running``) or as a subprocess.
@@ -13,6 +12,9 @@
 - ``listening``: the TCP sockets a process listens on (``/proc``).
 - ``parity_reward``: a reward a random model earns half the time (named by dotted path in configs).
 - ``sglang_ref``: running SGLang's own code in ``.venv-sglang``.
+- ``reward_forms``: reward functions of each signature, named by dotted path in reward tests.
+
+A free port: ``areal_async.devices.free_port``.
 
 Fixtures stay in ``tests/conftest.py`` (it builds the tiny models with ``models``).
 """

@@ -21,7 +21,7 @@ import multiprocessing as mp
 import torch
 from aiohttp import web
 
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 
 SGLANG_ABORTED = {
     "text": " Two",

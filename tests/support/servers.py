@@ -17,7 +17,7 @@ import torch
 
 from areal_async.embedded.http_server import InferenceServer, serve
 from areal_async.embedded.loading import load_engine
-from tests.support.ports import free_port
+from areal_async.devices import free_port
 
 
 @contextlib.asynccontextmanager
