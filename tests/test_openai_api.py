@@ -302,7 +302,6 @@ def test_v1_chat_completions(tiny_model_dir):
     ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, "max_tokens"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
-    ("/v1/chat/completions", {"messages": PROMPT, "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"messages": PROMPT, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/v1/chat/completions", {"messages": PROMPT, "stream_options": {"include_usage": "yes"}}, "stream_options"),
