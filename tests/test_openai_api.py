@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from areal_async.embedded.http_server import InferenceServer, serve
 from areal_async.embedded.loading import load_engine
 from areal_async.types import sample_seed
+from tests.support.openai_http import PROMPT, chat_ids, events, post
 from tests.support.sglang_ref import needs_sglang, sglang_env, SGLANG_PYTHON
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -30,36 +31,11 @@ async def running(model_dir, slots: int = 8, max_seq_len: int = 256, stream_inte
         yield url, http, engine
 
 
-async def post(http, url: str, body: dict) -> tuple[int, dict]:
-    async with http.post(url, json=body) as resp:
-        return resp.status, await resp.json()
-
-
-async def events(http, url: str, body: dict) -> list:
-    """The server-sent events of a streamed answer: each ``data:`` payload, JSON-decoded except
-    the last, which must be ``[DONE]``."""
-    async with http.post(url, json=body) as resp:
-        assert resp.status == 200 and resp.content_type == "text/event-stream", await resp.text()
-        raw = (await resp.read()).decode()
-    blocks = raw.split("\n\n")
-    assert blocks[-1] == "" and all(b.startswith("data: ") for b in blocks[:-1]), raw[:500]
-    payloads = [b[len("data: "):] for b in blocks[:-1]]
-    assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1]
-    return [json.loads(p) for p in payloads[:-1]]
-
-
 def _timeless(meta: dict) -> dict:
     """``meta_info`` less ``e2e_latency`` (seconds of wall clock, different in every answer)."""
     return {k: v for k, v in meta.items() if k != "e2e_latency"}
 
 
-def chat_ids(model_dir, messages: list[dict]) -> list[int]:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-PROMPT = [{"role": "user", "content": "How many apples are left?"}]
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "sampling_seed": 7}])
@@ -302,7 +278,6 @@ def test_v1_chat_completions(tiny_model_dir):
     ("/v1/completions", {"prompt": "a", "max_tokens": 10_000}, "max_tokens"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
-    ("/v1/chat/completions", {"messages": PROMPT, "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"messages": PROMPT, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/v1/chat/completions", {"messages": PROMPT, "stream_options": {"include_usage": "yes"}}, "stream_options"),

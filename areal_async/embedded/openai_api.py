@@ -6,6 +6,9 @@ and streamed (``streaming.py``). A request is mapped onto the ``sampling_params`
 Choice ``i`` of a prompt (index ``prompt * n + i``) is seeded ``seed`` for ``i = 0``, then
 ``types.sample_seed(seed, 0, i)``. Fields the engine cannot honour pass only at their neutral
 value (``_NEUTRAL``), else HTTP 400 naming the field; a full queue is HTTP 503 (``admission.py``).
+Choices carry the engine's per-token log-probs and token ids when asked (``logprobs``, with no top
+alternatives: ``top_logprobs`` / completions' ``logprobs`` above 0 are a 400; SGLang's
+``return_token_ids`` and ``sglext`` ids), shaped by ``openai_choices.py``.
 SGLang's shapes, and where this server differs: docs/sglang_api.md#openai-compatible-entrypointsopenai.
 """
 
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Protocol
 
 import msgspec
 from aiohttp import web
@@ -26,6 +28,7 @@ from .engine.requests import Completion, EngineFailed
 from .request import decode_sampling
 from .engine.stop import answer_text, hold_back
 from .engine.sampling import SamplingParams
+from .openai_choices import ChatFormat, CompletionFormat, Format, LogprobRenderer, Returns
 from .streaming import SSE_DONE, NonFiniteLogprobs, run_requests, running_text, sse_event, start_sse
 
 # OpenAI field → SGLang sampling_params key, for the sampling fields both endpoints map alike
@@ -45,8 +48,8 @@ _NEUTRAL = {
     "stream_options.continuous_usage_stats": (None, False),
     "response_format": (None, {"type": "text"}),
 }
-_COMPLETION_NEUTRAL = {**_NEUTRAL, "echo": (None, False), "logprobs": (None,), "suffix": (None, ""), "best_of": (None, 1)}
-_CHAT_NEUTRAL = {**_NEUTRAL, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+_COMPLETION_NEUTRAL = {**_NEUTRAL, "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
+_CHAT_NEUTRAL = {**_NEUTRAL, "tools": (None, []),
                  "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
                  "continue_final_message": (None, False), "separate_reasoning": (None, True)}
 
@@ -72,6 +75,7 @@ class OpenAIApi:
 
     def __init__(self, engine: Engine, tokenizer, model: str, stream_interval: int = 1):
         self.engine, self.tokenizer, self.model_id, self.stream_interval = engine, tokenizer, model, stream_interval
+        self.logprobs = LogprobRenderer(tokenizer)
 
     # ---- models ---------------------------------------------------------------------------------
 
@@ -98,10 +102,11 @@ class OpenAIApi:
             body = await _json_object(request)
             prompts = self._completion_prompts(body.get("prompt"))
             sampling = _sampling(body, _COMPLETION_NEUTRAL, {"max_new_tokens": _get(body, "max_tokens", 16)})
-            call = self._call(body, prompts, sampling, "cmpl")
+            returns = _completion_returns(body)
+            call = self._call(body, prompts, sampling, "cmpl", returns)
         except OpenAIError as exc:
             return exc.response()
-        return await call.run(request, _CompletionFormat())
+        return await call.run(request, CompletionFormat(self.logprobs, returns))
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -137,10 +142,17 @@ class OpenAIApi:
             # absent: as many as fit the context, as SGLang clamps an absent limit to it
             sampling = _sampling(body, _CHAT_NEUTRAL,
                                  {"max_new_tokens": limit if limit is not None else self.engine.max_seq_len - len(prompt)})
-            call = self._call(body, [prompt], sampling, "chatcmpl")
+            returns = _chat_returns(body, request.headers)
+            call = self._call(body, [prompt], sampling, "chatcmpl", returns)
+            if call.stream and returns.prompt_ids:  # SGLang's refusals, word for word (sglext ids do stream)
+                raise OpenAIError("return_prompt_token_ids is not supported with streaming. Please set stream=false "
+                                  "when using return_prompt_token_ids=true.", "return_prompt_token_ids")
+            if call.stream and returns.token_ids:
+                raise OpenAIError("return_token_ids is not supported with streaming on /v1/chat/completions. Please "
+                                  "set stream=false when using return_token_ids=true.", "return_token_ids")
         except OpenAIError as exc:
             return exc.response()
-        return await call.run(request, _ChatFormat())
+        return await call.run(request, ChatFormat(self.logprobs, returns))
 
     def _chat_prompt(self, messages, template_kwargs: dict) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -169,7 +181,7 @@ class OpenAIApi:
 
     # ---- shared ---------------------------------------------------------------------------------
 
-    def _call(self, body: dict, prompts: list[list[int]], sampling: dict, prefix: str) -> "_Call":
+    def _call(self, body: dict, prompts: list[list[int]], sampling: dict, prefix: str, returns: Returns) -> "_Call":
         """The engine requests of one OpenAI request (``n`` per prompt, choice ``i`` of a prompt
         seeded as the module docstring says), validated.
 
@@ -201,16 +213,16 @@ class OpenAIApi:
                               "stream_options")
         model = _get(body, "model", self.model_id, "str")
         _room(self.engine, len(all_prompts))  # every choice of every prompt, admitted whole or refused whole
-        return _Call(self, rid, model, all_prompts, all_params, rids, n, stream, usage)
+        return _Call(self, rid, model, all_prompts, all_params, rids, n, stream, usage, returns)
 
 
 class _Call:
     """One OpenAI request's engine requests and how its answer is sent (plain or streamed)."""
 
     def __init__(self, api: OpenAIApi, rid: str, model: str, prompts: list[list[int]], params: list[SamplingParams],
-                 rids: list[str], n: int, stream: bool, include_usage: bool):
+                 rids: list[str], n: int, stream: bool, include_usage: bool, returns: Returns):
         self.api, self.id, self.model, self.prompts, self.params, self.rids = api, rid, model, prompts, params, rids
-        self.n, self.stream, self.include_usage = n, stream, include_usage
+        self.n, self.stream, self.include_usage, self.returns = n, stream, include_usage, returns
         self.created = int(time.time())
 
     def text(self, i: int, c: Completion) -> str:
@@ -228,11 +240,19 @@ class _Call:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
                 "prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}
 
-    def chunk(self, fmt: "_Format", choices: list[dict], **extra) -> bytes:
+    def sglext(self, done: dict[int, Completion]) -> dict | None:
+        """Chat's response-level ``sglext`` token ids (the prompt's, and each choice's output ids),
+        those asked for; ``None`` when none is."""
+        ext = {"input_ids": self.prompts[0]} if self.returns.sglext_input_ids else {}
+        if self.returns.sglext_output_ids:
+            ext["output_ids"] = [done[i].output_ids if i in done else [] for i in range(len(self.prompts))]
+        return ext or None
+
+    def chunk(self, fmt: Format, choices: list[dict], **extra) -> bytes:
         return sse_event({"id": self.id, "object": fmt.chunk_object, "created": self.created, "model": self.model,
                           "choices": choices, **extra})
 
-    async def run(self, request: web.Request, fmt: "_Format") -> web.StreamResponse:
+    async def run(self, request: web.Request, fmt: Format) -> web.StreamResponse:
         engine, interval = self.api.engine, self.api.stream_interval
         if not self.stream:
             try:
@@ -245,12 +265,15 @@ class _Call:
                 return OpenAIError(str(exc), status=500).response()
             except ValueError as exc:  # a rid taken since validation (not one a client chose: cannot happen)
                 return OpenAIError(str(exc)).response()
-            choices = [fmt.choice(i, self.text(i, c), c) for i, c in enumerate(done)]
-            return web.json_response({"id": self.id, "object": fmt.object, "created": self.created, "model": self.model,
-                                      "choices": choices, "usage": self.usage(dict(enumerate(done))),
-                                      "metadata": {"weight_version": str(done[0].weight_version)}})
+            choices = [fmt.choice(i, self.text(i, c), c, self.prompts[i]) for i, c in enumerate(done)]
+            answer = {"id": self.id, "object": fmt.object, "created": self.created, "model": self.model,
+                      "choices": choices, "usage": self.usage(dict(enumerate(done))),
+                      "metadata": {"weight_version": str(done[0].weight_version)}}
+            ext = self.sglext(dict(enumerate(done)))
+            return web.json_response(answer if ext is None else {**answer, "sglext": ext})
         response = await start_sse(request)
         sent: dict[int, str] = {}  # each choice's text streamed so far
+        carried: dict[int, int] = {}  # each choice's tokens whose log-probs and ids were sent
         done: dict[int, Completion] = {}
 
         async def emit(i: int, c: Completion) -> None:
@@ -261,11 +284,18 @@ class _Call:
             sent[i] = before + delta
             if c.finish_reason is not None:
                 done[i] = c
-            for event in fmt.stream_events(i, first, delta, c):
+            new = None  # the tokens this update's chunks carry: all not carried yet, if it carries any
+            if fmt.carries(delta, c):
+                new, carried[i] = slice(carried.get(i, 0), len(c.output_ids)), len(c.output_ids)
+            for event in fmt.stream_events(i, first, delta, c, new, self.prompts[i]):
                 await response.write(self.chunk(fmt, [event]))
 
         try:
             await run_requests(engine, self.prompts, self.params, self.rids, interval, emit)
+            ext = self.sglext(done)
+            if ext is not None:  # SGLang's order: after every choice's last chunk, before the usage
+                event = self.chunk(fmt, [], sglext=ext)
+                await response.write(b"event: sglext_ids\n" + event if self.returns.ids_framed else event)
             if self.include_usage:
                 await response.write(self.chunk(fmt, [], usage=self.usage(done)))
         except ConnectionResetError:  # the client went away; its requests were aborted
@@ -278,53 +308,6 @@ class _Call:
         return response
 
 
-class _Format(Protocol):
-    """How one endpoint shapes its answer: ``object`` / ``chunk_object`` name a plain answer and a
-    stream's chunk."""
-
-    object: str
-    chunk_object: str
-
-    def choice(self, index: int, text: str, c: Completion) -> dict:
-        """Choice ``index`` of a plain answer: the finished ``c``, decoded as ``text``."""
-
-    def stream_events(self, index: int, first: bool, delta: str, c: Completion) -> list[dict]:
-        """The stream choices for an update of choice ``index`` (``first``: its first), ``delta``
-        its text since the last one; ``c.finish_reason`` is set on its last update."""
-
-
-class _CompletionFormat:
-    object = chunk_object = "text_completion"
-
-    def choice(self, index: int, text: str, c: Completion) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish_reason,
-                "matched_stop": _matched(c)}
-
-    def stream_events(self, index: int, first: bool, delta: str, c: Completion) -> list[dict]:
-        return [self.choice(index, delta, c)]  # one chunk per engine chunk, as SGLang sends them
-
-
-class _ChatFormat:
-    object, chunk_object = "chat.completion", "chat.completion.chunk"
-
-    def choice(self, index: int, text: str, c: Completion) -> dict:
-        message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": c.finish_reason,
-                "matched_stop": _matched(c)}
-
-    def stream_events(self, index: int, first: bool, delta: str, c: Completion) -> list[dict]:
-        def event(delta: dict, finish: str | None = None, matched=None) -> dict:
-            return {"index": index, "delta": {"reasoning_content": None, **delta}, "logprobs": None,
-                    "finish_reason": finish, "matched_stop": matched}
-
-        events = [event({"role": "assistant", "content": ""})] if first else []
-        if delta:
-            events.append(event({"content": delta}))
-        if c.finish_reason is not None:
-            events.append(event({}, c.finish_reason, _matched(c)))
-        return events
-
-
 def _room(engine: Engine, asked: int) -> None:
     """``engine.check_room(asked)``, its ``QueueFull`` as an ``OpenAIError`` of status 503 (a dead
     engine's ``EngineFailed``: 500)."""
@@ -334,10 +317,6 @@ def _room(engine: Engine, asked: int) -> None:
         raise OpenAIError(str(exc), status=503) from None
     except EngineFailed as exc:
         raise OpenAIError(str(exc), status=500) from None
-
-
-def _matched(c: Completion):
-    return c.matched if c.finish_reason == "stop" else None
 
 
 async def _ignore(index: int, completion: Completion) -> None:
@@ -382,6 +361,48 @@ def _sampling(body: dict, neutral: dict, extra: dict) -> dict:
                               f"{neutral_values})", key)
     sampling = {sgl: body[key] for key, sgl in _SAMPLING.items() if body.get(key) is not None}
     return {**sampling, **extra}
+
+
+def _no_top_logprobs(key: str, value: int, send: str) -> None:
+    """Refuse ``value`` of ``key`` (a count of top alternatives per token) unless it is 0.
+
+    Raises:
+        OpenAIError: negative, or positive (the engine computes only the sampled token's log-prob).
+    """
+    if value < 0:
+        raise OpenAIError(f"{key} {value} is negative; send {send}", key)
+    if value > 0:
+        raise OpenAIError(f"{key} {value} asks for the {value} most likely tokens at each position, which this "
+                          f"server does not compute (its engine returns the sampled token's log-prob only, the "
+                          f"one /generate returns); send {send}", key)
+
+
+def _completion_returns(body: dict) -> Returns:
+    """``/v1/completions``' ``logprobs`` (an integer: top alternatives per token; 0 for none, the
+    only count served) and ``return_token_ids``."""
+    logprobs = _get(body, "logprobs", None)
+    if logprobs is not None:
+        _no_top_logprobs("logprobs", logprobs, "0 for each sampled token's log-prob (or leave logprobs out)")
+    return Returns(logprobs=logprobs is not None, token_ids=_get(body, "return_token_ids", False, "bool"))
+
+
+def _chat_returns(body: dict, headers) -> Returns:
+    """``/v1/chat/completions``' ``logprobs`` (a boolean) with ``top_logprobs`` (0 only, or any
+    count when ``logprobs`` is false: nothing is returned then, as on SGLang), the token-id fields
+    and headers."""
+    logprobs = _get(body, "logprobs", False, "bool")
+    top = _get(body, "top_logprobs", 0)
+    if logprobs or top < 0:
+        _no_top_logprobs("top_logprobs", top, "0 (or leave top_logprobs out): each token's entry then has "
+                                              "top_logprobs []")
+    return Returns(
+        logprobs=logprobs, token_ids=_get(body, "return_token_ids", False, "bool"),
+        prompt_ids=_get(body, "return_prompt_token_ids", False, "bool"),
+        sglext_input_ids=_get(body, "return_input_ids_in_sglext", False, "bool")
+        or headers.get("x-sglext-return-input-ids") == "1",
+        sglext_output_ids=_get(body, "return_output_ids_in_sglext", False, "bool")
+        or headers.get("x-sglext-return-output-ids") == "1",
+        ids_framed=headers.get("x-sglext-ids-framed") == "1")
 
 
 def _parse_sampling(sampling: dict) -> SamplingParams:

@@ -3,6 +3,7 @@
 - ``models``: the tiny models' builder (2 layers, hidden 64, a trained BPE tokenizer) and what
   tests do with a tiny model: a chat prompt's ids, a perturbed copy, the trainer-side recompute.
 - ``servers``: the embedded inference server in this process (``running``) or as a subprocess.
+- ``openai_http``: JSON posts, streamed events and chat prompt ids against ``/generate`` and ``/v1``.
 - ``fakes``: a fake HTTP server answering with recorded SGLang shapes; fake weight-update clients.
 - ``batches``: trajectories built by hand for the replay queue and the trainer step.
 - ``loop``: letting an event loop run every ready callback (``settle``).
