@@ -2,58 +2,14 @@
 
     python -m launcher.local configs/quickstart_cpu.yaml [section.key=value ...] [--overwrite | --resume]
 
-Order: check what fails cheaply (the backend is installed, devices, the task's data, none of its
-files empty, the reward function; ``inference.host`` and ``queue.host`` are addresses of this
-machine; ports: every port key set to 0, the default, gets a free port, and the given ones must
-be free; an existing run directory can be written; a refused launch creates no run directory and
-exits 2; ``eval.every_steps`` above ``trainer.total_steps`` is a warning) → resolve the model (fetch +
-convert once) → write ``RUN_DIR/config.yaml`` and ``RUN_DIR/run.json`` (the ports, ``launcher/ports.py``)
-→ start the inference servers and wait
-for ``/health`` → start the replay queue and wait for its port → start the trainer
-(``torch.distributed.run``) and the generation workers. The job ends when the trainer exits 0.
-A generation worker that dies is started again, up to ``rollout.max_worker_restarts`` times
-each, after the queue took back its groups (``release_worker``; they are generated again with the
-same ids and seeds) and a back-off (``launcher/supervisor.py``, ``Restart``). An inference server
-is checked with ``GET /health_generate`` every ``inference.health_check_interval_s`` (the same
-timeout, ``HealthCheck``), unless its ``GET /ready`` says it is paused, which passes for up to
-``inference.max_pause_s`` in a row (``ServerProbe``); one that exited, or failed a check (then it
-is killed), is started again on its port, up to ``inference.max_server_restarts`` times each, after
-the queue counted it (``server_failed``): with ``trainer.weight_sync=disk`` from the newest complete
-weights directory ``RUN_DIR/weights/v{N}/`` at version N (``restart_argv``; the command line it
-started with while there is none), with the distributed sync with the command line it started
-with (the initial weights). The clients route around it meanwhile, or, when it was the only server
-left, wait for it up to ``inference.server_rejoin_timeout_s``, and take it back once it answers
-with weights at least as new as the other servers' (``areal_async/inference/routing.py``; with the
-distributed sync the trainer's next update first rebuilds the weight-update group with it and
-loads the current weights, ``trainer/weight_sync.py``). A job with one server survives its death
-only with disk sync. With disk sync a job's start removes the weights directories a stopped job
-left.
-If any other process exits non-zero (or a long-lived one exits at all), or a worker or a server dies once
-more than allowed, every process is stopped and
-the launcher exits 1, printing that process's last lines; except once: when a process could not
-bind a port the launcher chose (another process took it in between), the job is started again
-with newly chosen ports (the logs go on after a ``===== new ports ... =====`` line). Ctrl-C or
-SIGTERM, from start-up on
-(the model's conversion included), stops everything, removes the run lock and exits 130. Every
-child runs in its own process group and dies with the launcher.
-
-``--resume`` continues the run in ``RUN_DIR`` from ``RUN_DIR/checkpoint`` (needs a checkpoint with
-training state, ``trainer.checkpoint_every`` or a finished shorter run): the servers load the
-checkpoint's weights as version s (steps done), the queue starts at version s with the saved
-buffer, and the trainer restores the optimizer and the learning-rate schedule and continues at
-step s up to ``trainer.total_steps``, appending to ``metrics.jsonl`` and to ``logs/*.log`` (after
-a ``===== --resume at step s, <time> =====`` line), on newly chosen ports. The trainer runs under ``launcher.torchrun``,
-so stopping the job ends ``trainer.log`` with one line, not torchrun's traceback.
-
-Access (docs/configuration.md, "Security"): each launch makes a new random token (``areal_async.auth.new_token``;
-the one in ``AREAL_ASYNC_TOKEN`` when the launcher's environment sets it) and gives it to every child as ``AREAL_ASYNC_TOKEN`` (a real SGLang server as ``--api-key``, its
-only way in); the servers and the queue refuse callers without it. Every port of the job listens
-on its configured host: the servers on ``inference.host``, the queue on ``queue.host`` (both
-``127.0.0.1`` by default), torchrun's rendezvous and the weight group's store on ``127.0.0.1``
-(``launcher.torchrun``, ``areal_async/tcp_store.py``), and gloo's and NCCL's own sockets on the
-loopback interface (``GLOO_SOCKET_IFNAME=lo``, ``NCCL_SOCKET_IFNAME=lo``, each unless set: without
-it a one-rank NCCL group listened on four sockets of the H200 machine's ``eth0``,
-``tools/listening_sockets.py``).
+``main`` holds the run lock while ``prepare_run`` checks what fails cheaply (a refused launch creates
+no run directory, exit 2), resolves the model and writes ``RUN_DIR/config.yaml`` and ``run.json``;
+``launch`` runs ``run_job``: the servers, then the queue, each waited for until it answers, then the
+trainer (``launcher.torchrun``) and the workers, under one ``launcher.supervisor.Supervisor``. Exit
+0 when the trainer exits 0, 1 when a process fails beyond its restarts (all stopped), 130 on Ctrl-C
+or SIGTERM. Every child gets the launch's token and listens on its configured host (loopback by
+default). The rest: docs/running.md (checks, start-up, ``--resume``), docs/faults.md (restarts,
+what stops the job), docs/configuration.md (ports, security).
 """
 
 from __future__ import annotations

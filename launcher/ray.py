@@ -3,54 +3,13 @@
     python -m launcher.ray configs/quickstart_cpu.yaml [section.key=value ...] [--address auto|ray://...]
                            [--overwrite | --resume]
 
-The job is ``launcher.local``'s, step for step: the same checks and run directory
-(``prepare_run``), the same command lines, environment and token (``run_job``, ``_job_env``,
-``_nccl_env``), the same order and health checks, worker restarts (``release_worker``), port retry
-and exit statuses (``launch``: 0 done, 1 a process failed, 2 a refused launch, 130 Ctrl-C or
-SIGTERM). What differs is where each process runs: ``RaySupervisor`` stands in for
-``launcher.supervisor.Supervisor`` and starts each process inside a ``launcher.ray_actor
-.ProcessActor`` placed in a bundle of one placement group (``launcher/ray_placement.py``: one
-bundle per process, ``cluster.*`` resources, ``cluster.placement`` strategy, ``cluster.*_node``
-pins). The actor runs
-the command line as ``launcher.local`` would (a ``Child``: own process group, dies with the actor).
-
-The trainer: where ``launcher.local`` runs ``launcher.torchrun``, here each rank is one actor that
-runs the training module itself, with the environment torchrun gives a rank (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``TORCHELASTIC_USE_AGENT_STORE=True``); the rank-0 actor hosts the rendezvous store on
-``MASTER_ADDR`` only, as ``launcher.torchrun``'s agent does (``127.0.0.1`` while every rank runs on
-one node, the rank-0 node's address otherwise). The ranks are supervised as one child
-(``RankGroup``), as torchrun is: it runs while any rank runs and fails when one fails. Rank 0's
-output is ``logs/trainer.log`` (echoed to the console), rank r's ``logs/trainer_rank<r>.log``.
-
-Logs: an actor on the launcher's node writes ``RUN_DIR/logs/<name>.log`` itself; one on another
-node writes a node-local log whose new lines the launcher pulls into ``RUN_DIR/logs/<name>.log``
-each time it checks the process (every 0.5 s). The servers are health-checked as under
-``launcher.local`` (the probe runs on the launcher's node against the server's URL); one that
-fails a check is killed through its actor and restarted by its policy. A process or actor that
-dies is restarted by its policy or fails the job as in ``launcher.local``, naming it with its last
-lines (a dead actor: "lost its Ray actor", Ray's reason), whenever it dies: an actor that dies
-before its process's start returned counts as dead ("lost its Ray actor while it started"), not as
-a failed launch; a start that raises (the actor lives) is one, and stops the job. Every exit
-stops each process and kills each actor; a Ray instance started here (no ``--address``: always a
-new local one, with ``num_cpus`` = the job's bundles, no dashboard) is shut down with them.
-
-Listeners across hosts (``bind_hosts``): while the servers, the queue and their callers share
-one host (one node address; several Ray nodes may share one), every port stays on loopback, as
-under ``launcher.local``; otherwise a loopback ``inference.host``/``queue.host`` becomes the
-address of the node that role landed on (written to ``RUN_DIR/config.yaml``), guarded by the job's
-token, and its ports are checked free on that node by its actor before the job starts; likewise
-``trainer.weight_sync_host``, the distributed weight-update group's store, becomes trainer rank
-0's node address when a server runs on another host (torch's ``TCPStore``: no token).
-
-Simplifications: the run directory, the model and the code must be at the same paths on every
-node (a shared filesystem); ports are chosen on the launcher's node (a port race's new ones too,
-unchecked on the other nodes); the server URLs all use ``inference.host``, so the servers share
-one node address (pin them with ``cluster.server_node``); the trainer ranks' rendezvous
-listens on ``127.0.0.1`` while they share a node, and gloo stays on the loopback interface unless ``GLOO_SOCKET_IFNAME`` is set. Tested: one host,
-with a local instance and with two Ray nodes (``ray.cluster_utils.Cluster``, the second at
-``127.0.0.2``, so distinct node ids and addresses); not tested: separate hosts (a real network,
-listeners on a remote host's address), Ray Client, GPUs.
+The job is ``launcher.local``'s step for step (``prepare_run``, ``launch``, ``run_job``); only where
+each process runs differs: ``RaySupervisor`` stands in for ``launcher.supervisor.Supervisor`` and
+runs each process in a ``launcher.ray_actor.ProcessActor`` (``RayChild``) in its own bundle of one
+placement group (``launcher/ray_placement.py``); each trainer rank is an actor with torchrun's
+environment, the ranks supervised as one child (``RankGroup``). Every exit stops each process and
+kills each actor. Simplifications (a shared filesystem; ports chosen on the launcher's node; the
+servers on one node address), the listeners across hosts and what was tested: docs/ray.md.
 """
 
 from __future__ import annotations

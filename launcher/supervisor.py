@@ -1,34 +1,14 @@
 """Child-process supervision: start, log, watch, and stop every process of a job.
 
-Each child runs in its own session (process group), so stopping it also stops whatever it
-started (torchrun's ranks, a server's helpers). Output goes line by line to
-``RUN_DIR/logs/<name>.log`` (replaced by a new job; a resumed job appends after a separator line,
-``Supervisor(log_header=...)``), into a ring buffer of the last lines (printed when the child fails)
-and, for children started with ``echo=True``, to the console. The console gets the child's bytes
-as they come, so a progress bar redrawn with ``\r`` (``areal_async.progress``) moves in place; the
-log and the ring buffer get finished lines only, each as a terminal would leave it (the text after
-its last ``\r``; a line a bar cleared is dropped). On Linux each child also gets
-``PR_SET_PDEATHSIG = SIGKILL`` so that it dies with the launcher even if the launcher is killed
-with SIGKILL and cannot clean up.
-
-A child started with a ``Restart`` policy (the generation workers) that dies is started again,
-at most ``max_restarts`` times, each after ``Restart.before`` (the launcher hands the worker's
-groups back to the queue) and a back-off of ``backoff_s`` doubling up to 30 s, during which the
-other children are still watched; its log goes on after a ``===== restart i of n ... =====`` line.
-The policy may give each restart a new command line (``Restart.argv``: a restarted inference
-server starts from the newest weights). One more death, or any death of a child without a policy,
-stops the job as before.
-
-A child started with a ``HealthCheck`` (the inference servers) is also asked, from a thread so the
-watch goes on meanwhile: after each (re)start ``probe("/health")`` every 0.5 s until it answers
-(at most ``startup_timeout_s``), then ``probe("/health_generate")`` every ``interval_s``, each with
-``interval_s`` as its timeout. A child that fails a check once it was up, or does not come up in
-time, is killed (its process group, SIGKILL) and counts as dead, its cause ``did not answer
-/health_generate: <why>``: restarted by its policy, or the end of the job.
-
-``Supervisor`` asks of a child only what ``Supervised`` declares, so a child may run elsewhere:
-``Child`` runs here, ``launcher.ray.RayChild`` in a Ray actor, ``launcher.ray.RankGroup`` is the
-trainer's ranks as one child.
+``Supervisor`` starts each child in its own process group (dying with the launcher), logs it to
+``RUN_DIR/logs/<name>.log`` keeping its last lines, and watches it: a child that dies is started
+again under its ``Restart`` policy; any other death, or one past its restarts, stops the job
+(``JobFailed``). A child with a ``HealthCheck`` is probed from a thread: after each (re)start
+``/health`` every 0.5 s until it answers (at most ``startup_timeout_s``), then ``/health_generate``
+every ``interval_s``; failing once up, or not up in time, it is killed and counts as dead. Only
+``Supervised`` is asked of a child, so it may run elsewhere: ``Child`` here, ``launcher.ray.RayChild``
+in a Ray actor, ``launcher.ray.RankGroup`` the trainer's ranks as one. Processes and logs as a user
+sees them: docs/running.md, "Processes and their logs"; restarts and health checks: docs/faults.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """Per-token log-probs and entropy of a packed micro-batch, computed in chunks over tokens.
 
-The model runs once to the final hidden states ``[T, hidden]``; the LM head, the temperature and
-the log-softmax are then applied to ``chunk_tokens`` rows at a time, so no more than one
-``[chunk_tokens, vocab]`` fp32 block is alive at once (the full ``[T, vocab]`` logits dominate
-trainer memory otherwise; docs/performance.md, trainer section). Two implementations:
-
-- **fused** (default when the head is a plain bias-free ``nn.Linear``): one autograd function
-  over all chunks. The forward computes per chunk ``z = (h Wᵀ)/τ`` in fp32, ``lse = logsumexp z``,
-  ``logp = z[y] − lse`` and the entropy, and keeps only ``lse [T] fp32`` (plus ``h``, ``W`` and the
-  labels, alive anyway). The backward recomputes each chunk's ``h Wᵀ`` and forms the logits'
-  gradient directly, ``g · (onehot(y) − softmax z) / τ``, then ``grad_h`` and ``grad_W`` by two
-  matmuls; nothing of the entropy is recomputed and no log-softmax is stored.
-  ``compile_head=True`` compiles each chunk's element-wise and reduction work with ``torch.compile``
-  (the fp32 ``[chunk, vocab]`` block then never reaches memory).
-- **checkpointed**: each chunk is ``lm_head`` → fp32 log-softmax → gather under activation
-  checkpointing. Used when the head's ``forward`` was replaced (``make_linears_batch_invariant``
-  in deterministic mode: the fused path would bypass the tiled GEMMs, and its chunk GEMM shapes
-  depend on the micro-batch size), has a bias, or ``fused_head=False``.
-
-Head rows: the batch (``PackedBatch`` or a shared-prefix ``TreeBatch``, ``trainer/tree.py``) says
-which hidden rows go through the head and where their log-probs land (``head_rows``): with
-``head_index`` (the trainer passes the loss positions) only those rows, gathered from the hidden
-states (a shared node's row once per sequence reading it), and the outputs are scattered into the
-unshared ``[T]`` layout with 0 elsewhere; prompt positions need no logits at all.
-
-Alignment: position ``t`` predicts token ``t+1``. ``logp[t] = log softmax(logits_t / τ)[ids[t+1]]``;
-the last position of every sequence has no next token in that sequence and gets ``logp = 0``.
-The temperature τ is the rollout's (``rollout.temperature``; τ = 0, greedy, uses τ = 1), matching
-the log-prob the inference server returns for the sampled token.
+The model runs once to the hidden states ``[T, hidden]``; the LM head, the temperature and the
+log-softmax then take ``chunk_tokens`` rows at a time (one ``[chunk_tokens, vocab]`` fp32 block
+alive). **fused**, the default for a plain bias-free ``nn.Linear`` head: one autograd function that
+keeps only ``lse [T] fp32`` and recomputes each chunk's logits in the backward. **checkpointed**:
+when the head's ``forward`` was replaced (deterministic mode), has a bias, or ``fused_head=False``.
+Only the batch's ``head_rows`` go through the head, scattered into the unshared ``[T]`` layout (0
+elsewhere). ``logp[t] = log softmax(logits_t / τ)[ids[t+1]]``, 0 at each sequence's last position;
+τ = ``rollout.temperature`` (0, greedy, uses 1), as the server's log-prob of the sampled token.
+Derivation, checks, why deterministic mode is checkpointed: docs/trainer.md, "LM head and compilation".
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """The batch plan: how a consumed batch becomes each rank's packed micro-batches.
 
-``make_plan`` composes, on every rank from the whole batch (the same list of ``Trajectory``s):
-sequence building (``build_sequences``: ids, behaviour log-probs, GRPO advantages and the loss
-mask of every sample), the zero-advantage skip (``runs_forward``), the split into
-``algo.ppo_minibatches`` optimizer updates, the balanced micro-batches under
-``trainer.max_tokens_per_mb`` dealt round-robin to ranks (``assign_micro_batches``), and packing
-(``pack_micro_batch``): a ``PackedBatch`` or, with shared prefixes, a ``TreeBatch``, each carrying
-its own ``[T]`` loss fields (``behav_logprobs``, ``advantages``, ``loss_mask``). The plan holds
-index lists; a micro-batch is packed on the host when the step reaches it, so that packing
-overlaps the device's work on the micro-batch before.
-
-Invariants: the plan is a function of the batch (token ids, rewards, config, world size), never
-of timing or of the order trajectories and samples arrived in; every sequence is in exactly one
-minibatch and, unless skipped, in exactly one micro-batch of one rank; every rank has as many
-micro-batches in each minibatch (at least one: a rank with none runs a dummy pass), so all ranks
-run the same collectives. Alignment: position ``t`` of ``prompt + response`` predicts token
-``t+1``; the loss mask is true on the positions that predict response tokens, and the behaviour
-log-prob and advantage of response token ``j`` sit at position ``P-1+j``.
-
-Elsewhere: ``cu_seqlens`` and the allocator in ``packing.py``, prefix forests and their cutting in
-``tree.py``, group advantages in ``algo/advantages.py``, the optimizer loop over a plan in
-``step.py``.
+``make_plan`` runs on every rank over the whole batch: ``build_sequences`` (ids, behaviour log-probs,
+GRPO advantages, loss mask), the zero-advantage skip (``runs_forward``), the ``algo.ppo_minibatches``
+split, balanced micro-batches under ``trainer.max_tokens_per_mb`` dealt round-robin to ranks
+(``assign_micro_batches``). The plan holds index lists; ``pack_micro_batch`` makes a ``PackedBatch``
+or ``TreeBatch`` with its own ``[T]`` loss fields when the step reaches it. Invariants: the plan is
+a function of the batch (token ids, rewards, config, world size), never of timing or arrival order;
+each sequence is in one minibatch and, unless skipped, one micro-batch of one rank; every rank has
+as many micro-batches per minibatch (at least one), so all run the same collectives. Position ``t``
+predicts token ``t+1``; response token ``j``'s loss fields sit at ``P-1+j``. Why: docs/trainer.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """One decoupled-PPO training step: the optimizer loop over a batch plan, on every data-parallel rank.
 
-Every rank receives the whole batch; ``trainer/plan.py`` turns it into this rank's plan (per
-optimizer update, its packed micro-batches, each carrying its ``[T]`` behaviour log-probs,
-advantages and loss mask: sequence building, the zero-advantage skip, the minibatch split,
-packing and shared-prefix trees). This file runs it: per micro-batch forward, loss, backward;
-per minibatch one optimizer step.
-
-Aggregation is the global token mean over the whole (mini)batch: the denominator is the number
-of loss tokens over all micro-batches of all ranks (``Minibatch.loss_tokens``, known on every rank,
-since every rank holds the whole batch), and the loss is multiplied by the world size because
-FSDP2/DDP average gradients over ranks. A rank with fewer micro-batches runs zero-loss passes so
-that every rank runs the same collectives. With sequences skipped for all-zero advantages, the
-statistics that need their log-probs (``LOGP_STAT_KEYS``) cannot be had without their forward:
-they are means over the loss tokens that were run.
-
-``algo.ppo_minibatches`` = n gives n optimizer steps. With n = 1, π_prox (the policy before the
-update) equals π_θ during the only forward, so the proximal log-probs are that forward's values,
-detached; with n > 1 they are recomputed in a no-grad pass over the whole plan before the first
-update. ``algo.decoupled`` false (the naive-PPO control) takes π_prox = π_behav instead and runs
-no proximal pass at any n (``algo.loss.naive_ppo_loss``). An update whose gradient norm is inf or
-NaN is skipped and counted.
+``trainer/plan.py`` turns the whole batch into this rank's plan; ``train_step`` runs it: per
+micro-batch forward, loss, backward; per minibatch (``algo.ppo_minibatches``) one optimizer step,
+skipped and counted when the gradient norm is inf or NaN. Invariants: the loss is the global token
+mean over the minibatch (denominator ``Minibatch.loss_tokens``, all micro-batches of all ranks),
+times the world size since FSDP2/DDP average gradients; every rank runs the same collectives
+(zero-loss passes where it has fewer micro-batches). π_prox: the only forward's values, detached,
+with one minibatch; a no-grad pass before the first update with several; π_behav, no pass, when
+``algo.decoupled`` is false. ``LOGP_STAT_KEYS`` are means over the tokens run. Why, and skipped
+sequences: docs/trainer.md, "One step" and "Exact savings".
 """
 
 from __future__ import annotations

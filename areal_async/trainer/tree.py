@@ -1,46 +1,15 @@
 """Shared-prefix ("tree") packing: the sequences of a micro-batch as a forest of token tries.
 
-Sequences that share a prefix (the samples of one group share their prompt; every prompt of a
-few-shot task shares the chat header and the demonstrations) are forwarded once per shared token.
-The tokens of a micro-batch become the nodes of a trie: one node per distinct prefix, its token
-the prefix's last token, its position id its depth (0-based), so rotary embeddings see every
-node where it sits in each sequence that contains it. Node ``i`` attends exactly to its
-ancestors and itself (its root-to-node path), which is the causal attention of every sequence
-through it; the hidden state of a node is therefore the hidden state of that position in each of
-those sequences, and autograd sums the gradient flowing into a shared node from every sequence
-that reads its keys and values. (Tree attention as in AReaL's tree training, which builds a
-FlexAttention block mask from the trie; the same idea as SpecInfer's token-tree verification,
-Miao et al. 2024.)
-
-Layout (``pack_tree``): sequences are sorted lexicographically by their tokens (equal sequences
-by index). In that order, sequence ``r`` shares its first ``lcp(r-1, r)`` tokens (longest common
-prefix) with the previous one and adds one new node for each later token, so the nodes come out
-in depth-first pre-order, and
-
-    node j is an ancestor-or-self of node i   ⇔   j ≤ i < subtree_end[j]
-
-where ``subtree_end[j]`` is one past the last node of j's subtree. Roots (sequences that share
-not even their first token) start separate trees; ``cu_trees`` marks them, and no node's subtree
-crosses a tree boundary. The unique-token count of sorted sequences is
-``Σ_r len_r − Σ_r lcp(r-1, r)`` (``unique_tokens``), which is what the allocator is charged.
-
-Log-probs: position ``t`` of sequence ``s`` predicts its token ``t+1``; its hidden state is that
-of the node of the ``t``-th token, and its label is the sequence's own token ``t+1``. A node
-where sequences branch is read once per sequence through it (each with that sequence's label), so
-every sequence gets exactly its own log-probs (AReaL's bug #1308 was an extra, mismatched
-log-prob at each leaf). Only the positions in ``head_index`` (the loss positions) go through the
-LM head.
-
-Chains (``ChainLayout``, the ``varlen`` tree attention path): the forest cut into chains, a
-new chain at each root and at each child of a node with several children (a group's prompt, each
-sample's response; a sequence that is a prefix of another continues its chain). In pre-order a
-chain is a run of consecutive nodes, each the only child of the one before. Its query run is its
-own nodes; its key run the nodes of its root-to-start path (its ancestors, root first) followed
-by its own, so query ``i`` of a run of ``q`` reads the first ``k - q + i + 1`` keys of its run of
-``k`` (causal aligned to the bottom right), which is exactly ``j ≤ i < subtree_end[j]``.
-
-Cutting (``cut_units``): a tree whose unique tokens exceed the micro-batch budget is split into
-consecutive runs of its sorted sequences, each run a sub-tree that repeats the shared prefix.
+``pack_tree`` sorts the sequences lexicographically (equal ones by index) into a ``TreeBatch``: one
+node per distinct prefix, position id = depth, nodes in depth-first pre-order, trees marked by
+``cu_trees``. ``unique_tokens`` (``Σ len − Σ lcp``) is what the allocator is charged; ``cut_units``
+splits a tree over budget into runs of its sorted sequences; ``ChainLayout`` cuts the forest into
+chains (a new one at each root and each child of a branching node) for ``varlen`` attention.
+Invariants: node ``j`` is an ancestor-or-self of node ``i`` ⇔ ``j ≤ i < subtree_end[j]``, exactly
+what node ``i`` attends to; no subtree crosses a tree boundary; position ``t`` of sequence ``s`` is
+read from the node of its ``t``-th token with label ``s[t+1]``, so each sequence gets exactly its
+own log-probs. Why and how, references, measurements: docs/trainer.md, "Exact savings" and "Tree
+attention paths".
 """
 
 from __future__ import annotations
