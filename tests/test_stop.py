@@ -1,4 +1,4 @@
-"""Stop strings however the model spells them.
+"""Stop strings however the model spells them, and streams that never send text the answer cuts.
 
 - ``StopStrings.match`` with the fixture's byte-level BPE tokenizer on token sequences that spell
   a stop string canonically, one character a token, one byte a token, and mixed: each is found at
@@ -8,6 +8,8 @@
   next token is a function of the current one, set in the embedding and LM head) spells
   ``OK answer.`` one character a token, then ends: ``/generate`` and ``/v1`` stop on ``" answer"``
   (5 tokens canonically, 7 as spelled), keep the sampled tokens and log-probs, and trim the text.
+- Its streamed ``/generate`` chunks: each chunk's text is a prefix of the final text, whether the
+  stop string's beginning is completed or not (then the held-back text is sent once it cannot be).
 - SGLang 0.5.23's own finish check (``Req._check_str_based_finish``, marker ``sglang_ref``) misses
   the one-character-a-token spelling: the limitation this server does not share.
 """
@@ -208,6 +210,31 @@ def test_generate_stops_on_a_stop_string_spelled_one_character_a_token(chain_mod
     assert (choice["text"], choice["finish_reason"], choice["matched_stop"]) == ("OK", "stop", " answer")
     assert v1["usage"]["completion_tokens"] == through
     assert "".join(c["choices"][0]["text"] for c in v1_stream if c["choices"]) == "OK"
+
+
+@pytest.mark.parametrize("stop, texts", [
+    # completed: "nswer" (4 tokens canonically, so SGLang's window sees it too) begins at "n";
+    # from there the text is held back, and the answer is cut before it
+    ("nswer", ["O", "OK", "OK ", "OK a"] + ["OK a"] * 5),
+    # not completed: "answer!" begins at "a" and "." ends it: the held-back text goes out then
+    ("answer!", ["O", "OK", "OK "] + ["OK "] * 6 + ["OK answer.", "OK answer."]),
+])
+def test_streamed_generate_chunks_are_prefixes_of_the_final_text(chain_model_dir, stop, texts):
+    ids = prompt(chain_model_dir)
+    body = {"input_ids": ids, "sampling_params": {**GREEDY, "stop": stop}, "return_logprob": True}
+
+    async def main():
+        async with running(chain_model_dir) as (url, http):
+            return await post(http, url + "/generate", body), await chunks(http, url + "/generate", body)
+
+    plain, streamed = asyncio.run(main())
+    final = streamed[-1]
+    assert final["text"] == plain["text"] == texts[-1] and final["output_ids"] == plain["output_ids"]
+    assert [c["text"] for c in streamed] == texts
+    assert all(final["text"].startswith(c["text"]) for c in streamed)
+    # the stream's shape is unchanged: one cumulative chunk per token, only the text held back
+    assert [len(c["output_ids"]) for c in streamed] == list(range(1, len(plain["output_ids"]) + 1))
+    assert [c["meta_info"]["finish_reason"] for c in streamed[:-1]] == [None] * (len(streamed) - 1)
 
 
 # Runs in .venv-sglang: SGLang's SamplingParams.normalize sizes the window, and its Req's string

@@ -16,7 +16,7 @@ replays it), run on the event loop at commit. SGLang's rule: docs/sglang_api.md#
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 
 class StopStrings:
@@ -63,10 +63,10 @@ def answer_text(tokenizer, output_ids: list[int], matched: int | str | None, ski
     return trim(text, matched, no_stop_trim) if isinstance(matched, str) else text
 
 
-def hold_back(text: str, stops: list[str]) -> str:
+def hold_back(text: str, stops: Sequence[str]) -> str:
     """``text`` of a running request less any tail that begins one of the stop strings ``stops``
-    (it may be cut from the answer once the stop completes), so a stream of deltas never sends
-    text that the final answer trims."""
+    (it may be cut from the answer once the stop completes), so a stream never sends text that the
+    final answer trims (``/generate``'s chunks and ``/v1``'s deltas alike)."""
     cut = 0
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), cut, -1):
