@@ -84,8 +84,10 @@ class GenerateApi:
         stream interval, then ``data: [DONE]``. A chunk is cumulative, as SGLang's default (not
         ``--incremental-streaming-output``): the request's ``text``, ``output_ids`` and ``meta_info``
         so far (``finish_reason`` null until its last chunk, which is the answer a request that is
-        not streamed gets); a batch's chunks carry the prompt's ``index``. An error once streaming
-        has begun is an event ``{"error": {...}}`` before ``[DONE]``, as SGLang sends it."""
+        not streamed gets), its ``text`` held back so that it is a prefix of the final one
+        (``streaming.running_text``; SGLang withholds the whole chunk instead while its text ends in
+        a stop string's beginning); a batch's chunks carry the prompt's ``index``. An error once
+        streaming has begun is an event ``{"error": {...}}`` before ``[DONE]``, as SGLang sends it."""
         response = await start_sse(request)
         prompts = call.prompts
 
@@ -94,7 +96,7 @@ class GenerateApi:
                                  time.perf_counter() - received)
             if c.finish_reason is None:
                 out["meta_info"]["finish_reason"] = None
-                out["text"] = running_text(out["text"])
+                out["text"] = running_text(out["text"], prompts[i].params)  # a prefix of the final text
             if call.batch:
                 out["index"] = i
             await response.write(sse_event(out))

@@ -26,7 +26,7 @@ from .engine.admission import QueueFull, retry_after_headers
 from .engine.engine import Engine
 from .engine.requests import Completion, EngineFailed
 from .request import decode_sampling
-from .engine.stop import answer_text, hold_back
+from .engine.stop import answer_text
 from .engine.sampling import SamplingParams
 from .openai_choices import ChatFormat, CompletionFormat, Format, LogprobRenderer, Returns
 from .streaming import SSE_DONE, NonFiniteLogprobs, run_requests, running_text, sse_event, start_sse
@@ -231,7 +231,7 @@ class _Call:
                            sp.spaces_between_special_tokens, sp.no_stop_trim)
         if c.finish_reason is not None:
             return text
-        return hold_back(running_text(text), [] if sp.no_stop_trim else list(sp.stop))
+        return running_text(text, sp)
 
     def usage(self, done: dict[int, Completion]) -> dict:
         """OpenAI's ``usage``: each prompt counted once (choice 0 of each), every choice's output."""

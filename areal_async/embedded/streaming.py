@@ -20,6 +20,7 @@ from aiohttp import web
 from .engine.engine import Engine
 from .engine.requests import Completion
 from .engine.sampling import SamplingParams
+from .engine.stop import hold_back
 
 Emit = Callable[[int, Completion], Awaitable[None]]
 
@@ -41,10 +42,13 @@ def non_finite(done: list[Completion], rids: list[str]) -> str | None:
             f"load good weights, e.g. a version from before the divergence")
 
 
-def running_text(text: str) -> str:
-    """The decoded output of a running request as a stream shows it: less a trailing U+FFFD (the
-    bytes of an incomplete UTF-8 character so far), so it is a prefix of the finished text."""
-    return text.rstrip("\ufffd")
+def running_text(text: str, params: SamplingParams) -> str:
+    """The decoded output of a running request as a stream shows it, so that it is a prefix of the
+    finished text: less a trailing U+FFFD (the bytes of an incomplete UTF-8 character so far) and,
+    unless ``no_stop_trim``, less a tail that begins a stop string (``stop.hold_back``: the answer
+    cuts it if the stop string completes; a later chunk sends it if it does not)."""
+    text = text.rstrip("\ufffd")
+    return text if params.no_stop_trim else hold_back(text, params.stop)
 
 
 SSE_DONE = b"data: [DONE]\n\n"  # a stream's last event, as SGLang and OpenAI end one
