@@ -291,6 +291,33 @@ def test_kv_of_an_old_weight_version_is_never_reused_by_the_next_turn(tiny_model
     assert all(e.version == 1 for e in engine.prefix._entries) or not flush
 
 
+def test_a_request_paused_in_place_across_a_swap_is_not_saved_for_its_next_turn(tiny_model_dir):
+    # its slot's keys and values mix the weights before and after the swap, so none of them may
+    # serve its next turn, even when the update re-sends the same version number (a resent version
+    # after a failed broadcast: docs/faults.md)
+    new = perturbed_tensors(tiny_model_dir)
+    prompt = prompts()[3]
+
+    async def main():
+        engine = make_engine(tiny_model_dir, True)
+        task = asyncio.create_task(engine.run())
+        turn1 = asyncio.create_task(engine.generate(prompt, sampled(12, 1), "t1"))
+        await engine.next_step()
+        await engine.next_step()
+        await engine.pause("in_place")
+        await engine.update_weights(lambda: new, 0)  # the same version number, other weights
+        engine.continue_generation()
+        first = await turn1
+        second = await engine.generate(prompt + first.output_ids + OBSERVATIONS[0], sampled(4, 2), "t2")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first.finish_reason == "length" and len(first.output_ids) == 12
+    assert second.cached_tokens == 0
+
+
 # ---- deterministic mode --------------------------------------------------------------------------
 
 
