@@ -107,6 +107,10 @@ def test_an_entry_matches_only_at_the_weight_version_it_was_computed_under():
     assert longer.row == new.row and len(cache) == 2
     assert cache.match(np.array([1, 2, 3, 4, 5, 6, 7]), 4) == (longer, 6)
     assert cache.match(np.array([1, 2, 3, 4, 5, 6, 7]), 3) == (old, 4)
+    # every idle entry of its version that it extends is dropped: their rows are free again
+    cache.insert(np.array([1, 2, 3, 4, 5, 6, 7, 8]), plan=6, version=3)
+    assert cache.insert(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]), plan=7, version=4).row == longer.row
+    assert len(cache) == 2 and cache.match(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 3)[1] == 8
 
 
 # ---- results with reuse equal results without ------------------------------------------------------

@@ -4,7 +4,8 @@ Starts embedded servers in this process (the tests' tiny random Llama, 2 layers,
 unless ``--model-path``), and runs the same episodes through real HTTP and ``InferenceClient``
 under three setups: the prefix cache off (``--disable-radix-cache``); on, with calls routed without
 a key (round-robin over the servers, as single-turn rollouts are); on, with each episode's calls
-carrying its id as the session key (``ServerPool.route_session``). An episode is ``--turns`` turns:
+carrying its id as the session key (``ServerPool.route_session``; ``--key group``: its group's id,
+so a group's episodes share one server and their item's prompt). An episode is ``--turns`` turns:
 turn 1's prompt is its group's item (``--prompt-tokens`` ids; ``--samples`` episodes per item, as a
 GRPO group), turn t+1's prompt is turn t's prompt + its sampled tokens (``--new-tokens``, temperature
 1, a seed per episode and turn, EOS ignored) + ``--obs-tokens`` new observation ids. Turns run in
@@ -18,6 +19,7 @@ deterministic mode (only same-step twins are reused there; docs/engine.md).
 
     python tools/bench_turn_cache.py [--servers 3] [--groups 2] [--samples 4] [--turns 4]
         [--prompt-tokens 200] [--new-tokens 32] [--obs-tokens 24] [--threads 1] [--entries 8]
+        [--key episode|group] [--deterministic]
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ async def run_setup(args, model: str, reuse: bool, sticky: bool) -> list[dict]:
     vocab = engines[0][0].vocab_size
     items, obs = episode_items(args, vocab)
     tasks = [asyncio.create_task(e.run()) for e, _ in engines]
+    key = (lambda k: f"e{k}") if args.key == "episode" else (lambda k: f"g{k // args.samples}")
     turns = []
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -84,7 +87,7 @@ async def run_setup(args, model: str, reuse: bool, sticky: bool) -> list[dict]:
                 outs = await asyncio.gather(*(
                     client.generate(prompts[k], {"max_new_tokens": args.new_tokens, "temperature": 1.0,
                                                  "ignore_eos": True, "sampling_seed": 1000 * k + t},
-                                    f"e{k}-t{t}", session=f"e{k}" if sticky else None)
+                                    f"e{k}-t{t}", session=key(k) if sticky else None)
                     for k in range(n)))
                 seconds = time.perf_counter() - start
                 turns.append({"prompt": sum(map(len, prompts)),
@@ -129,6 +132,8 @@ def main() -> None:
     p.add_argument("--entries", type=int, default=8, help="prefix cache rows per server")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--key", choices=["episode", "group"], default="episode",
+                   help="the session key: each episode's id, or its group's (a group's episodes on one server)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +147,7 @@ def main() -> None:
     print(f"{args.servers} servers, {args.groups} groups x {args.samples} episodes, {args.turns} turns, "
           f"prompt {args.prompt_tokens} + {args.new_tokens} new + {args.obs_tokens} observation tokens per turn, "
           f"{args.entries} cache rows, {args.threads} thread(s), {args.dtype}"
-          f"{', deterministic' if args.deterministic else ''}")
+          f"{', deterministic' if args.deterministic else ''}, session key: {args.key}")
     print(f"{'setup':<24} {'turn':>4} {'prompt':>7} {'cached':>7} {'computed':>8} {'hit':>6} {'s':>6}")
     for name, turns in results.items():
         for t, r in enumerate(turns):

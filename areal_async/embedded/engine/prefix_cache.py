@@ -3,14 +3,15 @@
 SGLang's radix cache (Zheng et al. 2024, §3), simplified: one sequence per dedicated KV row
 (``KVCache.prefix_rows``), matched by longest common prefix (a linear scan), evicted least
 recently used; no tree, no pages. A sequence is a computed prompt, or a finished request's prompt
-and output (all but its last token or two, whose keys and values may not be written yet), so an
+and the output tokens whose keys and values were written (``StepPipeline._save_leaving``), so an
 episode's next turn, whose prompt extends its previous turn's, finds that turn's keys and values.
 Every entry carries the weight version its keys and values were computed under, and ``match``
 only returns entries of the version asked for: KV of version v is never reused at another version,
 whatever flushes happen (the engine also ``clear``s on every weight update and ``/flush_cache``,
-which frees the rows). An insert that extends an entry of the same version takes that entry's row
-(a turn replaces the episode's previous turn). ``PrefixCache`` is the host-side index; the engine
-copies the rows. Why, and what it saves: docs/engine.md#prompt-reuse-decision-and-measurements-the-cpu-quickstart.
+which frees the rows). An insert that extends idle entries of its version takes the first one's
+row and drops the others (a turn replaces the episode's earlier turns). ``PrefixCache`` is the
+host-side index; the engine copies the rows. Why, and what it saves:
+docs/engine.md#prompt-reuse-decision-and-measurements-the-cpu-quickstart.
 """
 
 from __future__ import annotations
@@ -72,16 +73,19 @@ class PrefixCache:
 
     def insert(self, tokens: np.ndarray, plan: int, version: int) -> Entry | None:
         """Reserve a row for ``tokens``, computed under weight version ``version`` (the caller
-        copies their keys and values into it once its step has computed them). Takes the row of an
-        entry of that version whose tokens are a prefix of ``tokens`` and that step ``plan`` does
-        not use, else a free row, else replaces the least recently used entry not used by step
-        ``plan``; ``None`` when every entry is in use by this step."""
+        copies their keys and values into it once its step has computed them). Entries of that
+        version whose tokens are a prefix of ``tokens`` and that step ``plan`` does not use are
+        dropped (any lookup finds at least as long a prefix in the new one) and the first one's row
+        taken; else a free row, else the least recently used entry not used by step ``plan`` is
+        replaced; ``None`` when every entry is in use by this step."""
         idle = [e for e in self._entries if e.used < plan]
         extended = [e for e in idle if e.version == version and len(e.tokens) <= len(tokens)
                     and np.array_equal(e.tokens, tokens[:len(e.tokens)])]
         if extended:
-            self._entries.remove(extended[0])
+            for e in extended:
+                self._entries.remove(e)
             row = extended[0].row
+            self._free.extend(e.row for e in extended[1:])
         elif self._free:
             row = self._free.pop()
         else:
