@@ -170,8 +170,9 @@ class StepPipeline:
           preamble once;
         - computed in full.
 
-        Every prompt computed and not already held whole by an entry is inserted into the cache
-        (and a finished request's prompt and output, ``_save_leaving``), keyed by the weight
+        Every prompt computed, not already held whole by an entry and not extending one whole (a
+        next turn, saved with its output as it leaves: ``_save_leaving``) is inserted into the
+        cache, keyed by the weight
         version in service; lookups see only that version's entries, and the cache is also flushed
         on every weight update (before the swap) and on ``flush_cache``.
         Deterministic mode keeps only twins: a suffix attending to copied keys and values runs with
@@ -219,7 +220,11 @@ class StepPipeline:
             source[req] = (step, len(p.requests))
             p.requests.append(req)
             p.starts.append(start)
-            if self.prefix is not None and shared < len(req.input_ids):
+            # a prompt that extends its entry whole continues a cached sequence (an episode's next
+            # turn): its prompt and output are saved as it leaves, and a row for the prompt alone
+            # meanwhile would evict other episodes' turns
+            extends = entry is not None and shared == len(entry.tokens)
+            if self.prefix is not None and shared < len(req.input_ids) and not extends:
                 if step == 0:  # usable by pass 1 of this step
                     self._insert(p, req, tokens)
                 else:  # filled by pass 1: usable from the next step on
