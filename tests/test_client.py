@@ -92,7 +92,8 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
                 return result, await client.get_weight_version(0)
 
     result, version = asyncio.run(main())
-    assert result == GenResult([7, 8, 9, 2], [-0.5, -0.25, -1.0, -0.125], [4, 4, 5, 5], "stop")
+    # prompt and cached tokens summed over the two segments: 3 + 5 and 0 + 5
+    assert result == GenResult([7, 8, 9, 2], [-0.5, -0.25, -1.0, -0.125], [4, 4, 5, 5], "stop", 8, 5)
     assert version == 5
     (p1, first), (p2, second), (p3, init), (p4, update), (p5, disk), (p6, pause), (p7, _), (p8, destroy), (p9, _) = seen
     assert p1 == p2 == "/generate" and set(first) == set(second) == GENERATE_FIELDS

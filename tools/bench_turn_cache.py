@@ -76,8 +76,7 @@ async def run_setup(args, model: str, reuse: bool, sticky: bool) -> list[dict]:
     try:
         async with contextlib.AsyncExitStack() as stack:
             urls = [await stack.enter_async_context(serve(server)) for server in servers]
-            client = await stack.enter_async_context(RecordingClient(urls))
-            client.cached = {}
+            client = await stack.enter_async_context(InferenceClient(urls))
             await client.flush_cache()
             n = args.groups * args.samples
             prompts = [items[k // args.samples] for k in range(n)]
@@ -91,7 +90,7 @@ async def run_setup(args, model: str, reuse: bool, sticky: bool) -> list[dict]:
                     for k in range(n)))
                 seconds = time.perf_counter() - start
                 turns.append({"prompt": sum(map(len, prompts)),
-                              "cached": sum(client.cached[f"e{k}-t{t}"] for k in range(n)),
+                              "cached": sum(o.cached_tokens for o in outs),
                               "computed": sum(c.computed for c in counts) - before, "seconds": seconds,
                               "outputs": [o.output_ids for o in outs]})
                 if t + 1 < args.turns:
@@ -101,19 +100,6 @@ async def run_setup(args, model: str, reuse: bool, sticky: bool) -> list[dict]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return turns
-
-
-class RecordingClient(InferenceClient):
-    """``InferenceClient`` that adds up each rid's ``meta_info.cached_tokens`` (``GenResult`` does
-    not carry it), over the segments of a resubmitted generation too."""
-
-    cached: dict[str, int]
-
-    async def _call(self, server, method, path, payload=None, failover=False):
-        resp = await super()._call(server, method, path, payload, failover)
-        if path == "/generate":
-            self.cached[payload["rid"]] = self.cached.get(payload["rid"], 0) + resp["meta_info"]["cached_tokens"]
-        return resp
 
 
 def main() -> None:

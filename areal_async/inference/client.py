@@ -88,12 +88,18 @@ class GenResult(msgspec.Struct):
         logprobs: ``[L]`` log-probs of each token under the sampled (temperature-scaled) distribution.
         versions: ``[L]`` the server's ``weight_version`` when each token's segment was returned.
         finish_reason: ``stop`` | ``length`` | ``abort`` (only when the caller aborted it).
+        prompt_tokens: the prompt tokens of its requests (``meta_info.prompt_tokens``), summed over
+            the segments of a resubmitted generation.
+        cached_tokens: of those, the ones the servers' prefix caches served (``meta_info.cached_tokens``);
+            ``cached_tokens / prompt_tokens`` is its prefix-cache hit rate.
     """
 
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class ServerError(RuntimeError):
@@ -375,6 +381,8 @@ class InferenceClient:
                                               meta.get("output_token_logprobs", []), len(out.output_ids))
             out.output_ids += ids
             out.versions += [version] * len(ids)
+            out.prompt_tokens += int(meta.get("prompt_tokens") or 0)
+            out.cached_tokens += int(meta.get("cached_tokens") or 0)
             remaining -= len(ids)
             reason = meta["finish_reason"]["type"]
             if reason != "abort":
