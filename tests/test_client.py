@@ -18,6 +18,7 @@ from aiohttp import web
 
 from areal_async.inference.client import (GenResult, InferenceClient, LogprobAlignmentError, NoServerLeft,
                                           ServerError)
+from areal_async.inference.routing import ServerPool, session_score
 
 from tests.support.fakes import SGLANG_ABORTED, SGLANG_FINISHED, fake_server, start_fake_server
 from tests.support.models import prompt_ids
@@ -59,7 +60,8 @@ def test_client_sends_sglang_shapes_and_resubmits_aborted_segments():
                 return result, await client.get_weight_version(0)
 
     result, version = asyncio.run(main())
-    assert result == GenResult([7, 8, 9, 2], [-0.5, -0.25, -1.0, -0.125], [4, 4, 5, 5], "stop")
+    # prompt and cached tokens summed over the two segments: 3 + 5 and 0 + 5
+    assert result == GenResult([7, 8, 9, 2], [-0.5, -0.25, -1.0, -0.125], [4, 4, 5, 5], "stop", 8, 5)
     assert version == 5
     (p1, first), (p2, second), (p3, init), (p4, update), (p5, disk), (p6, pause), (p7, _), (p8, destroy), (p9, _) = seen
     assert p1 == p2 == "/generate" and set(first) == set(second) == GENERATE_FIELDS
@@ -592,3 +594,77 @@ def test_the_launchers_server_probe_lets_a_paused_server_pass_and_fails_a_hung_o
         box["loop"].call_soon_threadsafe(stub.released.set)
         box["loop"].call_soon_threadsafe(box["stop"].set)
         thread.join(10)
+
+
+# ---- session-sticky routing ----------------------------------------------------------------------
+
+
+def test_a_sessions_server_is_a_function_of_its_key_and_the_live_set():
+    # rendezvous hashing over 3 servers: each key has one server; a departure moves only the keys
+    # of the server that left, each to the live server with its next-highest score; a rejoin moves
+    # them back; a second pool (another process, another run) maps every key alike
+    pool = ServerPool(["a", "b", "c"], http=lambda: None, reprobe_interval_s=1e9)
+    pool._last_probe = float("inf")  # no background probe (no loop here)
+    keys = [f"g{g}-s{i}" for g in range(20) for i in range(4)]
+    home = {k: pool.route_session(k) for k in keys}
+    assert home == {k: ServerPool(["x", "y", "z"], http=lambda: None).route_session(k) for k in keys}
+    assert {k: pool.route_session(k) for k in keys} == home  # stable while the live set is
+    assert sorted(set(home.values())) == [0, 1, 2]  # every server gets sessions
+    assert home["g0-s0"] == max(range(3), key=lambda i: session_score("g0-s0", i))
+    pool.take_out(1, "test")
+    moved = {k: pool.route_session(k) for k in keys}
+    for k in keys:
+        if home[k] != 1:
+            assert moved[k] == home[k], k  # untouched by server 1's departure
+        else:
+            assert moved[k] == max((0, 2), key=lambda i: session_score(k, i)), k
+    assert pool.route(1) == 2  # calls without a key: as before, the next live index
+    pool._down.pop(1)  # rejoined
+    assert {k: pool.route_session(k) for k in keys} == home
+
+
+def test_a_sessions_calls_stay_on_one_server_and_move_when_it_dies():
+    calls: list[tuple[int, str]] = []  # (server, rid) of each /generate
+
+    def reply_of(server: int):
+        async def reply(request: web.Request) -> web.Response:
+            if request.path == "/generate":
+                calls.append((server, (await request.json())["rid"]))
+                return web.json_response(SGLANG_FINISHED)
+            return web.Response(text="")  # /ready and the rest: alive
+        return reply
+
+    async def main():
+        async with contextlib.AsyncExitStack() as stack:
+            runners, urls = [], []
+            for s in range(3):
+                app = web.Application()
+                app.router.add_route("*", "/{tail:.*}", reply_of(s))
+                runner = web.AppRunner(app)
+                await runner.setup()
+                port = free_port()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                runners.append(runner)
+                urls.append(f"http://127.0.0.1:{port}")
+            client = await stack.enter_async_context(
+                InferenceClient(urls, backoff_s=0.01, probe_timeout_s=0.5, reprobe_interval_s=1e9))
+            home = client.servers.route_session("episode-7")
+            for t in range(4):  # 4, not a multiple of 3: a round-robin advanced by them would show
+                await client.generate([1, 2, 3], {"max_new_tokens": 4}, f"t{t}", session="episode-7")
+            for j in range(4):  # without a key: round-robin, as if no session call had been made
+                await client.generate([1, 2, 3], {"max_new_tokens": 4}, f"k{j}")
+            await runners[home].cleanup()  # the session's server dies
+            out = await client.generate([1, 2, 3], {"max_new_tokens": 4}, "t4", session="episode-7")
+            for runner in runners:
+                await runner.cleanup()
+            with pytest.raises(ValueError, match="give one of them"):
+                await client.generate([1], {}, "x", server=0, session="e")
+            return home, out, client.servers.live()
+
+    home, out, live = asyncio.run(asyncio.wait_for(main(), 60))
+    assert out.output_ids == [9, 2]
+    assert calls[:4] == [(home, f"t{t}") for t in range(4)]
+    assert calls[4:8] == [(0, "k0"), (1, "k1"), (2, "k2"), (0, "k3")]
+    others = [i for i in range(3) if i != home]
+    assert calls[8:] == [(max(others, key=lambda i: session_score("episode-7", i)), "t4")]
+    assert live == others

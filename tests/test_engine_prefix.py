@@ -76,21 +76,41 @@ def assert_same(with_cache, without, atol: float = 1e-5) -> None:
 
 def test_match_finds_the_longest_common_prefix_and_lru_spares_what_a_step_uses():
     cache = PrefixCache([10, 11])
-    a = cache.insert(np.array([1, 2, 3, 4]), plan=1)
-    b = cache.insert(np.array([1, 2, 9]), plan=1)
+    a = cache.insert(np.array([1, 2, 3, 4]), plan=1, version=0)
+    b = cache.insert(np.array([1, 2, 9]), plan=1, version=0)
     assert {a.row, b.row} == {10, 11}
-    assert cache.match(np.array([1, 2, 3, 7])) == (a, 3)  # 3 shared with a, 2 with b
-    assert cache.match(np.array([1, 2, 9, 9, 9])) == (b, 3)
-    assert cache.match(np.array([1, 2])) == (a, 2)  # a prompt inside an entry: all of it; tie → earliest
-    assert cache.match(np.array([5, 1, 2])) == (None, 0)
-    assert cache.insert(np.array([6]), plan=1) is None  # both rows are used by step 1
+    assert cache.match(np.array([1, 2, 3, 7]), 0) == (a, 3)  # 3 shared with a, 2 with b
+    assert cache.match(np.array([1, 2, 9, 9, 9]), 0) == (b, 3)
+    assert cache.match(np.array([1, 2]), 0) == (a, 2)  # a prompt inside an entry: all of it; tie → earliest
+    assert cache.match(np.array([5, 1, 2]), 0) == (None, 0)
+    assert cache.insert(np.array([6]), plan=1, version=0) is None  # both rows are used by step 1
     a.used = 3  # step 3 read a: b is now the least recently used
-    c = cache.insert(np.array([6, 6]), plan=4)
-    assert c.row == b.row and len(cache) == 2 and cache.match(np.array([1, 2, 9]))[1] == 2
+    c = cache.insert(np.array([6, 6]), plan=4, version=0)
+    assert c.row == b.row and len(cache) == 2 and cache.match(np.array([1, 2, 9]), 0)[1] == 2
     cache.clear()
-    assert len(cache) == 0 and cache.match(np.array([1, 2, 3])) == (None, 0)
+    assert len(cache) == 0 and cache.match(np.array([1, 2, 3]), 0) == (None, 0)
     with pytest.raises(ValueError, match="prefix_cache_entries >= 1"):
         PrefixCache([])
+
+
+def test_an_entry_matches_only_at_the_weight_version_it_was_computed_under():
+    cache = PrefixCache([10, 11, 12])
+    old = cache.insert(np.array([1, 2, 3, 4]), plan=1, version=3)
+    assert cache.match(np.array([1, 2, 3, 4, 5]), 3) == (old, 4)  # reused within its version
+    assert cache.match(np.array([1, 2, 3, 4, 5]), 4) == (None, 0)  # never after an update
+    assert cache.match(np.array([1, 2, 3, 4, 5]), 2) == (None, 0)
+    new = cache.insert(np.array([1, 2]), plan=2, version=4)  # a shorter entry of the new version
+    assert cache.match(np.array([1, 2, 3, 4, 5]), 4) == (new, 2)
+    # an insert extending an entry of its own version takes its row (the next turn of an episode);
+    # one extending an entry of another version does not
+    longer = cache.insert(np.array([1, 2, 3, 4, 5, 6]), plan=5, version=4)
+    assert longer.row == new.row and len(cache) == 2
+    assert cache.match(np.array([1, 2, 3, 4, 5, 6, 7]), 4) == (longer, 6)
+    assert cache.match(np.array([1, 2, 3, 4, 5, 6, 7]), 3) == (old, 4)
+    # every idle entry of its version that it extends is dropped: their rows are free again
+    cache.insert(np.array([1, 2, 3, 4, 5, 6, 7, 8]), plan=6, version=3)
+    assert cache.insert(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]), plan=7, version=4).row == longer.row
+    assert len(cache) == 2 and cache.match(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 3)[1] == 8
 
 
 # ---- results with reuse equal results without ------------------------------------------------------
@@ -172,7 +192,134 @@ def test_a_continuation_after_an_abort_reuses_its_prompt_and_continues_as_withou
 
     (head, tail), (head_off, tail_off) = asyncio.run(main(True)), asyncio.run(main(False))
     assert_same([head, tail], [head_off, tail_off])
-    assert tail.cached_tokens == len(prompt)
+    # the head left its prompt and output in the cache: all but its last token, cut at
+    # max_new_tokens before any step took it as input (its keys and values were never written)
+    assert tail.cached_tokens == len(prompt) + len(head.output_ids) - 1
+
+
+# ---- episodes: each turn's prompt extends the previous turn's prompt and output ----------------------
+
+
+OBSERVATIONS = [[30, 31, 32, 33], [40, 41, 42]]  # tokens an environment appends after turns 1 and 2
+
+
+async def episode(engine, first_stop: int | None) -> list:
+    """Three sampled turns (fixed seeds); turn t+1's prompt = turn t's prompt + output + an observation. Turn 1
+    stops at ``first_stop`` (a stop token), turn 2 at its length limit."""
+    task = asyncio.create_task(engine.run())
+    prompt, out = prompts()[0], []
+    for t, params in enumerate([
+        SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=[first_stop] if first_stop else [],
+                       sampling_seed=0), sampled(6, 1), sampled(5, 2)]):  # ignore_eos would ignore the stop id too
+        if t:
+            prompt = prompt + out[-1].output_ids + OBSERVATIONS[t - 1]
+        out.append(await engine.generate(prompt, params, f"turn{t}"))
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return out
+
+
+def first_new_token(ids: list[int]) -> int:
+    """The first token of ``ids`` after position 2 that is not among those before it (a stop token
+    that ends turn 1 after a few tokens)."""
+    return next(t for j, t in enumerate(ids) if j >= 2 and t not in ids[:j])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["throughput", "deterministic"])
+def test_a_turn_reuses_its_episodes_earlier_turns_and_equals_a_cold_run(tiny_model_dir, deterministic):
+    async def main():
+        probe = await episode(make_engine(tiny_model_dir, False, deterministic=deterministic), None)
+        stop = first_new_token(probe[0].output_ids)
+        on = await episode(make_engine(tiny_model_dir, True, deterministic=deterministic), stop)
+        off = await episode(make_engine(tiny_model_dir, False, deterministic=deterministic), stop)
+        return on, off
+
+    on, off = asyncio.run(main())
+    assert on[0].finish_reason == "stop" and on[1].finish_reason == "length"
+    turn_prompts = [prompts()[0]]
+    for t in (1, 2):
+        turn_prompts.append(turn_prompts[-1] + on[t - 1].output_ids + OBSERVATIONS[t - 1])
+    if deterministic:
+        # no cross-request reuse there (a suffix over copied keys and values is not bitwise a full
+        # prefill): every turn is computed in full and equals the cold run bitwise
+        assert [c.cached_tokens for c in on] == [0, 0, 0]
+        assert [c.output_ids for c in on] == [c.output_ids for c in off]
+        assert [c.logprobs for c in on] == [c.logprobs for c in off]
+        return
+    # throughput mode: tokens identical, log-probs within 1e-5 of computing every prompt in full
+    assert_same(on, off)
+    assert on[0].cached_tokens == 0
+    # turn 2 copies turn 1's prompt and whole output, its stop token included (decoded once more
+    # after it was drawn); turn 3 all of turn 2's but the last token, cut at max_new_tokens
+    assert on[1].cached_tokens == len(turn_prompts[0]) + len(on[0].output_ids)
+    assert on[2].cached_tokens == len(turn_prompts[1]) + len(on[1].output_ids) - 1
+    assert [c.prompt_tokens for c in on] == [len(p) for p in turn_prompts]
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["flushed", "not-flushed"])
+def test_kv_of_an_old_weight_version_is_never_reused_by_the_next_turn(tiny_model_dir, flush):
+    # turn 1 runs under version 0; an update to version 1 is asked while it runs and swaps once it
+    # has finished; turn 2 (extending turn 1) is admitted right after the swap. It must equal turn 2
+    # on an engine that only ever had version 1's weights, and copy nothing. "not-flushed": the
+    # swap's flush is disabled, so the version keying alone must keep the old KV out
+    new = perturbed_tensors(tiny_model_dir)
+    prompt = prompts()[1]
+
+    async def main():
+        engine = make_engine(tiny_model_dir, True)
+        if not flush:
+            engine.flush_cache = lambda: None
+        task = asyncio.create_task(engine.run())
+        await engine.generate(prompt[:-3], sampled(4, 0), "warm")  # an entry of version 0 sharing the prompt's start
+        turn1 = asyncio.create_task(engine.generate(prompt, sampled(6, 1), "t1"))
+        while not engine.num_running:
+            await asyncio.sleep(0)
+        update = asyncio.create_task(engine.update_weights(lambda: new, 1))
+        first = await turn1
+        turn2_prompt = prompt + first.output_ids + OBSERVATIONS[0]
+        second = await engine.generate(turn2_prompt, sampled(6, 2), "t2")
+        await update
+        again = await engine.generate(turn2_prompt + second.output_ids, sampled(3, 3), "t3")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        fresh = make_engine(tiny_model_dir, False)
+        await asyncio.get_running_loop().run_in_executor(None, fresh.forward.load_weights, new)
+        cold = await run_all(fresh, [(turn2_prompt, sampled(6, 2)), (turn2_prompt + second.output_ids, sampled(3, 3))])
+        return first, second, again, cold, engine
+
+    first, second, again, cold, engine = asyncio.run(main())
+    assert first.weight_version == 0 and second.weight_version == 1
+    assert second.cached_tokens == 0  # nothing of version 0 reused
+    assert_same([second, again], cold)
+    assert again.cached_tokens > len(prompt)  # reuse within version 1 goes on
+    assert all(e.version == 1 for e in engine.prefix._entries) or not flush
+
+
+def test_a_request_paused_in_place_across_a_swap_is_not_saved_for_its_next_turn(tiny_model_dir):
+    # its slot's keys and values mix the weights before and after the swap, so none of them may
+    # serve its next turn, even when the update re-sends the same version number (a resent version
+    # after a failed broadcast: docs/faults.md)
+    new = perturbed_tensors(tiny_model_dir)
+    prompt = prompts()[3]
+
+    async def main():
+        engine = make_engine(tiny_model_dir, True)
+        task = asyncio.create_task(engine.run())
+        turn1 = asyncio.create_task(engine.generate(prompt, sampled(12, 1), "t1"))
+        await engine.next_step()
+        await engine.next_step()
+        await engine.pause("in_place")
+        await engine.update_weights(lambda: new, 0)  # the same version number, other weights
+        engine.continue_generation()
+        first = await turn1
+        second = await engine.generate(prompt + first.output_ids + OBSERVATIONS[0], sampled(4, 2), "t2")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first.finish_reason == "length" and len(first.output_ids) == 12
+    assert second.cached_tokens == 0
 
 
 # ---- deterministic mode --------------------------------------------------------------------------

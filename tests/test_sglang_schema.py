@@ -256,6 +256,7 @@ def test_logprob_start_len_gives_input_logprobs_from_that_position(tiny_model_di
 def test_meta_info_has_e2e_latency_and_server_info_has_sglangs_keys(tiny_model_dir):
     async def main():
         async with running(tiny_model_dir) as (post, get):
+            await post({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 2}})
             return await post({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}), await get("/get_server_info")
 
     (status, out), (info_status, info) = asyncio.run(main())
@@ -264,7 +265,10 @@ def test_meta_info_has_e2e_latency_and_server_info_has_sglangs_keys(tiny_model_d
     assert isinstance(latency, float) and 0 < latency < 60
     assert info["model_path"] == str(tiny_model_dir) and info["context_length"] == MAX_SEQ_LEN
     assert info["max_running_requests"] == 4 and info["max_total_num_tokens"] == 4 * MAX_SEQ_LEN
-    assert info["sglang_api_version"] == "0.5.23" and info["internal_states"] == [{"num_running_reqs": 0}]
+    # prompts of 4 and 2 tokens; the second shares [1, 2] with the first's cache entry, capped one
+    # short of its prompt (its last token runs for the logits): 1 of 6 prompt tokens from the cache
+    assert info["sglang_api_version"] == "0.5.23" and info["internal_states"] == [
+        {"num_running_reqs": 0, "prompt_tokens_total": 6, "cached_tokens_total": 1, "cache_hit_rate": 1 / 6}]
 
 
 # ---- what stays a 400 -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 ``/get_model_info``; ``/server_info`` (and its deprecated alias ``/get_server_info``): the keys of
 SGLang's ``ServerArgs`` and scheduler info that apply to this server, under SGLang's names;
-``/get_weight_version`` (a string, as SGLang's); ``/flush_cache`` (empties the prefix cache; 400
+``internal_states`` also carries the prefix cache's cumulative ``cache_hit_rate`` (SGLang's name;
+its own is over a recent window) and the two token counts behind it; ``/get_weight_version`` (a string, as SGLang's); ``/flush_cache`` (empties the prefix cache; 400
 while requests run, as SGLang); ``/pause_generation`` (``abort`` | ``in_place``; 500 once the
 engine died); ``/continue_generation``; ``/abort_request`` (``{rid}`` or ``{abort_all: true}``).
 Bad input is HTTP 400 with the ``errors.py`` body.
@@ -73,7 +74,11 @@ class ControlApi:
             "skip_tokenizer_init": False,
             "is_embedding": False,
             "weight_version": str(engine.weight_version),
-            "internal_states": [{"num_running_reqs": engine.num_running}],
+            # the prefix cache's hit rate since start: prompt tokens copied / prompt tokens admitted
+            "internal_states": [{"num_running_reqs": engine.num_running,
+                                 "prompt_tokens_total": engine.prompt_tokens_total,
+                                 "cached_tokens_total": engine.cached_tokens_total,
+                                 "cache_hit_rate": engine.cached_tokens_total / max(1, engine.prompt_tokens_total)}],
             "version": _project_version(),
             "sglang_api_version": SGLANG_API_VERSION,
             "frontend": "areal-async-embedded",

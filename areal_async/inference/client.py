@@ -88,12 +88,18 @@ class GenResult(msgspec.Struct):
         logprobs: ``[L]`` log-probs of each token under the sampled (temperature-scaled) distribution.
         versions: ``[L]`` the server's ``weight_version`` when each token's segment was returned.
         finish_reason: ``stop`` | ``length`` | ``abort`` (only when the caller aborted it).
+        prompt_tokens: the prompt tokens of its requests (``meta_info.prompt_tokens``), summed over
+            the segments of a resubmitted generation.
+        cached_tokens: of those, the ones the servers' prefix caches served (``meta_info.cached_tokens``);
+            ``cached_tokens / prompt_tokens`` is its prefix-cache hit rate.
     """
 
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class ServerError(RuntimeError):
@@ -308,7 +314,8 @@ class InferenceClient:
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: dict, rid: str, server: int | None = None) -> GenResult:
+    async def generate(self, input_ids: list[int], sampling: dict, rid: str, server: int | None = None,
+                       session: str | None = None) -> GenResult:
         """Generate until stop/length, resubmitting across weight-update aborts (module docstring).
 
         Args:
@@ -317,7 +324,12 @@ class InferenceClient:
             rid: request id (also what ``abort(rid)`` names).
             server: index into ``urls``; round-robin when ``None``. While it is out of routing,
                 the next live one (``routing.py``).
+            session: a key (e.g. an episode id) whose calls all go to one server while it is live
+                (``ServerPool.route_session``: its prefix cache then holds the earlier turns), each
+                segment routed afresh, so a resubmission after a death goes to the session's next
+                server; exclusive with ``server``; ``None``: routed by ``server`` as above.
         Raises:
+            ValueError: both ``server`` and ``session`` given.
             NoServerLeft: every server was taken out of routing and none rejoined within
                 ``rejoin_timeout_s``.
             ServerError: the server rejected the request (e.g. HTTP 400 for a too-long prompt),
@@ -328,7 +340,11 @@ class InferenceClient:
                 server, the position and both ids). Never retried: the same request gets the
                 same answer.
         """
-        preferred = next(self._next_server) if server is None else server
+        if server is not None and session is not None:
+            raise ValueError(f"generate got server={server} and session={session!r}: a session picks its own "
+                             f"server; give one of them")
+        # a session call leaves the round-robin where it was: calls without a key route as before
+        preferred = server if server is not None or session is not None else next(self._next_server)
         remaining = int(sampling.get("max_new_tokens", 128))
         at_least = int(sampling.get("min_new_tokens") or 0)
         out = GenResult([], [], [], "length")
@@ -343,7 +359,7 @@ class InferenceClient:
                 "rid": rid,
             }
             await self.servers.wait_live()  # every server out: wait up to rejoin_timeout_s for one
-            server = self.servers.route(preferred)
+            server = self.servers.route(preferred) if session is None else self.servers.route_session(session)
             try:
                 call = asyncio.ensure_future(self._call(server, "POST", "/generate", payload, failover=True))
                 resp = await self.servers.watch(server, call)
@@ -365,6 +381,8 @@ class InferenceClient:
                                               meta.get("output_token_logprobs", []), len(out.output_ids))
             out.output_ids += ids
             out.versions += [version] * len(ids)
+            out.prompt_tokens += int(meta.get("prompt_tokens") or 0)
+            out.cached_tokens += int(meta.get("cached_tokens") or 0)
             remaining -= len(ids)
             reason = meta["finish_reason"]["type"]
             if reason != "abort":

@@ -28,10 +28,12 @@ class GenerationClient(Protocol):
 
     urls: list[str]
 
-    async def generate(self, input_ids: list[int], sampling: dict, rid: str, server: int | None = None) -> GenResult:
-        """Once per sample (worker) or test prompt (evaluator): generate on ``server`` until a
-        stop token or ``max_new_tokens``, resubmitting across weight-update interruptions; the
-        result carries each token's log-prob and policy version."""
+    async def generate(self, input_ids: list[int], sampling: dict, rid: str, server: int | None = None,
+                       session: str | None = None) -> GenResult:
+        """Once per sample (worker) or test prompt (evaluator): generate on ``server`` (or on the
+        server of ``session``, an episode's key) until a stop token or ``max_new_tokens``,
+        resubmitting across weight-update interruptions; the result carries each token's log-prob
+        and policy version, and the prompt tokens the prefix cache served."""
         ...
 
 

@@ -1,7 +1,11 @@
 """``ServerPool``: which inference servers a client routes to, and how a dead one leaves and rejoins.
 
 ``route``: the preferred server while live, else the next live one in index order, so the choice
-depends on which servers are out, never on timing. A server leaves (``take_out``; ``failures``
+depends on which servers are out, never on timing. ``route_session``: a session's server (an
+episode's calls, so its next turn finds its earlier turns' keys and values in that server's prefix
+cache), by rendezvous hashing (Thaler & Ravishankar 1998): the live server with the highest
+``session_score(key, index)``, a function of the key and the live set only; a departure moves only
+the sessions it served, each to its next-highest live server, and a rejoin moves them back. A server leaves (``take_out``; ``failures``
 counts departures) when a call lost its connection and a short ``GET /ready`` gets no answer
 either, or when it fails the check a waiting call runs every ``health_check_interval_s``
 (``watch``); a paused one counts as alive for ``max_pause_s`` (``Readiness``). A background
@@ -13,10 +17,17 @@ and what they miss: docs/faults.md#an-inference-server-dies-or-hangs.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable
 
 import aiohttp
+
+
+def session_score(key: str, server: int) -> int:
+    """Rendezvous-hashing weight of ``server`` (an index) for session ``key``: the first 8 bytes of
+    BLAKE2b over both, so every process and run maps a key alike (Python's ``hash`` is salted)."""
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{server}".encode(), digest_size=8).digest(), "big")
 
 
 class NoServerLeft(ConnectionError):
@@ -104,6 +115,20 @@ class ServerPool:
             if (preferred + j) % n not in self._down:
                 return (preferred + j) % n
         raise self._none_left()
+
+    def route_session(self, key: str) -> int:
+        """Session ``key``'s server: the live index with the highest ``session_score`` (module
+        docstring); starts a background probe of the departed servers when one is due.
+
+        Raises:
+            NoServerLeft: no server is live (an async caller first waits, ``wait_live``).
+        """
+        if self._down:
+            self._maybe_probe()
+        live = self.live()
+        if not live:
+            raise self._none_left()
+        return max(live, key=lambda i: session_score(key, i))
 
     async def wait_live(self) -> None:
         """Return once some server is live. While none is, the departed ones are probed every

@@ -86,6 +86,10 @@ class Engine(StepPipeline, FlowControl):
         rows = forward.cache.prefix_rows
         self.prefix = PrefixCache(rows) if prefix_cache and rows and not forward.batch_invariant else None
         self._clock = 0  # plans made so far: the prefix cache's clock
+        self._saves: list[tuple[int, int, int]] = []  # leaving requests' (slot, prefix row, positions), not yet launched
+        # prompt tokens of admitted requests, and those of them copied instead of computed (the hit rate)
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
         self._jitter = jitter
         self.max_running = forward.cache.num_slots
         self.max_seq_len = forward.cache.max_seq_len

@@ -10,7 +10,9 @@ reports the new version, as on SGLang).
 When a weight update swaps (``update_weights``, as SGLang 0.5.23's model-update lock orders it): at
 once on a paused engine; otherwise after every request unfinished at the call has ended under the
 old weights, while requests arriving meanwhile are held (``_held``) and run under the new ones.
-Every swap flushes the prefix cache first (stale keys and values are never right). The request
+Every swap flushes the prefix cache first (stale keys and values are never right; its entries are
+also keyed by weight version, so none would match anyway), and a request that holds its slot across
+a swap (paused in place) is never saved into it: its keys and values mix two weights. The request
 queues and the loop are ``engine.py``; the step the pipeline runs is ``step.py``.
 """
 
@@ -107,6 +109,8 @@ class FlowControl:
         async with self._quiet():
             # cached keys and values are the old weights' (nothing is planned until this is done)
             self.flush_cache()
+            for req in self._running:  # paused in place: its slot's keys and values mix old and new weights
+                req.kv_version = None
             await asyncio.get_running_loop().run_in_executor(self._pool, self.forward.load_weights, tensors)
             self.weight_version = version
 
@@ -114,4 +118,5 @@ class FlowControl:
         """Forget every cached prefix (``/flush_cache``; weight updates do it themselves)."""
         if self.prefix is not None:
             self.prefix.clear()
+        self._saves = []
 

@@ -74,6 +74,7 @@ class Request:
     slot: int = -1
     issued: int = 0  # tokens sampled for it by launched steps, committed or still in flight
     cached_tokens: int = 0  # prompt positions copied into its slot instead of computed
+    kv_version: int | None = None  # the weight version its slot's keys and values come from (None: mixed)
 
     @property
     def finished(self) -> bool:

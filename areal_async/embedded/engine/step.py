@@ -16,7 +16,8 @@ The one-step lag: a request that samples a stop token at step n is decoded once 
 is dropped at commit; one issued ``max_new_tokens`` tokens is never decoded again. A decode batch is
 whatever runs, so logits can differ from a solo run in the last bits unless the forward is
 batch-invariant; sampling noise never does (``sampling.py``). Prompt reuse (twins, cached prefixes)
-is ``_admit``'s. The loop that calls these phases and the request queues are ``engine.py``.
+is ``_admit``'s, saving a finished request's prompt and output for its episode's next turn
+``_save_leaving``'s. The loop that calls these phases and the request queues are ``engine.py``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class Plan:
     passes: list[PrefillPass] = dataclasses.field(default_factory=list)
     twins: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (src slot, dst slot, positions)
     logit_rows: list[int] = dataclasses.field(default_factory=list)
+    # finished requests' prompt + output copied into prefix cache rows, before anything else (the
+    # moves and prefills of this step may overwrite their slots)
+    saves: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (slot, prefix row, positions)
     bans: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)  # (row, ids it cannot draw)
     tokens: torch.Tensor | None = None  # set by _launch: [rows] int64 on the host (pinned on CUDA)
     logprobs: torch.Tensor | None = None  # [rows] float32, same
@@ -91,6 +95,9 @@ class StepPipeline:
         # a request whose last token is being sampled needs its slot no more: its result is
         # committed from the in-flight plan's rows, not from the slot
         alive = [r for r in self._running if not r.finished and r.issued < r.params.max_new_tokens]
+        self._clock += 1
+        if self.prefix is not None:
+            self._save_leaving([r for r in self._running if r not in set(alive)])
         if self._paused:  # in-place pause keeps the running requests (and their slots) as they are
             self._running = alive
             return None
@@ -118,7 +125,29 @@ class StepPipeline:
         # the token this step draws for a request is its issued-th: before min_new_tokens, no stop id
         bans = [(row, req.banned_ids) for row, req in enumerate(alive + prefill)
                 if req.issued <= req.params.min_new_tokens and req.banned_ids]
-        return Plan(moves, prefill, alive, positions, sample_positions, *shared, bans=bans)
+        saves, self._saves = self._saves, []
+        return Plan(moves, prefill, alive, positions, sample_positions, *shared, bans=bans, saves=saves)
+
+    def _save_leaving(self, leaving: list[Request]) -> None:
+        """Reserve prefix cache rows for requests leaving their slots at this plan (finished, or
+        their last token in flight), so an episode's next turn, whose prompt extends this one's
+        prompt and output, copies their keys and values. Saved: the prompt and the committed output
+        tokens whose keys and values launched steps wrote (``Request.cached`` positions: every
+        token a later step took as its input; so a stop token is saved, the last token of a request
+        cut at ``max_new_tokens`` is not), only when that adds a token to the prompt and only when
+        they all come from the weights in service (``kv_version``; ``None`` once a swap happened
+        while it held its slot). The copies run first in the next launched step."""
+        for req in leaving:
+            if req.slot < 0 or req.issued < 1 or req.kv_version != self.weight_version:
+                continue
+            tokens = req.input_ids + req.output_ids
+            tokens = np.asarray(tokens[:min(req.cached, len(tokens))], dtype=np.int64)
+            if len(tokens) <= len(req.input_ids) or self.prefix.match(tokens, self.weight_version)[1] == len(tokens):
+                continue  # nothing beyond the prompt (inserted at admission), or held whole already
+            entry = self.prefix.insert(tokens, self._clock, self.weight_version)
+            if entry is not None:
+                entry.plan = -1  # filled before any forward of the step that copies it
+                self._saves.append((req.slot, entry.row, len(tokens)))
 
     def _admit(self, n: int) -> tuple[list[Request], tuple]:
         """Move waiting requests into slots ``n..``, up to ``max_prefill_tokens`` computed prompt
@@ -141,12 +170,14 @@ class StepPipeline:
           preamble once;
         - computed in full.
 
-        Every prompt computed and not already held whole by an entry is inserted into the cache,
-        which is flushed on every weight update (before the swap) and on ``flush_cache``.
+        Every prompt computed, not already held whole by an entry and not extending one whole (a
+        next turn, saved with its output as it leaves: ``_save_leaving``) is inserted into the
+        cache, keyed by the weight
+        version in service; lookups see only that version's entries, and the cache is also flushed
+        on every weight update (before the swap) and on ``flush_cache``.
         Deterministic mode keeps only twins: a suffix attending to copied keys and values runs with
         other shapes than a whole prompt (the attention's blocking), so its last bits, and so a
         sampled token, could depend on whether the prefix happened to be cached, i.e. on timing."""
-        self._clock += 1
         passes = (PrefillPass(), PrefillPass())
         computing: dict[tuple[int, ...], Request] = {}  # prompt → the request of this step computing it
         source: dict[Request, tuple[int, int]] = {}  # request → (pass, index in the pass)
@@ -161,7 +192,7 @@ class StepPipeline:
             entry, shared = None, 0
             if twin is None and self.prefix is not None:
                 tokens = np.asarray(req.input_ids, dtype=np.int64)
-                entry, shared = self.prefix.match(tokens)
+                entry, shared = self.prefix.match(tokens, self.weight_version)
             start = len(req.input_ids) if twin is not None else min(shared, len(req.input_ids) - 1)
             if prefill and len(req.input_ids) - start > budget:
                 break
@@ -169,6 +200,9 @@ class StepPipeline:
             budget -= len(req.input_ids) - start
             req.slot = n + len(prefill)
             req.cached_tokens = start
+            req.kv_version = self.weight_version
+            self.prompt_tokens_total += len(req.input_ids)
+            self.cached_tokens_total += start
             if req.sink is not None:
                 req.sink.admitted(start)
             self._put_slot_params(req)
@@ -186,7 +220,11 @@ class StepPipeline:
             source[req] = (step, len(p.requests))
             p.requests.append(req)
             p.starts.append(start)
-            if self.prefix is not None and shared < len(req.input_ids):
+            # a prompt that extends its entry whole continues a cached sequence (an episode's next
+            # turn): its prompt and output are saved as it leaves, and a row for the prompt alone
+            # meanwhile would evict other episodes' turns
+            extends = entry is not None and shared == len(entry.tokens)
+            if self.prefix is not None and shared < len(req.input_ids) and not extends:
                 if step == 0:  # usable by pass 1 of this step
                     self._insert(p, req, tokens)
                 else:  # filled by pass 1: usable from the next step on
@@ -201,7 +239,7 @@ class StepPipeline:
         return prefill, ([p for p in passes if p.requests], copies, logit_rows)
 
     def _insert(self, step: PrefillPass, req: Request, tokens: np.ndarray) -> None:
-        entry = self.prefix.insert(tokens, self._clock)
+        entry = self.prefix.insert(tokens, self._clock, self.weight_version)
         if entry is not None:
             step.inserts.append((req.slot, entry.row, len(tokens)))
 
@@ -222,6 +260,8 @@ class StepPipeline:
         of its results to the host; sets ``plan.tokens`` / ``logprobs`` / ``ready``. Waits for
         nothing on CUDA (the inputs of its decode rows are the previous step's ``_slot_tokens``)."""
         forward = self.forward
+        for slot, row, length in plan.saves:  # before the moves and prefills that may overwrite the slots
+            forward.cache.move(slot, row, length)
         for src, dst, length in plan.moves:  # in stream order, after the step in flight
             forward.cache.move(src, dst, length)
             self._slot_tokens[dst] = self._slot_tokens[src]
