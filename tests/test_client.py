@@ -5,6 +5,7 @@ server, caller aborts, health waiting, and the server's command-line entry point
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
