@@ -14,9 +14,10 @@ Invariants: the plan is a function of the batch (token ids, rewards, config, wor
 of timing or of the order trajectories and samples arrived in; every sequence is in exactly one
 minibatch and, unless skipped, in exactly one micro-batch of one rank; every rank has as many
 micro-batches in each minibatch (at least one: a rank with none runs a dummy pass), so all ranks
-run the same collectives. Alignment: position ``t`` of ``prompt + response`` predicts token
-``t+1``; the loss mask is true on the positions that predict response tokens, and the behaviour
-log-prob and advantage of response token ``j`` sit at position ``P-1+j``.
+run the same collectives. Alignment: position ``t`` of ``prompt + output_ids`` predicts token
+``t+1``; the loss mask is true on the positions that predict sampled tokens (a response's every
+token; an episode's model turns, not the tool and template tokens between them), and the
+behaviour log-prob and advantage of output token ``j`` sit at position ``P-1+j``.
 
 Elsewhere: ``cu_seqlens`` and the allocator in ``packing.py``, prefix forests and their cutting in
 ``tree.py``, group advantages in ``algo/advantages.py``, the optimizer loop over a plan in
@@ -32,19 +33,19 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from areal_async.algo.advantages import batch_normalize, group_advantages
+from areal_async.algo.advantages import batch_normalize, group_advantages, turn_advantages
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.tree_paths import tree_attention_choice
 from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences
 from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
-from areal_async.types import Trajectory
+from areal_async.types import Sample, Trajectory
 
 LOSS_FIELDS = ("behav_logprobs", "advantages", "loss_mask")
 
 
 @dataclasses.dataclass
 class SeqTensors:
-    """One sequence ``prompt + response`` aligned to next-token positions (all ``[L]``)."""
+    """One sequence ``prompt + output_ids`` aligned to next-token positions (all ``[L]``)."""
 
     ids: list[int]
     behav_logprobs: Tensor  # float32, log π_behav of token t+1 at position t (0 off the mask)
@@ -131,32 +132,66 @@ def make_plan(trajs: list[Trajectory], algo: AlgoConfig, trainer: TrainerConfig,
 
 
 def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensors]:
-    """Token tensors of every sample of every group, groups in id order, samples in index order;
-    each response token gets its sample's group advantage (``algo.std_norm``, ``algo.batch_norm``).
+    """Token tensors of every sample of every group, groups in id order, samples in index order.
+
+    A sample's sequence is ``prompt + output_ids``; its sampled tokens (``Sample.sampled()``: a
+    response's every token, an episode's model turns) are its loss tokens, the others (prompt,
+    tool results, environment and template tokens) get loss mask 0, behaviour log-prob 0 and
+    advantage 0, however many of them sit between the turns. A loss token gets its sample's group
+    advantage (``algo.std_norm``, ``algo.batch_norm``) plus, with per-turn rewards, its turn's
+    ``turn_advantages`` (not batch-normalised); without any, the advantages are exactly the
+    single-response ones.
 
     Raises:
-        ValueError: groups of different sizes (advantages are normalised per group).
+        ValueError: groups of different sizes (advantages are normalised per group), or a sample
+            whose fields disagree (``Sample.check``).
     """
     trajs = sorted(trajs, key=lambda t: t.group_id)
     sizes = {len(t.samples) for t in trajs}
     if len(sizes) != 1:
         raise ValueError(f"all groups of a batch must have the same number of samples, got sizes {sorted(sizes)}")
+    group_size = sizes.pop()
     samples = [(t, s) for t in trajs for s in sorted(t.samples, key=lambda s: s.index)]
+    for traj, s in samples:
+        try:
+            s.check()
+        except ValueError as e:
+            raise ValueError(f"group {traj.group_id}: {e}") from None
     rewards = torch.tensor([s.reward for _, s in samples], dtype=torch.float32)
-    adv = group_advantages(rewards, sizes.pop(), std_norm=algo.std_norm)
+    adv = group_advantages(rewards, group_size, std_norm=algo.std_norm)
     if algo.batch_norm:
         adv = batch_normalize(adv)
+    to_go = _turn_advantages(samples, group_size)
     out = []
-    for (traj, s), a in zip(samples, adv.tolist()):
+    for j, ((traj, s), a) in enumerate(zip(samples, adv.tolist())):
         prompt, resp = traj.prompt_ids.tolist(), s.output_ids.tolist()
         n_p, n_r = len(prompt), len(resp)
         assert n_p >= 1, f"group {traj.group_id} has an empty prompt"
         length = n_p + n_r
         mask = torch.zeros(length, dtype=torch.bool)
-        mask[n_p - 1 : length - 1] = True
+        mask[n_p - 1 : length - 1] = torch.from_numpy(s.sampled())  # position t predicts token t+1
         behav = torch.zeros(length, dtype=torch.float32)
         behav[n_p - 1 : length - 1] = torch.from_numpy(s.behav_logprobs.numpy().astype("float32"))
-        out.append(SeqTensors(prompt + resp, behav, mask, torch.where(mask, a, 0.0)))
+        advantages = torch.where(mask, a, 0.0)
+        if j in to_go:
+            for (start, end), turn_adv in zip(s.turn_spans.numpy().tolist(), to_go[j]):
+                advantages[n_p - 1 + start : n_p - 1 + end] += turn_adv
+        out.append(SeqTensors(prompt + resp, torch.where(mask, behav, 0.0), mask,
+                              torch.where(mask, advantages, 0.0)))
+    return out
+
+
+def _turn_advantages(samples: list[tuple[Trajectory, Sample]], group_size: int) -> dict[int, list[float]]:
+    """``turn_advantages`` of the samples with per-turn rewards: sample index → one per turn."""
+    with_turns = [j for j, (_, s) in enumerate(samples) if s.turn_rewards is not None]
+    if not with_turns:
+        return {}
+    rewards = [torch.from_numpy(samples[j][1].turn_rewards.numpy().astype("float32")) for j in with_turns]
+    owner = torch.cat([torch.full((len(r),), j, dtype=torch.int64) for j, r in zip(with_turns, rewards)])
+    values = turn_advantages(torch.cat(rewards), owner, group_size).tolist()
+    out, k = {}, 0
+    for j, r in zip(with_turns, rewards):
+        out[j], k = values[k : k + len(r)], k + len(r)
     return out
 
 
