@@ -45,9 +45,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
         output_ids: ``[L] int32`` token ids after the prompt (L may be 0).
         behav_logprobs: ``[L] float32`` log-probs of the sampled tokens under the behaviour
             policy's temperature-scaled distribution, as returned by the server; 0 where not
-            sampled (never read there).
+            sampled (``check`` refuses anything else there: a misaligned mask).
         versions: ``[L] int32`` policy version that produced each sampled token; -1 where not
-            sampled.
+            sampled (``check`` refuses anything else there).
         finish_reason: ``stop`` | ``length`` | ``abort`` (of the last model turn).
         reward: scaled scalar reward of the whole episode (e.g. +5 / -5).
         correct: whether the verifier accepted the answer.
@@ -92,6 +92,13 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
         for name, arr in fields.items():
             if arr is not None and arr.shape != (n,):
                 raise ValueError(f"sample {self.index}: {name} has shape {arr.shape}, expected ({n},) like output_ids")
+        off = ~self.sampled()
+        stray = off & ((self.behav_logprobs.numpy() != 0) | (self.versions.numpy() != -1))
+        if np.any(stray):
+            t = int(np.flatnonzero(stray)[0])
+            raise ValueError(f"sample {self.index}: token {t} is not sampled (loss mask 0) but has behaviour log-prob "
+                             f"{self.behav_logprobs.numpy()[t]} and version {self.versions.numpy()[t]}; unsampled "
+                             f"tokens carry 0 and -1 (is the loss mask aligned with the tokens?)")
         if (self.turn_spans is None) != (self.turn_rewards is None):
             raise ValueError(f"sample {self.index}: turn_spans and turn_rewards must be given together")
         if self.turn_spans is None:

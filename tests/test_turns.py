@@ -154,16 +154,17 @@ def test_the_contract_reads_the_versions_of_sampled_tokens_only():
 
 
 def test_unsampled_tokens_never_reach_the_loss():
-    # Garbage log-probs (NaN, +inf, 50) and versions on the tool tokens change nothing in the
-    # plan's fields, bit for bit.
-    clean = build_sequences([group0()], AlgoConfig())[0]
+    # A log-prob or version on a token the model did not sample means a mask misaligned with the
+    # tokens: refused, naming the token (output token 2, the tool result's first).
     for garbage in (float("nan"), float("inf"), 50.0):
-        dirty = build_sequences([group0(tool_logprob=garbage, tool_version=9)], AlgoConfig())[0]
-        for field in ("behav_logprobs", "advantages", "loss_mask"):
-            assert torch.equal(getattr(dirty, field), getattr(clean, field)), field
+        with pytest.raises(ValueError, match="sample 0: token 2 is not sampled"):
+            build_sequences([group0(tool_logprob=garbage)], AlgoConfig())
+    with pytest.raises(ValueError, match="token 2 is not sampled .* version 9"):
+        build_sequences([group0(tool_version=9)], AlgoConfig())
+    clean = build_sequences([group0()], AlgoConfig())[0]
     # At the loss: perturbed behaviour log-probs and advantages at the tool positions give the same
     # loss and gradient, and the tool positions get gradient exactly 0.
-    theta = (-torch.rand(11) - 1.0).requires_grad_()
+    theta = (-torch.rand(11, generator=torch.Generator().manual_seed(0)) - 1.0).requires_grad_()
     loss, _ = decoupled_ppo_loss(theta, theta.detach() + 0.05, clean.behav_logprobs, clean.advantages, clean.loss_mask)
     (grad,) = torch.autograd.grad(loss, theta)
     off = ~clean.loss_mask

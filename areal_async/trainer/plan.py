@@ -176,8 +176,7 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
         if j in to_go:
             for (start, end), turn_adv in zip(s.turn_spans.numpy().tolist(), to_go[j]):
                 advantages[n_p - 1 + start : n_p - 1 + end] += turn_adv
-        out.append(SeqTensors(prompt + resp, torch.where(mask, behav, 0.0), mask,
-                              torch.where(mask, advantages, 0.0)))
+        out.append(SeqTensors(prompt + resp, behav, mask, torch.where(mask, advantages, 0.0)))
     return out
 
 
