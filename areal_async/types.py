@@ -30,7 +30,7 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
         return self.numpy().tolist()
 
 
-class Sample(msgspec.Struct, frozen=True, kw_only=True):
+class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One episode of a group: the tokens after the group's prompt, with per-token fields.
 
     A single-turn sample is one response: every token of ``output_ids`` was sampled. A multi-turn

@@ -184,6 +184,10 @@ def test_explicit_all_ones_mask_is_the_single_response():
                             AlgoConfig())[0] for s in (single, ones))
     assert a.ids == b.ids and all(torch.equal(getattr(a, f), getattr(b, f))
                                   for f in ("behav_logprobs", "advantages", "loss_mask"))
+    # On the wire a single response carries none of the episode fields (defaults are omitted).
+    frame = msgspec.msgpack.encode(single)
+    assert not any(k in frame for k in (b"loss_mask", b"turn_spans", b"turn_rewards"))
+    assert msgspec.msgpack.decode(frame, type=Sample) == single
 
 
 def test_bad_turn_fields_name_the_sample():
