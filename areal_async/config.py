@@ -196,6 +196,10 @@ class AlgoConfig(_Cfg):
     batch_norm: bool = False
     kl_coef: float = 0.0
     ppo_minibatches: PosInt = 1
+    # an episode's per-turn rewards: "sum" adds them to its episode reward before GRPO (every
+    # sampled token gets the episode's advantage); "reward_to_go" adds each turn's normalised
+    # reward to go to its own tokens (algo/advantages.py, turn_advantages)
+    turn_rewards: Literal["sum", "reward_to_go"] = "sum"
 
 
 class TrainerConfig(_Cfg):

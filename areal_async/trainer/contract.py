@@ -8,7 +8,7 @@ import json
 from typing import IO
 
 from areal_async.queue.staleness import group_version
-from areal_async.types import Trajectory, sample_seed
+from areal_async.types import Sample, Trajectory, sample_seed
 
 
 class ContractViolation(AssertionError):
@@ -37,7 +37,7 @@ def check_batch(trajs: list[Trajectory], step: int, batch_size: int, max_stalene
             if s.seed != sample_seed(run_seed, g, s.index):
                 raise ContractViolation(f"sample ({g}, {s.index}) has seed {s.seed}, "
                                         f"expected {sample_seed(run_seed, g, s.index)}")
-            versions = set(s.versions.tolist())
+            versions = set(s.versions.numpy()[s.sampled()].tolist())  # -1 where not sampled
             if versions - {want_v}:
                 raise ContractViolation(f"sample ({g}, {s.index}) has tokens of versions "
                                         f"{sorted(versions)}; v(g) = {want_v}")
@@ -51,7 +51,12 @@ def dump_batch(out: IO[str], step: int, trajs: list[Trajectory]) -> None:
             "index": s.index, "seed": s.seed, "output_ids": s.output_ids.tolist(),
             "behav_logprobs": s.behav_logprobs.tolist(), "versions": s.versions.tolist(),
             "finish_reason": s.finish_reason, "reward": s.reward, "correct": s.correct,
-        } for s in t.samples],
+        } | _turn_fields(s) for s in t.samples],
     } for t in trajs]
     out.write(json.dumps({"step": step, "groups": groups}) + "\n")
     out.flush()
+
+
+def _turn_fields(s: Sample) -> dict:
+    """An episode's loss mask and turns, where the sample has them (a single response has none)."""
+    return {k: getattr(s, k).tolist() for k in ("loss_mask", "turn_spans", "turn_rewards") if getattr(s, k) is not None}

@@ -1,14 +1,14 @@
 """The batch plan: how a consumed batch becomes each rank's packed micro-batches.
 
 ``make_plan`` runs on every rank over the whole batch: ``build_sequences`` (ids, behaviour log-probs,
-GRPO advantages, loss mask), the zero-advantage skip (``runs_forward``), the ``algo.ppo_minibatches``
+GRPO advantages, loss mask: true only on sampled tokens), the zero-advantage skip (``runs_forward``), the ``algo.ppo_minibatches``
 split, balanced micro-batches under ``trainer.max_tokens_per_mb`` dealt round-robin to ranks
 (``assign_micro_batches``). The plan holds index lists; ``pack_micro_batch`` makes a ``PackedBatch``
 or ``TreeBatch`` with its own ``[T]`` loss fields when the step reaches it. Invariants: the plan is
 a function of the batch (token ids, rewards, config, world size), never of timing or arrival order;
 each sequence is in one minibatch and, unless skipped, one micro-batch of one rank; every rank has
 as many micro-batches per minibatch (at least one), so all run the same collectives. Position ``t``
-predicts token ``t+1``; response token ``j``'s loss fields sit at ``P-1+j``. Why: docs/trainer.md.
+predicts token ``t+1``; output token ``j``'s loss fields sit at ``P-1+j``. Why: docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from areal_async.algo.advantages import batch_normalize, group_advantages
+from areal_async.algo.advantages import batch_normalize, group_advantages, turn_advantages
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.tree_paths import tree_attention_choice
 from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences
 from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
-from areal_async.types import Trajectory
+from areal_async.types import Sample, Trajectory
 
 LOSS_FIELDS = ("behav_logprobs", "advantages", "loss_mask")
 
 
 @dataclasses.dataclass
 class SeqTensors:
-    """One sequence ``prompt + response`` aligned to next-token positions (all ``[L]``)."""
+    """One sequence ``prompt + output_ids`` aligned to next-token positions (all ``[L]``)."""
 
     ids: list[int]
     behav_logprobs: Tensor  # float32, log π_behav of token t+1 at position t (0 off the mask)
@@ -119,32 +119,70 @@ def make_plan(trajs: list[Trajectory], algo: AlgoConfig, trainer: TrainerConfig,
 
 
 def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensors]:
-    """Token tensors of every sample of every group, groups in id order, samples in index order;
-    each response token gets its sample's group advantage (``algo.std_norm``, ``algo.batch_norm``).
+    """Token tensors of every sample of every group, groups in id order, samples in index order.
+
+    A sample's sequence is ``prompt + output_ids``; its sampled tokens (``Sample.sampled()``: a
+    response's every token, an episode's model turns) are its loss tokens, the others (prompt,
+    tool results, environment and template tokens) get loss mask 0, behaviour log-prob 0 and
+    advantage 0, however many of them sit between the turns. A loss token gets its sample's group
+    advantage (``algo.std_norm``, ``algo.batch_norm``) over the group's episode returns: with
+    per-turn rewards and ``algo.turn_rewards = "sum"`` (the default) the return is the episode
+    reward plus their sum; with ``"reward_to_go"`` the return is the episode reward and a loss token
+    also gets its turn's ``turn_advantages`` (not batch-normalised). Without per-turn rewards the
+    advantages are exactly the single-response ones.
 
     Raises:
-        ValueError: groups of different sizes (advantages are normalised per group).
+        ValueError: groups of different sizes (advantages are normalised per group), or a sample
+            whose fields disagree (``Sample.check``).
     """
     trajs = sorted(trajs, key=lambda t: t.group_id)
     sizes = {len(t.samples) for t in trajs}
     if len(sizes) != 1:
         raise ValueError(f"all groups of a batch must have the same number of samples, got sizes {sorted(sizes)}")
+    group_size = sizes.pop()
     samples = [(t, s) for t in trajs for s in sorted(t.samples, key=lambda s: s.index)]
-    rewards = torch.tensor([s.reward for _, s in samples], dtype=torch.float32)
-    adv = group_advantages(rewards, sizes.pop(), std_norm=algo.std_norm)
+    for traj, s in samples:
+        try:
+            s.check()
+        except ValueError as e:
+            raise ValueError(f"group {traj.group_id}: {e}") from None
+    summed = algo.turn_rewards == "sum"
+    rewards = torch.tensor([s.reward + (float(s.turn_rewards.numpy().sum(dtype="float64"))
+                                        if summed and s.turn_rewards is not None else 0.0)
+                            for _, s in samples], dtype=torch.float32)
+    adv = group_advantages(rewards, group_size, std_norm=algo.std_norm)
     if algo.batch_norm:
         adv = batch_normalize(adv)
+    to_go = {} if summed else _turn_advantages(samples, group_size)
     out = []
-    for (traj, s), a in zip(samples, adv.tolist()):
+    for j, ((traj, s), a) in enumerate(zip(samples, adv.tolist())):
         prompt, resp = traj.prompt_ids.tolist(), s.output_ids.tolist()
         n_p, n_r = len(prompt), len(resp)
         assert n_p >= 1, f"group {traj.group_id} has an empty prompt"
         length = n_p + n_r
         mask = torch.zeros(length, dtype=torch.bool)
-        mask[n_p - 1 : length - 1] = True
+        mask[n_p - 1 : length - 1] = torch.from_numpy(s.sampled())  # position t predicts token t+1
         behav = torch.zeros(length, dtype=torch.float32)
         behav[n_p - 1 : length - 1] = torch.from_numpy(s.behav_logprobs.numpy().astype("float32"))
-        out.append(SeqTensors(prompt + resp, behav, mask, torch.where(mask, a, 0.0)))
+        advantages = torch.where(mask, a, 0.0)
+        if j in to_go:
+            for (start, end), turn_adv in zip(s.turn_spans.numpy().tolist(), to_go[j]):
+                advantages[n_p - 1 + start : n_p - 1 + end] += turn_adv
+        out.append(SeqTensors(prompt + resp, behav, mask, torch.where(mask, advantages, 0.0)))
+    return out
+
+
+def _turn_advantages(samples: list[tuple[Trajectory, Sample]], group_size: int) -> dict[int, list[float]]:
+    """``turn_advantages`` of the samples with per-turn rewards: sample index → one per turn."""
+    with_turns = [j for j, (_, s) in enumerate(samples) if s.turn_rewards is not None]
+    if not with_turns:
+        return {}
+    rewards = [torch.from_numpy(samples[j][1].turn_rewards.numpy().astype("float32")) for j in with_turns]
+    owner = torch.cat([torch.full((len(r),), j, dtype=torch.int64) for j, r in zip(with_turns, rewards)])
+    values = turn_advantages(torch.cat(rewards), owner, group_size).tolist()
+    out, k = {}, 0
+    for j, r in zip(with_turns, rewards):
+        out[j], k = values[k : k + len(r)], k + len(r)
     return out
 
 

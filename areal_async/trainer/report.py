@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from areal_async.types import Trajectory
+from areal_async.types import Sample, Trajectory
 
 
 class Timer:
@@ -25,29 +25,31 @@ class Timer:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def sample_version(traj: Trajectory, versions: list[int]) -> int:
-    """Version of a sample = the version that produced its first token (docs/design.md, Staleness);
-    an empty response counts with its group's oldest version."""
-    return versions[0] if versions else traj.min_version()
+def sample_version(traj: Trajectory, sample: Sample) -> int:
+    """Version of a sample = the oldest version of its sampled tokens (docs/design.md, Staleness;
+    for one response, whose versions never decrease, its first token's); a sample with no sampled
+    token counts with its group's oldest version."""
+    version = sample.oldest_version()
+    return traj.min_version() if version is None else version
 
 
 def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
     """``rollout/*`` and ``staleness/*`` of the batch consumed by training step ``step``.
 
     ``rollout/reward`` is the mean scaled reward; ``correct`` the verifier's accept rate;
-    ``response_len`` mean output tokens; ``no_eos_ratio`` the fraction of responses that did not
-    end with a stop token; ``tokens_per_s`` the batch's output tokens over the step's wall time
+    ``response_len`` mean sampled tokens per sample; ``no_eos_ratio`` the fraction of samples that
+    did not end with a stop token; ``tokens_per_s`` the batch's sampled tokens over the step's wall time
     (in steady state, the generation rate that kept up with training); ``multi_version_frac``
-    the fraction of samples whose tokens span more than one policy version (generations
+    the fraction of samples whose sampled tokens span more than one policy version (generations
     interrupted by a weight update and resumed under the next; 0 with
     ``rollout.interrupt_on_update=false``). Staleness of a sample is ``step - version(sample)``;
-    ``staleness/hist`` lists them (one per sample).
+    ``staleness/hist`` lists them (one per sample), ``version(sample)`` its oldest sampled token's.
     """
     samples = [(t, s) for t in trajs for s in t.samples]
     n = max(len(samples), 1)
-    lengths = [s.output_ids.shape[0] for _, s in samples]
-    versions = [s.versions.tolist() for _, s in samples]
-    staleness = [step - sample_version(t, v) for (t, _), v in zip(samples, versions)]
+    lengths = [int(s.sampled().sum()) for _, s in samples]  # sampled tokens (a response: all)
+    versions = [s.versions.numpy()[s.sampled()].tolist() for _, s in samples]  # sampled tokens only
+    staleness = [step - sample_version(t, s) for t, s in samples]
     return {
         "rollout/reward": sum(s.reward for _, s in samples) / n,
         "rollout/correct": sum(s.correct for _, s in samples) / n,
