@@ -3,7 +3,8 @@
 Step n+1 is launched before step n is committed; its decode inputs come from the device-side
 token buffer. These tests trace the forward calls and the commits to check the order, the one
 extra step a stopped request costs (and that its token is dropped), exact ``max_new_tokens``,
-aborts while a step is in flight, and that weight updates and pauses find the pipeline drained.
+aborts while a step is in flight, that weight updates and pauses find the pipeline drained, and that
+a ``next_step`` waiter registered while paused is released by the first step after continue.
 Deterministic mode (batch-invariant forward) makes "same output as alone" an exact comparison.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from areal_async.embedded.engine.sampling import SamplingParams
 from areal_async.embedded.loading import load_engine
+from tests.support.loop import settle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -319,6 +321,31 @@ def test_in_place_pause_drains_and_resume_continues_exactly(tiny_model_dir):
     alone, resumed, (in_flight, commits, forward_calls, running) = asyncio.run(main())
     assert in_flight is None and commits == forward_calls and running == 1  # still holds its slot
     assert resumed.output_ids == alone.output_ids and resumed.logprobs == alone.logprobs
+
+
+def test_a_step_waiter_registered_while_paused_is_released_by_the_first_step_after_continue(tiny_model_dir):
+    async def main():
+        engine = make_engine(tiny_model_dir)
+        task = await started(engine)
+        run = asyncio.create_task(engine.generate(PROMPTS["a"], params(12, 1), "a"))
+        await engine.next_step()
+        await engine.pause("in_place")
+        waiter = asyncio.ensure_future(engine.next_step())
+        await settle()
+        pending_while_paused = not waiter.done()  # paused: no step runs, so none can release it
+        engine.continue_generation()
+        # the request paused in place goes on: its steps after continue commit, and the first of
+        # them releases the waiter (its last one has committed once ``run`` is done)
+        result = await run
+        released = waiter.done()
+        waiter.cancel()  # a no-op once released; else a waiter left behind, so the loop can close
+        await stop(task)
+        return pending_while_paused, released, waiter, result
+
+    pending_while_paused, released, waiter, result = asyncio.run(main())
+    assert pending_while_paused and len(result.output_ids) == 12
+    assert released, "a next_step waiter registered while paused was never released by the steps after continue"
+    assert waiter.result().weight_version == 0 and waiter.result().finite
 
 
 def test_update_is_not_starved_by_a_steady_stream_of_requests(tiny_model_dir):

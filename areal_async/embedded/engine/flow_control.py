@@ -63,8 +63,10 @@ class FlowControl:
             pass
 
     def continue_generation(self) -> None:
+        """Go on after ``pause``: requests paused in place go on, those that arrived while paused
+        start. ``next_step`` waiters registered while paused keep waiting: the next committed step
+        releases them (or the engine's death fails them)."""
         self._paused = False
-        self._step_waiters = []
         self._wake.set()
 
     async def update_weights(self, receive: Callable[[], dict[str, torch.Tensor]], version: int) -> None:
