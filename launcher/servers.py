@@ -87,22 +87,32 @@ def check_backend(cfg: InferenceConfig) -> None:
                          f"there (pip install sglang) or set inference.backend=embedded")
 
 
-def http_status(url: str, timeout_s: float) -> int | None:
-    """The HTTP status of ``GET url`` within ``timeout_s`` seconds, ``None`` without an answer."""
+def http_answer(url: str, timeout_s: float, max_bytes: int = 4096) -> tuple[int | None, bytes]:
+    """The HTTP status of ``GET url`` within ``timeout_s`` seconds and, for an error status, the
+    first ``max_bytes`` of its body (``b""`` for a success); ``(None, b"")`` without an answer."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status
+            return resp.status, b""
     except urllib.error.HTTPError as exc:
-        return exc.code
+        try:
+            return exc.code, exc.read(max_bytes)
+        except OSError:  # the connection dropped while the error body was read
+            return exc.code, b""
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return None
+        return None, b""
+
+
+def http_status(url: str, timeout_s: float) -> int | None:
+    """The HTTP status of ``GET url`` within ``timeout_s`` seconds, ``None`` without an answer."""
+    return http_answer(url, timeout_s)[0]
 
 
 class ServerProbe:
     """The launcher's health probe of one inference server (``HealthCheck.probe``): a check of
-    ``/health_generate`` first asks ``GET /ready``, and a paused server (503) passes without a
-    generation for up to ``max_pause_s`` seconds in a row (``routing.Readiness``: SGLang's
-    ``/health_generate`` waits behind a pause and then fails); other paths as ``probe_http``."""
+    ``/health_generate`` first asks ``GET /ready``: a paused server (503) passes without a
+    generation for up to ``max_pause_s`` seconds in a row (SGLang's ``/health_generate`` waits
+    behind a pause and then fails), one whose 503 names a dead engine fails at once
+    (``routing.Readiness``); other paths as ``probe_http``."""
 
     def __init__(self, url: str, max_pause_s: float):
         from areal_async.inference.routing import Readiness
@@ -111,8 +121,8 @@ class ServerProbe:
 
     def __call__(self, path: str, timeout_s: float) -> str | None:
         if path == "/health_generate":
-            status = http_status(self.url + "/ready", min(timeout_s, 5.0))
-            paused = self.readiness.judge(self.url, status, time.monotonic())
+            status, body = http_answer(self.url + "/ready", min(timeout_s, 5.0))
+            paused = self.readiness.judge(self.url, status, time.monotonic(), body)
             if paused is True:
                 return None
             if paused is not False:

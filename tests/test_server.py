@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async import weight_group
+from areal_async.inference.routing import engine_failure
 from tests.support.models import perturbed, prompt_ids, recompute_logprobs
 from areal_async.devices import free_port
 from tests.support.servers import running, server_logprobs
@@ -1002,6 +1003,8 @@ def test_a_dead_engine_fails_health_and_ready_at_once(tiny_model_dir):
     for path, (status, out) in zip(paths, after):
         assert status == 503 and _DEAD in out["error"]["message"], (path, status, out)
     assert continued[0] == 200 and ready[0] == 503 and _DEAD in ready[1]["error"]["message"], ready
+    # the clients and the launcher read that /ready answer as a dead engine, not a pause
+    assert engine_failure(json.dumps(ready[1]).encode()) == ready[1]["error"]["message"], ready
     assert late[0] == 500 and _DEAD in late[1]["error"]["message"], late
 
 

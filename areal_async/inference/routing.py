@@ -8,16 +8,17 @@ cache), by rendezvous hashing (Thaler & Ravishankar 1998): the live server with 
 the sessions it served, each to its next-highest live server, and a rejoin moves them back. A server leaves (``take_out``; ``failures``
 counts departures) when a call lost its connection and a short ``GET /ready`` gets no answer
 either, or when it fails the check a waiting call runs every ``health_check_interval_s``
-(``watch``); a paused one counts as alive for ``max_pause_s`` (``Readiness``). A background
-``probe`` takes back one that answers ``GET /health_generate`` at the current weight version; with
-none live, calls wait ``rejoin_timeout_s`` (``wait_live``), then raise ``NoServerLeft``. The rules,
-and what they miss: docs/faults.md#an-inference-server-dies-or-hangs.
+(``watch``); a paused one counts as alive for ``max_pause_s``, one whose engine died fails at once
+(``Readiness``). A background ``probe`` takes back one that answers ``GET /health_generate`` at the
+current weight version; with none live, calls wait ``rejoin_timeout_s`` (``wait_live``), then raise
+``NoServerLeft``. The rules, and what they miss: docs/faults.md#an-inference-server-dies-or-hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 from collections.abc import Callable
 
@@ -35,10 +36,28 @@ class NoServerLeft(ConnectionError):
     and why it left."""
 
 
+# How the embedded server's error message for a dead engine begins (``embedded/engine/engine.py``,
+# ``Engine.run``; pinned by tests/test_server.py); read here over HTTP only, as the layout rules ask.
+ENGINE_FAILED = "inference engine failed"
+
+
+def engine_failure(body: bytes) -> str | None:
+    """The message of a ``GET /ready`` 503 body that names a dead engine (the embedded server's
+    ``{"error": {"message": "inference engine failed: ..."}}``, ``embedded/errors.py``), else
+    ``None``: SGLang's empty body (paused, unhealthy or starting alike), or any other body."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, TypeError, KeyError):  # empty, not JSON, or not that shape
+        return None
+    return message if isinstance(message, str) and message.startswith(ENGINE_FAILED) else None
+
+
 class Readiness:
     """What a server's ``GET /ready`` says before its generation check, per server (a paused
     server is not a hung one: docs/faults.md#an-inference-server-dies-or-hangs); used by the
-    clients (``ServerPool.watch``) and the launcher.
+    clients (``ServerPool.watch``) and the launcher. A 503 whose body names a dead engine
+    (``engine_failure``) fails at once; any other 503 counts as a pause (SGLang's has an empty body
+    whether the server is paused, unhealthy or starting, so those stay alike).
 
     Args:
         max_pause_s: seconds in a row a server may answer 503 (paused) and still count as alive.
@@ -48,17 +67,22 @@ class Readiness:
         self.max_pause_s = max_pause_s
         self._since: dict = {}  # server -> when it first said it was paused, this pause
 
-    def judge(self, server, status: int | None, now: float) -> bool | str:
+    def judge(self, server, status: int | None, now: float, body: bytes = b"") -> bool | str:
         """``status``: the HTTP status of ``GET /ready`` (``None``: no answer), ``now``:
-        ``time.monotonic()``. Returns ``True`` when the server is paused and still counts as alive
-        (skip the generation check), ``False`` when the generation check is due, or why the server
-        failed (no answer, or paused for longer than ``max_pause_s``)."""
+        ``time.monotonic()``, ``body``: the answer's body. Returns ``True`` when the server is
+        paused and still counts as alive (skip the generation check), ``False`` when the generation
+        check is due, or why the server failed (no answer, a dead engine, or paused for longer than
+        ``max_pause_s``)."""
         if status is None:
             self._since.pop(server, None)
             return "no answer to /ready"
         if status != 503:  # 200, or 404 from a server without /ready
             self._since.pop(server, None)
             return False
+        dead = engine_failure(body)
+        if dead is not None:  # not a pause: the engine serves nothing more until restarted
+            self._since.pop(server, None)
+            return f"GET /ready 503: {dead}"
         paused_s = now - self._since.setdefault(server, now)
         if paused_s > self.max_pause_s:
             return (f"paused (GET /ready 503) for {paused_s:.0f} s, longer than inference.max_pause_s = "
@@ -195,8 +219,8 @@ class ServerPool:
     async def healthy(self, server: int, timeout_s: float) -> str | None:
         """``None`` when ``server`` is alive: paused (``Readiness``) or it answered ``GET
         /health_generate`` with 200 within ``timeout_s`` seconds; else why not."""
-        status = await self.status(server, "/ready", min(timeout_s, self.probe_timeout_s))
-        paused = self.readiness.judge(server, status, time.monotonic())
+        status, body = await self.answer(server, "/ready", min(timeout_s, self.probe_timeout_s))
+        paused = self.readiness.judge(server, status, time.monotonic(), body)
         if paused is True:
             return None
         if paused is not False:
@@ -205,16 +229,20 @@ class ServerPool:
             return None
         return f"no answer to /health_generate within {timeout_s:g} s"
 
-    async def status(self, server: int, path: str, timeout_s: float) -> int | None:
-        """The HTTP status of ``GET path`` on ``server`` within ``timeout_s`` seconds, ``None``
-        without an answer."""
+    async def answer(self, server: int, path: str, timeout_s: float) -> tuple[int | None, bytes]:
+        """The HTTP status and body of ``GET path`` on ``server`` within ``timeout_s`` seconds,
+        ``(None, b"")`` without an answer."""
         try:
             async with self._http().get(self.urls[server] + path,
                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                await resp.read()
-                return resp.status
+                return resp.status, await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
+            return None, b""
+
+    async def status(self, server: int, path: str, timeout_s: float) -> int | None:
+        """The HTTP status of ``GET path`` on ``server`` within ``timeout_s`` seconds, ``None``
+        without an answer."""
+        return (await self.answer(server, path, timeout_s))[0]
 
     async def alive(self, server: int) -> bool:
         """Whether ``server``'s HTTP layer answers ``GET /ready`` at all (any status) within
