@@ -97,7 +97,8 @@ class StepPipeline:
         alive = [r for r in self._running if not r.finished and r.issued < r.params.max_new_tokens]
         self._clock += 1
         if self.prefix is not None:
-            self._save_leaving([r for r in self._running if r not in set(alive)])
+            staying = set(alive)
+            self._save_leaving([r for r in self._running if r not in staying])
         if self._paused:  # in-place pause keeps the running requests (and their slots) as they are
             self._running = alive
             return None
