@@ -243,6 +243,60 @@ def test_a_refused_join_fails_the_setup_at_once(tiny_model_dir, monkeypatch):
         released.set()
 
 
+@pytest.mark.parametrize("comes_back", [False, True])
+def test_a_server_that_dies_while_joining_leaves_and_the_group_is_built_over_the_rest(tiny_model_dir, monkeypatch,
+                                                                                     comes_back):
+    # Server 1's join loses its connection (the launcher killed it, hung, mid-join). Gone: setup
+    # builds the group again, under the next name, over server 0 alone. Back already (a new
+    # process answering /ready): over both, as its process is outside the group.
+    import aiohttp
+
+    from areal_async.inference.routing import ServerPool
+    from areal_async.trainer import weight_sync
+
+    built: list[tuple[str, int]] = []
+
+    def group(backend, address, port, rank, world_size, group_name, store):
+        built.append((group_name, world_size))
+        return f"group {group_name}"
+
+    monkeypatch.setattr(weight_sync, "new_weight_group", group)
+    monkeypatch.setattr(weight_sync, "host_store", lambda address, port: type("Store", (), {"port": 1})())
+
+    class Pool(ServerPool):
+        async def alive(self, server: int) -> bool:
+            return server == 0 or comes_back
+
+    class Client:
+        urls = ["http://server-0", "http://server-1"]
+        servers = Pool(urls, http=None)
+        joins: list[tuple[int, str]] = []
+        destroyed: list[tuple[int, str]] = []
+
+        async def init_weights_update_group(self, server, address, port, rank, world_size, backend, name):
+            self.joins.append((server, name))
+            if server == 1 and name == "weight_update_group":
+                raise aiohttp.ClientOSError(104, "Connection reset by peer")
+            return {"success": True}
+
+        async def destroy_weights_update_group(self, server, name):
+            self.destroyed.append((server, name))
+            return {"success": True}
+
+    client = Client()
+    sender = DistributedWeightSender(_policy(tiny_model_dir), client, 2, "127.0.0.1", 0, 1 << 30, torch.float32,
+                                     torch.device("cpu"))
+    asyncio.run(sender.setup())
+    survivors = [0, 1] if comes_back else [0]
+    assert (sender.members, sender.group_name, sender.group) == (
+        survivors, "weight_update_group_1", "group weight_update_group_1")
+    assert built == [("weight_update_group", 3), ("weight_update_group_1", 1 + len(survivors))]
+    assert client.servers.live() == survivors
+    assert sorted(client.joins) == sorted([(0, "weight_update_group"), (1, "weight_update_group")]
+                                          + [(i, "weight_update_group_1") for i in survivors])
+    assert client.destroyed == [(i, "weight_update_group") for i in survivors]
+
+
 def test_the_disk_sender_skips_a_dead_server_and_brings_a_restarted_one_up_to_date(tiny_model_dir, tmp_path):
     # Two servers that answer SGLang's calls (tests/support/fakes.py's fake_server); server 1
     # dies before update 1, which goes to server 0 alone, without waiting; server 1 comes back on

@@ -20,11 +20,13 @@ import math
 import pathlib
 from typing import Protocol
 
+import aiohttp
 import torch
 import torch.distributed as dist
 
 from areal_async.atomic_dir import remove_atomically
 from areal_async.dtypes import dtype_name
+from areal_async.inference.client import ServerError
 from areal_async.inference.interface import WeightUpdateClient
 from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
 from areal_async.trainer.policy import full_parameters
@@ -92,7 +94,10 @@ class DistributedWeightSender:
             return
         self.store = host_store(self.master_address, self.master_port)
         self.master_port = self.store.port
-        await self._build(self.client.servers.live())
+        try:
+            await self._build(self.client.servers.live())
+        except Exception as failure:  # a server that died while joining: built again over the live ones
+            await self._recover(failure)
 
     async def send(self, version: int) -> None:
         rank0, interrupt = _rank() == 0, self.interrupt_on_update
@@ -179,19 +184,19 @@ class DistributedWeightSender:
             await self._rebuild(restarted)
 
     async def _recover(self, failure: Exception) -> None:
-        """Rank 0, after a failed bucket: members that no longer answer ``GET /ready`` (any status;
-        not ``/health``, which on SGLang waits behind the pause: ``routing.py``) leave routing
-        and the group is rebuilt over the live servers. Raises ``failure`` when every member still
-        answers and none was restarted (a refusal, not a death)."""
+        """Rank 0, after a failed join or bucket: members that no longer answer ``GET /ready`` (any
+        status; not ``/health``, which on SGLang waits behind the pause: ``routing.py``) leave
+        routing and the group is rebuilt over the live servers. Raises ``failure`` when every member
+        still answers, none was restarted and no call lost its connection (a refusal, not a death)."""
         pool = self.client.servers
         for i in self.members:
             if i in pool.live() and not await pool.alive(i):
                 pool.take_out(i, f"the weight update failed ({type(failure).__name__}) and /ready does not answer")
         restarted = await self._restarted()
-        if pool.live() == self.members and not restarted:
+        if pool.live() == self.members and not restarted and not _lost_connection(failure):
             raise failure
-        print(f"[trainer] a weight update failed ({type(failure).__name__}: {failure}); sending it again "
-              f"to {self._urls(pool.live())}", flush=True)
+        print(f"[trainer] a weight-group call failed ({type(failure).__name__}: {failure}); the group is built "
+              f"again over {self._urls(pool.live())}", flush=True)
         await self._rebuild(restarted)
 
     async def _restarted(self) -> list[int]:
@@ -228,6 +233,9 @@ class DistributedWeightSender:
             self.client.servers.route(0)  # raises NoServerLeft naming each server and why it left
         name = GROUP_NAME if self.rebuilds == 0 else f"{GROUP_NAME}_{self.rebuilds}"
         world_size = 1 + len(members)
+        # the group being built: after a failed join, _recover judges these members and _rebuild
+        # asks the survivors to free this name
+        self.members, self.group_name = list(members), name
         joins = asyncio.gather(*(
             self.client.init_weights_update_group(
                 i, self.master_address, self.master_port, 1 + j, world_size, self.backend, name)
@@ -239,10 +247,16 @@ class DistributedWeightSender:
         self.group = await _with_server_calls(
             group, joins, f"a server of {self._urls(members)} refused to join the weight group '{name}' at "
                           f"{self.master_address}:{self.master_port}")
-        self.members, self.group_name = list(members), name
 
     def _urls(self, servers: list[int]) -> list[str]:
         return [self.client.urls[i] for i in servers]
+
+
+def _lost_connection(failure: BaseException) -> bool:
+    """Whether a server's call in ``failure`` (or its cause) ended with the connection, not an
+    answer: the server died or was restarted, though it may answer again by now."""
+    cause = failure.__cause__ if failure.__cause__ is not None else failure
+    return isinstance(cause, (aiohttp.ClientConnectionError, ConnectionError)) and not isinstance(cause, ServerError)
 
 
 _DONE, _SEND_AGAIN, _STOP = 0, 1, 2  # rank 0's decision after sending a version, for every rank
