@@ -166,6 +166,13 @@ class RolloutConfig(_Cfg):
     # a back-off of 1 s doubling to 30 s; its groups go back to the queue, same ids and seeds); one
     # more death stops the job with its error. 0: the first death stops the job
     max_worker_restarts: NonNegInt = 3
+    # the episode: `package.module:object` (an Env class or `async def run(item, client)`:
+    # docs/workflows.md); unset: one answer, or the tool loop over `tools`
+    workflow: str | None = None
+    tools: list[Literal["calculator", "python"]] = []  # the default workflow's tools (areal_async/tools)
+    tool_timeout_s: PosFloat = 5.0  # a tool call's wall-clock limit; over it: an error observation
+    max_turns: PosInt = 8  # model turns of an episode at most; more: truncated
+    max_episode_tokens: NonNegInt = 0  # tokens after a sequence's prompt at most (0: max_new_tokens per turn only)
 
 
 class QueueConfig(_Cfg):

@@ -30,6 +30,28 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
         return self.numpy().tolist()
 
 
+class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What an episode did besides its tokens (the ``rollout/*`` metrics: docs/metrics.md).
+
+    Fields:
+        turns: model turns sampled.
+        tool_calls: tool or environment calls made; tool_errors: of those, the ones that
+            raised, timed out or went over a limit.
+        env_s: wall seconds in tools and the environment (diagnostics only: never compared).
+        truncated: cut by ``rollout.max_turns`` or ``rollout.max_episode_tokens``.
+        later_prompt_tokens, later_cached_tokens: prompt tokens of turns after the first, and of
+            those the ones the server's prefix cache served.
+    """
+
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_s: float = 0.0
+    truncated: bool = False
+    later_prompt_tokens: int = 0
+    later_cached_tokens: int = 0
+
+
 class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One episode of a group: the tokens after the group's prompt, with per-token fields.
 
@@ -58,6 +80,7 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
             ascending and disjoint; every sampled token lies in one. ``None``: no per-turn rewards.
         turn_rewards: ``[K] float32`` reward of each turn (given with ``turn_spans``); how they
             reach the tokens: ``algo.advantages.turn_advantages``.
+        stats: the episode's ``EpisodeStats``; ``None``: a single response (one turn, no tools).
     """
 
     index: int
@@ -72,6 +95,7 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     loss_mask: Array | None = None
     turn_spans: Array | None = None
     turn_rewards: Array | None = None
+    stats: EpisodeStats | None = None
 
     def sampled(self) -> np.ndarray:
         """``[L] bool``: which tokens of ``output_ids`` the model sampled."""

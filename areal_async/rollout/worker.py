@@ -2,10 +2,10 @@
 
     python -m areal_async.rollout.worker --config RUN_DIR/config.yaml --worker-id I
 
-Invariant: sample i of group g has prompt ``PromptSet.for_group(g)``, ``sampling_seed =
-sample_seed(seed, g, i)``, ``rid = "g{g}-s{i}"`` and server ``(g * n_samples + i) % num_servers``:
-functions of (g, i), never of timing or of which worker runs it. Each response is scored as it
-returns and the group's ``Trajectory`` submitted when its last one is; at most
+Invariant: episode i of group g has prompt ``PromptSet.for_group(g)``, seed ``sample_seed(seed, g,
+i)``, and its turns' seeds, request ids and server follow from (g, i, turn) (``episode.py``), never
+from timing or from which worker runs it. Each episode runs the workflow (``workflows.py``) and is
+scored as it ends; the group's ``Trajectory`` is submitted when its last one is; at most
 ``rollout.max_groups_in_flight`` groups are in flight. A closed queue cancels them and exits 0; any
 error cancels everything and exits non-zero (docs/faults.md#a-generation-worker-dies).
 """
@@ -23,6 +23,8 @@ from areal_async.jitter import Jitter
 from areal_async.inference.interface import GenerationClient
 from areal_async.queue.interface import WorkerQueue
 from areal_async.reward.pool import RewardPool
+from areal_async.rollout.episode import Episode
+from areal_async.rollout.workflows import EpisodeItem, ToolLoop, Workflow, build_workflow
 from areal_async.types import Array, Sample, Trajectory, sample_seed
 
 
@@ -39,10 +41,13 @@ class GenerationWorker:
         rollout: ``n_samples``, ``max_new_tokens``, sampling parameters, ``max_groups_in_flight``.
         seed: the run seed (sampling seeds derive from it).
         debug: ``jitter_ms``, ``jitter_seed``.
+        workflow: what each episode does (``workflows.build_workflow``); ``None``: one answer each,
+            scored with ``prompts.task.reward_fn``.
     """
 
     def __init__(self, worker_id: int, queue: WorkerQueue, client: GenerationClient, prompts: PromptSet,
-                 rewards: RewardPool, rollout: RolloutConfig, seed: int, debug: DebugConfig = DebugConfig()):
+                 rewards: RewardPool, rollout: RolloutConfig, seed: int, debug: DebugConfig = DebugConfig(),
+                 workflow: Workflow | None = None):
         if rollout.n_samples < 1 or rollout.max_groups_in_flight < 1 or rollout.max_new_tokens < 1:
             raise ValueError(
                 f"rollout.n_samples ({rollout.n_samples}), max_groups_in_flight "
@@ -53,6 +58,7 @@ class GenerationWorker:
         self._prompts, self._rewards = prompts, rewards
         self._rollout, self._seed = rollout, seed
         self._jitter = Jitter(debug.jitter_ms, debug.jitter_seed, worker_id)
+        self._workflow = workflow or ToolLoop(rewards, prompts.task.reward_fn)
         self._in_flight = 0
         self._slot_freed = asyncio.Event()
         self.groups_done = 0
@@ -85,7 +91,7 @@ class GenerationWorker:
         t0 = time.perf_counter()
         try:
             item = self._prompts.for_group(g)
-            messages = self._prompts.task.messages(item.data_index)  # for the reward function
+            messages = self._prompts.task.messages(item.data_index)  # the group's prompt, as chat turns
             async with asyncio.TaskGroup() as tg:
                 pending = [tg.create_task(self._run_sample(g, i, item, messages))
                            for i in range(self._rollout.n_samples)]
@@ -103,28 +109,17 @@ class GenerationWorker:
     async def _run_sample(self, g: int, i: int, item: PromptItem, messages: list[dict]) -> Sample:
         await self._jitter()  # injected timing noise (debug.jitter_ms), never on by default
         r = self._rollout
-        seed = sample_seed(self._seed, g, i)
-        sampling = {
-            "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-            "max_new_tokens": r.max_new_tokens, "sampling_seed": seed,
-            "stop_token_ids": self._prompts.stop_token_ids,
-        }
-        server = (g * r.n_samples + i) % len(self._client.urls)
-        out = await self._client.generate(item.prompt_ids, sampling, rid=f"g{g}-s{i}",
-                                          server=server)
-        text = self._prompts.decode(out.output_ids)
-        score = await self._rewards.score(self._prompts.task.reward_fn, text, item.gold,
-                                          prompt=messages, item=item.row)
+        sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                    "stop_token_ids": self._prompts.stop_token_ids}
+        episode = Episode(self._client, self._prompts.tokenizer, self._prompts.decode, g, i,
+                          sample_seed(self._seed, g, i), item.prompt_ids, messages, sampling,
+                          server=(g * r.n_samples + i) % len(self._client.urls), max_new_tokens=r.max_new_tokens,
+                          max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens)
+        sample = await self._workflow(episode, EpisodeItem(messages, item.gold, item.row, item.data_index))
+        sample.check()
         self.samples_done += 1
-        self.tokens_done += len(out.output_ids)
-        return Sample(
-            index=i, seed=seed,
-            output_ids=Array.of(out.output_ids, "int32"),
-            behav_logprobs=Array.of(out.logprobs, "float32"),
-            versions=Array.of(out.versions, "int32"),
-            finish_reason=out.finish_reason,
-            reward=score.reward, correct=score.correct, reward_error=score.error,
-        )
+        self.tokens_done += sum(len(t.ids) for t in episode.turns)
+        return sample
 
 
 async def main(cfg: Config, worker_id: int) -> None:
@@ -149,8 +144,8 @@ async def main(cfg: Config, worker_id: int) -> None:
             await client.wait_healthy(inf.startup_timeout_s)
             queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token())
             async with queue:
-                worker = GenerationWorker(worker_id, queue, client, prompts, rewards,
-                                          cfg.rollout, cfg.seed, cfg.debug)
+                worker = GenerationWorker(worker_id, queue, client, prompts, rewards, cfg.rollout, cfg.seed,
+                                          cfg.debug, build_workflow(cfg.rollout, rewards, prompts.task.reward_fn))
                 await worker.run()
         elapsed = time.perf_counter() - t0
         print(f"{tag} queue closed: {worker.groups_done} groups, {worker.samples_done} samples, "

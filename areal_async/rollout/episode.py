@@ -1,0 +1,192 @@
+"""One episode (g, i) of a group: its model turns, each through ``Episode.generate``, and the
+training sequences they make (``Conversation``s: the first starts with the group's prompt).
+
+Turn t of episode (g, i) samples with seed ``turn_seed(sample_seed(seed, g, i), t)`` (turn 0: the
+sample's seed itself), request id ``g{g}-s{i}`` (``-t{t}`` after turn 0) and server
+``(g * n_samples + i) % num_servers`` for every turn (its prefix cache holds the earlier turns):
+functions of (g, i, t), never of timing. A tool that needs randomness gets ``turn_seed(.., t)`` of
+the turn whose call it runs. ``to_sample`` turns the record into the ``Sample`` the trainer packs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from areal_async.inference.interface import GenerationClient
+from areal_async.rollout.conversation import Conversation
+from areal_async.splitmix import MIX1, mix64
+from areal_async.types import Array, EpisodeStats, Sample, Segment
+
+
+class EpisodeTruncated(Exception):
+    """The episode reached ``rollout.max_turns`` or ``rollout.max_episode_tokens``."""
+
+
+class Turn(msgspec.Struct, frozen=True):
+    """One model turn as the engine returned it: ``ids`` ``[L]``, ``logprobs`` ``[L]``,
+    ``versions`` ``[L]``, ``finish_reason``, ``text`` (``ids`` decoded, for the caller only: never
+    encoded again), ``index`` (t), ``seed`` (the turn's sampling seed)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    text: str
+    index: int
+    seed: int
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Sampling seed of turn ``turn`` of a sample seeded ``seed``: ``seed`` for turn 0, else a
+    splitmix64 hash of both, in ``[0, 2**63)``."""
+    return seed if turn == 0 else mix64(seed + turn * MIX1) >> 1
+
+
+class Episode:
+    """The record of one episode and the one way its turns are generated.
+
+    Args:
+        client: the generation client.
+        tokenizer: the model's tokenizer (chat template; decoding for callers).
+        decode: ``ids -> text`` for what callers read (special tokens skipped).
+        group_id, index, seed: g, i and ``sample_seed(run_seed, g, i)``.
+        prompt_ids: the group's prompt ids; messages: the chat turns they render.
+        sampling: the run's sampling parameters (``temperature``, ``top_p``, ``top_k``,
+            ``stop_token_ids``); per turn, the seed, ``max_new_tokens`` and ``stop`` are added.
+        server: the index of the server every turn goes to (failover kept).
+        max_new_tokens: per turn; max_turns: model turns at most (``>= 1``);
+        max_episode_tokens: tokens after the first prompt of a sequence at most (0: no cap).
+    """
+
+    def __init__(self, client: GenerationClient, tokenizer, decode: Callable[[list[int]], str], group_id: int,
+                 index: int, seed: int, prompt_ids: Sequence[int], messages: list[dict[str, Any]],
+                 sampling: dict[str, Any], server: int, max_new_tokens: int, max_turns: int,
+                 max_episode_tokens: int = 0):
+        self.client, self.tokenizer, self.decode = client, tokenizer, decode
+        self.group_id, self.index, self.seed = group_id, index, seed
+        self.prompt_ids, self.messages = list(prompt_ids), messages
+        self._sampling, self._server = sampling, server
+        self.max_new_tokens, self.max_turns, self.max_episode_tokens = max_new_tokens, max_turns, max_episode_tokens
+        self.conversations: list[Conversation] = []
+        self.turns: list[Turn] = []
+        self.stats = {"tool_calls": 0, "tool_errors": 0, "env_s": 0.0, "truncated": False,
+                      "later_prompt_tokens": 0, "later_cached_tokens": 0}
+
+    def start(self, messages: list[dict[str, Any]] | None = None, ids: Sequence[int] | None = None) -> Conversation:
+        """A new training sequence: the group's prompt when ``messages`` and ``ids`` are ``None``
+        or render to it, else its own prompt (a ``Segment``; the first sequence then stays empty
+        unless started before). Returns it; later turns go to the newest."""
+        if ids is None and messages is not None:
+            ids = Conversation(self.tokenizer, messages).ids
+        own = ids is not None and list(ids) != self.prompt_ids
+        if not self.conversations and own:
+            self.conversations.append(Conversation(self.tokenizer, self.messages, self.prompt_ids))
+        if own:
+            conv = Conversation(self.tokenizer, messages or [], list(ids))
+        else:
+            conv = Conversation(self.tokenizer, messages or self.messages, self.prompt_ids)
+        self.conversations.append(conv)
+        return conv
+
+    @property
+    def conversation(self) -> Conversation:
+        """The newest training sequence (``start`` first)."""
+        if not self.conversations:
+            raise RuntimeError("Episode.start() has not been called")
+        return self.conversations[-1]
+
+    async def generate(self, stop: Sequence[str] = (), max_new_tokens: int | None = None,
+                       record_text: Callable[[str], str] | None = None) -> Turn:
+        """Sample the next model turn after the newest conversation's ids and append it there
+        (its message's text: ``record_text(text)``, the text the caller was given; default ``text``).
+
+        Raises:
+            EpisodeTruncated: ``max_turns`` turns were sampled already, or no token is left of
+                ``max_episode_tokens`` (the episode is marked truncated).
+        """
+        conv = self.conversation
+        t = len(self.turns)
+        budget = min(self.max_new_tokens, max_new_tokens or self.max_new_tokens)
+        if self.max_episode_tokens:
+            budget = min(budget, self.max_episode_tokens - (len(conv.ids) - conv.prompt_len))
+        if t >= self.max_turns or budget < 1:
+            self.stats["truncated"] = True
+            raise EpisodeTruncated(f"episode g{self.group_id}-s{self.index}: turn {t} would exceed "
+                                   f"max_turns {self.max_turns} or max_episode_tokens {self.max_episode_tokens}")
+        seed = turn_seed(self.seed, t)
+        sampling = {**self._sampling, "max_new_tokens": budget, "sampling_seed": seed}
+        if stop:
+            sampling["stop"] = list(stop)
+        rid = f"g{self.group_id}-s{self.index}" + (f"-t{t}" if t else "")
+        out = await self.client.generate(list(conv.ids), sampling, rid=rid, server=self._server)
+        if t:
+            self.stats["later_prompt_tokens"] += out.prompt_tokens
+            self.stats["later_cached_tokens"] += out.cached_tokens
+        turn = Turn(list(out.output_ids), list(out.logprobs), list(out.versions), out.finish_reason,
+                    self.decode(out.output_ids), t, seed)
+        conv.add_sampled(turn.ids, turn.logprobs, turn.versions, record_text(turn.text) if record_text else turn.text)
+        if out.finish_reason == "length" and self.max_episode_tokens and budget < self.max_new_tokens:
+            self.stats["truncated"] = True
+        self.turns.append(turn)
+        return turn
+
+    def timed_env(self) -> "_EnvTimer":
+        """``with episode.timed_env():`` counts the block's wall seconds as tool/environment time."""
+        return _EnvTimer(self.stats)
+
+    def to_sample(self, reward: float, correct: bool, reward_error: bool = False,
+                  turn_rewards: Sequence[float] | None = None) -> Sample:
+        """The ``Sample`` of this episode. A single sequence of one sampled turn and no other
+        tokens is a plain response: no loss mask, turns or stats on the wire.
+
+        Raises:
+            ValueError: ``turn_rewards`` not one per sampled turn.
+        """
+        if not self.conversations:
+            raise RuntimeError("Episode.start() has not been called")
+        first, *rest = self.conversations
+        plain = not rest and len(self.turns) == 1 and turn_rewards is None and all(first.loss_mask)
+        if turn_rewards is not None and len(turn_rewards) != len(self.turns):
+            raise ValueError(f"episode g{self.group_id}-s{self.index}: {len(turn_rewards)} turn rewards for "
+                             f"{len(self.turns)} model turns")
+        finish = self.turns[-1].finish_reason if self.turns else "stop"
+        stats = None if plain else EpisodeStats(
+            turns=len(self.turns), tool_calls=self.stats["tool_calls"], tool_errors=self.stats["tool_errors"],
+            env_s=self.stats["env_s"], truncated=self.stats["truncated"],
+            later_prompt_tokens=self.stats["later_prompt_tokens"],
+            later_cached_tokens=self.stats["later_cached_tokens"])
+        with_turns = turn_rewards is not None
+        return Sample(
+            index=self.index, seed=self.seed, output_ids=Array.of(first.output_ids, "int32"),
+            behav_logprobs=Array.of(first.behav_logprobs, "float32"), versions=Array.of(first.versions, "int32"),
+            finish_reason=finish, reward=reward, correct=correct, reward_error=reward_error,
+            loss_mask=None if plain else Array.of(first.loss_mask, "uint8"),
+            turn_spans=_spans(first) if with_turns else None,
+            turn_rewards=Array.of(list(turn_rewards), "float32") if with_turns else None,
+            segments=[Segment(prompt_ids=Array.of(c.ids[:c.prompt_len], "int32"),
+                              output_ids=Array.of(c.output_ids, "int32"),
+                              behav_logprobs=Array.of(c.behav_logprobs, "float32"),
+                              versions=Array.of(c.versions, "int32"), loss_mask=Array.of(c.loss_mask, "uint8"),
+                              turn_spans=_spans(c) if with_turns else None) for c in rest],
+            stats=stats)
+
+
+def _spans(conv: Conversation) -> Array:
+    return Array.of(np.asarray([list(s) for s in conv.turn_spans], dtype="int32").reshape(-1, 2), "int32")
+
+
+class _EnvTimer:
+    def __init__(self, stats: dict):
+        self._stats = stats
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self._stats["env_s"] += time.perf_counter() - self._t0

@@ -1,0 +1,113 @@
+"""The recording endpoint behind an episode's ``openai.AsyncOpenAI``: ``POST /v1/chat/completions``
+answered in process (an ``httpx`` transport, no port), token in / token out.
+
+A call whose ``messages`` are the recorded conversation plus new ones (the texts it was given back
+unchanged) continues it: the new messages are rendered after the recorded ids
+(``Conversation.add_messages``) and the turn is sampled after them. Any other call (an edited
+history, reasoning stripped from an earlier turn) starts a new training sequence of the episode
+(``Episode.start``): never a corrupted one. Calls of one episode are made one at a time.
+Sampling follows the run (``rollout.temperature``, ``top_p``); a call that asks otherwise, or for
+``n > 1``, streaming or ``tools``, is answered 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+
+from areal_async.rollout.episode import Episode, EpisodeTruncated
+
+BASE_URL = "http://episode.invalid/v1"
+
+
+class RecordingEndpoint:
+    """Answers an episode's chat-completion calls through ``episode.generate``.
+
+    Args:
+        episode: the episode every call belongs to.
+        temperature, top_p: the run's sampling parameters (a call may repeat them, not change them).
+    """
+
+    def __init__(self, episode: Episode, temperature: float, top_p: float):
+        self.episode, self.temperature, self.top_p = episode, temperature, top_p
+        self._busy = False
+
+    @contextlib.asynccontextmanager
+    async def client(self):
+        """An ``openai.AsyncOpenAI`` (no retries) whose requests this endpoint answers."""
+        import openai
+
+        http = httpx.AsyncClient(transport=httpx.MockTransport(self._handle), base_url=BASE_URL)
+        async with openai.AsyncOpenAI(base_url=BASE_URL, api_key="episode", http_client=http,
+                                      max_retries=0) as client:
+            yield client
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
+            return _error(404, f"{request.method} {request.url.path}: an episode's client answers only "
+                               f"POST /v1/chat/completions")
+        if self._busy:
+            return _error(400, "a call of this episode is in flight: make an episode's calls one at a time "
+                               "(await each), so that its turns have one order")
+        self._busy = True
+        try:
+            return await self._complete(json.loads(request.content or b"{}"))
+        finally:
+            self._busy = False
+
+    async def _complete(self, body: dict) -> httpx.Response:
+        problem = self._refused(body)
+        if problem:
+            return _error(400, problem)
+        ep, messages = self.episode, body["messages"]
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        new = ep.conversation.extension(messages) if ep.conversations else None
+        if new is None:
+            ep.start(messages)
+        else:
+            ep.conversation.add_messages(new)
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        try:
+            turn = await ep.generate(stop=stop, max_new_tokens=limit, record_text=lambda text: _trim(text, stop))
+        except EpisodeTruncated as exc:
+            return _error(400, str(exc))
+        content = _trim(turn.text, stop)
+        return httpx.Response(200, json={
+            "id": f"chatcmpl-g{ep.group_id}-s{ep.index}-t{turn.index}", "object": "chat.completion",
+            "created": 0, "model": body.get("model") or "policy",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": turn.finish_reason, "logprobs": None}],
+            "usage": {"prompt_tokens": len(ep.conversation.ids) - len(turn.ids),
+                      "completion_tokens": len(turn.ids),
+                      "total_tokens": len(ep.conversation.ids)},
+        })
+
+    def _refused(self, body: dict) -> str | None:
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            return "messages must be a non-empty list of chat messages"
+        checks = [("n", 1, body.get("n")), ("temperature", self.temperature, body.get("temperature")),
+                  ("top_p", self.top_p, body.get("top_p"))]
+        for name, want, got in checks:
+            if got is not None and float(got) != float(want):
+                return (f"{name}={got}: an episode samples with the run's {name} ({want}), which the "
+                        f"trainer's log-probs assume; leave {name} out or set rollout.{name}")
+        if body.get("stream"):
+            return "stream=true: an episode's calls are answered whole; leave stream out"
+        if body.get("tools"):
+            return ("tools=: describe the tools in the system prompt and parse the calls in the workflow "
+                    "(docs/workflows.md)")
+        return None
+
+
+def _trim(text: str, stop: list[str]) -> str:
+    """The text before the first stop string in it (OpenAI's ``content`` leaves the stop out)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def _error(status: int, message: str) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": message, "type": "invalid_request_error",
+                                                  "code": status}})

@@ -1,0 +1,265 @@
+"""Workflows: what an episode does between its model turns. One seam, three shapes.
+
+- ``ToolLoop`` (the default): one answer, or, with ``rollout.tools``, a tool loop on stop strings
+  (a call ends at its end tag, its result is the next observation, generation continues), scored
+  by the task's reward function. With no tools it is the single-turn math rollout.
+- ``EnvWorkflow``: a token-level ``Env`` (``reset(item, seed)``, ``step(action)``), as Tinker and
+  SkyRL-gym define one.
+- ``OpenAIWorkflow``: ``async def run(item, client)`` against a stock ``openai.AsyncOpenAI``
+  (``openai_endpoint.py`` records each call).
+
+``rollout.workflow: package.module:object`` names the user's object; ``load_workflow`` reads its
+shape. How to write one: docs/workflows.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from areal_async.rollout.episode import Episode, EpisodeTruncated
+from areal_async.types import Sample
+
+
+class EpisodeItem(msgspec.Struct, frozen=True):
+    """What a workflow gets of the group's item.
+
+    Fields:
+        messages: the chat turns of the group's prompt (system turn, demonstrations and
+            instruction included): a first call with exactly these starts from the group's
+            prompt tokens, shared by the group.
+        answer: the gold answer (``""``: none).
+        row: the item's row as read (every field).
+        data_index: the item's index in the task; source: where its row came from.
+    """
+
+    messages: list[dict[str, Any]]
+    answer: str
+    row: dict[str, Any] = {}
+    data_index: int = 0
+    source: str = ""
+
+
+class Action(msgspec.Struct, frozen=True):
+    """A model turn as an ``Env`` sees it: ``text`` (decoded for reading), ``ids`` (the sampled
+    token ids), ``finish_reason`` (``stop`` | ``length``), ``turn`` (t, from 0) and ``seed`` (the
+    turn's seed: a stochastic environment draws from it, never from a clock)."""
+
+    text: str
+    ids: list[int]
+    finish_reason: str
+    turn: int
+    seed: int
+
+
+class Env(Protocol):
+    """A token-level environment, one instance per episode (``rollout.workflow`` names its class,
+    called with no arguments). Either method may be ``async``. Observations: a list of chat
+    messages (rendered by the chat template after the model's turn), a list of token ids (appended
+    verbatim) or ``None`` (nothing). ``stop``, if present: stop strings of every model turn."""
+
+    def reset(self, item: EpisodeItem, seed: int) -> list[dict[str, Any]] | list[int] | None:
+        """The first observation; ``None``: the item's messages (the group's prompt)."""
+
+    def step(self, action: Action) -> tuple[Any, float, bool] | tuple[Any, float, bool, dict]:
+        """``(observation, reward, done)`` after a model turn, optionally with an info dict
+        (``correct``: bool; ``tool_calls``, ``tool_errors``: counts)."""
+
+
+Workflow = Callable[[Episode, EpisodeItem], Any]
+"""``await workflow(episode, item) -> Sample``."""
+
+
+class ToolLoop:
+    """The default workflow: answer, calling ``tools`` until an answer without a call (at most
+    ``episode.max_turns`` turns; a call left unanswered marks the episode truncated), then score
+    the last turn's text with ``reward_fn`` (``RewardPool.score``: ``messages`` are the episode's
+    turns before it).
+
+    Args:
+        rewards: the reward pool; reward_fn: the task's reward name or function.
+        tools: a ``ToolSet`` or ``None`` (one model turn, no stop strings: the single-turn rollout).
+    """
+
+    def __init__(self, rewards, reward_fn, tools=None):
+        self.rewards, self.reward_fn, self.tools = rewards, reward_fn, tools
+
+    async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
+        conv = ep.start()
+        stop = list(self.tools.stop_strings) if self.tools else []
+        while True:
+            try:
+                turn = await ep.generate(stop=stop)
+            except EpisodeTruncated:
+                break
+            call = self.tools.parse(turn.text) if self.tools and turn.finish_reason == "stop" else None
+            if call is None:
+                break
+            if len(ep.turns) >= ep.max_turns:  # its result would have no turn to read it
+                ep.stats["truncated"] = True
+                break
+            with ep.timed_env():
+                result = await self.tools.run(call, seed=turn.seed)
+            ep.stats["tool_calls"] += 1
+            ep.stats["tool_errors"] += result.error is not None
+            conv.add_messages([result.message()])
+        last = ep.turns[-1].text if ep.turns else ""
+        score = await self.rewards.score(self.reward_fn, last, item.answer, prompt=conv.messages[:-1],
+                                         item=item.row)
+        return ep.to_sample(score.reward, score.correct, score.error)
+
+
+class EnvWorkflow:
+    """Episodes of an ``Env`` class: reset, then model turn and ``step`` until ``done`` or a
+    limit. Rewards are per turn (``Sample.turn_rewards``; the episode's own reward is 0);
+    ``correct``: the last info's, else whether the rewards sum above 0.
+
+    Raises (from a call): what ``reset``/``step`` raise, with the episode and turn named.
+    """
+
+    def __init__(self, env_class: Callable[[], Env]):
+        self.env_class = env_class
+
+    async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
+        env = self.env_class()
+        where = f"episode g{ep.group_id}-s{ep.index}"
+        try:
+            with ep.timed_env():
+                first = await _maybe(env.reset(item, ep.seed))
+        except Exception as exc:
+            raise RuntimeError(f"{_name(self.env_class)}.reset raised in {where}: {exc!r}") from exc
+        conv = ep.start(*_observation(first))
+        stop = list(getattr(env, "stop", ()) or ())
+        rewards: list[float] = []
+        info: dict = {}
+        while True:
+            try:
+                turn = await ep.generate(stop=stop)
+            except EpisodeTruncated:
+                break
+            try:
+                with ep.timed_env():
+                    out = await _maybe(env.step(Action(turn.text, turn.ids, turn.finish_reason, turn.index, turn.seed)))
+                observation, reward, done, *rest = out
+                info = dict(rest[0]) if rest and rest[0] else {}
+                rewards.append(float(reward))
+            except Exception as exc:
+                raise RuntimeError(f"{_name(self.env_class)}.step raised in {where}, turn {turn.index}: "
+                                   f"{exc!r}") from exc
+            ep.stats["tool_calls"] += int(info.get("tool_calls", 0))
+            ep.stats["tool_errors"] += int(info.get("tool_errors", 0))
+            if done:
+                break
+            _extend(conv, observation)
+        correct = bool(info["correct"]) if "correct" in info else sum(rewards) > 0
+        return ep.to_sample(0.0, correct, turn_rewards=rewards)
+
+
+class OpenAIWorkflow:
+    """Episodes of ``async def run(item, client)``: ``client`` is an ``openai.AsyncOpenAI`` whose
+    ``chat.completions.create`` is recorded (``openai_endpoint.py``). ``run`` returns the episode's
+    reward (a number) or per-turn rewards (``{turn: reward}``, turns counted from 0 in call order;
+    missing turns 0); ``correct``: whether the rewards sum above 0.
+
+    Raises (from a call): ``TypeError`` for another return value; what ``run`` raises, with the
+    episode named.
+    """
+
+    def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float):
+        self.fn, self.temperature, self.top_p = fn, temperature, top_p
+
+    async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
+        from areal_async.rollout.openai_endpoint import RecordingEndpoint
+
+        where = f"episode g{ep.group_id}-s{ep.index}"
+        endpoint = RecordingEndpoint(ep, self.temperature, self.top_p)
+        try:
+            async with endpoint.client() as client:
+                result = await self.fn(item, client)
+        except Exception as exc:
+            raise RuntimeError(f"{_name(self.fn)} raised in {where}: {exc!r}") from exc
+        if not ep.conversations:
+            ep.start()  # no call: an empty episode
+        if isinstance(result, dict):
+            bad = [k for k in result if not isinstance(k, int) or not 0 <= k < len(ep.turns)]
+            if bad:
+                raise TypeError(f"{_name(self.fn)} returned rewards for turns {bad} in {where}, which made "
+                                f"{len(ep.turns)} calls (turns 0..{len(ep.turns) - 1})")
+            per_turn = [float(result.get(t, 0.0)) for t in range(len(ep.turns))]
+            return ep.to_sample(0.0, sum(per_turn) > 0, turn_rewards=per_turn)
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            return ep.to_sample(float(result), float(result) > 0)
+        raise TypeError(f"{_name(self.fn)} returned {type(result).__name__} in {where}; return the "
+                        f"episode's reward (a number) or {{turn: reward}}")
+
+
+def load_workflow(spec: str, temperature: float, top_p: float) -> Workflow:
+    """The user's workflow named ``package.module:object``: a class with ``reset`` and ``step``
+    (an ``Env``), or an ``async def run(item, client)``.
+
+    Raises:
+        ValueError: not ``module:object``, not importable, or of neither shape (names the fix).
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"rollout.workflow {spec!r} is not 'package.module:object'; e.g. "
+                         f"'examples.workflows.calculator_env:CalculatorEnv'")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"rollout.workflow {spec!r} cannot be imported: {exc}; the module must be on "
+                         f"PYTHONPATH (the run's working directory is)") from exc
+    if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
+        return EnvWorkflow(obj)
+    if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
+        return OpenAIWorkflow(obj, temperature, top_p)
+    raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
+                     f"reset(item, seed) and step(action)) nor 'async def run(item, client)'")
+
+
+async def _maybe(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+def _observation(obs) -> tuple[list[dict] | None, Sequence[int] | None]:
+    """``Episode.start``'s arguments for an observation."""
+    if obs is None:
+        return None, None
+    if _is_ids(obs):
+        return None, [int(t) for t in obs]
+    return list(obs), None
+
+
+def _extend(conv, obs) -> None:
+    if obs is None:
+        conv.add_messages([])
+    elif _is_ids(obs):
+        conv.add_ids([int(t) for t in obs])
+    else:
+        conv.add_messages(list(obs))
+
+
+def _is_ids(obs) -> bool:
+    return isinstance(obs, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in obs) \
+        and len(obs) > 0
+
+
+def _name(obj) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__name__
+
+
+def build_workflow(rollout, rewards, reward_fn) -> Workflow:
+    """The run's workflow: ``rollout.workflow`` loaded (``load_workflow``), else a ``ToolLoop``
+    over ``rollout.tools`` scored with ``reward_fn``."""
+    if rollout.workflow:
+        return load_workflow(rollout.workflow, rollout.temperature, rollout.top_p)
+    tools = None
+    if rollout.tools:
+        from areal_async.tools import ToolSet
+
+        tools = ToolSet(list(rollout.tools), timeout_s=rollout.tool_timeout_s)
+    return ToolLoop(rewards, reward_fn, tools)
