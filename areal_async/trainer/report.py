@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from areal_async.types import Sample, Trajectory
+from areal_async.types import EpisodeStats, Sample, Trajectory
 
 
 class Timer:
@@ -61,7 +61,30 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
         "staleness/mean": sum(staleness) / n,
         "staleness/max": float(max(staleness, default=0)),
         "staleness/hist": [float(x) for x in staleness],
+    } | episode_metrics(trajs)
+
+
+def episode_metrics(trajs: list[Trajectory]) -> dict:
+    """What the batch's episodes did (``Sample.stats``; a single response: one turn, nothing
+    else): ``rollout/turns``, ``tool_calls``, ``tool_errors`` and ``env_s`` (seconds in tools and
+    the environment), means per episode; ``rollout/episode_s``: mean seconds from a group's lease
+    to its last episode's end; ``rollout/truncated``: the fraction cut by a turn or length limit;
+    ``rollout/prefix_cache_hit``: of the prompt tokens of turns after the first, the fraction the
+    prefix cache served (absent when no episode had a second turn)."""
+    stats = [s.stats or EpisodeStats() for t in trajs for s in t.samples]
+    n = max(len(stats), 1)
+    later = sum(x.later_prompt_tokens for x in stats)
+    out = {
+        "rollout/turns": sum(x.turns for x in stats) / n,
+        "rollout/tool_calls": sum(x.tool_calls for x in stats) / n,
+        "rollout/tool_errors": sum(x.tool_errors for x in stats) / n,
+        "rollout/env_s": sum(x.env_s for x in stats) / n,
+        "rollout/episode_s": sum(t.gen_s for t in trajs) / max(len(trajs), 1),
+        "rollout/truncated": sum(x.truncated for x in stats) / n,
     }
+    if later:
+        out["rollout/prefix_cache_hit"] = sum(x.later_cached_tokens for x in stats) / later
+    return out
 
 
 def queue_metrics(stats) -> dict:
