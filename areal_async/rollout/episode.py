@@ -61,14 +61,16 @@ class Episode:
         server: the index of the server every turn goes to (failover kept).
         max_new_tokens: per turn; max_turns: model turns at most (``>= 1``);
         max_episode_tokens: tokens after the first prompt of a sequence at most (0: no cap).
+        name: the request id of turn 0, ``-t{t}`` appended after it; default ``g{g}-s{i}``.
     """
 
     def __init__(self, client: GenerationClient, tokenizer, decode: Callable[[list[int]], str], group_id: int,
                  index: int, seed: int, prompt_ids: Sequence[int], messages: list[dict[str, Any]],
                  sampling: dict[str, Any], server: int, max_new_tokens: int, max_turns: int,
-                 max_episode_tokens: int = 0):
+                 max_episode_tokens: int = 0, name: str | None = None):
         self.client, self.tokenizer, self.decode = client, tokenizer, decode
         self.group_id, self.index, self.seed = group_id, index, seed
+        self.name = name or f"g{group_id}-s{index}"
         self.prompt_ids, self.messages = list(prompt_ids), messages
         self._sampling, self._server = sampling, server
         self.max_new_tokens, self.max_turns, self.max_episode_tokens = max_new_tokens, max_turns, max_episode_tokens
@@ -116,13 +118,13 @@ class Episode:
             budget = min(budget, self.max_episode_tokens - (len(conv.ids) - conv.prompt_len))
         if t >= self.max_turns or budget < 1:
             self.stats["truncated"] = True
-            raise EpisodeTruncated(f"episode g{self.group_id}-s{self.index}: turn {t} would exceed "
+            raise EpisodeTruncated(f"episode {self.name}: turn {t} would exceed "
                                    f"max_turns {self.max_turns} or max_episode_tokens {self.max_episode_tokens}")
         seed = turn_seed(self.seed, t)
         sampling = {**self._sampling, "max_new_tokens": budget, "sampling_seed": seed}
         if stop:
             sampling["stop"] = list(stop)
-        rid = f"g{self.group_id}-s{self.index}" + (f"-t{t}" if t else "")
+        rid = self.name + (f"-t{t}" if t else "")
         out = await self.client.generate(list(conv.ids), sampling, rid=rid, server=self._server)
         if t:
             self.stats["later_prompt_tokens"] += out.prompt_tokens
@@ -152,7 +154,7 @@ class Episode:
         first, *rest = self.conversations
         plain = not rest and len(self.turns) == 1 and turn_rewards is None and all(first.loss_mask)
         if turn_rewards is not None and len(turn_rewards) != len(self.turns):
-            raise ValueError(f"episode g{self.group_id}-s{self.index}: {len(turn_rewards)} turn rewards for "
+            raise ValueError(f"episode {self.name}: {len(turn_rewards)} turn rewards for "
                              f"{len(self.turns)} model turns")
         finish = self.turns[-1].finish_reason if self.turns else "stop"
         stats = None if plain else EpisodeStats(

@@ -1,8 +1,9 @@
 """Greedy pass@1 on the first ``num_prompts`` prompts of the test split, one policy version at a time.
 
-One greedy response per prompt (temperature 0, ``sampling_seed`` 0), prompt j to server
-``j % num_servers``, all in flight at once. Invariant: every token's ``weight_version`` is the
-evaluated version, else ``MixedVersionError`` (when it runs: docs/metrics.md#evaluations).
+One greedy episode per prompt (temperature 0, seed 0) through the run's workflow, prompt j to server
+``j % num_servers`` (request id ``eval-{j}``), all in flight at once. Invariant: every token's
+``weight_version`` is the evaluated version, else ``MixedVersionError`` (when it runs:
+docs/metrics.md#evaluations).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from collections.abc import Callable
 
 from areal_async.data.prompts import PromptSet
 from areal_async.inference.interface import GenerationClient
+from areal_async.reward.math import extract_boxed
 from areal_async.reward.pool import RewardPool
+from areal_async.rollout.episode import Episode
+from areal_async.rollout.workflows import EpisodeItem, ToolLoop, Workflow
 
 
 class MixedVersionError(RuntimeError):
@@ -21,7 +25,8 @@ class MixedVersionError(RuntimeError):
 
 async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: RewardPool, num_prompts: int,
                    max_new_tokens: int, version: int,
-                   on_done: Callable[[], None] | None = None) -> dict[str, float]:
+                   on_done: Callable[[], None] | None = None, workflow: Workflow | None = None,
+                   max_turns: int = 1, max_episode_tokens: int = 0) -> dict[str, float]:
     """Greedy pass@1 of the served policy (version ``version``).
 
     Args:
@@ -34,6 +39,8 @@ async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: Reward
         max_new_tokens: response budget per prompt (``>= 1``).
         version: the policy version the servers hold for the whole evaluation.
         on_done: called once per scored prompt (progress display).
+        workflow: the episodes' workflow (``workflows.build_workflow(..., greedy=True)``); ``None``:
+            one answer per prompt. max_turns, max_episode_tokens: its limits (``rollout.*``).
 
     Returns:
         ``eval/pass@1`` (fraction correct), ``eval/response_len`` (mean output tokens),
@@ -48,22 +55,22 @@ async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: Reward
         raise ValueError(f"evaluate needs num_prompts >= 1 and max_new_tokens >= 1, got "
                          f"{num_prompts}, {max_new_tokens}")
     n = min(num_prompts, len(prompts))
-    sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "sampling_seed": 0,
-                "stop_token_ids": prompts.stop_token_ids}
-
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": prompts.stop_token_ids}
+    workflow = workflow or ToolLoop(rewards, prompts.task.reward_fn)
     seen: set[int] = set()  # weight versions of every token of every response
 
     async def one(j: int) -> tuple[bool, int, bool]:
         item = prompts.at(j)
-        out = await client.generate(item.prompt_ids, sampling, rid=f"eval-{j}",
-                                    server=j % len(client.urls))
-        seen.update(out.versions)
-        score = await rewards.score(prompts.task.reward_fn, prompts.decode(out.output_ids),
-                                    item.gold, prompt=prompts.task.messages(item.data_index),
-                                    item=item.row)
+        messages = prompts.task.messages(item.data_index)
+        ep = Episode(client, prompts.tokenizer, prompts.decode, -1, j, 0, item.prompt_ids, messages, sampling,
+                     server=j % len(client.urls), max_new_tokens=max_new_tokens, max_turns=max_turns,
+                     max_episode_tokens=max_episode_tokens, name=f"eval-{j}")
+        sample = await workflow(ep, EpisodeItem(messages, item.gold, item.row, item.data_index))
+        seen.update(v for turn in ep.turns for v in turn.versions)
         if on_done is not None:
             on_done()
-        return score.correct, len(out.output_ids), score.boxed
+        boxed = bool(ep.turns) and bool(extract_boxed(ep.turns[-1].text))
+        return sample.correct, sum(len(turn.ids) for turn in ep.turns), boxed
 
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(one(j)) for j in range(n)]

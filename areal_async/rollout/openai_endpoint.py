@@ -76,7 +76,7 @@ class RecordingEndpoint:
             return _error(400, str(exc))
         content = _trim(turn.text, stop)
         return httpx.Response(200, json={
-            "id": f"chatcmpl-g{ep.group_id}-s{ep.index}-t{turn.index}", "object": "chat.completion",
+            "id": f"chatcmpl-{ep.name}-t{turn.index}", "object": "chat.completion",
             "created": 0, "model": body.get("model") or "policy",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                          "finish_reason": turn.finish_reason, "logprobs": None}],

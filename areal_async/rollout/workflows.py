@@ -126,7 +126,7 @@ class EnvWorkflow:
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         env = self.env_class()
-        where = f"episode g{ep.group_id}-s{ep.index}"
+        where = f"episode {ep.name}"
         try:
             with ep.timed_env():
                 first = await _maybe(env.reset(item, ep.seed))
@@ -175,7 +175,7 @@ class OpenAIWorkflow:
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         from areal_async.rollout.openai_endpoint import RecordingEndpoint
 
-        where = f"episode g{ep.group_id}-s{ep.index}"
+        where = f"episode {ep.name}"
         endpoint = RecordingEndpoint(ep, self.temperature, self.top_p)
         try:
             async with endpoint.client() as client:
@@ -252,11 +252,12 @@ def _name(obj) -> str:
     return getattr(obj, "__qualname__", None) or type(obj).__name__
 
 
-def build_workflow(rollout, rewards, reward_fn) -> Workflow:
+def build_workflow(rollout, rewards, reward_fn, greedy: bool = False) -> Workflow:
     """The run's workflow: ``rollout.workflow`` loaded (``load_workflow``), else a ``ToolLoop``
-    over ``rollout.tools`` scored with ``reward_fn``."""
+    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0)."""
     if rollout.workflow:
-        return load_workflow(rollout.workflow, rollout.temperature, rollout.top_p)
+        return load_workflow(rollout.workflow, 0.0 if greedy else rollout.temperature,
+                             1.0 if greedy else rollout.top_p)
     tools = None
     if rollout.tools:
         from areal_async.tools import ToolSet

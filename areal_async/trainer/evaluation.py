@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from areal_async.config import Config
 from areal_async.inference.interface import GenerationClient
 from areal_async.progress import Progress, following, progress_mode
+from areal_async.rollout.workflows import build_workflow
 from areal_async.trainer.resume import has_eval_row
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ class Evaluations:
         self._eval, self._total_steps = cfg.eval, cfg.trainer.total_steps
         self._metrics_path = run_dir / "metrics.jsonl"
         self._client, self._prompts, self._rewards, self._logger = client, prompts, rewards, logger
+        self._rollout = cfg.rollout
+        self._workflow = build_workflow(cfg.rollout, rewards, prompts.task.reward_fn, greedy=True)
         self._running: asyncio.Task | None = None  # of start()
 
     async def evaluate(self, version: int, background: bool = False) -> None:
@@ -46,7 +49,9 @@ class Evaluations:
         with Progress(f"eval of version {version}", n, "prompts", mode=mode) as prog:
             async with following(prog):
                 result = await evaluate(self._client, self._prompts, self._rewards, e.num_prompts,
-                                        e.max_new_tokens, version, on_done=prog.update)
+                                        e.max_new_tokens, version, on_done=prog.update, workflow=self._workflow,
+                                        max_turns=self._rollout.max_turns,
+                                        max_episode_tokens=self._rollout.max_episode_tokens)
         self._logger.log(version, result)
 
     async def first(self, start: int) -> None:
