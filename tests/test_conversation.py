@@ -126,10 +126,11 @@ def test_earlier_reasoning_is_kept_as_sampled_when_the_template_strips_it(qwen_t
     stripped = FIRST + [{"role": "assistant", "content": "There are 3."}] + asked
     assert conv.extension(stripped) is None
     conv.add_sampled(*sample(tok, "Two pears."))
-    same = FIRST + [{"role": "assistant", "content": thought}] + asked + [{"role": "assistant", "content": "Two pears."}]
+    pears = [{"role": "assistant", "content": "Two pears."}]
+    same = FIRST + [{"role": "assistant", "content": thought}] + asked + pears
     new = [{"role": "user", "content": "Thanks."}]
     assert conv.extension(same + new) == new
-    assert conv.extension(stripped + [{"role": "assistant", "content": "Two pears."}] + new) is None
+    assert conv.extension(stripped + pears + new) is None
 
 
 def test_sampled_ids_and_per_token_fields_are_kept_token_for_token(chatml_tok):
@@ -186,8 +187,8 @@ def test_extension_compares_messages_field_by_field(chatml_tok):
     new = [{"role": "user", "content": "More?"}]
     assert conv.extension(FIRST) == [] and conv.extension(FIRST + new) is None  # nothing sampled yet
     conv.add_sampled(*sample(tok, "Three."))
-    given = [dict(m, name=None) for m in FIRST] + [{"role": "assistant", "content": [{"type": "text", "text": "Three."}],
-                                                    "tool_calls": None}]
+    parts = [{"type": "text", "text": "Three."}]
+    given = [dict(m, name=None) for m in FIRST] + [{"role": "assistant", "content": parts, "tool_calls": None}]
     assert conv.extension(given + new) == new  # None-valued keys and text parts compare equal
     assert conv.extension(FIRST + [{"role": "assistant", "content": "Three!"}] + new) is None
     assert conv.extension(FIRST[1:] + [{"role": "assistant", "content": "Three."}] + new) is None
@@ -216,3 +217,19 @@ def test_given_prompt_ids_are_used_as_is(chatml_tok):
     conv.add_messages([{"role": "user", "content": "More?"}])
     assert conv.ids[:len(given)] == given and conv.prompt_len == len(given)
     assert conv.ids[1:] == rendered(tok, conv.messages)
+
+
+def test_template_arguments_reach_every_rendering(qwen_tok):
+    """``enable_thinking=False`` puts an empty think block in the prompt's and every later
+    generation prompt. (A full re-render drops the earlier one, which the engine was given.)"""
+    tok, kw = qwen_tok, {"enable_thinking": False}
+    conv = Conversation(tok, FIRST, chat_template_kwargs=kw)
+    assert conv.ids == list(tok.apply_chat_template(FIRST, tokenize=True, add_generation_prompt=True,
+                                                    return_dict=False, **kw))
+    assert tok.decode(conv.ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    turn = sample(tok, "<tool_call>count</tool_call>", ended=False)
+    conv.add_sampled(*turn)
+    added = conv.add_messages([{"role": "tool", "content": "3"}])
+    assert tok.decode(added) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
+                                 "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert conv.ids == conv.ids[:conv.prompt_len] + turn.ids + added
