@@ -14,6 +14,7 @@
 - ``parity_reward``: a reward a random model earns half the time (named by dotted path in configs).
 - ``sglang_ref``: running SGLang's own code in ``.venv-sglang``.
 - ``reward_forms``: reward functions of each signature, named by dotted path in reward tests.
+- ``chat_templates``: a Qwen3-shaped chat template (tool results grouped, earlier reasoning dropped).
 
 A free port: ``areal_async.devices.free_port``.
 
