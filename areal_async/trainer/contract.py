@@ -1,6 +1,7 @@
 """The deterministic-mode contract on every batch (docs/determinism.md#how): ``check_batch`` raises
 ``ContractViolation`` on a broken one; ``dump_batch`` writes its deterministic content as one JSON
-line (ids, behaviour log-probs as exact floats, rewards, versions, seeds) for run-to-run comparison."""
+line (ids, behaviour log-probs as exact floats, rewards, versions, seeds; an episode's segments too)
+for run-to-run comparison."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import IO
 
 from areal_async.queue.staleness import group_version
 from areal_async.types import Sample, Trajectory, sample_seed
+
+
+SEGMENT_FIELDS = ("prompt_ids", "output_ids", "behav_logprobs", "versions", "loss_mask", "turn_spans")
 
 
 class ContractViolation(AssertionError):
@@ -37,7 +41,7 @@ def check_batch(trajs: list[Trajectory], step: int, batch_size: int, max_stalene
             if s.seed != sample_seed(run_seed, g, s.index):
                 raise ContractViolation(f"sample ({g}, {s.index}) has seed {s.seed}, "
                                         f"expected {sample_seed(run_seed, g, s.index)}")
-            versions = set(s.versions.numpy()[s.sampled()].tolist())  # -1 where not sampled
+            versions = set(s.sampled_versions().tolist())  # every sequence's; -1 where not sampled
             if versions - {want_v}:
                 raise ContractViolation(f"sample ({g}, {s.index}) has tokens of versions "
                                         f"{sorted(versions)}; v(g) = {want_v}")
@@ -51,12 +55,18 @@ def dump_batch(out: IO[str], step: int, trajs: list[Trajectory]) -> None:
             "index": s.index, "seed": s.seed, "output_ids": s.output_ids.tolist(),
             "behav_logprobs": s.behav_logprobs.tolist(), "versions": s.versions.tolist(),
             "finish_reason": s.finish_reason, "reward": s.reward, "correct": s.correct,
-        } | _turn_fields(s) for s in t.samples],
+        } | _episode_fields(s) for s in t.samples],
     } for t in trajs]
     out.write(json.dumps({"step": step, "groups": groups}) + "\n")
     out.flush()
 
 
-def _turn_fields(s: Sample) -> dict:
-    """An episode's loss mask and turns, where the sample has them (a single response has none)."""
-    return {k: getattr(s, k).tolist() for k in ("loss_mask", "turn_spans", "turn_rewards") if getattr(s, k) is not None}
+def _episode_fields(s: Sample) -> dict:
+    """An episode's loss mask, turns and segments, where the sample has them (a single response has
+    none)."""
+    out = {k: getattr(s, k).tolist() for k in ("loss_mask", "turn_spans", "turn_rewards") if getattr(s, k) is not None}
+    if s.segments:
+        out["segments"] = [{k: getattr(seg, k).tolist() for k in SEGMENT_FIELDS if getattr(seg, k) is not None}
+                           for seg in s.segments]
+    return out
+

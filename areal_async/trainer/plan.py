@@ -13,6 +13,7 @@ predicts token ``t+1``; output token ``j``'s loss fields sit at ``P-1+j``. Why: 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -25,19 +26,22 @@ from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.tree_paths import tree_attention_choice
 from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, assign_to_ranks, pack_sequences
 from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
-from areal_async.types import Sample, Trajectory
+from areal_async.types import Sample, Segment, Trajectory
 
 LOSS_FIELDS = ("behav_logprobs", "advantages", "loss_mask")
 
 
 @dataclasses.dataclass
 class SeqTensors:
-    """One sequence ``prompt + output_ids`` aligned to next-token positions (all ``[L]``)."""
+    """One sequence ``prompt + output_ids`` aligned to next-token positions (all ``[L]``);
+    ``episode``: its sample's index in the batch order (groups by id, samples by index), shared by
+    the episode's sequences."""
 
     ids: list[int]
     behav_logprobs: Tensor  # float32, log π_behav of token t+1 at position t (0 off the mask)
     loss_mask: Tensor  # bool
     advantages: Tensor  # float32
+    episode: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +102,9 @@ def make_plan(trajs: list[Trajectory], algo: AlgoConfig, trainer: TrainerConfig,
     n_groups, n_mini = len(trajs), algo.ppo_minibatches
     if not 1 <= n_mini <= n_groups:
         raise ValueError(f"algo.ppo_minibatches={n_mini} must be in [1, groups per batch = {n_groups}]")
-    per_group = len(seqs) // n_groups
-    bounds = [round(i * n_groups / n_mini) * per_group for i in range(n_mini + 1)]
+    # minibatch m: groups [round(m·G/n), round((m+1)·G/n)), i.e. their episodes' sequences
+    per_group, episodes = len(trajs[0].samples), [s.episode for s in seqs]
+    bounds = [bisect.bisect_left(episodes, round(i * n_groups / n_mini) * per_group) for i in range(n_mini + 1)]
     # skipping is exact only while nothing in the loss is non-zero at A = 0 (config rejects kl_coef ≠ 0)
     skip = trainer.skip_zero_advantage and algo.kl_coef == 0.0
     share = trainer.share_prefixes
@@ -119,17 +124,21 @@ def make_plan(trajs: list[Trajectory], algo: AlgoConfig, trainer: TrainerConfig,
 
 
 def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensors]:
-    """Token tensors of every sample of every group, groups in id order, samples in index order.
+    """Token tensors of every sequence of every sample of every group: groups in id order, samples
+    in index order, a sample's first sequence then its segments in order (``SeqTensors.episode``
+    names the sample).
 
-    A sample's sequence is ``prompt + output_ids``; its sampled tokens (``Sample.sampled()``: a
-    response's every token, an episode's model turns) are its loss tokens, the others (prompt,
+    A sample's first sequence is ``prompt + output_ids``, a segment's ``segment.prompt_ids +
+    segment.output_ids``; its sampled tokens (``Sample.sampled()`` / ``Segment.sampled()``: a
+    response's every token, an episode's model turns) are its loss tokens, the others (prompts,
     tool results, environment and template tokens) get loss mask 0, behaviour log-prob 0 and
-    advantage 0, however many of them sit between the turns. A loss token gets its sample's group
-    advantage (``algo.std_norm``, ``algo.batch_norm``) over the group's episode returns: with
-    per-turn rewards and ``algo.turn_rewards = "sum"`` (the default) the return is the episode
-    reward plus their sum; with ``"reward_to_go"`` the return is the episode reward and a loss token
-    also gets its turn's ``turn_advantages`` (not batch-normalised). Without per-turn rewards the
-    advantages are exactly the single-response ones.
+    advantage 0, however many of them sit between the turns. A loss token of any sequence of an
+    episode gets the episode's group advantage (``algo.std_norm``, ``algo.batch_norm``) over the
+    group's episode returns: with per-turn rewards and ``algo.turn_rewards = "sum"`` (the
+    default) the return is the episode reward plus their sum; with ``"reward_to_go"`` the return is
+    the episode reward and a loss token also gets its turn's ``turn_advantages`` (not
+    batch-normalised; the episode's turns in order: the first sequence's, then each segment's).
+    Without per-turn rewards the advantages are exactly the single-response ones.
 
     Raises:
         ValueError: groups of different sizes (advantages are normalised per group), or a sample
@@ -156,20 +165,30 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
     to_go = {} if summed else _turn_advantages(samples, group_size)
     out = []
     for j, ((traj, s), a) in enumerate(zip(samples, adv.tolist())):
-        prompt, resp = traj.prompt_ids.tolist(), s.output_ids.tolist()
-        n_p, n_r = len(prompt), len(resp)
-        assert n_p >= 1, f"group {traj.group_id} has an empty prompt"
-        length = n_p + n_r
-        mask = torch.zeros(length, dtype=torch.bool)
-        mask[n_p - 1 : length - 1] = torch.from_numpy(s.sampled())  # position t predicts token t+1
-        behav = torch.zeros(length, dtype=torch.float32)
-        behav[n_p - 1 : length - 1] = torch.from_numpy(s.behav_logprobs.numpy().astype("float32"))
-        advantages = torch.where(mask, a, 0.0)
-        if j in to_go:
-            for (start, end), turn_adv in zip(s.turn_spans.numpy().tolist(), to_go[j]):
-                advantages[n_p - 1 + start : n_p - 1 + end] += turn_adv
-        out.append(SeqTensors(prompt + resp, behav, mask, torch.where(mask, advantages, 0.0)))
+        turns = iter(to_go.get(j, ()))
+        for prompt_ids, seq in [(traj.prompt_ids, s)] + [(seg.prompt_ids, seg) for seg in s.segments]:
+            out.append(_sequence(traj.group_id, prompt_ids.tolist(), seq, a, turns if j in to_go else None, j))
     return out
+
+
+def _sequence(group_id: int, prompt: list[int], seq: Sample | Segment, a: float, turns: Iterator[float] | None,
+              episode: int) -> SeqTensors:
+    """One sequence ``prompt + seq.output_ids``: advantage ``a`` on its sampled tokens, plus, with
+    ``turns`` (the episode's remaining per-turn advantages), the next one per span of
+    ``seq.turn_spans``."""
+    resp = seq.output_ids.tolist()
+    n_p, n_r = len(prompt), len(resp)
+    assert n_p >= 1, f"group {group_id} has an empty prompt"
+    length = n_p + n_r
+    mask = torch.zeros(length, dtype=torch.bool)
+    mask[n_p - 1 : length - 1] = torch.from_numpy(seq.sampled())  # position t predicts token t+1
+    behav = torch.zeros(length, dtype=torch.float32)
+    behav[n_p - 1 : length - 1] = torch.from_numpy(seq.behav_logprobs.numpy().astype("float32"))
+    advantages = torch.where(mask, a, 0.0)
+    if turns is not None:
+        for (start, end), turn_adv in zip(seq.turn_spans.numpy().tolist(), turns):
+            advantages[n_p - 1 + start : n_p - 1 + end] += turn_adv
+    return SeqTensors(prompt + resp, behav, mask, torch.where(mask, advantages, 0.0), episode)
 
 
 def _turn_advantages(samples: list[tuple[Trajectory, Sample]], group_size: int) -> dict[int, list[float]]:

@@ -26,9 +26,9 @@ class Timer:
 
 
 def sample_version(traj: Trajectory, sample: Sample) -> int:
-    """Version of a sample = the oldest version of its sampled tokens (docs/design.md, Staleness;
-    for one response, whose versions never decrease, its first token's); a sample with no sampled
-    token counts with its group's oldest version."""
+    """Version of a sample = the oldest version of its sampled tokens, segments included
+    (docs/design.md, Staleness; for one response, whose versions never decrease, its first
+    token's); a sample with no sampled token counts with its group's oldest version."""
     version = sample.oldest_version()
     return traj.min_version() if version is None else version
 
@@ -37,18 +37,18 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
     """``rollout/*`` and ``staleness/*`` of the batch consumed by training step ``step``.
 
     ``rollout/reward`` is the mean scaled reward; ``correct`` the verifier's accept rate;
-    ``response_len`` mean sampled tokens per sample; ``no_eos_ratio`` the fraction of samples that
-    did not end with a stop token; ``tokens_per_s`` the batch's sampled tokens over the step's wall time
-    (in steady state, the generation rate that kept up with training); ``multi_version_frac``
-    the fraction of samples whose sampled tokens span more than one policy version (generations
-    interrupted by a weight update and resumed under the next; 0 with
+    ``response_len`` mean sampled tokens per sample (all its sequences); ``no_eos_ratio`` the
+    fraction of samples that did not end with a stop token; ``tokens_per_s`` the batch's sampled
+    tokens over the step's wall time (in steady state, the generation rate that kept up with
+    training); ``multi_version_frac`` the fraction of samples whose sampled tokens span more than
+    one policy version (generations interrupted by a weight update and resumed under the next; 0 with
     ``rollout.interrupt_on_update=false``). Staleness of a sample is ``step - version(sample)``;
     ``staleness/hist`` lists them (one per sample), ``version(sample)`` its oldest sampled token's.
     """
     samples = [(t, s) for t in trajs for s in t.samples]
     n = max(len(samples), 1)
-    lengths = [int(s.sampled().sum()) for _, s in samples]  # sampled tokens (a response: all)
-    versions = [s.versions.numpy()[s.sampled()].tolist() for _, s in samples]  # sampled tokens only
+    versions = [s.sampled_versions().tolist() for _, s in samples]  # sampled tokens of every sequence
+    lengths = [len(v) for v in versions]  # sampled tokens (a response: all)
     staleness = [step - sample_version(t, s) for t, s in samples]
     return {
         "rollout/reward": sum(s.reward for _, s in samples) / n,
