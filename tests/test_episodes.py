@@ -66,12 +66,13 @@ def item():
 def assert_token_identity(sample, prompt, calls):
     """Every call's input is the sequence so far; its output sits right after it, mask 1 there."""
     seq = prompt + sample.output_ids.tolist()
-    mask = np.concatenate([np.zeros(len(prompt)), sample.sampled().astype(float)])
+    produced = np.zeros(len(seq), dtype=bool)
     for rid, inputs, _, outputs in calls:
         n = len(inputs)
         assert seq[:n] == inputs, f"{rid}: the engine consumed other ids than the trainer's sequence"
         assert seq[n:n + len(outputs)] == outputs, f"{rid}: the engine's ids are not the trainer's"
-        assert mask[n:n + len(outputs)].all() and not mask[:n][len(prompt):].all() or len(calls) == 1
+        produced[n:n + len(outputs)] = True
+    assert (produced[len(prompt):] == sample.sampled()).all(), "the loss mask is not the engine's sampled tokens"
     sampled = sample.sampled()
     assert (sample.versions.numpy()[~sampled] == -1).all() and (sample.behav_logprobs.numpy()[~sampled] == 0).all()
     assert sampled.sum() == sum(len(out) for *_, out in calls)
