@@ -86,7 +86,7 @@ _main()
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
     """Limits: ``timeout_s`` wall seconds, ``cpu_s`` CPU seconds (default: ``timeout_s`` rounded
-    up), ``memory_mb`` address space in MiB, ``max_output_bytes`` stdout+stderr bytes kept,
+    up, plus 1, so that the wall clock ends a busy loop first), ``memory_mb`` address space in MiB, ``max_output_bytes`` stdout+stderr bytes kept,
     ``max_file_bytes`` size of any file written, ``max_code_bytes`` size of the code."""
 
     timeout_s: float = 10.0
@@ -151,6 +151,20 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, out: bytearray) -
             return True
 
 
+async def _reap(proc: asyncio.subprocess.Process, timeout_s: float) -> int | None:
+    """``proc``'s exit status, or ``None`` after ``timeout_s``. asyncio's ``wait()`` returns once
+    the stdout pipe is closed too, so what a flood left in it is read and dropped."""
+
+    async def drain():
+        while await proc.stdout.read(65536):
+            pass
+
+    try:
+        return (await asyncio.wait_for(asyncio.gather(drain(), proc.wait()), timeout_s))[1]
+    except asyncio.TimeoutError:
+        return None
+
+
 async def run_python(code: str, seed: int = 0, limits: SandboxLimits | None = None) -> SandboxResult:
     """Run ``code`` in a limited subprocess with ``random.seed(seed)`` and
     ``PYTHONHASHSEED=seed mod 2**32``; the result's ``error`` says how it ended.
@@ -165,7 +179,7 @@ async def run_python(code: str, seed: int = 0, limits: SandboxLimits | None = No
     workdir = tempfile.mkdtemp(prefix="areal-sandbox-")
     env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
            "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": str(seed % 2**32), "PYTHONIOENCODING": "utf-8"}
-    cpu_s = limits.cpu_s if limits.cpu_s is not None else max(1, math.ceil(limits.timeout_s))
+    cpu_s = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
     argv = [sys.executable, "-s", "-P", "-B", "-u", "-c", RUNNER, str(seed), str(cpu_s),
             str(limits.memory_mb << 20), str(limits.max_file_bytes)]
     proc = None
@@ -196,22 +210,22 @@ async def run_python(code: str, seed: int = 0, limits: SandboxLimits | None = No
             error = "timeout"
         if error is not None:
             _kill_group(proc.pid)
-        try:
-            remaining = max(0.1, limits.timeout_s - (time.monotonic() - start))
-            status = await asyncio.wait_for(proc.wait(), remaining if error is None else _KILL_GRACE_S)
-        except asyncio.TimeoutError:  # stdout closed but the process lingers
+        remaining = max(0.1, limits.timeout_s - (time.monotonic() - start))
+        status = await _reap(proc, remaining if error is None else _KILL_GRACE_S)
+        if status is None:  # stdout closed but the process lingers
             _kill_group(proc.pid)
             error = error or "timeout"
-            try:
-                status = await asyncio.wait_for(proc.wait(), _KILL_GRACE_S)
-            except asyncio.TimeoutError:
-                status = None
+            status = await _reap(proc, _KILL_GRACE_S)
         text = bytes(out[:limits.max_output_bytes]).decode("utf-8", "replace")
         if len(out) > limits.max_output_bytes:
             text += TRUNCATED.format(n=limits.max_output_bytes)
         kind = error or (_error_kind(status) if status is not None else "killed")
         return SandboxResult(text, kind, status, time.monotonic() - start)
     finally:
-        if proc is not None and proc.returncode is None:
+        if proc is not None and proc.returncode is None:  # cancelled, or never reaped
             _kill_group(proc.pid)
+            try:
+                await _reap(proc, _KILL_GRACE_S)
+            except asyncio.CancelledError:
+                pass
         _remove_tree(workdir)
