@@ -116,21 +116,25 @@ def test_sandbox_runs_code_and_reports_a_raise():
     assert bad.stdout.rstrip().endswith("ZeroDivisionError: division by zero")
 
 
+def processes_left(pid: int) -> list[str]:
+    """Processes whose pid, process group or session id is ``pid`` (the child leads a new group
+    and session), from ``/proc``."""
+    left = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # fields[2]: pgid, fields[3]: sid
+        except OSError:
+            continue
+        if stat.parent.name == str(pid) or int(fields[2]) == pid or int(fields[3]) == pid:
+            left.append(stat.parent.name)
+    return left
+
+
 def test_sandbox_kills_a_hanging_process_group_on_timeout():
     result = sandbox("import os, time\nprint(os.getpid(), flush=True)\nwhile True: time.sleep(0.01)")
     assert result.error == "timeout"
     assert result.seconds < FAST.timeout_s + 1.0
-    pid = int(result.stdout.split()[0])
-    # the child led its own session: no process of that session (or that pid) is left
-    left = []
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == pid or stat.parent.name == str(pid):  # fields[3]: the session id
-            left.append(stat.parent.name)
-    assert left == []
+    assert processes_left(int(result.stdout.split()[0])) == []
 
 
 def test_sandbox_cuts_an_output_flood():
@@ -154,7 +158,8 @@ def test_sandbox_refuses_network():
     listener = socket.create_server(("127.0.0.1", 0))
     try:
         port = listener.getsockname()[1]
-        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=0.5)\nprint('connected')"
+        code = (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
+                "print('connected')")
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()  # reachable from here
         result = sandbox(code)
     finally:
@@ -172,32 +177,34 @@ def test_sandbox_refuses_processes_and_signals():
 
 
 def test_sandbox_is_deterministic_per_seed():
-    code = "import random\nprint(random.random(), random.randint(0, 10**9), hash('abc'), list({'a', 'b', 'c', 'd'}))"
+    code = ("import random\n"
+            "print(random.random(), random.randint(0, 10**9), hash('abc'), list({'a', 'b', 'c', 'd'}))")
     first, again, other = sandbox(code, seed=3), sandbox(code, seed=3), sandbox(code, seed=4)
     assert first.error is None and first.stdout == again.stdout
     assert other.stdout != first.stdout
 
 
-def test_sandbox_isolation():
-    os.environ["AREAL_TOOLS_SECRET"] = "x"
-    try:
-        result = sandbox("import os, sys\nprint(os.getcwd())\nprint(sorted(os.environ))\n"
-                         "open('f.txt', 'w').write('hi')\nprint(sys.flags.no_user_site, sys.flags.safe_path)")
-    finally:
-        del os.environ["AREAL_TOOLS_SECRET"]
+def test_sandbox_isolation(monkeypatch):
+    monkeypatch.setenv("AREAL_TOOLS_SECRET", "x")
+    result = sandbox("import os, sys\nprint(os.getcwd())\nprint(sorted(os.environ))\n"
+                     "open('f.txt', 'w').write('hi')\nprint(sys.flags.no_user_site, sys.flags.safe_path)")
     cwd, env, flags = result.stdout.splitlines()
     assert "AREAL_TOOLS_SECRET" not in env and "PYTHONHASHSEED" in env
     assert flags == "1 True"
     assert not os.path.exists(cwd)  # the working directory is removed afterwards
-    big = sandbox("open('f', 'wb').write(b'x' * (2 << 20))", limits=SandboxLimits(timeout_s=1, max_file_bytes=1 << 20))
+    big = sandbox("open('f', 'wb').write(b'x' * (2 << 20))",
+                  limits=SandboxLimits(timeout_s=1, max_file_bytes=1 << 20))
     assert big.error == "raised" and "File too large" in big.stdout
 
 
-def test_sandbox_kills_on_cancellation():
+def test_sandbox_kills_on_cancellation(tmp_path):
+    pid_file = tmp_path / "pid"
+
     async def cancel():
-        task = asyncio.create_task(run_python("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(30)",
-                                              0, SandboxLimits(timeout_s=30)))
-        await asyncio.sleep(0.5)
+        code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(30)"
+        task = asyncio.create_task(run_python(code, 0, SandboxLimits(timeout_s=30)))
+        while not pid_file.exists() or not pid_file.read_text():
+            await asyncio.sleep(0.02)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -205,6 +212,7 @@ def test_sandbox_kills_on_cancellation():
     start = time.monotonic()
     asyncio.run(cancel())
     assert time.monotonic() - start < 5
+    assert processes_left(int(pid_file.read_text())) == []
 
 
 # --- the tag format and the registry ------------------------------------------------------------
@@ -263,7 +271,8 @@ def test_run_python_results_become_observations():
     assert run(ToolCall("python", "print(1+2)")).output == "3"
     assert run(ToolCall("python", "x = 1")).output == "(no output)"
     raised = run(ToolCall("python", "raise ValueError('boom')"))
-    assert raised.error == "raised" and raised.output.startswith("error: the program failed (exit status 1)")
+    assert raised.error == "raised"
+    assert raised.output.startswith("error: the program failed (exit status 1)")
     assert raised.output.endswith("ValueError: boom")
     hung = run(ToolCall("python", "while True: pass"))
     assert hung.error == "timeout" and hung.output == "error: timed out after 1.0 s"

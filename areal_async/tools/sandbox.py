@@ -1,7 +1,7 @@
 """Python code run in a limited subprocess: ``await run_python(code, seed, limits)``.
 
 The child is ``sys.executable -s -P -B -u -c RUNNER`` (isolated as ``-I`` is, but with ``-E``
-left out so that ``PYTHONHASHSEED`` is honoured) in its own session (process group), a fresh
+left out so that ``PYTHONHASHSEED`` is honoured) leading a new process group, in a fresh
 temporary working directory (removed afterwards) and a minimal environment. ``RUNNER`` reads the
 code from stdin, then, before the code runs: sets RLIMIT_CPU, RLIMIT_AS and RLIMIT_FSIZE; tries
 ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` (no network at all where permitted); installs an audit
@@ -14,8 +14,9 @@ read up to ``max_output_bytes``.
 ``SandboxResult.error``: ``None`` (exit status 0), ``"raised"`` (an exception or a nonzero exit),
 ``"memory"`` (MemoryError under RLIMIT_AS), ``"timeout"`` (wall clock), ``"output_limit"``,
 ``"cpu_time"`` (SIGXCPU), ``"killed"`` (another signal, or never reaped), ``"code_size"`` (over
-``max_code_bytes``, not run), ``"start"`` (the interpreter could not be started). On timeout, output flood or cancellation the whole
-process group gets SIGKILL. ``run_python`` never raises for the code's own failure.
+``max_code_bytes``, not run), ``"start"`` (the interpreter could not be started). On timeout,
+output flood or cancellation the whole process group gets SIGKILL. ``run_python`` never raises
+for the code's own failure.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ _main()
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
     """Limits: ``timeout_s`` wall seconds, ``cpu_s`` CPU seconds (default: ``timeout_s`` rounded
-    up, plus 1, so that the wall clock ends a busy loop first), ``memory_mb`` address space in MiB, ``max_output_bytes`` stdout+stderr bytes kept,
-    ``max_file_bytes`` size of any file written, ``max_code_bytes`` size of the code."""
+    up, plus 1, so that the wall clock ends a busy loop first), ``memory_mb`` address space in
+    MiB, ``max_output_bytes`` stdout+stderr bytes kept, ``max_file_bytes`` size of any file
+    written, ``max_code_bytes`` size of the code."""
 
     timeout_s: float = 10.0
     cpu_s: int | None = None

@@ -12,8 +12,9 @@ registered tool after it is never closed (the turn ends inside a call).
 
 ``await ToolSet.run(call, seed)`` never raises for a tool's failure: the result's ``output`` is
 the tool's text (``(no output)`` for a silent program), or ``error: ...`` with ``error`` the kind
-(``"tool"`` for a refused input or an unknown name, else the sandbox's kinds). ``ToolResult.message()`` is the observation as a chat
-message: ``{"role": "tool", "content": "<result>\\nOUTPUT\\n</result>"}``.
+(``"tool"`` for a refused input or an unknown name, else the sandbox's kinds).
+``ToolResult.message()`` is the observation as a chat message:
+``{"role": "tool", "content": "<result>\\nOUTPUT\\n</result>"}``.
 """
 
 from __future__ import annotations
