@@ -171,7 +171,7 @@ def test_sandbox_refuses_network():
 
 def test_sandbox_refuses_processes_and_signals():
     for code in ("import os; os.system('true')", "import subprocess", "import os; os.fork()",
-                 "import os; os.kill(os.getppid(), 9)"):
+                 "import os; os.kill(os.getpid(), 0)"):  # signal 0: harmless if it got through
         result = sandbox(code)
         assert result.error == "raised" and "refused in the sandbox" in result.stdout, code
 
