@@ -1,0 +1,26 @@
+"""A generation client that answers from a script: turn t of every episode gets ``replies[t]``,
+encoded with the tokenizer (the engine's ids; an end-of-turn token appended when the reply does
+not end on one of the request's stop strings), log-probs -0.5 and version ``version``."""
+
+from __future__ import annotations
+
+from areal_async.inference.client import GenResult
+
+
+class ScriptedClient:
+    urls = ["scripted://0"]
+
+    def __init__(self, tokenizer, replies: list[str], version: int = 0):
+        self.tokenizer, self.replies, self.version = tokenizer, replies, version
+        self.calls: list[tuple[str, list[int], dict]] = []
+
+    async def generate(self, input_ids, sampling, rid, server=None, session=None) -> GenResult:
+        t = int(rid.rsplit("-t", 1)[1]) if "-t" in rid else 0
+        text = self.replies[t]
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        stopped = any(text.endswith(s) for s in sampling.get("stop", []))
+        if not stopped:
+            ids.append(self.tokenizer.eos_token_id)
+        ids = ids[:sampling["max_new_tokens"]]
+        self.calls.append((rid, list(input_ids), dict(sampling)))
+        return GenResult(ids, [-0.5] * len(ids), [self.version] * len(ids), "stop", prompt_tokens=len(input_ids))
