@@ -214,3 +214,44 @@ def test_load_workflow_reads_the_shape_and_names_the_fix(tmp_path, monkeypatch):
         load_workflow("my_flows.run", 1.0, 1.0)
     with pytest.raises(ValueError, match="cannot be imported"):
         load_workflow("my_flows:missing", 1.0, 1.0)
+
+
+def test_versions_and_masks_stay_aligned_over_an_episode_interrupted_by_two_weight_updates(tiny_model_dir, tmp_path):
+    # The environment has the server load new weights (a perturbed copy, versions 1 and 2) after
+    # turns 0 and 1: each turn's tokens carry the version that sampled them, -1 between turns, and
+    # the episode's staleness counts from its oldest sampled token (version 0).
+    from tests.support.models import perturbed
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    paths = []
+    for v in (1, 2):
+        model = perturbed(tiny_model_dir, seed=v)
+        model.save_pretrained(tmp_path / f"v{v}")
+        tok.save_pretrained(tmp_path / f"v{v}")
+        paths.append(str(tmp_path / f"v{v}"))
+
+    class UpdatingEnv:
+        def reset(self, item, seed):
+            return None
+
+        async def step(self, action):
+            if action.turn < 2:
+                await held["client"].update_weights_from_disk(0, paths[action.turn], action.turn + 1)
+            return [{"role": "user", "content": "go on"}], 0.0, action.turn == 2
+
+    held = {}
+
+    async def main():
+        async with engine_client(tiny_model_dir) as c:
+            held["client"] = c
+            ep = episode(c, tok)
+            return ep, await EnvWorkflow(UpdatingEnv)(ep, item()), c.calls
+
+    ep, sample, calls = asyncio.run(main())
+    assert_token_identity(sample, ep.prompt_ids, calls)
+    versions = sample.versions.tolist()
+    for t, (a, b) in enumerate(sample.turn_spans.tolist()):
+        assert versions[a:b] == [t] * (b - a), f"turn {t}'s tokens are not all of version {t}"
+    outside = [v for k, v in enumerate(versions) if not sample.sampled()[k]]
+    assert outside and set(outside) == {-1}
+    assert sample.oldest_version() == 0 and sample.sampled_versions().max() == 2
