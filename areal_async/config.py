@@ -459,6 +459,9 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]; 1.0 keeps the whole vocabulary")
     if r.top_k == 0 or r.top_k < -1:
         raise ValueError(f"rollout.top_k={r.top_k} must be -1 (the whole vocabulary) or >= 1")
+    if r.workflow and r.tools:
+        raise ValueError(f"rollout.tools={list(r.tools)} are the default workflow's; rollout.workflow="
+                         f"{r.workflow!r} runs its own (areal_async.tools from its code): set rollout.tools=[]")
     if r.n_samples < 2:
         raise ValueError(f"rollout.n_samples={r.n_samples}: GRPO normalises rewards within a group, so one "
                          f"sample per prompt gives every advantage 0; use rollout.n_samples >= 2")

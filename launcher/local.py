@@ -197,6 +197,10 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
         print(f"[launcher] warning: {sparse_eval_warning(cfg)}", file=sys.stderr, flush=True)
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
+    if cfg.rollout.workflow:
+        from areal_async.rollout.workflows import load_workflow
+
+        load_workflow(cfg.rollout.workflow, cfg.rollout.temperature, cfg.rollout.top_p)  # the same, for the episode
     cfg = resolve_dtypes(cfg, cuda)
     cfg = resolve_tree_attention(cfg, cuda)  # a ValueError naming the fix
     chosen = keys_to_choose(cfg, resume)  # resume: the stopped job's chosen ports may be taken by now
