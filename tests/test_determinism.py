@@ -22,46 +22,18 @@ its 150 s bound; without the failover the worker dies at every try. A ``--resume
 trains groups 0..N-1 exactly once each.
 """
 
-import asyncio
 import functools
 import json
 import os
 import pathlib
 import re
 import subprocess
-import time
-import urllib.request
 
 import pytest
 
 from tests.support import REPO
+from tests.support.chaos import CHAOS_TOKEN, FAULT_KEYS, generating, holding, pids, start_chaos_job, wait
 from tests.support.jobs import STEPS, fingerprint, job_argv, run_job, stop_and_read
-
-CHAOS_TOKEN = "chaos-test-token"  # the job's token, given to the launcher, so a test can ask the queue
-
-
-def _start_chaos_job(model_dir: pathlib.Path, root: pathlib.Path, name: str, extra: tuple[str, ...]):
-    """Start a deterministic 4-step job under ``root`` (``extra``: more overrides) and wait for its
-    step 0; returns (root, run directory, its output file, the launcher process)."""
-    out = (root / "launcher.out").open("w+")
-    proc = subprocess.Popen(job_argv(model_dir, root, name, "deterministic", 3, extra=extra), cwd=REPO, stdout=out,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "AREAL_ASYNC_TOKEN": CHAOS_TOKEN})
-    metrics = root / name / "metrics.jsonl"
-    try:
-        _wait("step 0", lambda: metrics.exists() and "train/loss" in metrics.read_text(), 150, proc)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return root, root / name, out, proc
-
-
-def generating(url: str, token: str) -> bool:
-    """Whether the server at ``url`` runs a request now: a generation is in flight there."""
-    ask = urllib.request.Request(f"{url}/get_server_info", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(ask, timeout=5) as resp:
-        return json.load(resp)["internal_states"][0]["num_running_reqs"] > 0
-
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
@@ -98,33 +70,6 @@ def test_throughput_runs_differ_under_jitter(runs):
     assert differ["trajectories"] and differ["weights"]
 
 
-# Counters of the restart itself: 0 in an undisturbed run, what the fault changed on purpose.
-FAULT_KEYS = {"queue/released", "queue/requeued", "rollout/worker_restarts", "rollout/server_failures",
-              "rollout/server_restarts"}
-
-
-def _pids(config_path: pathlib.Path, module: bytes = b"areal_async.rollout.worker") -> list[int]:
-    """Processes whose command line runs ``module`` on ``config_path``, or (a server, which takes
-    no config) with ``config_path`` as its ``--port``."""
-    pids = []
-    for d in pathlib.Path("/proc").iterdir():
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # not a process, or it just ended
-            continue
-        if module in argv and str(config_path).encode() in argv:
-            pids.append(int(d.name))
-    return pids
-
-
-def _wait(what: str, ready, timeout_s: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert proc.poll() is None, f"the job ended ({proc.returncode}) while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def killed_run(tiny_model_dir, tmp_path_factory):
     """One worker (the worker count decides nothing in deterministic mode), SIGKILLed while it holds
@@ -143,28 +88,22 @@ def _killed_run(tiny_model_dir, tmp_path_factory, weight_sync: str):
     import signal
 
     from areal_async.config import load_config
-    from areal_async.queue.client import QueueClient
 
-    root, run_dir, out, proc = _start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp(f"killed-{weight_sync}"),
-                                                "killed-worker", ("rollout.num_workers=1",
-                                                                  f"trainer.weight_sync={weight_sync}"))
+    root, run_dir, out, proc = start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp(f"killed-{weight_sync}"),
+                                               "killed-worker", ("rollout.num_workers=1",
+                                                                 f"trainer.weight_sync={weight_sync}"))
     token = CHAOS_TOKEN
     try:
         cfg = load_config(run_dir / "config.yaml")
         queue = cfg.queue
 
-        async def holding(step: int) -> bool:  # the worker is mid-group, the trainer past step `step` - 1
-            async with await QueueClient.connect(queue.host, queue.port, timeout_s=5, token=token) as q:
-                stats = await q.stats()
-                return stats.running > 0 and stats.next_step >= step
-
-        _wait("a generation on server 1", functools.partial(generating, cfg.inference.urls()[1], token), 60, proc)
-        [server] = _pids(str(cfg.inference.base_port + 1), b"areal_async.embedded.server")
+        wait("a generation on server 1", functools.partial(generating, cfg.inference.urls()[1], token), 60, proc)
+        [server] = pids(str(cfg.inference.base_port + 1), b"areal_async.embedded.server")
         os.kill(server, signal.SIGKILL)
         log = run_dir / "logs" / "worker0.log"
-        _wait("the worker's failover", lambda: "taken out of routing (/generate: " in log.read_text(), 60, proc)
-        _wait("a running group of a later step", lambda: asyncio.run(holding(2)), 90, proc)
-        [pid] = _pids(run_dir / "config.yaml")
+        wait("the worker's failover", lambda: "taken out of routing (/generate: " in log.read_text(), 60, proc)
+        wait("a running group of a later step", lambda: holding(queue, 2, token), 90, proc)
+        [pid] = pids(run_dir / "config.yaml")
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=150)  # without the release the batch of the lost groups never completes
     finally:
@@ -181,16 +120,16 @@ def lone_server_run(tiny_model_dir, tmp_path_factory):
 
     from areal_async.config import load_config
 
-    root, run_dir, out, proc = _start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp("lone"), "lone-server",
-                                                ("inference.num_servers=1", "rollout.num_workers=1",
-                                                 "trainer.weight_sync=disk"))
+    root, run_dir, out, proc = start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp("lone"), "lone-server",
+                                               ("inference.num_servers=1", "rollout.num_workers=1",
+                                                "trainer.weight_sync=disk"))
     token = CHAOS_TOKEN
     try:
         cfg = load_config(run_dir / "config.yaml")
         assert cfg.inference.num_servers == 1
 
-        _wait("a generation on the server", functools.partial(generating, cfg.inference.urls()[0], token), 60, proc)
-        [server] = _pids(str(cfg.inference.base_port), b"areal_async.embedded.server")
+        wait("a generation on the server", functools.partial(generating, cfg.inference.urls()[0], token), 60, proc)
+        [server] = pids(str(cfg.inference.base_port), b"areal_async.embedded.server")
         os.kill(server, signal.SIGKILL)
         proc.wait(timeout=150)
     finally:
@@ -333,14 +272,14 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
         try:
             config = run_dir / "config.yaml"
             healthy = lambda: "server(s) healthy" in (tmp_path / "launcher.out").read_text()  # noqa: E731
-            _wait("the servers' start", healthy, 240, proc)
+            wait("the servers' start", healthy, 240, proc)
             inf = load_config(config).inference
             assert inf.host == "127.0.0.2", "the servers' URLs do not use their node's address"
             assert load_config(config).queue.host == head, "the queue, called from the other node, is on loopback"
             assert load_config(config).trainer.weight_sync_host == head, "the weight group's store is on loopback"
 
-            _wait("a generation on server 1", functools.partial(generating, inf.urls()[1], token), 120, proc)
-            [server] = _pids(str(inf.base_port + 1), b"areal_async.embedded.server")
+            wait("a generation on server 1", functools.partial(generating, inf.urls()[1], token), 120, proc)
+            [server] = pids(str(inf.base_port + 1), b"areal_async.embedded.server")
             os.kill(server, signal.SIGSTOP)
             proc.wait(timeout=240)
         finally:

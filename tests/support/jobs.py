@@ -21,9 +21,11 @@ from areal_async.trainer.checkpoint import state_dict_sha256
 from tests.support import REPO
 
 STEPS = 4
-# Wall-clock timings, and snapshots of the queue taken while workers race on (how many groups
-# happen to be ready/running at the moment of logging): observations of timing, not results.
-TIMING_KEYS = {"time", "rollout/tokens_per_s", "queue/ready", "queue/running", "queue/capacity"}
+# Wall-clock timings (seconds in tools and environments, from a group's lease to its end), and
+# snapshots of the queue taken while workers race on (how many groups happen to be ready/running
+# at the moment of logging): observations of timing, not results.
+TIMING_KEYS = {"time", "rollout/tokens_per_s", "rollout/env_s", "rollout/episode_s", "queue/ready", "queue/running",
+               "queue/capacity"}
 
 
 def job_argv(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: str, jitter_seed: int,
