@@ -10,12 +10,12 @@ the turn whose call it runs. ``to_sample`` turns the record into the ``Sample`` 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from areal_async.inference.interface import GenerationClient
 from areal_async.rollout.conversation import Conversation
@@ -137,9 +137,14 @@ class Episode:
         self.turns.append(turn)
         return turn
 
-    def timed_env(self) -> "_EnvTimer":
+    @contextlib.contextmanager
+    def timed_env(self) -> Iterator[None]:
         """``with episode.timed_env():`` counts the block's wall seconds as tool/environment time."""
-        return _EnvTimer(self.stats)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats["env_s"] += time.perf_counter() - start
 
     def to_sample(self, reward: float, correct: bool, reward_error: bool = False,
                   turn_rewards: Sequence[float] | None = None) -> Sample:
@@ -179,16 +184,4 @@ class Episode:
 
 
 def _spans(conv: Conversation) -> Array:
-    return Array.of(np.asarray([list(s) for s in conv.turn_spans], dtype="int32").reshape(-1, 2), "int32")
-
-
-class _EnvTimer:
-    def __init__(self, stats: dict):
-        self._stats = stats
-
-    def __enter__(self):
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self._stats["env_s"] += time.perf_counter() - self._t0
+    return Array.of(conv.turn_spans, "int32")  # [K, 2]
