@@ -154,7 +154,8 @@ async def run_setup(args, model: str, cache: bool) -> dict:
     return {"name": name, "wall": wall, "between": unsampled / max(1, len(samples) * (args.turns - 1)),
             "episodes": len(samples), "sampled": sampled, "later_prompt": later_prompt, "later_cached": later_cached,
             "trajs": list(trajs), "prompt_len": len(prompts[0][1]),
-            "seq_len": np.mean([len(t.prompt_ids.numpy()) + len(s.output_ids.numpy()) for t in trajs for s in t.samples])}
+            "seq_len": np.mean([len(t.prompt_ids.numpy()) + len(s.output_ids.numpy())
+                                for t in trajs for s in t.samples])}
 
 
 def trainer_tokens(trajs: list[Trajectory], share: bool, max_tokens_per_mb: int) -> dict:
