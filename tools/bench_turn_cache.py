@@ -125,7 +125,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model_path
         if model is None:
-            from tests.conftest import build_tiny_model
+            from tests.support.models import build_tiny_model
             model = str(build_tiny_model(pathlib.Path(tmp) / "tiny-llama"))
         setups = [("reuse off", False, False), ("reuse on, no key", True, False), ("reuse on, session key", True, True)]
         results = {name: asyncio.run(run_setup(args, model, reuse, sticky)) for name, reuse, sticky in setups}
