@@ -105,3 +105,15 @@ def test_the_retry_agent_example_gets_feedback_and_a_reward_on_the_right_turn(to
     assert sample.segments == [], "the agent only extends its conversation"
     (_, end), (start, _) = spans_of(ep)
     assert "That is not right" in tok.decode(sample.output_ids.tolist()[end:start])
+
+
+async def one_call_too_many(item, client):
+    for _ in range(3):
+        await client.chat.completions.create(model="p", messages=item.messages)
+    return 1.0
+
+
+def test_an_agent_that_calls_past_max_turns_ends_truncated_with_reward_0(tok):
+    ep, sample, calls = run(tok, OpenAIWorkflow(one_call_too_many, 1.0, 1.0), ["a", "b", "c"], max_turns=2)
+    assert len(calls) == 2 and sample.stats.truncated and sample.reward == 0.0 and not sample.correct
+    assert len(sample.segments) == 1, "the second call repeated the first prompt: its own sequence"

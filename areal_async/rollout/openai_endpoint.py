@@ -62,6 +62,9 @@ class RecordingEndpoint:
         if problem:
             return _error(400, problem)
         ep, messages = self.episode, body["messages"]
+        if len(ep.turns) >= ep.max_turns:  # refused before anything is recorded
+            ep.stats["truncated"] = True
+            return _error(400, f"episode {ep.name} made its max_turns={ep.max_turns} calls (rollout.max_turns)")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         new = ep.conversation.extension(messages) if ep.conversations else None

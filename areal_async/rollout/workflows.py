@@ -163,7 +163,9 @@ class OpenAIWorkflow:
     """Episodes of ``async def run(item, client)``: ``client`` is an ``openai.AsyncOpenAI`` whose
     ``chat.completions.create`` is recorded (``openai_endpoint.py``). ``run`` returns the episode's
     reward (a number) or per-turn rewards (``{turn: reward}``, turns counted from 0 in call order;
-    missing turns 0); ``correct``: whether the rewards sum above 0.
+    missing turns 0); ``correct``: whether the rewards sum above 0. A call past ``max_turns`` or
+    ``max_episode_tokens`` is answered 400 and marks the episode truncated; if ``run`` then raises,
+    the episode ends there with reward 0.
 
     Raises (from a call): ``TypeError`` for another return value; what ``run`` raises, with the
     episode named.
@@ -181,7 +183,9 @@ class OpenAIWorkflow:
             async with endpoint.client() as client:
                 result = await self.fn(item, client)
         except Exception as exc:
-            raise RuntimeError(f"{_name(self.fn)} raised in {where}: {exc!r}") from exc
+            if not ep.stats["truncated"]:
+                raise RuntimeError(f"{_name(self.fn)} raised in {where}: {exc!r}") from exc
+            result = 0.0  # a call past a limit was refused and the agent gave up: reward 0
         if not ep.conversations:
             ep.start()  # no call: an empty episode
         if isinstance(result, dict):
