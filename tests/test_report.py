@@ -137,6 +137,24 @@ def test_report_html_is_self_contained(tmp_path):
     assert "http://" not in html and "https://" not in html and "<script" not in html
 
 
+def test_episode_metrics_reach_the_summary_and_their_panel(tmp_path):
+    # A multi-turn run gets the episodes panel and its means; a single-turn run (turns 1, no
+    # tool calls) gets neither panel nor prefix_cache_hit (never logged without a second turn).
+    episode = {"rollout/turns": 2.0, "rollout/tool_calls": 1.0, "rollout/tool_errors": 0.0, "rollout/env_s": 0.01,
+               "rollout/truncated": 0.0}
+    a = _write_run(tmp_path / "a", [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 10.0,
+                                           **{**episode, "rollout/turns": 2.0 + k, "rollout/prefix_cache_hit": h})
+                                    for k, h in ((0, 0.5), (1, 0.75))])
+    single = {"rollout/turns": 1.0, "rollout/tool_calls": 0.0, "rollout/tool_errors": 0.0, "rollout/truncated": 0.0}
+    b = _write_run(tmp_path / "b", [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 10.0, **single) for k in range(2)])
+    ra, rb = _csv(report_paths([a, b], tmp_path / "out").csv)
+    assert float(ra["turns_mean"]) == 2.5 and float(ra["tool_calls_mean"]) == 1.0
+    assert float(ra["prefix_cache_hit_mean"]) == 0.625 and float(ra["truncated_mean"]) == 0.0
+    assert float(rb["turns_mean"]) == 1.0 and rb["prefix_cache_hit_mean"] == ""
+    assert "Episodes vs step" in (tmp_path / "out" / "report.html").read_text()
+    assert "Episodes vs step" not in report_paths([b], None).html.read_text()
+
+
 def test_a_study_lists_a_cell_without_metrics_as_missing(tmp_path, capsys):
     root = tmp_path / "st"
     _write_run(root / "eta1-decoupled-s1", resumed_rows())

@@ -133,7 +133,8 @@ def write_report(cells: list[Cell], out: pathlib.Path, *, title: str, study: dic
     panels = [p for p in (plots.learning_curves(groups, "step", window, threshold),
                           plots.learning_curves(groups, "wall", window, threshold),
                           plots.eval_curves(groups), plots.throughput(rows), plots.interruption(rows),
-                          plots.staleness_histograms(groups), plots.diagnostics(groups)) if p is not None]
+                          plots.staleness_histograms(groups), plots.diagnostics(groups),
+                          plots.episodes(groups)) if p is not None]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     about = (f"{len(cells)} run(s), {len(missing)} without metrics; written {when} from each run's "
              f"metrics.jsonl (each step once, the last occurrence wins).")

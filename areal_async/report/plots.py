@@ -23,6 +23,10 @@ DIAGNOSTICS = [("train/importance_weight", "mean w = π_prox/π_behav after the 
                ("train/clip_ratio", "share of tokens clipped"),
                ("train/behav_capped_ratio", "share of tokens with w capped/masked"),
                ("rollout/multi_version_frac", "samples spanning several versions")]
+EPISODES = [("rollout/turns", "model turns per episode"), ("rollout/tool_calls", "tool calls per episode"),
+            ("rollout/tool_errors", "tool errors per episode"), ("rollout/prefix_cache_hit",
+                                                                  "prompt tokens of later turns from the cache"),
+            ("rollout/truncated", "share of episodes cut by a limit"), ("rollout/env_s", "seconds in tools per episode")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,16 +271,27 @@ def diagnostics(groups: list[Group]) -> Panel | None:
     present = [(k, t) for k, t in DIAGNOSTICS if any(run.values(k) for g in groups for run in g.runs)]
     if not present:
         return None
+    return _per_step_grid(groups, present, "Off-policy diagnostics vs step")
+
+
+def episodes(groups: list[Group]) -> Panel | None:
+    """``EPISODES`` against step, when some run's episodes had more than one turn or a tool call."""
+    multi = any(v > 1 for g in groups for run in g.runs for _, v in run.values("rollout/turns")) or \
+        any(v > 0 for g in groups for run in g.runs for _, v in run.values("rollout/tool_calls"))
+    present = [(k, t) for k, t in EPISODES if any(run.values(k) for g in groups for run in g.runs)]
+    return _per_step_grid(groups, present, "Episodes vs step") if multi and present else None
+
+
+def _per_step_grid(groups: list[Group], present: list[tuple[str, str]], title: str) -> Panel:
     cols = min(len(present), 3)
     nrows = -(-len(present) // cols)
     fig = Figure(layout="constrained", figsize=(4.4 * cols, 3.3 * nrows))
     axes = fig.subplots(nrows, cols, squeeze=False)
     colors = _colors(groups)
-    for ax, (key, title) in zip(axes.flat, present):
+    for ax, (key, meaning) in zip(axes.flat, present):
         _draw(ax, groups, colors, key, "step")
-        ax.set_title(f"{key}\n{title}", fontsize=9)
+        ax.set_title(f"{key}\n{meaning}", fontsize=9)
     axes.flat[0].legend(fontsize=7)
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")
-    return Panel("Off-policy diagnostics vs step", "Per step (no smoothing); line: mean over seeds, band: "
-                 "min–max.", _png(fig))
+    return Panel(title, "Per step (no smoothing); line: mean over seeds, band: min–max.", _png(fig))

@@ -50,6 +50,12 @@ COLUMNS: dict[str, str] = {
     "clip_ratio_mean": "mean over steps of train/clip_ratio",
     "behav_capped_ratio_mean": "mean over steps of train/behav_capped_ratio",
     "multi_version_frac_mean": "mean over steps of rollout/multi_version_frac (blank when not logged)",
+    "turns_mean": "mean over steps of rollout/turns (model turns per episode; blank when not logged)",
+    "tool_calls_mean": "mean over steps of rollout/tool_calls (per episode; blank when not logged)",
+    "tool_errors_mean": "mean over steps of rollout/tool_errors (per episode; blank when not logged)",
+    "env_s_mean": "mean over steps of rollout/env_s (seconds in tools per episode; blank when not logged)",
+    "prefix_cache_hit_mean": "mean over steps of rollout/prefix_cache_hit (blank when no turn after the first)",
+    "truncated_mean": "mean over steps of rollout/truncated (blank when not logged)",
     "run_dir": "the run directory",
 }
 
@@ -57,7 +63,10 @@ MEANS = {"trained_tokens_per_s": "perf/trained_tokens_per_s", "step_s": "perf/st
          "staleness_mean": "staleness/mean", "behav_kl_mean": "train/behav_kl",
          "importance_weight_mean": "train/importance_weight", "clip_ratio_mean": "train/clip_ratio",
          "behav_capped_ratio_mean": "train/behav_capped_ratio",
-         "multi_version_frac_mean": "rollout/multi_version_frac"}
+         "multi_version_frac_mean": "rollout/multi_version_frac", "turns_mean": "rollout/turns",
+         "tool_calls_mean": "rollout/tool_calls", "tool_errors_mean": "rollout/tool_errors",
+         "env_s_mean": "rollout/env_s", "prefix_cache_hit_mean": "rollout/prefix_cache_hit",
+         "truncated_mean": "rollout/truncated"}
 
 
 @dataclasses.dataclass(frozen=True)
