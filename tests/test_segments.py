@@ -15,7 +15,6 @@ Derivations are in the comments.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import json
@@ -24,15 +23,13 @@ import msgspec
 import pytest
 import torch
 
-from areal_async.config import AlgoConfig, QueueConfig, TrainerConfig
-from areal_async.queue.core import ReplayQueue
-from areal_async.queue.protocol import Submit
+from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.contract import ContractViolation, check_batch, dump_batch
 from areal_async.trainer.plan import build_sequences, make_plan
 from areal_async.trainer.report import batch_metrics
 from areal_async.types import Array, Sample, Trajectory, sample_seed
 from tests.support.batches import make_trajectories, shared_prefix_trajectories
-from tests.support.episodes import P, TOOL, episode, group0, restarted_group, segment
+from tests.support.episodes import P, TOOL, episode, group0, restarted_group, segment, through_the_queue
 
 Q0 = P + [21, 22, 91, 92]
 Q1 = [11, 12, 99]
@@ -163,15 +160,7 @@ def test_staleness_counts_from_the_oldest_sampled_token_of_a_segment():
     assert late.oldest_version() == 1
     # Through the queue: msgpack frame → in-process queue → batch → staleness at step 5: ES 5 − 2,
     # EF 5 − 3; response_len counts the sampled tokens of every sequence: (10 + 5) / 2.
-    frame = msgspec.msgpack.encode(Submit(rid=1, traj=seg_group()))
-
-    async def body():
-        q = ReplayQueue(QueueConfig(batch_size=1, max_staleness=0, max_concurrent=1), "throughput")
-        assert await q.lease(0, 1) == [0]
-        await q.submit(msgspec.msgpack.decode(frame, type=Submit).traj)
-        return await q.get_batch(0)
-
-    batch = asyncio.run(body())
+    batch = through_the_queue(seg_group())
     assert batch == [seg_group()]
     m = batch_metrics(batch, step=5, step_s=1.0)
     assert m["staleness/hist"] == [3.0, 2.0]

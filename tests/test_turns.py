@@ -12,7 +12,6 @@ Derivations are in the comments; tolerances are torch's defaults unless stated.
 
 from __future__ import annotations
 
-import asyncio
 
 import msgspec
 import numpy as np
@@ -21,15 +20,13 @@ import torch
 
 from areal_async.algo.advantages import turn_advantages
 from areal_async.algo.loss import decoupled_ppo_loss
-from areal_async.config import AlgoConfig, QueueConfig, TrainerConfig
-from areal_async.queue.core import ReplayQueue
-from areal_async.queue.protocol import Submit
+from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.contract import ContractViolation, check_batch
 from areal_async.trainer.plan import build_sequences, make_plan
 from areal_async.trainer.report import batch_metrics
 from areal_async.trainer.tree import TreeBatch
 from areal_async.types import Array, Sample, Trajectory, sample_seed
-from tests.support.episodes import P, TOOL, episode, ep0, ep1, group0, restarted_group
+from tests.support.episodes import P, TOOL, episode, ep0, ep1, group0, restarted_group, through_the_queue
 
 def f32(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32)
@@ -87,15 +84,7 @@ def test_versions_and_staleness_count_from_the_oldest_sampled_token():
     assert s.oldest_version() == 2  # turn 2 (version 2) is older than the first token's version 3
     # Through the queue: msgpack frame → in-process queue → batch → staleness at step 5.
     # EP0: 5 − 2 = 3 (the first token's version would give 2); EP1: 5 − 3 = 2.
-    frame = msgspec.msgpack.encode(Submit(rid=1, traj=group0()))
-
-    async def body():
-        q = ReplayQueue(QueueConfig(batch_size=1, max_staleness=0, max_concurrent=1), "throughput")
-        assert await q.lease(0, 1) == [0]
-        await q.submit(msgspec.msgpack.decode(frame, type=Submit).traj)
-        return await q.get_batch(0)
-
-    batch = asyncio.run(body())
+    batch = through_the_queue(group0())
     assert batch == [group0()]
     m = batch_metrics(batch, step=5, step_s=1.0)
     assert m["staleness/hist"] == [3.0, 2.0]

@@ -14,12 +14,11 @@ integers; demonstrations end in ``\\boxed{N}``; scored by ``"math"``. Generated 
 from __future__ import annotations
 
 import itertools
-import random
 
 import msgspec
 
 from areal_async.config import DataConfig
-from areal_async.data.task import ChatTask, TaskItem
+from areal_async.data.task import ChatTask, TaskItem, split_generated
 
 SYSTEM = "You are a helpful assistant. Put the final answer in \\boxed{}."
 INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -67,24 +66,9 @@ def _enumerate(kind: str) -> list[ArithItem]:
     return [ArithItem(kind, tuple(p)) for p in pairs]
 
 
-def _interleave(lists: list[list[ArithItem]]) -> list[ArithItem]:
-    out = []
-    for row in itertools.zip_longest(*lists):
-        out.extend(x for x in row if x is not None)
-    return out
-
-
 def generate_splits(seed: int = DATASET_SEED) -> dict[str, list[ArithItem]]:
     """The ``train``, ``test`` and ``demos`` lists: disjoint, a pure function of ``seed``."""
-    splits: dict[str, list[list[ArithItem]]] = {"train": [], "test": [], "demos": []}
-    for k, kind in enumerate(KINDS):
-        items = _enumerate(kind)
-        random.Random(seed * len(KINDS) + k).shuffle(items)
-        cut = TEST_PER_KIND + DEMOS_PER_KIND
-        splits["test"].append(items[:TEST_PER_KIND])
-        splits["demos"].append(items[TEST_PER_KIND:cut])
-        splits["train"].append(items[cut:])
-    return {name: _interleave(lists) for name, lists in splits.items()}
+    return split_generated([_enumerate(kind) for kind in KINDS], seed, TEST_PER_KIND, DEMOS_PER_KIND)
 
 
 class ArithTask(ChatTask):

@@ -16,10 +16,9 @@ turn is ``ToolSet(["calculator"]).system_prompt()`` and the boxed-answer instruc
 from __future__ import annotations
 
 import itertools
-import random
 
 from areal_async.config import DataConfig
-from areal_async.data.task import ChatTask, TaskItem
+from areal_async.data.task import ChatTask, TaskItem, split_generated
 from areal_async.tools import ToolSet
 
 DATASET_SEED = 0
@@ -49,16 +48,7 @@ def _answer(kind: str, a: int, b: int) -> int:
 def generate_splits(seed: int = DATASET_SEED) -> dict[str, list[tuple[str, int, int]]]:
     """The ``train``, ``test`` and ``demos`` lists of ``(kind, a, b)``: disjoint, a pure function
     of ``seed``."""
-    parts: dict[str, list[list]] = {"train": [], "test": [], "demos": []}
-    for k, kind in enumerate(KINDS):
-        items = _problems(kind)
-        random.Random(seed * len(KINDS) + k).shuffle(items)
-        cut = TEST_PER_KIND + DEMOS_PER_KIND
-        parts["test"].append(items[:TEST_PER_KIND])
-        parts["demos"].append(items[TEST_PER_KIND:cut])
-        parts["train"].append(items[cut:])
-    return {name: [x for row in itertools.zip_longest(*lists) for x in row if x is not None]
-            for name, lists in parts.items()}
+    return split_generated([_problems(kind) for kind in KINDS], seed, TEST_PER_KIND, DEMOS_PER_KIND)
 
 
 def _question(kind: str, a: int, b: int) -> str:

@@ -9,7 +9,9 @@ question). Tokenising and the group-id map are ``data.prompts.PromptSet``'s.
 
 from __future__ import annotations
 
+import itertools
 import pathlib
+import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -138,3 +140,20 @@ def resolve_data_path(path: str | pathlib.Path) -> pathlib.Path:
         return in_repo
     raise FileNotFoundError(f"data file '{path}' not found (also tried {in_repo}); set "
                             f"data.train_path / data.test_path to an existing JSONL or Parquet file")
+
+
+def split_generated(per_kind: Sequence[list], seed: int, test_per_kind: int, demos_per_kind: int) -> dict[str, list]:
+    """A generated task's ``train``, ``test`` and ``demos`` lists: each kind's items (list ``k`` of
+    ``per_kind``) shuffled by ``random.Random(seed * len(per_kind) + k)``, its first
+    ``test_per_kind`` to the test split, the next ``demos_per_kind`` to the demonstration pool, the
+    rest to training; then interleaved kind by kind, so that any prefix covers every kind."""
+    parts: dict[str, list[list]] = {"train": [], "test": [], "demos": []}
+    for k, items in enumerate(per_kind):
+        items = list(items)
+        random.Random(seed * len(per_kind) + k).shuffle(items)
+        cut = test_per_kind + demos_per_kind
+        parts["test"].append(items[:test_per_kind])
+        parts["demos"].append(items[test_per_kind:cut])
+        parts["train"].append(items[cut:])
+    return {name: [x for row in itertools.zip_longest(*lists) for x in row if x is not None]
+            for name, lists in parts.items()}

@@ -1,5 +1,5 @@
 """Episodes built by hand: ``episode`` (a sample from sampled turns and unsampled parts),
-``segment`` (a further training sequence from the same parts), and the groups of
+``segment`` (a further training sequence from the same parts), ``through_the_queue``, and the groups of
 ``tests/test_turns.py`` (``group0``: EP0 and EP1; ``restarted_group``), described there.
 """
 
@@ -77,3 +77,25 @@ def restarted_group() -> Trajectory:
     return Trajectory(group_id=1, prompt_ids=Array.of(P, "int32"), samples=[single, restarted], data_index=1)
 
 
+
+
+def through_the_queue(traj: Trajectory) -> list[Trajectory]:
+    """``traj`` as a worker sends it (a msgpack ``Submit`` frame) through an in-process queue
+    (η = 0, batch size 1), and the batch the trainer takes back."""
+    import asyncio
+
+    import msgspec
+
+    from areal_async.config import QueueConfig
+    from areal_async.queue.core import ReplayQueue
+    from areal_async.queue.protocol import Submit
+
+    frame = msgspec.msgpack.encode(Submit(rid=1, traj=traj))
+
+    async def body():
+        q = ReplayQueue(QueueConfig(batch_size=1, max_staleness=0, max_concurrent=1), "throughput")
+        assert await q.lease(0, 1) == [0]
+        await q.submit(msgspec.msgpack.decode(frame, type=Submit).traj)
+        return await q.get_batch(0)
+
+    return asyncio.run(body())
