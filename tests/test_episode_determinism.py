@@ -1,8 +1,8 @@
 """The determinism proof for multi-turn episodes, end to end through the launcher.
 
-The job of ``tests/test_determinism.py`` (timing jitter on) with episodes of
-``tests.support.episode_envs:ThreeTurnToolEnv``: 3 model turns, a real calculator and python tool
-run between them, per-turn rewards; η = 2. Two ``mode: deterministic`` runs with different jitter
+The job of ``tests/test_determinism.py`` (timing jitter on; 3 steps, 2 in throughput mode) with
+episodes of ``tests.support.episode_envs:ThreeTurnToolEnv``: 3 model turns, a real calculator and
+python tool run between them, per-turn rewards; η = 2. Two ``mode: deterministic`` runs with different jitter
 seeds, the second with its only worker SIGKILLed while it holds groups, must give identical
 metrics (timing keys and fault counters excluded), trajectories and final weights; the same pair
 in ``mode: throughput`` must differ, which shows the comparison can fail.
@@ -15,10 +15,12 @@ import signal
 import pytest
 
 from tests.support.chaos import CHAOS_TOKEN, FAULT_KEYS, holding, pids, start_chaos_job, wait
-from tests.support.jobs import STEPS, fingerprint, run_job, stop_and_read
+from tests.support.jobs import fingerprint, run_job, stop_and_read
 
 EPISODES = ("rollout.workflow=tests.support.episode_envs:ThreeTurnToolEnv", "rollout.max_turns=3",
             "queue.max_staleness=2", "rollout.max_new_tokens=8")
+# 3 steps: staleness reaches η = 2 at step 2; throughput runs differ after 2 (fewer: a shorter suite)
+STEPS = {"deterministic": 3, "throughput": 2}
 
 
 def _compared(fp: dict) -> list[dict]:
@@ -33,7 +35,8 @@ def episode_runs(tiny_model_dir, tmp_path_factory):
     class Runs(dict):
         def __missing__(self, key):
             mode, seed = key
-            self[key] = fingerprint(run_job(tiny_model_dir, root, f"{mode}-{seed}", mode, seed, extra=EPISODES))
+            self[key] = fingerprint(run_job(tiny_model_dir, root, f"{mode}-{seed}", mode, seed, STEPS[mode],
+                                            extra=EPISODES))
             return self[key]
 
     return Runs()
@@ -46,7 +49,8 @@ def killed_episode_run(tiny_model_dir, tmp_path_factory):
     from areal_async.config import load_config
 
     _, run_dir, out, proc = start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp("episode-killed"),
-                                            "killed-worker", (*EPISODES, "rollout.num_workers=1"), jitter_seed=2)
+                                            "killed-worker", (*EPISODES, "rollout.num_workers=1"), jitter_seed=2,
+                                            steps=STEPS["deterministic"])
     try:
         queue = load_config(run_dir / "config.yaml").queue
         wait("a running group", lambda: holding(queue, 1, CHAOS_TOKEN), 90, proc)
@@ -69,7 +73,8 @@ def test_deterministic_episode_runs_are_bitwise_identical_under_jitter_and_a_kil
     a, b = episode_runs["deterministic", 1], fingerprint(run_dir)
     print(f"\nepisode weights sha256: {a['weights']} / {b['weights']}; "
           f"staleness/max: {[r['staleness/max'] for r in a['metrics']]}")
-    assert len(a["trajectories"]) == STEPS and [r["step"] for r in a["metrics"]] == list(range(STEPS))
+    steps = STEPS["deterministic"]
+    assert len(a["trajectories"]) == steps and [r["step"] for r in a["metrics"]] == list(range(steps))
     assert all(r["rollout/turns"] == 3 for r in a["metrics"])
     assert all(r["rollout/tool_calls"] == 2 and r["rollout/tool_errors"] == 0 for r in a["metrics"])
     assert all(r["staleness/max"] <= 2 for r in a["metrics"]) and a["metrics"][-1]["staleness/max"] == 2

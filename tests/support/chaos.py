@@ -20,7 +20,7 @@ import time
 import urllib.request
 
 from tests.support import REPO
-from tests.support.jobs import job_argv
+from tests.support.jobs import STEPS, job_argv
 
 CHAOS_TOKEN = "chaos-test-token"  # the job's token, given to the launcher, so a test can ask the queue
 
@@ -30,11 +30,11 @@ FAULT_KEYS = {"queue/released", "queue/requeued", "rollout/worker_restarts", "ro
 
 
 def start_chaos_job(model_dir: pathlib.Path, root: pathlib.Path, name: str, extra: tuple[str, ...],
-                    jitter_seed: int = 3):
-    """Start a deterministic 4-step job under ``root`` (``extra``: more overrides) and wait for its
-    step 0; returns (root, run directory, its output file, the launcher process)."""
+                    jitter_seed: int = 3, steps: int = STEPS):
+    """Start a deterministic ``steps``-step job under ``root`` (``extra``: more overrides) and wait
+    for its step 0; returns (root, run directory, its output file, the launcher process)."""
     out = (root / "launcher.out").open("w+")
-    proc = subprocess.Popen(job_argv(model_dir, root, name, "deterministic", jitter_seed, extra=extra), cwd=REPO,
+    proc = subprocess.Popen(job_argv(model_dir, root, name, "deterministic", jitter_seed, steps, extra=extra), cwd=REPO,
                             stdout=out, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "AREAL_ASYNC_TOKEN": CHAOS_TOKEN})
     metrics = root / name / "metrics.jsonl"
