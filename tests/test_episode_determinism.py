@@ -1,7 +1,7 @@
 """The determinism proof for multi-turn episodes, end to end through the launcher.
 
-The job of ``tests/test_determinism.py`` (timing jitter on; 3 steps, 2 in throughput mode) with
-episodes of ``tests.support.episode_envs:ThreeTurnToolEnv``: 3 model turns, a real calculator and
+The job of ``tests/test_determinism.py`` (timing jitter on; one worker, one trainer rank; 3 steps,
+2 in throughput mode) with episodes of ``tests.support.episode_envs:ThreeTurnToolEnv``: 3 model turns, a real calculator and
 python tool run between them, per-turn rewards; η = 2. Two ``mode: deterministic`` runs with different jitter
 seeds, the second with its only worker SIGKILLed while it holds groups, must give identical
 metrics (timing keys and fault counters excluded), trajectories and final weights; the same pair
@@ -17,8 +17,9 @@ import pytest
 from tests.support.chaos import CHAOS_TOKEN, FAULT_KEYS, holding, pids, start_chaos_job, wait
 from tests.support.jobs import fingerprint, run_job, stop_and_read
 
+# one worker and one trainer rank (several of each: tests/test_determinism.py): a shorter suite
 EPISODES = ("rollout.workflow=tests.support.episode_envs:ThreeTurnToolEnv", "rollout.max_turns=3",
-            "queue.max_staleness=2", "rollout.max_new_tokens=8")
+            "queue.max_staleness=2", "rollout.max_new_tokens=8", "rollout.num_workers=1", "trainer.nproc=1")
 # 3 steps: staleness reaches η = 2 at step 2; throughput runs differ after 2 (fewer: a shorter suite)
 STEPS = {"deterministic": 3, "throughput": 2}
 
@@ -49,7 +50,7 @@ def killed_episode_run(tiny_model_dir, tmp_path_factory):
     from areal_async.config import load_config
 
     _, run_dir, out, proc = start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp("episode-killed"),
-                                            "killed-worker", (*EPISODES, "rollout.num_workers=1"), jitter_seed=2,
+                                            "killed-worker", EPISODES, jitter_seed=2,
                                             steps=STEPS["deterministic"])
     try:
         queue = load_config(run_dir / "config.yaml").queue
