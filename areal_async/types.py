@@ -50,6 +50,15 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     truncated: bool = False
     later_prompt_tokens: int = 0
     later_cached_tokens: int = 0
+
+
+def _sampled(output_ids: Array, loss_mask: Array | None) -> np.ndarray:
+    """``[L] bool``: a sequence's sampled tokens (``loss_mask`` ``None``: all of ``output_ids``)."""
+    if loss_mask is None:
+        return np.ones(output_ids.shape[0], dtype=bool)
+    return loss_mask.numpy().astype(bool)
+
+
 def _check_tokens(where: str, output_ids: Array, behav_logprobs: Array, versions: Array, loss_mask: Array | None,
                   sampled: np.ndarray) -> None:
     """Raise ``ValueError`` (message starts with ``where``) if the per-token fields of one sequence
@@ -110,9 +119,7 @@ class Segment(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     def sampled(self) -> np.ndarray:
         """``[L] bool``: which tokens of ``output_ids`` the model sampled."""
-        if self.loss_mask is None:
-            return np.ones(self.output_ids.shape[0], dtype=bool)
-        return self.loss_mask.numpy().astype(bool)
+        return _sampled(self.output_ids, self.loss_mask)
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -168,9 +175,7 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     def sampled(self) -> np.ndarray:
         """``[L] bool``: which tokens of ``output_ids`` (the first sequence) the model sampled;
         a segment's: ``Segment.sampled()``."""
-        if self.loss_mask is None:
-            return np.ones(self.output_ids.shape[0], dtype=bool)
-        return self.loss_mask.numpy().astype(bool)
+        return _sampled(self.output_ids, self.loss_mask)
 
     def sampled_versions(self) -> np.ndarray:
         """``[N] int32``: the version of every sampled token of every sequence of the episode (the
