@@ -76,6 +76,7 @@ class Episode:
         self.max_new_tokens, self.max_turns, self.max_episode_tokens = max_new_tokens, max_turns, max_episode_tokens
         self.conversations: list[Conversation] = []
         self.turns: list[Turn] = []
+        # EpisodeStats' fields but ``turns`` (counted from ``turns``), as the turns and tools go
         self.stats = {"tool_calls": 0, "tool_errors": 0, "env_s": 0.0, "truncated": False,
                       "later_prompt_tokens": 0, "later_cached_tokens": 0}
 
@@ -83,15 +84,12 @@ class Episode:
         """A new training sequence: the group's prompt when ``messages`` and ``ids`` are ``None``
         or render to it, else its own prompt (a ``Segment``; the first sequence then stays empty
         unless started before). Returns it; later turns go to the newest."""
-        if ids is None and messages is not None:
-            ids = Conversation(self.tokenizer, messages).ids
-        own = ids is not None and list(ids) != self.prompt_ids
-        if not self.conversations and own:
+        given = messages is not None or ids is not None
+        conv = Conversation(self.tokenizer, messages or [], ids) if given else None  # messages rendered once
+        if conv is None or (messages is None and conv.ids == self.prompt_ids):
+            conv = Conversation(self.tokenizer, self.messages, self.prompt_ids)
+        elif conv.ids != self.prompt_ids and not self.conversations:  # the group's sequence stays first, empty
             self.conversations.append(Conversation(self.tokenizer, self.messages, self.prompt_ids))
-        if own:
-            conv = Conversation(self.tokenizer, messages or [], list(ids))
-        else:
-            conv = Conversation(self.tokenizer, messages or self.messages, self.prompt_ids)
         self.conversations.append(conv)
         return conv
 
@@ -162,11 +160,7 @@ class Episode:
             raise ValueError(f"episode {self.name}: {len(turn_rewards)} turn rewards for "
                              f"{len(self.turns)} model turns")
         finish = self.turns[-1].finish_reason if self.turns else "stop"
-        stats = None if plain else EpisodeStats(
-            turns=len(self.turns), tool_calls=self.stats["tool_calls"], tool_errors=self.stats["tool_errors"],
-            env_s=self.stats["env_s"], truncated=self.stats["truncated"],
-            later_prompt_tokens=self.stats["later_prompt_tokens"],
-            later_cached_tokens=self.stats["later_cached_tokens"])
+        stats = None if plain else EpisodeStats(turns=len(self.turns), **self.stats)
         with_turns = turn_rewards is not None
         return Sample(
             index=self.index, seed=self.seed, output_ids=Array.of(first.output_ids, "int32"),
