@@ -18,7 +18,7 @@ import itertools
 import msgspec
 
 from areal_async.config import DataConfig
-from areal_async.data.task import ChatTask, TaskItem, split_generated
+from areal_async.data.task import ChatTask, TaskItem, pick_generated, split_generated
 
 SYSTEM = "You are a helpful assistant. Put the final answer in \\boxed{}."
 INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -95,10 +95,4 @@ def load_arith(cfg: DataConfig, split: str) -> ArithTask:
     Raises:
         ValueError: unknown split, or ``few_shot`` outside ``0..len(KINDS) * DEMOS_PER_KIND``.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"split '{split}' is not 'train' or 'test'")
-    splits = generate_splits(DATASET_SEED)
-    if not 0 <= cfg.few_shot <= len(splits["demos"]):
-        raise ValueError(f"data.few_shot must be in 0..{len(splits['demos'])} for task 'arith', "
-                         f"got {cfg.few_shot}")
-    return ArithTask(splits[split], splits["demos"][: cfg.few_shot])
+    return ArithTask(*pick_generated("arith", generate_splits(DATASET_SEED), split, cfg.few_shot))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 
 from areal_async.config import DataConfig
-from areal_async.data.task import ChatTask, TaskItem, split_generated
+from areal_async.data.task import ChatTask, TaskItem, pick_generated, split_generated
 from areal_async.tools import ToolSet
 
 DATASET_SEED = 0
@@ -83,9 +83,4 @@ def load_calc(cfg: DataConfig, split: str) -> CalcTask:
     Raises:
         ValueError: unknown split, or ``few_shot`` outside ``0..len(KINDS) * DEMOS_PER_KIND``.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"split '{split}' is not 'train' or 'test'")
-    splits = generate_splits(DATASET_SEED)
-    if not 0 <= cfg.few_shot <= len(splits["demos"]):
-        raise ValueError(f"data.few_shot must be in 0..{len(splits['demos'])} for task 'calc', got {cfg.few_shot}")
-    return CalcTask(splits[split], splits["demos"][: cfg.few_shot])
+    return CalcTask(*pick_generated("calc", generate_splits(DATASET_SEED), split, cfg.few_shot))

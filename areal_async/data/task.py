@@ -157,3 +157,17 @@ def split_generated(per_kind: Sequence[list], seed: int, test_per_kind: int, dem
         parts["train"].append(items[cut:])
     return {name: [x for row in itertools.zip_longest(*lists) for x in row if x is not None]
             for name, lists in parts.items()}
+
+
+def pick_generated(task: str, splits: dict[str, list], split: str, few_shot: int) -> tuple[list, list]:
+    """The items of ``split`` and the first ``few_shot`` demonstrations of a generated task's
+    ``splits`` (``split_generated``).
+
+    Raises:
+        ValueError: ``split`` not "train" or "test", or ``few_shot`` outside ``0..len(demos)``.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split '{split}' is not 'train' or 'test'")
+    if not 0 <= few_shot <= len(splits["demos"]):
+        raise ValueError(f"data.few_shot must be in 0..{len(splits['demos'])} for task '{task}', got {few_shot}")
+    return splits[split], splits["demos"][:few_shot]
