@@ -176,7 +176,8 @@ def test_disk_sender_writes_send_dtype_bitwise(tiny_model_dir, tmp_path):
 
 def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
     # A server that answers /update_weights_from_distributed with an error never joins the
-    # broadcast; the sender must raise then, not wait in the broadcast for the group's timeout.
+    # broadcast; the sender must raise then (after one rebuild of the group, which it refuses
+    # again), not wait in the broadcast for the group's timeout.
     import threading
     import time
 
@@ -185,10 +186,19 @@ def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
 
     released = threading.Event()
     monkeypatch.setattr(weight_sync, "broadcast_", lambda group, tensors: released.wait(20))
+    monkeypatch.setattr(weight_sync, "destroy_weight_group", lambda group: None)
+    monkeypatch.setattr(weight_sync, "new_weight_group", lambda *args, **kwargs: "group")
 
     class RefusingClient:
         calls: list[str] = []
+        urls = ["http://server-0"]
         servers = AllLive(1)
+
+        async def destroy_weights_update_group(self, server, group_name):
+            self.calls.append(f"destroy {group_name}")
+
+        async def init_weights_update_group(self, server, *args):
+            self.calls.append(f"join {args[-1]}")
 
         async def pause(self, mode="abort"):
             self.calls.append("pause")
@@ -205,10 +215,11 @@ def test_a_refused_bucket_fails_the_send_at_once(tiny_model_dir, monkeypatch):
     sender.group, sender.members = object(), [0]  # never used: the broadcast is the stub above
     start = time.perf_counter()
     try:
-        with pytest.raises(RuntimeError, match="refused the bucket .* weight version 3"):
+        with pytest.raises(RuntimeError, match="version 3 failed again .* refused the bucket .* weight version 3"):
             asyncio.run(sender.send(3))
         assert time.perf_counter() - start < 10, "the send waited for the broadcast"
-        assert client.calls == ["pause", "continue_generation"]
+        assert client.calls == ["pause", "destroy weight_update_group", "join weight_update_group_1",
+                                "continue_generation"]
     finally:
         released.set()
 
@@ -507,3 +518,59 @@ def test_a_member_restarted_unseen_is_found_by_its_version_and_the_group_rebuilt
     assert sorted(calls[4:]) == [("broadcast", "group weight_update_group_1"),
                                  ("update", 0, 4, "weight_update_group_1"), ("update", 1, 4, "weight_update_group_1")]
     assert sender.served == 4
+
+
+def test_a_member_restarted_unseen_before_the_first_version_refuses_once_and_the_group_is_rebuilt(
+        tiny_model_dir, monkeypatch):
+    # Server 1 was restarted (hung, killed by the launcher) after setup and before version 1, with
+    # no call of the trainer's client failing: it serves version 0 like server 0, so only its
+    # refusal of the first bucket (it joined no group) shows it. The send rebuilds the group over
+    # both and sends the version again.
+    from areal_async.inference.client import ServerError
+    from areal_async.trainer import weight_sync
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(weight_sync, "new_weight_group",
+                        lambda backend, address, port, rank, world_size, group_name, store: f"group {group_name}")
+    monkeypatch.setattr(weight_sync, "destroy_weight_group", lambda group: calls.append(("rank 0 destroys", group)))
+    monkeypatch.setattr(weight_sync, "broadcast_", lambda group, tensors: calls.append(("broadcast", group)))
+    joined = {0: "weight_update_group", 1: None}
+
+    class Client:
+        urls = ["http://server-0", "http://server-1"]
+        servers = AllLive(2)
+
+        async def pause(self, mode="abort"):
+            pass
+
+        async def continue_generation(self):
+            pass
+
+        async def destroy_weights_update_group(self, server, group_name):
+            if joined[server] != group_name:
+                raise ServerError(self.urls[server], 400, f"no weight group {group_name!r}")
+            joined[server] = None
+            calls.append(("destroy", server, group_name))
+
+        async def init_weights_update_group(self, server, master_address, master_port, rank_offset, world_size,
+                                            backend, group_name):
+            joined[server] = group_name
+            calls.append(("join", server, rank_offset, world_size, group_name))
+
+        async def update_weights_from_distributed(self, server, names, dtypes, shapes, version, group_name):
+            if joined[server] != group_name:
+                raise ServerError(self.urls[server], 400, f"no weight group {group_name!r} (joined: none yet)")
+            calls.append(("update", server, version, group_name))
+
+    sender = DistributedWeightSender(_policy(tiny_model_dir), Client(), 2, "127.0.0.1", 1, 1 << 30, torch.float32,
+                                     torch.device("cpu"))
+    sender.group, sender.members = "group weight_update_group", [0, 1]  # as after setup, none sent yet
+    asyncio.run(sender.send(1))
+    rebuilt = calls.index(("rank 0 destroys", "group weight_update_group"))
+    assert calls[rebuilt:rebuilt + 4] == [
+        ("rank 0 destroys", "group weight_update_group"), ("destroy", 0, "weight_update_group"),
+        ("join", 0, 1, 3, "weight_update_group_1"), ("join", 1, 2, 3, "weight_update_group_1")]
+    assert sorted(calls[rebuilt + 4:]) == [("broadcast", "group weight_update_group_1"),
+                                           ("update", 0, 1, "weight_update_group_1"),
+                                           ("update", 1, 1, "weight_update_group_1")]
+    assert (sender.served, sender.members, sender.group_name) == (1, [0, 1], "weight_update_group_1")

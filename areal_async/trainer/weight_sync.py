@@ -120,7 +120,7 @@ class DistributedWeightSender:
                             raise RuntimeError(
                                 f"weight version {version} failed again after the weight-update group was rebuilt "
                                 f"over {self._urls(self.members)}: {type(failure).__name__}: {failure}") from failure
-                        await self._recover(failure)
+                        await self._recover(failure, refusal_rebuilds=True)
                         decision = _SEND_AGAIN
                     except BaseException:
                         _decide(_STOP, self.device)  # the other ranks stop too, rather than wait for a gather
@@ -183,20 +183,25 @@ class DistributedWeightSender:
         if self.client.servers.live() != self.members or restarted:
             await self._rebuild(restarted)
 
-    async def _recover(self, failure: Exception) -> None:
+    async def _recover(self, failure: Exception, refusal_rebuilds: bool = False) -> None:
         """Rank 0, after a failed join or bucket: members that no longer answer ``GET /ready`` (any
         status; not ``/health``, which on SGLang waits behind the pause: ``routing.py``) leave
-        routing and the group is rebuilt over the live servers. Raises ``failure`` when every member
-        still answers, none was restarted and no call lost its connection (a refusal, not a death)."""
+        routing and the group is rebuilt over the live servers. When every member still answers,
+        none was restarted and no call lost its connection (a refusal, not a death): raises
+        ``failure``, or with ``refusal_rebuilds`` rebuilds over the same members (a member
+        restarted unseen before the first version was sent serves the same version as the group,
+        and only its refusal shows that it is outside it; a real refusal fails again)."""
         pool = self.client.servers
         for i in self.members:
             if i in pool.live() and not await pool.alive(i):
                 pool.take_out(i, f"the weight update failed ({type(failure).__name__}) and /ready does not answer")
         restarted = await self._restarted()
-        if pool.live() == self.members and not restarted and not _lost_connection(failure):
+        refused = pool.live() == self.members and not restarted and not _lost_connection(failure)
+        if refused and not refusal_rebuilds:
             raise failure
-        print(f"[trainer] a weight-group call failed ({type(failure).__name__}: {failure}); the group is built "
-              f"again over {self._urls(pool.live())}", flush=True)
+        why = ("a server restarted outside the group refuses so: it is built again over the same servers, once"
+               if refused else f"the group is built again over {self._urls(pool.live())}")
+        print(f"[trainer] a weight-group call failed ({type(failure).__name__}: {failure}); {why}", flush=True)
         await self._rebuild(restarted)
 
     async def _restarted(self) -> list[int]:
