@@ -9,7 +9,6 @@ differs between the runs.
 
 from __future__ import annotations
 
-import os
 
 import msgspec
 import numpy as np
@@ -21,10 +20,9 @@ from torch import Tensor
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.types import Array, Trajectory
 from tests.support.batches import make_trajectories, shared_prefix_trajectories
-from areal_async.devices import free_port
 
 
-def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, parallel: str,
+def _run_rank(rank: int, world: int, rendezvous: str, model_dir: str, out_path: str, parallel: str,
               device_type: str = "cpu", dtype: str = "float32", all_equal: bool = False) -> None:
     import torch.distributed as dist
 
@@ -32,12 +30,13 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, p
     from areal_async.trainer.step import train_step
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     device = torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    # a file rendezvous: no port to choose, so none another process can take first
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=world)
     try:
         cfg = TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6, parallel=parallel, dtype=dtype)
         policy = build_policy(model_dir, cfg, device)
@@ -58,7 +57,8 @@ def _run_rank(rank: int, world: int, port: int, model_dir: str, out_path: str, p
 def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2", device_type: str = "cpu",
            dtype: str = "float32", all_equal: bool = False) -> dict:
     out = tmp_path / f"out-{world}-{parallel}-{device_type}-{dtype}-{all_equal}.pt"
-    mp.start_processes(_run_rank, args=(world, free_port(), str(model_dir), str(out), parallel, device_type, dtype,
+    rendezvous = tmp_path / f"rendezvous-{out.stem}"
+    mp.start_processes(_run_rank, args=(world, str(rendezvous), str(model_dir), str(out), parallel, device_type, dtype,
                                         all_equal),
                        nprocs=world, join=True, start_method="spawn")
     return torch.load(out)
