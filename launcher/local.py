@@ -8,8 +8,10 @@ no run directory, exit 2), resolves the model and writes ``RUN_DIR/config.yaml``
 trainer (``launcher.torchrun``) and the workers, under one ``launcher.supervisor.Supervisor``. Exit
 0 when the trainer exits 0, 1 when a process fails beyond its restarts (all stopped), 130 on Ctrl-C
 or SIGTERM. Every child gets the launch's token and listens on its configured host (loopback by
-default). The rest: docs/running.md (checks, start-up, ``--resume``), docs/faults.md (restarts,
-what stops the job), docs/configuration.md (ports, security).
+default), and runs on the CPUs, threads and GPUs ``launcher.placement`` gives it (by default: not
+pinned, the CPU count divided among servers and trainer ranks). The rest: docs/running.md (checks,
+start-up, placement, ``--resume``), docs/faults.md (restarts, what stops the job),
+docs/configuration.md (ports, security).
 """
 
 from __future__ import annotations
