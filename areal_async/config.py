@@ -115,7 +115,9 @@ class InferenceConfig(_Cfg):
     max_queued_requests: PosInt = DEFAULT_MAX_QUEUED
     max_seq_len: PosInt = 1024
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every server)
-    threads: NonNegInt = 0  # torch threads per server; 0: its CPUs' count when cpus is set (docs/running.md#placement)
+    # torch threads per server; 0: the size of its part of cpus, or unpinned the CPU count divided among the
+    # servers and trainer ranks (docs/running.md#placement)
+    threads: NonNegInt = 0
     # CPUs the servers are pinned to, divided equally among them in order ("0-3", 2 servers: 0-1 and
     # 2-3); "": not pinned (launcher.local only)
     cpus: str = ""
