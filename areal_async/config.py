@@ -115,7 +115,12 @@ class InferenceConfig(_Cfg):
     max_queued_requests: PosInt = DEFAULT_MAX_QUEUED
     max_seq_len: PosInt = 1024
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every server)
+    # torch threads per server; 0: the size of its part of cpus, or unpinned the CPU count divided among the
+    # servers and trainer ranks (docs/running.md#placement)
     threads: NonNegInt = 0
+    # CPUs the servers are pinned to, divided equally among them in order ("0-3", 2 servers: 0-1 and
+    # 2-3); "": not pinned (launcher.local only)
+    cpus: str = ""
     cuda_graph: bool = True  # CUDA: replay captured decode steps (False: SGLang's --disable-cuda-graph)
     # reuse prompts' keys and values: a group's prompt computed once, a few-shot preamble once per
     # weight version (embedded engine: docs/engine.md; False: SGLang's --disable-radix-cache)
@@ -173,6 +178,7 @@ class RolloutConfig(_Cfg):
     tool_timeout_s: PosFloat = 5.0  # a tool call's wall-clock limit; over it: an error observation
     max_turns: PosInt = 8  # model turns of an episode at most; more: truncated
     max_episode_tokens: NonNegInt = 0  # tokens after a sequence's prompt at most (0: max_new_tokens per turn only)
+    cpus: str = ""  # CPUs every worker is pinned to, e.g. "0-1"; "": not pinned (launcher.local only)
 
 
 class QueueConfig(_Cfg):
@@ -185,6 +191,7 @@ class QueueConfig(_Cfg):
     max_concurrent: PosInt = 16
     # a larger request frame (a submitted group is ~12 bytes per token) is refused, the connection closed
     max_request_bytes: PosInt = 64 * 1024 * 1024
+    cpus: str = ""  # CPUs the queue is pinned to, e.g. "0"; "": not pinned (launcher.local only)
 
 
 class AlgoConfig(_Cfg):
@@ -222,6 +229,11 @@ class TrainerConfig(_Cfg):
     logit_chunk_tokens: PosInt = 256
     parallel: Literal["fsdp2", "ddp"] = "fsdp2"
     device: str = "auto"
+    # CPUs the ranks are pinned to, divided equally among them in order; "": not pinned. gpus: the
+    # ranks' CUDA devices (rank r on the r-th, e.g. "1" next to a server on cuda:0); "": cuda:0..nproc-1.
+    # launcher.local only (docs/running.md#placement)
+    cpus: str = ""
+    gpus: str = ""
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # compute dtype (master weights stay fp32)
     # torch.compile each decoder layer's forward and the fused LM head's chunk kernels
     # (trainer/policy.py); not with mode: deterministic

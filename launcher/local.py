@@ -8,8 +8,10 @@ no run directory, exit 2), resolves the model and writes ``RUN_DIR/config.yaml``
 trainer (``launcher.torchrun``) and the workers, under one ``launcher.supervisor.Supervisor``. Exit
 0 when the trainer exits 0, 1 when a process fails beyond its restarts (all stopped), 130 on Ctrl-C
 or SIGTERM. Every child gets the launch's token and listens on its configured host (loopback by
-default). The rest: docs/running.md (checks, start-up, ``--resume``), docs/faults.md (restarts,
-what stops the job), docs/configuration.md (ports, security).
+default), and runs on the CPUs, threads and GPUs ``launcher.placement`` gives it (by default: not
+pinned, the CPU count divided among servers and trainer ranks). The rest: docs/running.md (checks,
+start-up, placement, ``--resume``), docs/faults.md (restarts, what stops the job),
+docs/configuration.md (ports, security).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from areal_async.determinism import deterministic_env
 from areal_async.devices import port_in_use
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
+from launcher.placement import JobPlacement, place_job
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
 from launcher.resolve import check_devices, resolve_dtypes, resolve_tree_attention
 from launcher.servers import (PY, SERVER_ARGV, ServerProbe, _server_argv, check_backend, http_status,
@@ -201,6 +204,11 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
         from areal_async.rollout.workflows import load_workflow
 
         load_workflow(cfg.rollout.workflow, cfg.rollout.temperature, cfg.rollout.top_p)  # the same, for the episode
+    placed = job_placement(cfg)  # a ValueError naming the key and the fix
+    for warning in placed.warnings:
+        print(f"[launcher] warning: {warning}", file=sys.stderr, flush=True)
+    if placed.pins:
+        print(f"[launcher] placement: {placed.describe()}", flush=True)
     cfg = resolve_dtypes(cfg, cuda)
     cfg = resolve_tree_attention(cfg, cuda)  # a ValueError naming the fix
     chosen = keys_to_choose(cfg, resume)  # resume: the stopped job's chosen ports may be taken by now
@@ -257,12 +265,20 @@ def release_worker(cfg: Config, token: str | None, worker_id: int, why: str = ""
     return f"groups {ids} go back to the queue" if ids else "the queue took back its groups (logs/queue.log)"
 
 
+def job_placement(cfg: Config) -> JobPlacement:
+    """Each process's CPUs, threads and GPUs on this machine (``launcher/placement.py``).
+
+    Raises:
+        ValueError: see ``place_job``.
+    """
+    return place_job(cfg, frozenset(os.sched_getaffinity(0)), os.cpu_count() or 1, os.environ)
+
+
 def run_job(cfg: Config, sup: Supervisor) -> None:
     """Start every process of the job and block until the trainer finishes."""
     config_path = str(cfg.run_dir / "config.yaml")
-    cpus = os.cpu_count() or 1
     inf = cfg.inference
-    server_threads = inf.threads or max(1, cpus // (inf.num_servers + cfg.trainer.nproc))
+    placed = job_placement(cfg)
     make_argv = SERVER_ARGV[inf.backend]
     token = sup.env.get(auth.ENV)  # the job's (launch); the children read it from their environment
     model, version, queue_args = cfg.model, 0, []
@@ -278,36 +294,39 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     if disk:
         remove_stale_weights(cfg.run_dir)
     for i, url in enumerate(inf.urls()):
-        argv = functools.partial(_server_argv, make_argv, inf, inf.base_port + i, cfg.mode, server_threads,
+        argv = functools.partial(_server_argv, make_argv, inf, inf.base_port + i, cfg.mode, placed.servers[i].threads,
                                  cfg.debug, token)
         restart = Restart(inf.max_server_restarts, functools.partial(server_failed, cfg, token, sup, i),
                           argv=functools.partial(restart_argv, cfg.run_dir, i, argv, model, version) if disk else None)
         health = HealthCheck(ServerProbe(url, inf.max_pause_s), inf.health_check_interval_s, inf.startup_timeout_s)
-        sup.start(f"server{i}", argv(model, version), env=deterministic_env(cfg.mode), restart=restart, health=health)
+        sup.start(f"server{i}", argv(model, version), env=deterministic_env(cfg.mode), restart=restart, health=health,
+                  cpus=placed.servers[i].cpus)
     for url in inf.urls():
         _wait_until(lambda: http_status(url + "/health", 2.0) == 200, f"inference server {url}", sup,
                     inf.startup_timeout_s)
     print(f"[launcher] {inf.num_servers} {inf.backend} server(s) healthy", flush=True)
 
-    sup.start("queue", [PY, "-m", "areal_async.queue.server", "--config", config_path, *queue_args])
+    sup.start("queue", [PY, "-m", "areal_async.queue.server", "--config", config_path, *queue_args],
+              env=dict(placed.queue.env), cpus=placed.queue.cpus)
     _wait_until(lambda: _port_open(cfg.queue.host, cfg.queue.port), "replay queue", sup, 60)
 
-    trainer_threads = max(1, cpus // (inf.num_servers + cfg.trainer.nproc))
     trainer = sup.start(
         "trainer",
         [PY, "-m", "launcher.torchrun", "--nproc-per-node", str(cfg.trainer.nproc),
          "--master-port", str(cfg.trainer.master_port), "-m", "areal_async.trainer.main",
          "--config", config_path],
-        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(trainer_threads)),
+        env={**placed.trainer.env,
              # its output reaches this terminal through a pipe: tell it whether bars can be drawn
              PROGRESS_ENV: os.environ.get(PROGRESS_ENV) or ("bar" if sys.stdout.isatty() else "lines"),
              **deterministic_env(cfg.mode)},
         echo=True, expect_exit=True, stop_leader_first=True,  # torchrun stops its ranks itself
+        cpus=placed.trainer.cpus,
     )
     for w in range(cfg.rollout.num_workers):
         restart = Restart(cfg.rollout.max_worker_restarts, functools.partial(release_worker, cfg, token, w))
         sup.start(f"worker{w}", [PY, "-m", "areal_async.rollout.worker", "--config", config_path,
-                                 "--worker-id", str(w)], expect_exit=True, restart=restart)
+                                 "--worker-id", str(w)], env=dict(placed.workers.env), expect_exit=True,
+                  restart=restart, cpus=placed.workers.cpus)
     print(f"[launcher] trainer ({cfg.trainer.nproc} rank(s)) and {cfg.rollout.num_workers} "
           f"worker(s) started; logs in {sup.log_dir}", flush=True)
     sup.wait_for(trainer)

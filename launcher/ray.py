@@ -31,6 +31,7 @@ from ray.util.placement_group import remove_placement_group
 
 from areal_async.config import Config, dump_config, load_config
 from launcher import local
+from launcher.placement import refuse_on_ray
 from launcher.ray_placement import Placement, bind_hosts, bundles_of, reserve
 from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervised, Supervisor
 
@@ -259,7 +260,9 @@ class RaySupervisor(Supervisor):
 
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
               expect_exit: bool = False, stop_leader_first: bool = False,
-              restart: Restart | None = None, health: HealthCheck | None = None) -> Supervised:
+              restart: Restart | None = None, health: HealthCheck | None = None,
+              cpus: tuple[int, ...] = ()) -> Supervised:
+        assert not cpus, f"{name}: launcher.ray pins no process (refuse_on_ray refuses the keys before the start)"
         match = _ROLE_OF.fullmatch(name)
         assert match, f"launcher.ray places the processes of launcher.local.run_job; {name!r} is none of them"
         role = match.group(1) or name
@@ -387,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             try:
                 cfg = load_config(args.config, args.overrides)
+                refuse_on_ray(cfg)
                 held.enter_context(local.lock_run(cfg))
                 own_gpus = cfg.cluster.gpus_per_server > 0 and cfg.cluster.gpus_per_trainer_rank > 0
                 cfg = local.prepare_run(cfg, args.overwrite, args.resume, own_gpus)

@@ -21,14 +21,18 @@ from __future__ import annotations
 import msgspec
 
 from areal_async.config import Config
+from areal_async.cpus import format_list
 from areal_async.devices import cpu_has_bf16, cuda_index
+from launcher.placement import trainer_gpus
 from areal_async.trainer.tree_paths import tree_attention_choice
 
 
 def check_devices(cfg: Config, cuda_available: bool, own_gpus: bool = False) -> None:
     """NCCL weight sync needs every process of its group on its own GPU: trainer rank r runs on
-    ``cuda:r``, and each server on ``inference.device``. Raises ``ValueError`` naming the keys
-    and the fix when two would share one (NCCL refuses: "Duplicate GPU detected").
+    ``cuda:r``, or on the r-th of ``trainer.gpus`` (``launcher/placement.py``), and each server on
+    ``inference.device``. Raises ``ValueError`` naming the keys and the fix when two would share
+    one (NCCL refuses: "Duplicate GPU detected"), or when ``trainer.gpus`` is set for a trainer on
+    the CPU or does not name one GPU per rank.
 
     ``own_gpus``: ``launcher.ray`` with GPUs in every server's and trainer rank's bundle
     (``cluster.gpus_per_server``, ``cluster.gpus_per_trainer_rank``): each process sees only its own
@@ -36,7 +40,7 @@ def check_devices(cfg: Config, cuda_available: bool, own_gpus: bool = False) -> 
     machine's CUDA is not asked; ``inference.device`` must then be ``cuda``/``cuda:0``/``auto``."""
     if cfg.trainer.device.startswith("cuda:"):
         raise ValueError(f"trainer.device={cfg.trainer.device!r}: rank r always runs on cuda:r; use "
-                         f"trainer.device=cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs)")
+                         f"trainer.device=cuda (and trainer.gpus to choose the GPUs, e.g. trainer.gpus=\"1\")")
     if own_gpus:
         if cfg.inference.device not in ("auto", "cuda", "cuda:0"):
             raise ValueError(f"inference.device={cfg.inference.device!r}, but each server's Ray bundle holds its "
@@ -45,6 +49,10 @@ def check_devices(cfg: Config, cuda_available: bool, own_gpus: bool = False) -> 
         return
     server = cuda_index("inference.device", cfg.inference.device, cuda_available)
     trainer = cuda_index("trainer.device", cfg.trainer.device, cuda_available)
+    if cfg.trainer.gpus and trainer is None:
+        raise ValueError(f"trainer.gpus={cfg.trainer.gpus!r} but the trainer runs on the CPU (trainer.device="
+                         f"{cfg.trainer.device!r}); set trainer.device=cuda, or trainer.gpus=\"\"")
+    ranks = trainer_gpus(cfg)  # a ValueError unless one GPU per rank
     if cfg.trainer.weight_sync != "distributed" or cfg.inference.backend != "embedded":
         return
     if (server is None) != (trainer is None):
@@ -59,12 +67,14 @@ def check_devices(cfg: Config, cuda_available: bool, own_gpus: bool = False) -> 
             f"inference.num_servers={cfg.inference.num_servers} servers would all run on "
             f"inference.device={cfg.inference.device!r} (cuda:{server}), and NCCL weight sync needs one GPU "
             f"per process; set trainer.weight_sync=disk, or run one server per GPU")
-    if server < cfg.trainer.nproc:
+    if server in ranks:
+        free = next(g for g in range(max(ranks) + 2) if g not in ranks)
         raise ValueError(
-            f"inference.device={cfg.inference.device!r} (cuda:{server}) is also trainer rank {server}'s GPU "
-            f"(trainer.nproc={cfg.trainer.nproc} ranks use cuda:0..{cfg.trainer.nproc - 1}), and NCCL weight "
-            f"sync needs one GPU per process; set inference.device=cuda:{cfg.trainer.nproc} on a machine with "
-            f"more GPUs, or trainer.weight_sync=disk")
+            f"inference.device={cfg.inference.device!r} (cuda:{server}) is also trainer rank {ranks.index(server)}'s "
+            f"GPU (trainer.nproc={cfg.trainer.nproc} ranks use cuda:{format_list(ranks)}, trainer.gpus="
+            f"{cfg.trainer.gpus!r}), and NCCL weight sync needs one GPU per process; set inference.device=cuda:{free} "
+            f"or move the trainer (e.g. trainer.gpus=\"{format_list(g + 1 for g in ranks)}\" with the server on "
+            f"cuda:0) on a machine with more GPUs, or trainer.weight_sync=disk")
 
 
 def resolve_dtypes(cfg: Config, cuda_available: bool) -> Config:

@@ -18,6 +18,7 @@ import collections
 import collections.abc
 import concurrent.futures
 import ctypes
+import functools
 import os
 import pathlib
 import signal
@@ -35,6 +36,12 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _before_exec(cpus: tuple[int, ...]) -> None:  # runs in the child between fork and exec
+    _die_with_parent()
+    if cpus:  # the process's threads, started after exec, inherit it
+        os.sched_setaffinity(0, cpus)
 
 
 @dataclass(frozen=True)
@@ -115,15 +122,18 @@ class Supervised(Protocol):
 class Child:
     """One supervised process. ``expect_exit``: its exit (status 0) is part of a normal run;
     ``restart``: how it is started again when it dies (``None``: never); ``health``: how it is
-    checked while it runs (``None``: not at all)."""
+    checked while it runs (``None``: not at all); ``cpus``: the CPUs it (and each restart) is
+    pinned to, ``sched_setaffinity`` before exec (``()``: not pinned)."""
 
     def __init__(self, name: str, argv: list[str], log_dir: pathlib.Path, env: dict,
                  echo: bool = False, expect_exit: bool = False, tail_lines: int = 40,
                  log_header: str | None = None, stop_leader_first: bool = False,
-                 restart: Restart | None = None, health: HealthCheck | None = None):
+                 restart: Restart | None = None, health: HealthCheck | None = None,
+                 cpus: tuple[int, ...] = ()):
         self.name = name
         self.argv = argv
         self.env = env
+        self.cpus = tuple(cpus)
         self.log_path = log_dir / f"{name}.log"
         self.expect_exit = expect_exit
         self.stop_leader_first = stop_leader_first
@@ -149,7 +159,7 @@ class Child:
         self.spawned_at = self.check_at = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.env, start_new_session=True, preexec_fn=_die_with_parent, bufsize=0,
+            env=self.env, start_new_session=True, preexec_fn=functools.partial(_before_exec, self.cpus), bufsize=0,
         )
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
@@ -240,10 +250,11 @@ class Supervisor:
 
     def start(self, name: str, argv: list[str], env: dict | None = None, echo: bool = False,
               expect_exit: bool = False, stop_leader_first: bool = False,
-              restart: Restart | None = None, health: HealthCheck | None = None) -> Supervised:
+              restart: Restart | None = None, health: HealthCheck | None = None,
+              cpus: tuple[int, ...] = ()) -> Supervised:
         child = Child(name, argv, self.log_dir, {**self.env, **(env or {})}, echo, expect_exit,
                       log_header=self.log_header, stop_leader_first=stop_leader_first,
-                      restart=restart, health=health)
+                      restart=restart, health=health, cpus=cpus)
         self.children.append(child)
         return child
 

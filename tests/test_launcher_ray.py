@@ -289,6 +289,14 @@ def test_a_worker_that_can_never_start_stops_the_job_after_its_restarts(local_ra
         sup.stop_all(grace_s=1)
 
 
+def test_the_placement_keys_of_launcher_local_are_refused_before_anything_starts(tmp_path, capsys):
+    from launcher.ray import main
+
+    assert main(["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", 'inference.cpus="0"']) == 2
+    assert "inference.cpus='0': launcher.ray does not pin processes" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no run lock, no run directory
+
+
 def test_every_child_kind_is_what_the_supervisor_asks_of_a_child():
     from launcher.supervisor import Child, Supervised
     from tests.support.protocols import check_calls

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from areal_async.config import Config, load_config
+from areal_async.cpus import pin_rank
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.trainer.coordinator import connect
 from areal_async.trainer.learner import Learner
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m areal_async.trainer.main", description=__doc__)
     parser.add_argument("--config", required=True, help="the run's resolved RUN_DIR/config.yaml")
     args = parser.parse_args(argv)
+    pin_rank()  # trainer.cpus: this rank's part (launcher/placement.py); the threads torch starts later inherit it
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     code = 0
     try:
