@@ -19,8 +19,8 @@ def _write_run(run_dir, rows, eta=1, decoupled=True, seed=1, interrupt=None):
     """``interrupt``: ``rollout.interrupt_on_update`` written as true/false, or left out (``None``)."""
     run_dir.mkdir(parents=True)
     rollout = "" if interrupt is None else f"rollout:\n  interrupt_on_update: {'true' if interrupt else 'false'}\n"
-    (run_dir / "config.yaml").write_text(f"seed: {seed}\nqueue:\n  max_staleness: {eta}\nalgo:\n  decoupled: "
-                                         f"{'true' if decoupled else 'false'}\n{rollout}")
+    (run_dir / "config.yaml").write_text(f"seed: {seed}\nqueue:\n  max_staleness: {eta}\nalgo:\n  objective: "
+                                         f"{'decoupled' if decoupled else 'naive'}\n{rollout}")
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
 
