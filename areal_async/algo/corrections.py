@@ -11,8 +11,8 @@ w_t, a function of log w_t = prox_t - behav_t and never differentiated:
 
 Sources: TIS, Yao et al. "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training" (2025); MIS, Liu et al. "When Speed Kills Stability" (2025), seq-MIS; IcePop,
-Ling team, Ring-1T (arXiv:2510.18855, Eq. 3); M2PO, Zheng et al. arXiv:2510.01161 (Alg. 1);
-GSPO, Zheng et al. arXiv:2507.18071, Eq. 7 (its GSPO-token form, Eq. 10). Masked tokens and
+Ling team, Ring-1T (arXiv:2510.18855); M2PO, Zheng et al. arXiv:2510.01161;
+GSPO, Zheng et al. arXiv:2507.18071 (its GSPO-token form). Masked tokens and
 sequences stay in the token denominator (like the decoupled loss's cap): each call returns its
 share of the global token mean, ``num_tokens`` as in ``decoupled_ppo_loss``. The sequence-level
 quantities (ρ_b, GSPO's s_b) are sums over one sequence's loss tokens, given by ``cu_seqlens``;
@@ -116,7 +116,7 @@ def mis_loss(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantag
 def icepop_loss(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
                 eps_clip: float = 0.2, eps_clip_high: float | None = None, ratio_low: float = 0.5,
                 ratio_high: float = 5.0, *, num_tokens: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """IcePop (Ring-1T, Eq. 3): Eq. 5 with w_t = k_t · 1[α ≤ k_t ≤ β], k_t = π_prox/π_behav,
+    """IcePop (Ring-1T, arXiv:2510.18855): Eq. 5 with w_t = k_t · 1[α ≤ k_t ≤ β], k_t = π_prox/π_behav,
     α = ``ratio_low``, β = ``ratio_high``.
 
     Args: as ``tis_loss``.
@@ -156,7 +156,7 @@ def m2po_kept(log_w: Tensor, mask: Tensor, m2_threshold: float) -> Tensor:
 def m2po_loss(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
               eps_clip: float = 0.2, eps_clip_high: float | None = None, m2_threshold: float = 0.04, *,
               num_tokens: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """M2PO (arXiv:2510.01161, Alg. 1; as AReaL's ``m2_threshold``): Eq. 5 with w_t = 1 on the
+    """M2PO (arXiv:2510.01161; as AReaL's ``m2_threshold``): Eq. 5 with w_t = 1 on the
     tokens ``m2po_kept`` keeps and 0 on the others; the second moment M2 = mean (log π_prox/π_behav)²
     of the kept tokens is below τ = ``m2_threshold``.
 
@@ -179,7 +179,7 @@ def gspo_loss(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advanta
               cu_seqlens: Tensor, eps_clip: float = 3e-4, eps_clip_high: float | None = 4e-4,
               behav_imp_weight_cap: float | None = None, *,
               num_tokens: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO-token (arXiv:2507.18071, Eq. 10-11): Eq. 5 with r_t replaced by
+    """GSPO-token (arXiv:2507.18071): Eq. 5 with r_t replaced by
     s_{b,t} = sg[s_b] · π_θ(y_t)/sg[π_θ(y_t)], s_b = exp(mean_{t∈b} log π_θ/π_prox) the geometric
     mean over sequence b's loss tokens (so the clip acts per sequence), and decoupled PPO's w_t
     (π_prox/π_behav, 0 above ``behav_imp_weight_cap``).
