@@ -1,5 +1,5 @@
 """Each objective of ``algo.objective`` against the peers' own implementations (verl 0.9.1, AReaL
-1.0.4), on random packed cases: loss value and gradient w.r.t. the θ log-probs.
+1.0.4, TRL 1.16.0), on random packed cases: loss value and gradient w.r.t. the θ log-probs.
 
 A case: 1-6 sequences of 1-12 positions, ~80 % of them loss tokens, per-token advantages, θ near
 π_prox and π_prox at a gap of 0.05, 0.3 or 1 nats (per token, normal) from π_behav, so that caps,
@@ -7,7 +7,7 @@ masks and clips are each hit in some cases and not in others; off the mask, arbi
 verl works on ``[B, L]`` padded tensors: the packed ones are scattered into them (the gradient
 flows back). Aggregation: ours is the token mean over the loss tokens of the call; verl's
 ``token-mean`` with ``batch_num_tokens`` = Σ loss mask, AReaL's ``ppo_actor_loss_fn`` (the
-count of its input mask). verl's dual clip is disabled (``clip_ratio_c`` 1e9): it is not in
+count of its input mask), TRL's ``bnpo`` loss type. verl's dual clip is disabled (``clip_ratio_c`` 1e9): it is not in
 these losses. float64 at 1e-10 (AReaL's behaviour weights: float32's 2e-6, it computes them in
 float32), every fourth case again in float32 at 1e-5. The peers' packages:
 ``bash tools/peers/install.sh`` (without them these tests fail, naming it).
@@ -16,6 +16,7 @@ float32), every fourth case again in float32 at 1e-5. The peers' packages:
 from __future__ import annotations
 
 import types
+from collections import defaultdict
 from typing import NamedTuple
 
 import pytest
@@ -46,6 +47,11 @@ def verl():
 @pytest.fixture(scope="module")
 def areal():
     return peers.areal()
+
+
+@pytest.fixture(scope="module")
+def trl():
+    return peers.trl()
 
 
 class Case(NamedTuple):
@@ -142,6 +148,26 @@ def areal_loss(functional, c: Case, prox: torch.Tensor, eps: float, eps_high: fl
     return loss
 
 
+def trl_loss(trl, c: Case, old: torch.Tensor, eps: float, eps_high: float, level: str) -> torch.Tensor:
+    """TRL's ``GRPOTrainer._compute_loss`` with ``loss_type="bnpo"`` (the token mean over the batch),
+    per-token advantages ``[B, L]``, no KL, no vLLM weights, no entropy mask; ``self`` holds just
+    what the method reads, and its θ log-probs are ``c.theta`` padded."""
+    theta = padded(c, c.theta)
+    trainer = types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (theta, torch.zeros_like(theta), None),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level=level, beta=0.0, loss_type="bnpo", epsilon_low=eps, epsilon_high=eps_high,
+        args=types.SimpleNamespace(delta=None), use_vllm=False, vllm_importance_sampling_correction=False,
+        model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)},
+        accelerator=types.SimpleNamespace(reduce=lambda x, reduction: x, gather=lambda x: x))
+    ids = torch.zeros(theta.shape, dtype=torch.long)
+    inputs = {"prompt_ids": ids[:, :1], "prompt_mask": torch.ones_like(ids[:, :1]), "completion_ids": ids,
+              "completion_mask": padded(c, c.mask.to(c.theta.dtype)), "advantages": padded(c, c.adv),
+              "old_per_token_logps": padded(c, old)}
+    return trl.GRPOTrainer._compute_loss(trainer, None, inputs)
+
+
 def rejection(**kw) -> types.SimpleNamespace:
     """AReaL's ``RejectionSamplingConfig`` fields (token level, ratio metric, mask action by default)."""
     return types.SimpleNamespace(**{"level": "token", "action": "mask", "metric": "ratio", "agg": "mean",
@@ -180,6 +206,23 @@ def test_naive_matches_areal_and_verl(verl, areal):
         assert_same(ours, verl_vanilla(core, c, c.behav, 0.2, 0.28), c.theta, tol)
 
     each_case(compare)
+
+
+def test_naive_and_gspo_match_trl_grpo(trl):
+    # TRL's GRPO loss (bnpo: token mean over the batch) on the rollout's log-probs, its "token"
+    # importance-sampling level = naive PPO; its "sequence" level = GSPO, where it is the same loss
+    # as GSPO-token (advantages constant within a sequence, w = 1). Its behaviour weights (vLLM
+    # importance sampling) are computed inside generation, not by a callable: not compared.
+    def compare(c, tol):
+        ours, _ = naive_ppo_loss(c.theta, c.behav, c.adv, c.mask, 0.2, 0.28)
+        assert_same(ours, trl_loss(trl, c, c.behav, 0.2, 0.28, "token"), c.theta, tol)
+
+    def compare_gspo(c, tol):
+        ours, _ = gspo_loss(c.theta, c.prox, c.prox, c.adv, c.mask, c.cu_seqlens, 0.02, 0.03)
+        assert_same(ours, trl_loss(trl, c, c.prox, 0.02, 0.03, "sequence"), c.theta, tol)
+
+    each_case(compare)
+    each_case(compare_gspo, seq_constant_adv=True)
 
 
 def test_tis_matches_verl_token_is_and_areal_clamp(verl, areal):

@@ -36,7 +36,7 @@ class _Any(types.ModuleType):
         return value
 
 
-STUB = object()  # as a stub's attributes: a placeholder that answers every attribute
+STUB = object()  # as a stub's attributes (or under "*" beside some): every other attribute a MagicMock
 
 
 def require() -> None:
@@ -49,24 +49,22 @@ def require() -> None:
 
 def load(name: str, relpath: str, stubs: dict[str, dict | object] | None = None) -> types.ModuleType:
     """Execute ``.peers/<relpath>`` as module ``name``, with ``stubs`` (module name → attributes,
-    ``STUB``, or a module loaded before) in ``sys.modules`` while it runs; a module already
-    imported is used as it is."""
+    ``STUB``, or a module loaded before) in ``sys.modules`` while it runs, in place of any module
+    of that name imported already (put back afterwards)."""
     require()
-    added = []
-    for mod_name, attrs in (stubs or {}).items():
-        if mod_name in sys.modules:
-            continue
+    stubs = dict(stubs or {})
+    saved = {n: sys.modules.get(n) for n in [*stubs, name]}
+    for mod_name, attrs in stubs.items():
         if isinstance(attrs, types.ModuleType):
-            mod = attrs
-        else:
-            mod = _Any(mod_name) if attrs is STUB else types.ModuleType(mod_name)
-            if attrs is not STUB:
-                mod.__dict__.update(attrs)
+            sys.modules[mod_name] = attrs
+            continue
+        attrs = {"*": STUB} if attrs is STUB else attrs
+        mod = _Any(mod_name) if attrs.get("*") is STUB else types.ModuleType(mod_name)
+        mod.__dict__.update({k: v for k, v in attrs.items() if k != "*"})
         sys.modules[mod_name] = mod
-        added.append(mod_name)
-    for mod_name in added:  # a package stub answers ``import a.b.c as x`` through its children
+    for mod_name in stubs:  # a package stub answers ``import a.b.c as x`` through its children
         parent, _, child = mod_name.rpartition(".")
-        if parent in added:
+        if parent in stubs:
             setattr(sys.modules[parent], child, sys.modules[mod_name])
     spec = importlib.util.spec_from_file_location(name, PEERS / relpath)
     module = importlib.util.module_from_spec(spec)
@@ -74,8 +72,11 @@ def load(name: str, relpath: str, stubs: dict[str, dict | object] | None = None)
     try:
         spec.loader.exec_module(module)
     finally:
-        for mod_name in added + [name]:
-            sys.modules.pop(mod_name, None)
+        for mod_name, before in saved.items():
+            if before is None:
+                sys.modules.pop(mod_name, None)
+            else:
+                sys.modules[mod_name] = before
     return module
 
 
@@ -133,4 +134,20 @@ def areal() -> tuple[types.ModuleType, types.ModuleType]:
     return functional, actor
 
 
-__all__ = ["INSTALL", "PEERS", "PINS", "VerlActorConfig", "areal", "load", "require", "verl"]
+def trl() -> types.ModuleType:
+    """TRL's ``grpo_trainer`` module: ``GRPOTrainer._compute_loss`` is its GRPO loss, a method
+    that reads the trainer's settings from ``self`` and the θ log-probs from its
+    ``_get_per_token_logps_and_entropies`` (both supplied by the caller)."""
+    stubs = {name: STUB for name in (
+        "pandas", "accelerate", "accelerate.logging", "accelerate.utils", "datasets", "huggingface_hub",
+        "transformers.trainer_utils", "trl.chat_template_utils", "trl.data_utils", "trl.distributed", "trl.extras",
+        "trl.extras.profiling", "trl.generation", "trl.generation.vllm_generation", "trl.import_utils",
+        "trl.models", "trl.models.utils", "trl.trainer.callbacks", "trl.trainer.grpo_config", "trl.trainer.utils")}
+    never = lambda: False  # noqa: E731 — no optional integration (peft, wandb, ...) is imported
+    stubs.update({"trl": {}, "trl.trainer": {}, "trl.trainer.base_trainer": {"_BaseTrainer": object},
+                  "transformers": {"*": STUB, "is_trackio_available": never, "is_wandb_available": never},
+                  "transformers.utils": {"*": STUB, "is_peft_available": never, "is_rich_available": never}})
+    return load("trl.trainer.grpo_trainer", "trl/trainer/grpo_trainer.py", stubs)
+
+
+__all__ = ["INSTALL", "PEERS", "PINS", "VerlActorConfig", "areal", "load", "require", "trl", "verl"]
