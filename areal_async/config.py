@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from areal_async.config_hints import choices, finite_rule, given, is_non_finite, lookup, null_hint, quote_hint
+from areal_async.config_hints import RENAMED, choices, finite_rule, given, is_non_finite, lookup, null_hint, quote_hint
 from areal_async.determinism import check_compile
 
 
@@ -194,18 +194,30 @@ class QueueConfig(_Cfg):
     cpus: str = ""  # CPUs the queue is pinned to, e.g. "0"; "": not pinned (launcher.local only)
 
 
-class AlgoConfig(_Cfg):
-    """GRPO advantages and the decoupled-PPO loss (AReaL-boba defaults).
+Objective = Literal["decoupled", "naive", "tis", "mis", "icepop", "m2po", "gspo"]
 
-    ``decoupled: false`` is the naive-PPO control of a staleness study: π_prox = π_behav (PPO's
-    clipped objective on the stale data, no importance weight, so ``behav_imp_weight_cap`` is not
-    used), and the trainer runs no proximal forward (``algo/loss.py``).
+
+class AlgoConfig(_Cfg):
+    """GRPO advantages and the policy loss (AReaL-boba defaults: decoupled PPO).
+
+    ``objective`` picks the loss (``algo/objectives.py``; each one, its paper and its knobs:
+    docs/objectives.md). ``naive`` is the control of a staleness study: π_prox = π_behav, no
+    importance weight, no proximal forward. The ``<objective>_*`` knobs are read by that objective
+    only; ``eps_clip``/``eps_clip_high`` by all but gspo; ``behav_imp_weight_cap`` by decoupled and gspo.
     """
 
-    decoupled: bool = True
+    objective: Objective = "decoupled"
     eps_clip: PosFloat = 0.2
     eps_clip_high: PosFloat | None = None
     behav_imp_weight_cap: PosFloat | None = 5.0
+    tis_imp_weight_cap: PosFloat = 2.0  # C: w = min(π_prox/π_behav, C)
+    mis_seq_ratio_low: PosFloat = 0.5  # a sequence's Π π_prox/π_behav outside [low, high]: masked
+    mis_seq_ratio_high: PosFloat = 2.0
+    icepop_ratio_low: PosFloat = 0.5  # α, β: a token's π_prox/π_behav outside [α, β]: masked
+    icepop_ratio_high: PosFloat = 5.0
+    m2po_m2_threshold: PosFloat = 0.04  # τ: bound on the mean (log π_prox/π_behav)² of kept tokens
+    gspo_eps_clip: PosFloat = 3e-4  # clip of the sequence ratio: [1 - eps, 1 + eps_high]
+    gspo_eps_clip_high: PosFloat = 4e-4
     std_norm: bool = True
     batch_norm: bool = False
     kl_coef: float = 0.0
@@ -381,6 +393,8 @@ def _check_keys(node_type: type, data: dict, where: str) -> None:
     """Raise ``ValueError`` for the first key of ``data`` that ``node_type`` lacks, recursively."""
     fields = {f.name: f for f in msgspec.structs.fields(node_type)}
     for key, value in data.items():
+        if f"{where}{key}" in RENAMED:
+            raise ValueError(f"config key '{where}{key}' is gone: {RENAMED[f'{where}{key}']}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.0)
             hint = f"; did you mean '{where}{close[0]}'?" if close else ""
@@ -480,6 +494,11 @@ def check_config(cfg: Config) -> None:
     if cfg.algo.kl_coef != 0.0:
         raise ValueError(f"algo.kl_coef={cfg.algo.kl_coef}: a KL penalty needs a reference model, which this "
                          f"trainer does not keep; set algo.kl_coef=0")
+    a = cfg.algo
+    for low, high in (("mis_seq_ratio_low", "mis_seq_ratio_high"), ("icepop_ratio_low", "icepop_ratio_high")):
+        if getattr(a, low) >= getattr(a, high):
+            raise ValueError(f"algo.{low}={getattr(a, low)} must be below algo.{high}={getattr(a, high)}: "
+                             f"the kept range [low, high] would be empty; e.g. algo.{low}=0.5")
     if not all(0.0 <= b < 1.0 for b in cfg.trainer.adam_betas):
         raise ValueError(f"trainer.adam_betas={list(cfg.trainer.adam_betas)} must both be in [0, 1), "
                          f"e.g. [0.9, 0.999]")

@@ -1,5 +1,6 @@
 """The hints in a config error: what was given, the choices of a ``Literal``, how to quote a number
-for a ``str`` key, what to give instead of YAML null, the rule for a non-finite float.
+for a ``str`` key, what to give instead of YAML null, the rule for a non-finite float, what
+replaced a renamed key (``RENAMED``).
 
 Pure functions of the raw config ``data`` (nested dicts, as read from YAML and the overrides), a
 dotted ``key`` and the root config type; ``config.load_config`` and ``config.from_dict`` build
@@ -51,6 +52,12 @@ def quote_hint(data: dict, key: str, msg: str) -> str:
     return (f"; YAML reads {text} as {kind}, so quote it: '{key}=\"{text}\"' on the command line, "
             f"{key.rpartition('.')[2]}: \"{text}\" in the YAML file")
 
+
+# a key that was replaced → what to give instead (refused with this hint, never read as the new key)
+RENAMED = {
+    "algo.decoupled": "give algo.objective instead (decoupled: true → algo.objective=decoupled, "
+                      "decoupled: false → algo.objective=naive)",
+}
 
 MISSING = object()
 

@@ -17,16 +17,17 @@ import json
 import pathlib
 import sys
 import time
+import typing
 
-from areal_async.config import load_config
+from areal_async.config import Objective, load_config
 from areal_async.file_lock import file_lock
 from areal_async.progress import progress_mode
 from launcher.jobs import Job, local_argv, run_jobs
 from launcher.local import interrupt_on_signals
 
-OBJECTIVES = {"decoupled": True, "naive": False}  # objective → algo.decoupled
+OBJECTIVES = typing.get_args(Objective)  # the values of algo.objective
 # set by the study for each cell: an override of one of these would make the cells not a grid
-GRID_KEYS = ("name", "queue.max_staleness", "algo.decoupled", "seed", "rollout.interrupt_on_update",
+GRID_KEYS = ("name", "queue.max_staleness", "algo.objective", "seed", "rollout.interrupt_on_update",
              "logging.wandb_group", "logging.wandb_tags")
 INTERRUPTS = {"on": True, "off": False}  # --interrupt → rollout.interrupt_on_update
 IDENTITY = ("config", "overrides", "etas", "objectives", "seeds", "interrupts")
@@ -88,7 +89,7 @@ def cell_overrides(eta: int, objective: str, seed: int, study: str, root: pathli
     """The overrides that make a cell of the grid (after the study's own overrides)."""
     tags = [f"eta={eta}", f"objective={objective}", f"seed={seed}"] + ([] if INTERRUPTS[interrupt] else ["interrupt=off"])
     return [f"name={cell_name(eta, objective, seed, interrupt)}", f"run_root={root}", f"queue.max_staleness={eta}",
-            f"algo.decoupled={'true' if OBJECTIVES[objective] else 'false'}", f"seed={seed}",
+            f"algo.objective={objective}", f"seed={seed}",
             f"rollout.interrupt_on_update={'true' if INTERRUPTS[interrupt] else 'false'}",
             f"logging.wandb_group={json.dumps(study)}", f"logging.wandb_tags={json.dumps(tags)}"]
 
@@ -301,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every cell, e.g. trainer.total_steps=40")
     parser.add_argument("--etas", required=True, help="max staleness values η, e.g. 0,1,2,4,8")
-    parser.add_argument("--objectives", default="decoupled,naive", help="decoupled, naive or both (default)")
+    parser.add_argument("--objectives", default="decoupled,naive",
+                        help=f"values of algo.objective: {', '.join(OBJECTIVES)} (default decoupled,naive)")
     parser.add_argument("--seeds", default="", help="run seeds, e.g. 1,2,3 (default: the config's seed)")
     parser.add_argument("--interrupt", default="on", help="on (weight updates interrupt the generations in "
                         "flight, the default), off (they wait for them: rollout.interrupt_on_update=false) or on,off")

@@ -69,13 +69,13 @@ def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_mode
     assert study["cells"][1]["error"].startswith("exit 2: [launcher] error: invalid config value for 'trainer.lr'")
     assert (study["etas"], study["objectives"], study["seeds"], study["total_steps"]) == (
         [2], ["decoupled", "naive"], [1], 2)
-    for name, eta, decoupled in (("eta2-decoupled-s1", 2, True),):
+    for name, eta, objective in (("eta2-decoupled-s1", 2, "decoupled"),):
         from areal_async.config import load_config
 
         cfg = load_config(root / name / "config.yaml")
-        assert (cfg.queue.max_staleness, cfg.algo.decoupled, cfg.seed) == (eta, decoupled, 1)
+        assert (cfg.queue.max_staleness, cfg.algo.objective, cfg.seed) == (eta, objective, 1)
         assert cfg.logging.wandb_group == "s"
-        assert cfg.logging.wandb_tags == [f"eta={eta}", f"objective={'decoupled' if decoupled else 'naive'}",
+        assert cfg.logging.wandb_tags == [f"eta={eta}", f"objective={objective}",
                                           "seed=1"]
         assert cell_state(root / name, 2)[0] == "finished"
         assert (root / f"{name}.out").exists()
@@ -109,7 +109,7 @@ def test_cell_states(tmp_path):
     (["--etas", "0,-1"], "--etas 0,-1: -1 is negative; each η must be >= 0"),
     (["--etas", "0,2,2"], "--etas 0,2,2: 2 is given twice; give each η once"),
     (["--etas", "0,two"], "--etas 0,two: 'two' is not an integer"),
-    (["--etas", "0", "--objectives", "decoupled,ppo"], "'ppo' is not an objective; choose from decoupled, naive"),
+    (["--etas", "0", "--objectives", "decoupled,ppo"], "'ppo' is not an objective; choose from decoupled, naive, tis, mis, icepop, m2po, gspo"),
     (["--etas", "0", "--objectives", "naive,naive"], "'naive' is given twice"),
     (["--etas", "0", "--seeds", "1,-3"], "--seeds 1,-3: -3 is negative; each seed must be >= 0"),
     (["--etas", "0", "queue.max_staleness=3"], "override queue.max_staleness=...: the study sets"),
@@ -156,7 +156,7 @@ def test_a_broken_cell_runs_again_from_scratch_and_one_with_a_checkpoint_resumes
     assert started["eta2-naive-s1"][-1].startswith("logging.wandb_tags=")  # new: no flag
     argv = started["eta1-naive-s1"]
     assert argv[1:4] == ["-m", "launcher.local", CONFIG] and "trainer.total_steps=6" in argv
-    assert {"name=eta1-naive-s1", f"run_root={root}", "queue.max_staleness=1", "algo.decoupled=false",
+    assert {"name=eta1-naive-s1", f"run_root={root}", "queue.max_staleness=1", "algo.objective=naive",
             "seed=1", 'logging.wandb_group="b"',
             'logging.wandb_tags=["eta=1", "objective=naive", "seed=1"]'} <= set(argv)
     assert "eta1-naive-s1: started (resumed at step 3)" in capsys.readouterr().out

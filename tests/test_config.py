@@ -253,3 +253,25 @@ def test_a_key_given_twice_in_one_mapping_is_refused_naming_it_and_its_lines(tmp
     path.write_text("trainer:\n  total_steps: 3\nqueue:\n  total_steps: 3\n")  # one key in two mappings: fine
     with pytest.raises(ValueError, match="unknown config key 'queue.total_steps'"):
         load_config(path)
+
+
+@pytest.mark.parametrize("given, replacement", [(True, "algo.objective=decoupled"), (False, "algo.objective=naive")])
+def test_the_replaced_algo_decoupled_names_algo_objective(tmp_path, given, replacement):
+    # An old config (or override) with the boolean algo.decoupled is refused, never read as a
+    # default objective: the error names the key and what replaces it, for either value.
+    path = tmp_path / "old.yaml"
+    path.write_text(f"algo:\n  decoupled: {'true' if given else 'false'}\n")
+    for args in ((path, []), (None, [f"algo.decoupled={'true' if given else 'false'}"])):
+        with pytest.raises(ValueError, match="config key 'algo.decoupled' is gone: give algo.objective") as err:
+            load_config(*args)
+        assert replacement in str(err.value)
+
+
+def test_objectives_and_their_knobs_load_and_bad_ranges_are_named():
+    cfg = load_config(None, ["algo.objective=icepop", "algo.icepop_ratio_low=0.25", "algo.icepop_ratio_high=8"])
+    assert (cfg.algo.objective, cfg.algo.icepop_ratio_low, cfg.algo.icepop_ratio_high) == ("icepop", 0.25, 8.0)
+    with pytest.raises(ValueError, match="algo.objective.*choose one of \\['decoupled', 'naive', 'tis', 'mis', "
+                                         "'icepop', 'm2po', 'gspo'\\]"):
+        load_config(None, ["algo.objective=ppo"])
+    with pytest.raises(ValueError, match="algo.mis_seq_ratio_low=3.0 must be below algo.mis_seq_ratio_high=2.0"):
+        load_config(None, ["algo.mis_seq_ratio_low=3"])

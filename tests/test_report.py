@@ -19,8 +19,8 @@ def _write_run(run_dir, rows, eta=1, decoupled=True, seed=1, interrupt=None):
     """``interrupt``: ``rollout.interrupt_on_update`` written as true/false, or left out (``None``)."""
     run_dir.mkdir(parents=True)
     rollout = "" if interrupt is None else f"rollout:\n  interrupt_on_update: {'true' if interrupt else 'false'}\n"
-    (run_dir / "config.yaml").write_text(f"seed: {seed}\nqueue:\n  max_staleness: {eta}\nalgo:\n  decoupled: "
-                                         f"{'true' if decoupled else 'false'}\n{rollout}")
+    (run_dir / "config.yaml").write_text(f"seed: {seed}\nqueue:\n  max_staleness: {eta}\nalgo:\n  objective: "
+                                         f"{'decoupled' if decoupled else 'naive'}\n{rollout}")
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
 
@@ -282,3 +282,13 @@ def test_a_run_directory_reads_interruption_from_its_config(tmp_path):
     # all runs with interruption on: no label says anything of it
     same = plots.groups_of([(run_cell(p), read_run(p)) for p in (on, explicit)])
     assert [g.label for g in same] == ["η=1 decoupled"]
+
+
+@pytest.mark.parametrize("algo, objective", [("objective: icepop", "icepop"), ("decoupled: false", "naive"),
+                                             ("decoupled: true", "decoupled"), ("eps_clip: 0.2", None)])
+def test_a_cell_objective_is_read_from_algo_objective_or_the_boolean_of_older_runs(tmp_path, algo, objective):
+    # Run directories written before algo.objective replaced algo.decoupled still name their objective.
+    from areal_async.report.runs import read_cell_config
+
+    (tmp_path / "config.yaml").write_text(f"seed: 3\nqueue:\n  max_staleness: 2\nalgo:\n  {algo}\n")
+    assert read_cell_config(tmp_path) == {"eta": 2, "objective": objective, "interrupt": "on", "seed": 3}

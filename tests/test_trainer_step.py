@@ -141,6 +141,7 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from areal_async.trainer import plan as plan_module
+    from areal_async.algo import objectives as objectives_module
     from areal_async.trainer import step as step_module
     from areal_async.trainer.attention import use_packed_attention
     from areal_async.trainer.packed_policy import PackedPolicy
@@ -153,7 +154,7 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
     first_minibatch = set(range(len(seqs) // 2))  # groups 0–1: 2 samples each
 
     packed, calls = [], []  # sequence indices of each packed micro-batch; what each loss call got
-    pack, loss = plan_module.pack_micro_batch, step_module.decoupled_ppo_loss
+    pack, loss = plan_module.pack_micro_batch, objectives_module.decoupled_ppo_loss
 
     def recording_pack(seqs, idx, *args, **kwargs):
         packed.append(list(idx))
@@ -164,7 +165,7 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
         return loss(theta, prox, behav, advantages, mask, *args, **kwargs)
 
     monkeypatch.setattr(plan_module, "pack_micro_batch", recording_pack)
-    monkeypatch.setattr(step_module, "decoupled_ppo_loss", recording_loss)
+    monkeypatch.setattr(objectives_module, "decoupled_ppo_loss", recording_loss)
     results = {}
     for n in (1, 2):
         calls.clear()
@@ -335,7 +336,7 @@ def test_the_plan_is_a_function_of_the_batch(tiny_model_dir):
 
 
 def test_naive_ppo_runs_no_proximal_forward(tiny_model_dir):
-    # algo.decoupled=false takes π_prox = π_behav: with two minibatches the decoupled step runs a
+    # algo.objective=naive takes π_prox = π_behav: with two minibatches the decoupled step runs a
     # no-grad proximal pass over every micro-batch first, the naive step none; both train the same
     # micro-batches with grad. The naive statistics: w = 1 on every token, nothing capped.
     from areal_async.trainer.step import train_step
@@ -350,7 +351,7 @@ def test_naive_ppo_runs_no_proximal_forward(tiny_model_dir):
                                                                       seen[torch.is_grad_enabled()] + 1))
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
         results[decoupled] = train_step(policy, optimizer, make_trajectories(lm.config.vocab_size),
-                                        AlgoConfig(ppo_minibatches=2, decoupled=decoupled),
+                                        AlgoConfig(ppo_minibatches=2, objective="decoupled" if decoupled else "naive"),
                                         TrainerConfig(max_tokens_per_mb=24), 1.0, torch.device("cpu"))
         counts[decoupled] = dict(seen)
     assert counts[True][False] == counts[True][True] > 0, counts
@@ -396,7 +397,7 @@ def test_naive_and_decoupled_steps_coincide_on_fresh_data(tiny_model_dir):
             policy = _tiny_policy(tiny_model_dir)
             lm = policy.lm
             optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
-            m = train_step(policy, optimizer, trajs, AlgoConfig(decoupled=decoupled),
+            m = train_step(policy, optimizer, trajs, AlgoConfig(objective="decoupled" if decoupled else "naive"),
                            TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6), 1.0, torch.device("cpu"))
             out[data, decoupled] = m, {n: p.detach().clone() for n, p in lm.named_parameters()}
     (m_d, w_d), (m_n, w_n) = out["fresh", True], out["fresh", False]
@@ -434,3 +435,26 @@ def test_train_step_rejects_varlen_tree_attention_on_cpu():
     with pytest.raises(ValueError, match="trainer.tree_attention=varlen needs CUDA.*runs on CPU"):
         train_step(None, None, make_trajectories(vocab=50), AlgoConfig(), TrainerConfig(tree_attention="varlen"), 1.0,
                    torch.device("cpu"))
+
+
+@pytest.mark.parametrize("objective", ["tis", "mis", "icepop", "m2po", "gspo"])
+def test_each_objective_takes_a_step_and_logs_its_own_statistics(tiny_model_dir, objective):
+    # Two minibatches (a proximal pass first), prefix trees (the groups share their prompts), the
+    # made-up stale behaviour log-probs of make_trajectories: the step moves the weights, and the
+    # objective's own statistics come out under train/, finite; no weight is NaN.
+    from areal_async.algo.objectives import OBJECTIVES
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    policy = _tiny_policy(tiny_model_dir)
+    before = {n: p.detach().clone() for n, p in policy.lm.named_parameters()}
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    algo = AlgoConfig(objective=objective, ppo_minibatches=2, gspo_eps_clip=0.2, gspo_eps_clip_high=0.2)
+    m = train_step(policy, optimizer, make_trajectories(policy.lm.config.vocab_size), algo,
+                   TrainerConfig(max_tokens_per_mb=24), 1.0, torch.device("cpu"))
+    own = [f"train/{k}" for k in OBJECTIVES[objective].stat_keys]
+    assert set(own) <= set(m) and all(np.isfinite(m[k]) for k in own), m
+    assert m["train/skipped_updates"] == 0.0 and np.isfinite(m["train/loss"])
+    after = dict(policy.lm.named_parameters())
+    assert any(not torch.equal(after[n], before[n]) for n in before)
+    assert all(torch.isfinite(p).all() for p in after.values())

@@ -61,9 +61,7 @@ def decoupled_ppo_loss(
     assert eps_clip > 0, f"eps_clip must be > 0, got {eps_clip}"
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     mask = loss_mask.bool()
-    count = mask.sum()
-    denom = count if num_tokens is None else torch.tensor(float(num_tokens))
-    denom = denom.to(theta_logp.dtype).clamp_min(1.0)
+    denom = token_denominator(mask, num_tokens, theta_logp.dtype)
 
     # torch.where, not multiplication, so garbage outside the mask (e.g. -inf) never makes NaN.
     prox = prox_logp.detach()
@@ -77,27 +75,54 @@ def decoupled_ppo_loss(
             capped = mask & (weight > behav_imp_weight_cap)
             weight = weight.masked_fill(capped, 0.0)
 
-    adv = advantages.detach().to(theta_logp.dtype)
+    loss, stats = weighted_clipped_loss(ratio, log_ratio, advantages, mask, weight, eps_clip, eps_high, denom)
+    with torch.no_grad():
+        share = token_share(mask, denom)
+        stats.update(behav_capped_ratio=share(capped), behav_kl=share(behav_log_w))
+    return loss, stats
+
+
+def token_denominator(loss_mask: Tensor, num_tokens: float | None, dtype: torch.dtype) -> Tensor:
+    """The loss's denominator: ``num_tokens``, or ``Σ loss_mask`` when ``None``; floored at 1."""
+    count = loss_mask.bool().sum()
+    denom = count if num_tokens is None else torch.tensor(float(num_tokens))
+    return denom.to(dtype).clamp_min(1.0)
+
+
+def token_share(mask: Tensor, denom: Tensor):
+    """``share(x)``: ``Σ_t m_t x_t / denom`` of a ``[T]`` tensor ``x`` (booleans count 1), detached."""
+    m = mask.to(denom.dtype)
+    return lambda x: (x.detach().to(denom.dtype) * m).sum() / denom
+
+
+def weighted_clipped_loss(ratio: Tensor, log_ratio: Tensor, advantages: Tensor, mask: Tensor, weight: Tensor,
+                          eps_clip: float, eps_high: float, denom: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """``-Σ_t m_t · w_t · min(r_t A_t, clip(r_t, 1-ε, 1+ε_high) A_t) / denom`` (AReaL Eq. 5's sum).
+
+    Args:
+        ratio: ``[T] float`` r_t (carries the gradient), ``log_ratio`` its log; both 0-safe off the mask.
+        advantages: ``[T] float``; ``mask``: ``[T] bool`` loss mask; ``weight``: ``[T]`` w_t, no grad.
+        denom: scalar tensor, the token denominator (``token_denominator``).
+
+    Returns:
+        ``(loss, stats)``, stats shares of ``denom``: loss, clip_ratio, importance_weight (w_t),
+        ratio, approx_kl (k3 of r_t), num_tokens (Σ mask, not normalised).
+    """
+    adv = advantages.detach().to(ratio.dtype)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped) * weight  # = -w·min(rA, clip(r)A)
     loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / denom
 
     with torch.no_grad():
-        m = mask.to(theta_logp.dtype)
-
-        def share(x: Tensor) -> Tensor:
-            return (x.to(theta_logp.dtype) * m).sum() / denom
-
+        share = token_share(mask, denom)
         stats = {
             "loss": loss.detach(),
             "clip_ratio": share(clipped > unclipped),
             "importance_weight": share(weight),
-            "behav_capped_ratio": share(capped),
             "ratio": share(ratio),
             "approx_kl": share(ratio - 1.0 - log_ratio),
-            "behav_kl": share(behav_log_w),
-            "num_tokens": count.to(theta_logp.dtype),
+            "num_tokens": mask.sum().to(ratio.dtype),
         }
     return loss, stats
 
@@ -139,8 +164,7 @@ def naive_ppo_loss(
                                      eps_clip_high, None, num_tokens=num_tokens)
     with torch.no_grad():
         mask = loss_mask.bool()
-        denom = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens))
-        denom = denom.to(theta_logp.dtype).clamp_min(1.0)
+        denom = token_denominator(mask, num_tokens, theta_logp.dtype)
         lag = torch.where(mask, theta_logp.detach() - behav_logp.detach(), torch.zeros_like(theta_logp))
         stats["behav_kl"] = lag.sum() / denom
     return loss, stats

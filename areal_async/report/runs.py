@@ -141,7 +141,8 @@ def read_run(run_dir: pathlib.Path, resume_gap_s: float = RESUME_GAP_S) -> RunMe
 def read_cell_config(run_dir: pathlib.Path) -> dict:
     """``eta``, ``objective``, ``interrupt``, ``seed`` from ``run_dir/config.yaml``.
 
-    ``queue.max_staleness``; ``algo.decoupled`` → ``"decoupled"``/``"naive"``;
+    ``queue.max_staleness``; ``algo.objective`` (a run written before it replaced the boolean
+    ``algo.decoupled``: true → ``"decoupled"``, false → ``"naive"``);
     ``rollout.interrupt_on_update`` → ``"on"``/``"off"`` (a config without the key, written before
     the switch existed, → ``"on"``, its default and the only behaviour then); ``seed``. A missing
     or unreadable file gives ``None`` for all four, a missing key (or a non-boolean switch)
@@ -151,9 +152,10 @@ def read_cell_config(run_dir: pathlib.Path) -> dict:
         cfg = yaml.safe_load((pathlib.Path(run_dir) / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         return dict.fromkeys(("eta", "objective", "interrupt", "seed"))
-    decoupled = (cfg.get("algo") or {}).get("decoupled")
+    algo = cfg.get("algo") or {}
+    objective = algo.get("objective", {True: "decoupled", False: "naive"}.get(algo.get("decoupled")))
     interrupt = (cfg.get("rollout") or {}).get("interrupt_on_update", True)
     return {"eta": (cfg.get("queue") or {}).get("max_staleness"),
-            "objective": None if decoupled is None else ("decoupled" if decoupled else "naive"),
+            "objective": objective,
             "interrupt": {True: "on", False: "off"}.get(interrupt) if isinstance(interrupt, bool) else None,
             "seed": cfg.get("seed")}

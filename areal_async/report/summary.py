@@ -16,7 +16,7 @@ DEFAULT_WINDOW = 5  # steps of the trailing mean of rollout/correct
 COLUMNS: dict[str, str] = {
     "cell": "cell name (study) or run directory name",
     "eta": "η = queue.max_staleness",
-    "objective": "decoupled (decoupled PPO) or naive (algo.decoupled=false)",
+    "objective": "algo.objective: decoupled (decoupled PPO), naive, tis, mis, icepop, m2po or gspo",
     "interrupt": "on: a weight update interrupts the generations in flight (rollout.interrupt_on_update, the "
                  "default); off: it waits for them (cells named -nointerrupt); blank if unknown",
     "seed": "run seed",

@@ -1,4 +1,4 @@
-"""One decoupled-PPO training step: the optimizer loop over a batch plan, on every data-parallel rank.
+"""One training step of ``algo.objective``'s loss: the optimizer loop over a batch plan, on every data-parallel rank.
 
 ``trainer/plan.py`` turns the whole batch into this rank's plan; ``train_step`` runs it: per
 micro-batch forward, loss, backward; per minibatch (``algo.ppo_minibatches``) one optimizer step,
@@ -6,8 +6,8 @@ skipped and counted when the gradient norm is inf or NaN. Invariants: the loss i
 mean over the minibatch (denominator ``Minibatch.loss_tokens``, all micro-batches of all ranks),
 times the world size since FSDP2/DDP average gradients; every rank runs the same collectives
 (zero-loss passes where it has fewer micro-batches). π_prox: the only forward's values, detached,
-with one minibatch; a no-grad pass before the first update with several; π_behav, no pass, when
-``algo.decoupled`` is false. ``LOGP_STAT_KEYS`` are means over the tokens run. Why, and skipped
+with one minibatch; a no-grad pass before the first update with several; π_behav, no pass, for
+an objective that reads no π_prox (naive). ``LOGP_STAT_KEYS`` are means over the tokens run. Why, and skipped
 sequences: docs/trainer.md, "One step" and "Exact savings".
 """
 
@@ -19,12 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from areal_async.algo.loss import decoupled_ppo_loss, naive_ppo_loss
+from areal_async.algo.objectives import OBJECTIVES
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.packed_policy import packed_logprobs
-from areal_async.trainer.packing import PackedBatch
 from areal_async.trainer.plan import Minibatch, Plan, make_plan
-from areal_async.trainer.tree import TreeBatch
 from areal_async.types import Trajectory
 
 STAT_KEYS = ("loss", "clip_ratio", "importance_weight", "behav_capped_ratio", "ratio", "approx_kl", "behav_kl")
@@ -60,28 +58,31 @@ def train_step(
         loss and clip_ratio are over every loss token of the batch; the statistics that need
         log-probs (``LOGP_STAT_KEYS``: importance_weight, behav_capped_ratio, ratio, approx_kl,
         behav_kl, entropy) are means over the loss tokens of the sequences that were run, and
-        are left out when no loss token was run (every sequence skipped).
+        are left out when no loss token was run (every sequence skipped); so are the objective's
+        own statistics (``OBJECTIVES[algo.objective].stat_keys``, e.g. icepop_masked_ratio).
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     plan = make_plan(trajs, algo, trainer, device, world, rank)
     n_mini, chunk = len(plan.minibatches), trainer.logit_chunk_tokens
     # naive PPO: π_prox = π_behav, nothing to recompute; one minibatch: π_prox = π_θ, detached
-    prox = _proximal_logprobs(policy, plan, temperature, chunk, device) if n_mini > 1 and algo.decoupled else None
+    objective = OBJECTIVES[algo.objective]
+    keys = STAT_KEYS + objective.stat_keys  # the objective's own statistics: means over the tokens run
+    prox = _proximal_logprobs(policy, plan, temperature, chunk, device) if n_mini > 1 and objective.needs_prox else None
     params = [p for p in policy.parameters() if p.requires_grad]
     done, skipped = 0, 0  # micro-batches run; updates skipped for a non-finite gradient norm
     # summed on the device and read once at the end: a read per micro-batch would stall the host
     # until the GPU finished it, and the next micro-batch would start with the GPU idle
-    sums = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64, device=device)  # + entropy, forward tokens
+    sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=device)  # + entropy, forward tokens
     for m, minibatch in enumerate(plan.minibatches):
-        scale = _stat_scale(minibatch, n_mini, device)
+        scale = _stat_scale(minibatch, n_mini, device, keys)
         for j, micro_batch in enumerate(minibatch.micro_batches()):
             batch = micro_batch.to(device)
             theta, entropy = packed_logprobs(policy, batch, temperature, chunk)
             prox_logp = theta.detach() if prox is None else prox[m][j]
-            loss, st = _loss(theta, prox_logp, batch, algo, minibatch.loss_tokens)
+            loss, st = objective.loss(theta, prox_logp, batch, algo, minibatch.loss_tokens)
             (loss * world).backward()  # ranks' gradients are averaged; the loss is a global share
             ent = (entropy * batch.loss_mask).sum() / max(minibatch.loss_tokens, 1)
-            sums[:-1] += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) * scale
+            sums[:-1] += torch.stack([st[k] for k in keys] + [ent.detach()]).to(torch.float64) * scale
             sums[-1] += batch.num_tokens if minibatch.seq_index[j] else 0  # a dummy pass is not counted
             done += 1
             if on_micro_batch is not None:
@@ -90,7 +91,7 @@ def train_step(
         skipped += not stepped
     if world > 1:
         dist.all_reduce(sums)
-    return _metrics(sums.cpu().tolist(), plan, float(grad_norm), optimizer.param_groups[0]["lr"], skipped)
+    return _metrics(sums.cpu().tolist(), plan, float(grad_norm), optimizer.param_groups[0]["lr"], skipped, keys)
 
 
 def _proximal_logprobs(policy: torch.nn.Module, plan: Plan, temperature: float, chunk_tokens: int,
@@ -102,23 +103,12 @@ def _proximal_logprobs(policy: torch.nn.Module, plan: Plan, temperature: float, 
                 for minibatch in plan.minibatches]
 
 
-def _loss(theta: Tensor, prox_logp: Tensor, batch: PackedBatch | TreeBatch, algo: AlgoConfig,
-          num_tokens: int) -> tuple[Tensor, dict[str, Tensor]]:
-    """This micro-batch's share of the minibatch's loss (``num_tokens``: its loss tokens, all
-    ranks): decoupled PPO, or naive PPO (``prox_logp`` unused) without ``algo.decoupled``."""
-    if algo.decoupled:
-        return decoupled_ppo_loss(theta, prox_logp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
-                                  algo.eps_clip, algo.eps_clip_high, algo.behav_imp_weight_cap, num_tokens=num_tokens)
-    return naive_ppo_loss(theta, batch.behav_logprobs, batch.advantages, batch.loss_mask, algo.eps_clip,
-                          algo.eps_clip_high, num_tokens=num_tokens)
-
-
-def _stat_scale(minibatch: Minibatch, n_mini: int, device: torch.device) -> Tensor:
-    """``[len(STAT_KEYS) + 1] float64`` factor of each statistic (entropy last) of one minibatch:
-    shares of its loss tokens → means over the tokens run for ``LOGP_STAT_KEYS``; averaged over
-    the ``n_mini`` minibatches."""
+def _stat_scale(minibatch: Minibatch, n_mini: int, device: torch.device, keys: tuple[str, ...]) -> Tensor:
+    """``[len(keys) + 1] float64`` factor of each statistic (entropy last) of one minibatch:
+    shares of its loss tokens → means over the tokens run for ``LOGP_STAT_KEYS`` and the
+    objective's own keys (beyond ``STAT_KEYS``); averaged over the ``n_mini`` minibatches."""
     run = minibatch.loss_tokens / max(minibatch.run_loss_tokens, 1)
-    return torch.tensor([1.0 if k not in LOGP_STAT_KEYS else run for k in STAT_KEYS + ("entropy",)],
+    return torch.tensor([1.0 if k in STAT_KEYS and k not in LOGP_STAT_KEYS else run for k in keys + ("entropy",)],
                         dtype=torch.float64, device=device) / n_mini
 
 
@@ -138,13 +128,14 @@ def _clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_
     return grad_norm, stepped
 
 
-def _metrics(values: list[float], plan: Plan, grad_norm: float, lr: float, skipped: int) -> dict[str, float]:
-    """``train/*`` metrics from the all-reduced sums ``values`` (``STAT_KEYS``, entropy, forward tokens)."""
-    stats = dict(zip(STAT_KEYS + ("entropy",), values[:-1]))
+def _metrics(values: list[float], plan: Plan, grad_norm: float, lr: float, skipped: int,
+             keys: tuple[str, ...]) -> dict[str, float]:
+    """``train/*`` metrics from the all-reduced sums ``values`` (``keys``, entropy, forward tokens)."""
+    stats = dict(zip(keys + ("entropy",), values[:-1]))
     if not any(mb.run_loss_tokens for mb in plan.minibatches):
         # no loss token was run: the log-prob statistics have no tokens to average (0 would read
         # as, e.g., an entropy collapse), so they are left out of this step's metrics
-        stats = {k: v for k, v in stats.items() if k not in LOGP_STAT_KEYS}
+        stats = {k: v for k, v in stats.items() if k in STAT_KEYS and k not in LOGP_STAT_KEYS}
     stats.update(grad_norm=grad_norm, lr=lr, tokens=float(plan.tokens), forward_tokens=values[-1],
                  skipped_seqs=float(plan.skipped_seqs), skipped_updates=float(skipped))
     return {f"train/{k}": v for k, v in stats.items()}

@@ -101,6 +101,7 @@ class TreeBatch:
         head_index: ``[M] int64`` where the row lands in the unshared layout (the sequences in the
             given order, back to back, ``T`` positions).
         num_seq_tokens: ``T`` (int).
+        cu_seqlens: ``[B+1] int32`` sequence b is positions ``[cu[b], cu[b+1])`` of the unshared layout.
         attention: tree attention path, ``varlen``, ``flex`` or ``sdpa`` (``tree_paths.TREE_PATHS``).
         chains: ``ChainLayout`` of the forest (``varlen`` only, else ``None``).
         behav_logprobs, advantages, loss_mask: the per-token loss fields, ``[T]`` in the unshared
@@ -118,6 +119,7 @@ class TreeBatch:
     num_seq_tokens: int
     attention: str = "sdpa"
     chains: ChainLayout | None = None
+    cu_seqlens: Tensor | None = None
     behav_logprobs: Tensor | None = None
     advantages: Tensor | None = None
     loss_mask: Tensor | None = None
@@ -303,4 +305,5 @@ def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None, attention
         num_seq_tokens=len(flat_ids),
         attention=attention,
         chains=chain_layout(parent) if attention == "varlen" else None,
+        cu_seqlens=torch.tensor([0, *ends.tolist()], dtype=torch.int32),
     )
