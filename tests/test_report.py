@@ -132,8 +132,9 @@ def test_report_html_is_self_contained(tmp_path):
     files = report_paths([a], None)
     assert files.html == a / "report.html" and files.csv == a / "summary.csv"
     html = files.html.read_text()
-    # reward and correct vs step and vs wall time, eval, throughput, staleness, diagnostics
-    assert html.count('<img src="data:image/png;base64,') == 6
+    # reward and correct vs step and vs wall time, eval, throughput, time to threshold, staleness,
+    # diagnostics
+    assert html.count('<img src="data:image/png;base64,') == 7
     assert "http://" not in html and "https://" not in html and "<script" not in html
 
 
@@ -173,7 +174,8 @@ def test_a_study_lists_a_cell_without_metrics_as_missing(tmp_path, capsys):
     # written before the interruption axis (no "interrupts"): every cell ran with interruption on
     assert [r["interrupt"] for r in rows] == ["on", "on"]
     html = (root / "report.html").read_text()
-    assert "Interruption on vs off" not in html and html.count('<img src="data:image/png;base64,') == 6
+    # the six figures of the run above and the time to threshold
+    assert "Interruption on vs off" not in html and html.count('<img src="data:image/png;base64,') == 7
     assert "Cells without metrics" in html and f"{root / 'eta1-naive-s1' / 'metrics.jsonl'} does not exist" in html
     assert write_study_report(root).rows[0]["staleness_mean"] == (0.0 + 0.5 + 1.0 + 1.0 + 1.0 + 0.5) / 6
 
