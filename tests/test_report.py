@@ -405,3 +405,6 @@ def test_the_html_table_scrolls_in_its_box_with_the_cell_column_in_view(tmp_path
     assert "<td>60,367</td>" in table and "<td>-0.000123</td>" in table and "60367.25" not in table
     # constant or long columns are stated elsewhere, not in the table
     assert ">run_<wbr>dir<" not in table and "threshold_<wbr>metric" not in table
+    # a column blank in every row is left out (summary.csv keeps it)
+    assert ">tool_<wbr>calls_<wbr>mean<" not in table and ">interrupt<" in table
+    assert "tool_calls_mean" in (a / "summary.csv").read_text()

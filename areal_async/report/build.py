@@ -107,10 +107,13 @@ def render_html(title: str, about: str, study: dict | None, rows: list[dict], mi
     """``report.html.j2`` rendered (autoescaped): the table of ``rows`` and the panels as data URIs.
 
     The table scrolls inside its own box (the page never overflows sideways), its first column (the
-    cell's name, which holds every varied key) stays in view, headers wrap at ``_``/``.``."""
+    cell's name, which holds every varied key) stays in view, headers wrap at ``_``/``.``; a column
+    blank in every row is left out."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(pathlib.Path(__file__).parent), autoescape=True)
     described = columns(grid_keys)
-    shown = [c for c in described if c not in HTML_HIDDEN]
+    # a column blank in every row is left out (summary.csv keeps it); the keys stay
+    keys = ("cell", "eta", "objective", "interrupt", *grid_keys, "seed", "state")
+    shown = [c for c in described if c not in HTML_HIDDEN and (c in keys or any(r.get(c) is not None for r in rows))]
     table = [{"missing": r["state"] == "missing", "cells": table_cells(r, shown)} for r in rows]
     return env.get_template("report.html.j2").render(
         title=title, about=about, study=study, missing=missing, notes=notes, threshold=threshold,

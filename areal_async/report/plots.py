@@ -245,8 +245,11 @@ def _by_eta(rows: list[dict], columns: tuple[str, ...]) -> Figure | None:
         ax.set_xlabel("η (max staleness)")
         ax.set_ylabel(column.replace("_", " "))
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if ax.lines and len(lines) <= 4:
             ax.legend(fontsize=8)
+    if drew and len(lines) > 4:  # one legend under the axes, which it would hide
+        handles, labels = next(ax for ax in axes if ax.lines).get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8)
     return fig if drew else None
 
 
@@ -355,7 +358,11 @@ def _per_step_grid(groups: list[Group], present: list[tuple[str, str]], title: s
     for ax, (key, meaning) in zip(axes.flat, present):
         _draw(ax, groups, colors, key, "step")
         ax.set_title(f"{key}\n{meaning}", fontsize=9)
-    axes.flat[0].legend(fontsize=7)
+    if len(groups) <= 6:
+        axes.flat[0].legend(fontsize=7)
+    else:  # one legend under the axes, which it would hide
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=7)
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")
     return Panel(title, "Per step (no smoothing); line: mean over seeds, band: min–max.", _png(fig))
