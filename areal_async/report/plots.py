@@ -167,6 +167,8 @@ def learning_curves(groups: list[Group], xaxis: str, rule: Threshold) -> Panel |
     """Rollout reward and correct fraction against ``xaxis`` (``"step"`` | ``"wall"``), a row of
     two axes per ``--grid`` point (titled by it when there are several)."""
     window, points = rule.window, by_point(groups)
+    if not points:
+        return None
     fig = Figure(layout="constrained", figsize=(12, 4.2 * len(points)))
     rows = fig.subplots(len(points), 2, squeeze=False)
     colors = _colors(groups)
