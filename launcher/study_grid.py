@@ -88,8 +88,7 @@ def parse_axis(text: str, config: str, overrides: list[str], reserved: dict[str,
             raise ValueError(f"--grid {text}: {exc}") from None
         value = config_value(cfg, key)
         if isinstance(value, dict):
-            raise ValueError(f"--grid {text}: {key} is a section; vary one of its fields, e.g. "
-                             f"--grid {key}.{next(iter(value))}=...")
+            raise ValueError(f"--grid {text}: {key} is a mapping; vary one of its entries, --grid {key}.NAME=...")
         if value in values:
             raise ValueError(f"--grid {text}: {item!r} is {json.dumps(value)}, given twice; give each value once")
         values.append(value)

@@ -204,7 +204,9 @@ def test_bad_options_are_named(tmp_path, capsys):
     for argv, words in (([str(a), "--threshold", "1.5"], "threshold 1.5: rollout/correct is a fraction"),
                         ([str(a), "--window", "0"], "window 0: the trailing mean needs at least 1 step"),
                         ([str(a), str(b)], "2 run directories and no --out: give --out DIR"),
-                        ([str(tmp_path / "st"), str(a)], "is a study directory: give it alone")):
+                        ([str(tmp_path / "st"), str(a)], "is a study directory: give it alone"),
+                        ([str(tmp_path / "st"), "--group-by", "trainer.lr"], "a study's report is grouped by its own "
+                                                                             "--grid keys")):
         assert main(argv) == 2
         assert words in capsys.readouterr().err
 
