@@ -12,6 +12,7 @@ import pytest
 
 from areal_async.report import main, plots, read_run, report_paths
 from areal_async.report.build import run_cell, study_cells, write_study_report
+from areal_async.report.summary import by_grid_point
 from tests.support import REPO
 
 
@@ -339,6 +340,12 @@ def test_a_grid_study_is_grouped_by_its_keys_with_speedup_vs_sync(tmp_path):
     assert [len(p) for p in plots.by_point(groups)] == [2, 2]
     html = (root / "report.html").read_text()
     assert "× trainer.lr [1e-06, 1e-05] × seeds" in html and "trainer.<wbr>lr" in html
+    # means over seeds per grid point: lr 1e-06 η 2 speedup (2.0 + 4.0) / 2 = 3.0, step_s
+    # (1.5 + 0.5) / 2 = 1.0; lr 1e-05 η 0 one run (seed 2 missing); its η 2 speedup only seed 1's 4.0
+    points = by_grid_point(write_study_report(root).rows, ["trainer.lr"])
+    assert [(p["eta"], p["trainer.lr"], p["seeds"], p["speedup_vs_sync"], p["step_s"]) for p in points] == [
+        (0, 1e-06, 2, 1.0, 2.5), (2, 1e-06, 2, 3.0, 1.0), (0, 1e-05, 1, 1.0, 6.0), (2, 1e-05, 2, 4.0, 1.25)]
+    assert "By grid point: means over seeds" in html and '<table class="summary points">' in html
 
 
 def test_run_directories_are_grouped_by_a_config_key(tmp_path, capsys):

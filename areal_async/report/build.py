@@ -25,12 +25,14 @@ import markupsafe
 
 from areal_async.report import plots
 from areal_async.report.runs import RESUME_GAP_S, ReportInputError, RunMetrics, read_cell_config, read_run
-from areal_async.report.summary import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_WINDOW, Cell, Threshold,
-                                        add_speedups, columns, summarize, write_csv)
+from areal_async.report.summary import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_WINDOW, POINT_MEANS, Cell,
+                                        Threshold, add_speedups, by_grid_point, columns, summarize, write_csv)
 
 # constant, long or said otherwise: stated above the table, or "not reached" in the threshold columns
 HTML_HIDDEN = ("threshold_metric", "threshold", "window", "threshold_reached", "run_dir")
 NOT_REACHED = ("threshold_step", "wall_s_to_threshold")
+POINT_COLUMNS = {"seeds": "runs of the grid point with metrics (its seeds)",
+                 "reached": "runs that reached the threshold, of those with enough steps for its window"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,22 @@ def table_cells(row: dict, shown: list[str]) -> list[dict]:
     return cells
 
 
+def point_table(rows: list[dict], grid_keys: list[str]) -> dict | None:
+    """The HTML table of ``by_grid_point`` (means over seeds); ``None`` when every point has one run."""
+    points = by_grid_point(rows, grid_keys)
+    if all(p["seeds"] <= 1 for p in points):
+        return None
+    described = columns(grid_keys)
+    keys = ["eta", "objective", *(["interrupt"] if len({p["interrupt"] for p in points}) > 1 else []), *grid_keys]
+    names = [*keys, "seeds", *POINT_MEANS[:4], "reached", *POINT_MEANS[4:]]
+    about = {**described, **POINT_COLUMNS}
+    return {"columns": [{"header": header_html(c), "description": about[c] + (" (mean over the grid point's runs)" if
+                                                                               c in POINT_MEANS else "")}
+                        for c in names],
+            "rows": [[{"value": "not reached", "text": True} if c in NOT_REACHED and (p["reached"] or "").startswith("0/")
+                      else {"value": compact(p[c]), "text": isinstance(p[c], str)} for c in names] for p in points]}
+
+
 def render_html(title: str, about: str, study: dict | None, rows: list[dict], missing: list[dict],
                 notes: list[str], panels: list[plots.Panel], threshold: Threshold, grid_keys: list[str]) -> str:
     """``report.html.j2`` rendered (autoescaped): the table of ``rows`` and the panels as data URIs.
@@ -119,6 +137,7 @@ def render_html(title: str, about: str, study: dict | None, rows: list[dict], mi
         title=title, about=about, study=study, missing=missing, notes=notes, threshold=threshold,
         grid=" × ".join(f"{a['key']} {json.dumps(a['values'])}" for a in (study or {}).get("grid", [])),
         columns=[{"name": c, "header": header_html(c), "description": described[c]} for c in shown], rows=table,
+        points=point_table(rows, grid_keys),
         panels=[{"title": p.title, "caption": p.caption, "b64": base64.b64encode(p.png).decode("ascii")}
                 for p in panels])
 

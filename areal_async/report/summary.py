@@ -192,6 +192,33 @@ def add_speedups(rows: list[dict]) -> None:
         row["speedup_vs_sync"] = base / row["step_s"] if base and row["step_s"] else None
 
 
+POINT_MEANS = ("step_s", "speedup_vs_sync", "correct_last", "eval_pass1_final", "threshold_step", "wall_s_to_threshold")
+
+
+def by_grid_point(rows: list[dict], grid_keys: list[str]) -> list[dict]:
+    """One row per grid point (η, objective, interrupt, ``--grid`` values) of the ``summarize``
+    rows that have metrics and a known η and objective, in order of first appearance: ``eta``,
+    ``objective``, ``interrupt``, each grid key, ``seeds`` (its runs), the mean over its runs of
+    each ``POINT_MEANS`` column (over the runs holding a value; ``threshold_step`` and
+    ``wall_s_to_threshold`` so over those that reached the threshold), and ``reached``:
+    ``"k/n"``, runs that reached it of those with a threshold value."""
+    points: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["state"] != "missing" and r["eta"] is not None and r["objective"] is not None:
+            key = json.dumps([r["eta"], r["objective"], r["interrupt"], [r.get(k) for k in grid_keys]])
+            points.setdefault(key, []).append(r)
+    out = []
+    for runs in points.values():
+        first = runs[0]
+        row = {"eta": first["eta"], "objective": first["objective"], "interrupt": first["interrupt"],
+               **{k: first.get(k) for k in grid_keys}, "seeds": len(runs)}
+        row.update({c: mean([r[c] for r in runs if r[c] is not None]) for c in POINT_MEANS})
+        tried = [r for r in runs if r["threshold_reached"] is not None]
+        row["reached"] = f"{sum(r['threshold_reached'] for r in tried)}/{len(tried)}" if tried else None
+        out.append(row)
+    return out
+
+
 def summarize(cell: Cell, run: RunMetrics | None, threshold: Threshold) -> dict:
     """The ``COLUMNS`` of one run (``None`` for a blank value), its ``--grid`` values as columns too
     and as ``grid`` (a dict); ``speedup_vs_sync`` is set across the rows by ``add_speedups``."""
