@@ -9,9 +9,9 @@ each axis, ``{key: value}``, in the order the axes were given.
 
 A cell's name adds ``-<short><value>`` per axis (``-lr1e-06-max_new_tokens256``): ``short`` is the
 key's last part, or the whole dotted key where two axes share a last part; the value in the
-portable file-name set ``[A-Za-z0-9._-]`` (floats by ``repr``, booleans ``true``/``false``),
-each run of other characters replaced by ``_`` (none at the ends), and a 6-hex digest of the value added where that makes two values of an
-axis alike or the text is over ``VALUE_CHARS``.
+portable file-name set ``[A-Za-z0-9._-]`` (floats by ``repr``, booleans ``true``/``false``), each
+run of other characters replaced by ``_`` (none at the ends), and a 6-hex digest of the value
+added where that makes two values of an axis alike or the text is over ``VALUE_CHARS``.
 """
 
 from __future__ import annotations

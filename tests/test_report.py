@@ -374,7 +374,8 @@ def test_time_to_threshold_reached_and_not(tmp_path):
     for kwargs, expected in (
             ({"threshold": 0.5}, [("0.5", "True", "3", 8.0), ("0.5", "False", "", None)]),
             ({"threshold": "start+0.25"}, [("0.45", "True", "3", 8.0), ("0.45", "False", "", None)]),
-            ({"threshold": "1.5", "metric": "rollout/reward"}, [("1.5", "True", "4", 10.0), ("1.5", "False", "", None)])):
+            ({"threshold": "1.5", "metric": "rollout/reward"},
+             [("1.5", "True", "4", 10.0), ("1.5", "False", "", None)])):
         rows = _csv(report_paths([a, b], tmp_path / "o", window=2, **kwargs).csv)
         got = [(f"{float(r['threshold_value']):.4g}", r["threshold_reached"], r["threshold_step"],
                 float(r["wall_s_to_threshold"]) if r["wall_s_to_threshold"] else None) for r in rows]

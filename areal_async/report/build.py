@@ -116,8 +116,13 @@ def point_table(rows: list[dict], grid_keys: list[str]) -> dict | None:
     return {"columns": [{"header": header_html(c), "description": about[c] + (" (mean over the grid point's runs)" if
                                                                                c in POINT_MEANS else "")}
                         for c in names],
-            "rows": [[{"value": "not reached", "text": True} if c in NOT_REACHED and (p["reached"] or "").startswith("0/")
+            "rows": [[{"value": "not reached", "text": True} if c in NOT_REACHED and none_reached(p)
                       else {"value": compact(p[c]), "text": isinstance(p[c], str)} for c in names] for p in points]}
+
+
+def none_reached(point: dict) -> bool:
+    """No run of a ``by_grid_point`` row reached the threshold (of at least one that could)."""
+    return (point["reached"] or "").startswith("0/")
 
 
 def render_html(title: str, about: str, study: dict | None, rows: list[dict], missing: list[dict],
