@@ -28,6 +28,7 @@ import msgspec
 from areal_async.config import load_config
 
 VALUE_CHARS = 40  # longer value texts are cut to 32 characters and a digest
+TAG_CHARS = 64  # wandb refuses a longer tag (wandb.init raises), so a long value's tag is cut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +131,9 @@ def point_text(point: dict) -> str:
 
 
 def point_tags(point: dict) -> list[str]:
-    """wandb tags of a grid point: ``["trainer.lr=1e-06", ...]``."""
-    return [f"{key}={json.dumps(value)}" for key, value in point.items()]
+    """wandb tags of a grid point: ``["trainer.lr=1e-06", ...]``, each cut to ``TAG_CHARS``
+    (the run's config holds the whole value)."""
+    return [f"{key}={json.dumps(value)}"[:TAG_CHARS] for key, value in point.items()]
 
 
 def short_keys(keys: list[str]) -> dict[str, str]:

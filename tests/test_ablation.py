@@ -273,7 +273,7 @@ def test_grid_axes_name_tag_and_override_each_cell(tmp_path, monkeypatch, capsys
 
 
 def test_grid_names_are_file_names_and_distinct():
-    from launcher.study_grid import Axis, name_suffix, short_keys, value_texts
+    from launcher.study_grid import Axis, name_suffix, point_tags, short_keys, value_texts
 
     # two keys with one last part: each named by its whole key
     assert short_keys(["rollout.max_new_tokens", "eval.max_new_tokens", "trainer.lr"]) == {
@@ -286,6 +286,9 @@ def test_grid_names_are_file_names_and_distinct():
     assert texts[2] == "c" and len(texts[3]) == 39 and texts[3].startswith("x" * 32 + "-")
     axes = [Axis("model.path", ("org/model-1",)), Axis("trainer.lr", (1e-05,))]
     assert name_suffix({"model.path": "org/model-1", "trainer.lr": 1e-05}, axes) == "-pathorg_model-1-lr1e-05"
+    # wandb refuses tags over 64 characters: a long value's tag is cut there
+    assert point_tags({"model.path": "/" + "m" * 80, "trainer.lr": 1e-05}) == [
+        'model.path="/' + "m" * 51, "trainer.lr=1e-05"]
 
 
 def test_a_grid_is_part_of_a_studys_identity_and_resumes(tmp_path, monkeypatch, capsys):
