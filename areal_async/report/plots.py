@@ -174,6 +174,10 @@ def learning_curves(groups: list[Group], xaxis: str, rule: Threshold) -> Panel |
     colors = _colors(groups)
     drew = False
     for axes, point in zip(rows, points):
+        if len(points) > 1:  # the row's title names the grid point: the labels need not
+            short = [dataclasses.replace(g, label=g.label.removesuffix(", " + g.grid_text)) for g in point]
+            colors.update({s.label: colors[g.label] for s, g in zip(short, point)})
+            point = short
         for ax, key in zip(axes, ("rollout/reward", "rollout/correct")):
             drew |= _draw(ax, point, colors, key, xaxis, window)
             ax.set_ylabel(f"{key} ({window}-step trailing mean)")
