@@ -146,7 +146,7 @@ class Threshold:
 
     def text(self) -> str:
         """``"0.5"`` or ``"start+0.1"``: as it would be given."""
-        return f"{START if self.relative else ''}{self.value:g}"
+        return f"{START if self.relative else ''}{self.value:.10g}"
 
 
 def mean(values: list[float]) -> float | None:
