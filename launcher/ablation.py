@@ -1,11 +1,12 @@
 """A staleness ablation study in one command: the grid η × objective × seed, one whole job per cell.
 
     python -m launcher.ablation CONFIG --etas 0,1,2,4,8 [--objectives decoupled,naive] [--seeds 1,2,3]
-        [--interrupt on,off] [--name STUDY] [--parallel N] [override ...]
+        [--interrupt on,off] [--grid KEY=V1,V2,...]... [--name STUDY] [--parallel N] [override ...]
 
 Each cell is ``launcher.local CONFIG`` with its grid values as overrides, in
-``<run_root>/<study>/<cell>/``, so within a seed only η and the objective differ. Resumable: run
-it again. ``study.json`` records the grid and each cell's state; the report is written at the end.
+``<run_root>/<study>/<cell>/``, so within a seed only η, the objective and the ``--grid`` keys
+(any config key: ``launcher/study_grid.py``) differ. Resumable: run it again. ``study.json``
+records the grid and each cell's state; the report is written at the end.
 Cells, order, exit statuses, ``study.json``: docs/dashboards.md#what-a-study-runs-and-records.
 """
 
@@ -24,20 +25,26 @@ from areal_async.file_lock import file_lock
 from areal_async.progress import progress_mode
 from launcher.jobs import Job, local_argv, run_jobs
 from launcher.local import interrupt_on_signals
+from launcher.study_grid import Axis, name_suffix, parse_grid, point_overrides, point_tags, points
 
 OBJECTIVES = typing.get_args(Objective)  # the values of algo.objective
 # set by the study for each cell: an override of one of these would make the cells not a grid
 GRID_KEYS = ("name", "queue.max_staleness", "algo.objective", "seed", "rollout.interrupt_on_update",
              "logging.wandb_group", "logging.wandb_tags")
 INTERRUPTS = {"on": True, "off": False}  # --interrupt → rollout.interrupt_on_update
-IDENTITY = ("config", "overrides", "etas", "objectives", "seeds", "interrupts")
-IDENTITY_DEFAULTS = {"interrupts": ["on"]}  # of a study.json written before the key existed
+SETS_ITSELF = ("(η: --etas, objective: --objectives, seed: --seeds, interruption: --interrupt, study name: "
+               "--name, run_root: an override for every cell)")
+IDENTITY = ("config", "overrides", "etas", "objectives", "seeds", "interrupts", "grid")
+IDENTITY_DEFAULTS = {"interrupts": ["on"], "grid": []}  # of a study.json written before the key existed
 
 
-def cell_name(eta: int, objective: str, seed: int, interrupt: str = "on") -> str:
-    """``eta<η>-<objective>-s<seed>``, with ``-nointerrupt`` only off the default (the names of
-    studies without the axis stay)."""
-    return f"eta{eta}-{objective}-s{seed}" + ("" if INTERRUPTS[interrupt] else "-nointerrupt")
+def cell_name(eta: int, objective: str, seed: int, interrupt: str = "on", point: dict | None = None,
+              axes: list[Axis] = ()) -> str:
+    """``eta<η>-<objective>-s<seed>``, with ``-nointerrupt`` only off the default, then the grid
+    point's ``-<key><value>`` per ``--grid`` axis (``study_grid.name_suffix``): the names of
+    studies without these axes stay."""
+    return (f"eta{eta}-{objective}-s{seed}" + ("" if INTERRUPTS[interrupt] else "-nointerrupt")
+            + (name_suffix(point, list(axes)) if axes else ""))
 
 
 def parse_ints(flag: str, text: str, what: str) -> list[int]:
@@ -85,12 +92,16 @@ def parse_interrupts(text: str) -> list[str]:
 
 
 def cell_overrides(eta: int, objective: str, seed: int, study: str, root: pathlib.Path,
-                   interrupt: str = "on") -> list[str]:
-    """The overrides that make a cell of the grid (after the study's own overrides)."""
-    tags = [f"eta={eta}", f"objective={objective}", f"seed={seed}"] + ([] if INTERRUPTS[interrupt] else ["interrupt=off"])
-    return [f"name={cell_name(eta, objective, seed, interrupt)}", f"run_root={root}", f"queue.max_staleness={eta}",
+                   interrupt: str = "on", point: dict | None = None, axes: list[Axis] = ()) -> list[str]:
+    """The overrides that make a cell of the grid (after the study's own overrides); ``point``:
+    the cell's value of each ``--grid`` axis of ``axes``."""
+    point = point or {}
+    tags = [f"eta={eta}", f"objective={objective}", f"seed={seed}"] + (
+        [] if INTERRUPTS[interrupt] else ["interrupt=off"]) + point_tags(point)
+    return [f"name={cell_name(eta, objective, seed, interrupt, point, axes)}", f"run_root={root}",
+            f"queue.max_staleness={eta}",
             f"algo.objective={objective}", f"seed={seed}",
-            f"rollout.interrupt_on_update={'true' if INTERRUPTS[interrupt] else 'false'}",
+            f"rollout.interrupt_on_update={'true' if INTERRUPTS[interrupt] else 'false'}", *point_overrides(point),
             f"logging.wandb_group={json.dumps(study)}", f"logging.wandb_tags={json.dumps(tags)}"]
 
 
@@ -116,10 +127,17 @@ def cell_state(run_dir: pathlib.Path, total_steps: int) -> tuple[str, int]:
     return ("resumable" if 0 < step < total_steps else "broken"), step
 
 
+def grid_text(axes: list[dict]) -> str:
+    """``"trainer.lr [1e-06, 1e-05] × rollout.max_new_tokens [256, 1024]"`` of ``study.json``'s
+    ``grid``; ``"none"`` without axes."""
+    return " × ".join(f"{a['key']} {json.dumps(a['values'])}" for a in axes) or "none"
+
+
 def _identity_text(study: dict) -> str:
     interrupts = study.get("interrupts", IDENTITY_DEFAULTS["interrupts"])
     return (f"etas {study['etas']}, objectives {study['objectives']}, seeds {study['seeds']}, interrupt "
-            f"{interrupts}, config {study['config']}, overrides {study['overrides']}")
+            f"{interrupts}, grid {grid_text(study.get('grid', []))}, config {study['config']}, overrides "
+            f"{study['overrides']}")
 
 
 def open_study(root: pathlib.Path, study: dict) -> dict:
@@ -198,20 +216,22 @@ def run_study(args: argparse.Namespace) -> int:
     given = {o.partition("=")[0].strip() for o in args.overrides}
     for key in GRID_KEYS:
         if key in given:
-            raise ValueError(f"override {key}=...: the study sets {key} for each cell; leave it out "
-                             f"(η: --etas, objective: --objectives, seed: --seeds, interruption: "
-                             f"--interrupt, study name: --name)")
+            raise ValueError(f"override {key}=...: the study sets {key} for each cell; leave it out {SETS_ITSELF}")
+    reserved = dict.fromkeys((*GRID_KEYS, "run_root"), f"leave it out of --grid {SETS_ITSELF}")
+    axes = parse_grid(args.grid, args.config, args.overrides, reserved)
     if args.parallel < 1:
         raise ValueError(f"--parallel {args.parallel}: at least one cell must run at a time; give 1 or more")
     name = args.name or f"{cfg.name}-ablation"
     load_config(None, [f"name={json.dumps(name)}"])  # the same rule as a run name: ValueError naming it
     root = pathlib.Path(cfg.run_root) / name
     total = cfg.trainer.total_steps
-    grid = [(e, o, s, i) for s in seeds for e in etas for o in objectives for i in interrupts]
+    grid = [(e, o, s, i, p) for s in seeds for p in points(axes) for e in etas for o in objectives
+            for i in interrupts]
     study = {"name": name, "config": args.config, "overrides": list(args.overrides), "total_steps": total,
              "etas": etas, "objectives": objectives, "seeds": seeds, "interrupts": interrupts,
-             "cells": [{"name": cell_name(e, o, s, i), "eta": e, "objective": o, "seed": s, "interrupt": i,
-                        "state": "pending", "error": None} for e, o, s, i in grid]}
+             "grid": [a.record() for a in axes],
+             "cells": [{"name": cell_name(e, o, s, i, p, axes), "eta": e, "objective": o, "seed": s, "interrupt": i,
+                        "grid": p, "state": "pending", "error": None} for e, o, s, i, p in grid]}
     root.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as held:  # one process per study: two would run the same cells
         try:
@@ -219,30 +239,32 @@ def run_study(args: argparse.Namespace) -> int:
         except BlockingIOError:
             raise ValueError(f"study '{name}' in {root} is being run by another process; wait for it, or "
                              f"give another --name") from None
-        return _run_cells(args, study, root, grid, total)
+        return _run_cells(args, study, root, grid, axes, total)
 
 
-def _run_cells(args, study: dict, root: pathlib.Path, grid: list, total: int) -> int:
+def _run_cells(args, study: dict, root: pathlib.Path, grid: list, axes: list[Axis], total: int) -> int:
     study = open_study(root, study)
     cells = {c["name"]: c for c in study["cells"]}
     jobs, skipped, how = [], 0, {}
-    for eta, objective, seed, interrupt in grid:
-        name = cell_name(eta, objective, seed, interrupt)
+    for eta, objective, seed, interrupt, point in grid:
+        name = cell_name(eta, objective, seed, interrupt, point, axes)
         state, step = cell_state(root / name, total)
         if state == "finished":
             skipped += 1
             cells[name].update(state="finished", error=None)
             continue
         flags = {"resumable": ["--resume"], "broken": ["--overwrite"], "new": []}[state]
-        overrides = [*args.overrides, *cell_overrides(eta, objective, seed, study["name"], root, interrupt)]
+        overrides = [*args.overrides, *cell_overrides(eta, objective, seed, study["name"], root, interrupt, point,
+                                                      axes)]
         job = Job(name, local_argv(args.config, overrides, flags), root / f"{name}.out")
         how[name] = {"resumable": f"resumed at step {step}", "broken": "again from scratch", "new": "new"}[state]
         jobs.append(job)
     write_study(root, study)
-    grid_text = f"η {study['etas']} × {study['objectives']} × seeds {study['seeds']}" + (
-        f" × interrupt {study['interrupts']}" if study["interrupts"] != IDENTITY_DEFAULTS["interrupts"] else "")
+    shape = f"η {study['etas']} × {study['objectives']} × seeds {study['seeds']}" + (
+        f" × interrupt {study['interrupts']}" if study["interrupts"] != IDENTITY_DEFAULTS["interrupts"] else "") + (
+        f" × {grid_text(study['grid'])}" if study["grid"] else "")
     progress = StudyProgress(study["name"], len(grid), skipped, bar=progress_mode() == "bar")
-    progress.say(f"[ablation] study '{study['name']}' in {root}: {grid_text} = {len(grid)} cells, {skipped} "
+    progress.say(f"[ablation] study '{study['name']}' in {root}: {shape} = {len(grid)} cells, {skipped} "
                  f"finished before, {len(jobs)} to run, {args.parallel} at a time")
     failed: list[Job] = []
 
@@ -297,7 +319,8 @@ def write_report(root: pathlib.Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.ablation", description=__doc__,
                                      usage="%(prog)s [-h] config --etas ETAS [--objectives ...] [--seeds ...] "
-                                           "[--interrupt on,off] [--name STUDY] [--parallel N] [overrides ...]",
+                                           "[--interrupt on,off] [--grid KEY=V1,V2 ...] [--name STUDY] [--parallel N] "
+                                           "[overrides ...]",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML, e.g. configs/quickstart_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every cell, e.g. trainer.total_steps=40")
@@ -307,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="", help="run seeds, e.g. 1,2,3 (default: the config's seed)")
     parser.add_argument("--interrupt", default="on", help="on (weight updates interrupt the generations in "
                         "flight, the default), off (they wait for them: rollout.interrupt_on_update=false) or on,off")
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                        help="vary any config key over these values, one cell each (repeatable), e.g. "
+                        "--grid trainer.lr=1e-6,1e-5; values are parsed as the key's type")
     parser.add_argument("--name", default="", help="study name: its directory under run_root "
                                                    "(default: <config name>-ablation)")
     parser.add_argument("--parallel", type=int, default=1, help="cells run side by side (default 1)")

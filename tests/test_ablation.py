@@ -203,3 +203,122 @@ def test_the_interruption_axis_is_part_of_a_studys_identity(tmp_path, monkeypatc
     assert main(study) == 0 and json.loads(path.read_text())["interrupts"] == ["on"]
     path.write_text(json.dumps(old))
     assert main([*study, "--interrupt", "off"]) == 2
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--grid", "trainer.lrr=1e-6,1e-5"], "--grid trainer.lrr=1e-6,1e-5: unknown config key 'trainer.lrr'; did you "
+                                          "mean 'trainer.lr'?"),
+    (["--grid", "trainer.lr"], "--grid trainer.lr: give one config key and its values, comma-separated"),
+    (["--grid", "trainer.lr=1e-6,,1e-5"], "--grid trainer.lr=1e-6,,1e-5: an empty value"),
+    (["--grid", "trainer.lr=1e-6,abc"], "--grid trainer.lr=1e-6,abc: invalid config value for 'trainer.lr' = 'abc'"),
+    (["--grid", "trainer.lr=1e-6,0.000001"], "'0.000001' is 1e-06, given twice; give each value once"),
+    (["--grid", "trainer=1"], "--grid trainer=1: config key 'trainer' is a section"),
+    (["--grid", "queue.max_staleness=1,2"], "--grid queue.max_staleness=1,2: the study sets queue.max_staleness for "
+                                            "each cell; leave it out of --grid (η: --etas"),
+    (["--grid", "seed=1,2"], "--grid seed=1,2: the study sets seed for each cell"),
+    (["--grid", "algo.decoupled=true,false"], "the study sets algo.decoupled for each cell"),
+    (["--grid", "run_root=a,b"], "the study sets run_root for each cell"),
+    (["--grid", "trainer.lr=1e-6,1e-5", "trainer.lr=1e-5"], "trainer.lr is also set by the override trainer.lr=...; "
+                                                             "a key is either varied (--grid) or fixed"),
+    (["--grid", "trainer.lr=1e-6", "--grid", "trainer.lr=1e-5"], "--grid trainer.lr=1e-5: trainer.lr is given in two "
+                                                                 "--grid flags"),
+    # each value alone is valid, the pair is not: 128 prompt + 200 new tokens > max_seq_len 256
+    (["data.max_prompt_len=128", "--grid", "rollout.max_new_tokens=64,200", "--grid", "inference.max_seq_len=256,512"],
+     "--grid point rollout.max_new_tokens=200, inference.max_seq_len=256: data.max_prompt_len (128) + max("),
+])
+def test_bad_grid_is_named_and_starts_nothing(tmp_path, capsys, monkeypatch, flags, words):
+    monkeypatch.setattr(launcher.ablation, "run_jobs", lambda *a, **k: pytest.fail("a cell was started"))
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", *flags]) == 2
+    assert words in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _record_jobs(monkeypatch) -> dict:
+    started = {}
+
+    def record(jobs, *args, **kwargs):
+        started.update({job.name: job.argv for job in jobs})
+        return True
+
+    monkeypatch.setattr(launcher.ablation, "run_jobs", record)
+    return started
+
+
+def test_grid_axes_name_tag_and_override_each_cell(tmp_path, monkeypatch, capsys):
+    # η 0,1 × naive × lr 1e-6,3e-5 × max_new_tokens 16,32: 8 cells, the grid points between seed
+    # and η (so each point's η = 0 cell runs first), the last axis fastest; values typed (the
+    # float key's "3e-5" is 3e-05, the int key's values ints) and written back as JSON overrides
+    started = _record_jobs(monkeypatch)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0,1", "--objectives", "naive", "--name", "g",
+                 "--grid", "trainer.lr=1e-6,3e-5", "--grid", "rollout.max_new_tokens=16,32"]) == 0
+    assert ("× trainer.lr [1e-06, 3e-05] × rollout.max_new_tokens [16, 32] = 8 cells"
+            in capsys.readouterr().out)
+    study = json.loads((tmp_path / "g" / "study.json").read_text())
+    assert study["grid"] == [{"key": "trainer.lr", "values": [1e-06, 3e-05]},
+                             {"key": "rollout.max_new_tokens", "values": [16, 32]}]
+    names = [f"eta{e}-naive-s1-lr{lr}-max_new_tokens{t}"
+             for lr in ("1e-06", "3e-05") for t in (16, 32) for e in (0, 1)]
+    assert [c["name"] for c in study["cells"]] == names and list(started) == names
+    assert study["cells"][3]["grid"] == {"trainer.lr": 1e-06, "rollout.max_new_tokens": 32}
+    argv = started["eta1-naive-s1-lr3e-05-max_new_tokens16"]
+    assert {"name=eta1-naive-s1-lr3e-05-max_new_tokens16", "queue.max_staleness=1", "trainer.lr=3e-05",
+            "rollout.max_new_tokens=16", 'logging.wandb_tags=["eta=1", "objective=naive", "seed=1", '
+            '"trainer.lr=3e-05", "rollout.max_new_tokens=16"]'} <= set(argv)
+    # the cell's overrides load into the config the cell asks for
+    from areal_async.config import load_config
+
+    i = argv.index(CONFIG)
+    cfg = load_config(CONFIG, [a for a in argv[i + 1:] if not a.startswith("--")])
+    assert (cfg.trainer.lr, cfg.rollout.max_new_tokens, cfg.name) == (3e-05, 16, names[5])
+
+
+def test_grid_names_are_file_names_and_distinct():
+    from launcher.study_grid import Axis, name_suffix, point_tags, short_keys, value_texts
+
+    # two keys with one last part: each named by its whole key
+    assert short_keys(["rollout.max_new_tokens", "eval.max_new_tokens", "trainer.lr"]) == {
+        "rollout.max_new_tokens": "rollout.max_new_tokens", "eval.max_new_tokens": "eval.max_new_tokens",
+        "trainer.lr": "lr"}
+    assert value_texts(Axis("k", (True, False, 0.1, 256, [0.9, 0.99]))) == ["true", "false", "0.1", "256", "0.9_0.99"]
+    # "a/b" and "a:b" are both a_b in file-name characters: each gets the digest of its value
+    texts = value_texts(Axis("model.path", ("a/b", "a:b", "c", "x" * 50)))
+    assert texts[0].startswith("a_b-") and texts[1].startswith("a_b-") and texts[0] != texts[1]
+    assert texts[2] == "c" and len(texts[3]) == 39 and texts[3].startswith("x" * 32 + "-")
+    axes = [Axis("model.path", ("org/model-1",)), Axis("trainer.lr", (1e-05,))]
+    assert name_suffix({"model.path": "org/model-1", "trainer.lr": 1e-05}, axes) == "-pathorg_model-1-lr1e-05"
+    # wandb refuses tags over 64 characters: a long value's tag is cut there
+    assert point_tags({"model.path": "/" + "m" * 80, "trainer.lr": 1e-05}) == [
+        'model.path="/' + "m" * 51, "trainer.lr=1e-05"]
+
+
+def test_a_grid_is_part_of_a_studys_identity_and_resumes(tmp_path, monkeypatch, capsys):
+    # the same grid again: the finished cell is skipped, the others run; another grid (or none)
+    # under the same name is refused, naming both
+    started = _record_jobs(monkeypatch)
+    study = [CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "g",
+             "--grid", "trainer.lr=1e-6,1e-5", "trainer.total_steps=2"]
+    assert main(study) == 0
+    done = tmp_path / "g" / "eta0-naive-s1-lr1e-05"
+    (done / "checkpoint").mkdir(parents=True)
+    (done / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    (done / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "train/loss": 0.0}) + "\n" for k in range(2)))
+    started.clear()
+    capsys.readouterr()
+    assert main(study) == 0
+    assert "1 finished before, 1 to run" in capsys.readouterr().out and list(started) == ["eta0-naive-s1-lr1e-06"]
+    assert main([*study[:-2], "trainer.lr=1e-6,3e-5", "trainer.total_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert 'grid trainer.lr [1e-06, 1e-05]' in err and 'grid trainer.lr [1e-06, 3e-05]' in err, err
+    assert main(study[:-3] + ["trainer.total_steps=2"]) == 2
+    assert "grid none" in capsys.readouterr().err
+    # a study.json written before --grid existed has no "grid": it is the grid without axes
+    plain = [CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "p"]
+    assert main(plain) == 0
+    path = tmp_path / "p" / "study.json"
+    old = json.loads(path.read_text())
+    del old["grid"]
+    for cell in old["cells"]:
+        del cell["grid"]
+    path.write_text(json.dumps(old))
+    assert main(plain) == 0 and json.loads(path.read_text())["grid"] == []
+    assert [c["name"] for c in json.loads(path.read_text())["cells"]] == ["eta0-naive-s1"]

@@ -12,6 +12,7 @@ import pytest
 
 from areal_async.report import main, plots, read_run, report_paths
 from areal_async.report.build import run_cell, study_cells, write_study_report
+from areal_async.report.summary import by_grid_point
 from tests.support import REPO
 
 
@@ -132,8 +133,9 @@ def test_report_html_is_self_contained(tmp_path):
     files = report_paths([a], None)
     assert files.html == a / "report.html" and files.csv == a / "summary.csv"
     html = files.html.read_text()
-    # reward and correct vs step and vs wall time, eval, throughput, staleness, diagnostics
-    assert html.count('<img src="data:image/png;base64,') == 6
+    # reward and correct vs step and vs wall time, eval, throughput, time to threshold, staleness,
+    # diagnostics
+    assert html.count('<img src="data:image/png;base64,') == 7
     assert "http://" not in html and "https://" not in html and "<script" not in html
 
 
@@ -173,7 +175,8 @@ def test_a_study_lists_a_cell_without_metrics_as_missing(tmp_path, capsys):
     # written before the interruption axis (no "interrupts"): every cell ran with interruption on
     assert [r["interrupt"] for r in rows] == ["on", "on"]
     html = (root / "report.html").read_text()
-    assert "Interruption on vs off" not in html and html.count('<img src="data:image/png;base64,') == 6
+    # the six figures of the run above and the time to threshold
+    assert "Interruption on vs off" not in html and html.count('<img src="data:image/png;base64,') == 7
     assert "Cells without metrics" in html and f"{root / 'eta1-naive-s1' / 'metrics.jsonl'} does not exist" in html
     assert write_study_report(root).rows[0]["staleness_mean"] == (0.0 + 0.5 + 1.0 + 1.0 + 1.0 + 0.5) / 6
 
@@ -202,7 +205,9 @@ def test_bad_options_are_named(tmp_path, capsys):
     for argv, words in (([str(a), "--threshold", "1.5"], "threshold 1.5: rollout/correct is a fraction"),
                         ([str(a), "--window", "0"], "window 0: the trailing mean needs at least 1 step"),
                         ([str(a), str(b)], "2 run directories and no --out: give --out DIR"),
-                        ([str(tmp_path / "st"), str(a)], "is a study directory: give it alone")):
+                        ([str(tmp_path / "st"), str(a)], "is a study directory: give it alone"),
+                        ([str(tmp_path / "st"), "--group-by", "trainer.lr"], "a study's report is grouped by its own "
+                                                                             "--grid keys")):
         assert main(argv) == 2
         assert words in capsys.readouterr().err
 
@@ -291,4 +296,135 @@ def test_a_cell_objective_is_read_from_algo_objective_or_the_boolean_of_older_ru
     from areal_async.report.runs import read_cell_config
 
     (tmp_path / "config.yaml").write_text(f"seed: 3\nqueue:\n  max_staleness: 2\nalgo:\n  {algo}\n")
-    assert read_cell_config(tmp_path) == {"eta": 2, "objective": objective, "interrupt": "on", "seed": 3}
+    assert read_cell_config(tmp_path) == {"eta": 2, "objective": objective, "interrupt": "on", "seed": 3, "grid": {}}
+
+
+def _grid_study(root, cells, grid):
+    """A study.json of ``cells`` (name, eta, seed, grid point) with ``--grid`` axes ``grid``, all naive."""
+    records = [{"name": n, "eta": e, "objective": "naive", "seed": sd, "interrupt": "on", "grid": g,
+                "state": "finished", "error": None} for n, e, sd, g in cells]
+    (root / "study.json").write_text(json.dumps({
+        "name": root.name, "config": "c.yaml", "overrides": [], "total_steps": 2, "etas": [0, 2],
+        "objectives": ["naive"], "seeds": [1, 2], "interrupts": ["on"], "grid": grid, "cells": records}))
+
+
+def _timed(step_s):
+    """Two steps whose perf/step_s are ``step_s`` (clock 2 s apart)."""
+    return [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 10.0, **{"perf/step_s": s}) for k, s in enumerate(step_s)]
+
+
+def test_a_grid_study_is_grouped_by_its_keys_with_speedup_vs_sync(tmp_path):
+    # η 0, 2 × lr 1e-06, 1e-05 × seeds 1, 2; step_s = the mean of a run's two perf/step_s values.
+    # speedup_vs_sync = step_s of the η = 0 run with the same lr and seed / the run's own:
+    #   lr 1e-06 seed 1: η 0 (3 + 3)/2 = 3.0, η 2 (1 + 2)/2 = 1.5 → 3.0/1.5 = 2.0
+    #   lr 1e-06 seed 2: η 0 2.0, η 2 0.5 → 4.0
+    #   lr 1e-05 seed 1: η 0 6.0, η 2 1.5 → 4.0 (with lr 1e-06's η = 0 run it would be 2.0)
+    #   lr 1e-05 seed 2: η 0 has no metrics (missing) → blank; itself blank too
+    # every η = 0 run with a step_s: 1.0
+    root = tmp_path / "g"
+    step_s = {(0, 1, 1e-06): [3.0, 3.0], (2, 1, 1e-06): [1.0, 2.0], (0, 2, 1e-06): [2.0, 2.0],
+              (2, 2, 1e-06): [0.5, 0.5], (0, 1, 1e-05): [6.0, 6.0], (2, 1, 1e-05): [1.5, 1.5],
+              (0, 2, 1e-05): None, (2, 2, 1e-05): [1.0, 1.0]}
+    cells = []
+    for (eta, seed, lr), times in step_s.items():
+        name = f"eta{eta}-naive-s{seed}-lr{lr!r}"
+        cells.append((name, eta, seed, {"trainer.lr": lr}))
+        if times:
+            _write_run(root / name, _timed(times), eta=eta, decoupled=False, seed=seed)
+    _grid_study(root, cells, [{"key": "trainer.lr", "values": [1e-06, 1e-05]}])
+    assert main([str(root)]) == 0
+    with open(root / "summary.csv", newline="") as f:
+        header = next(csv.reader(f))
+    assert header[header.index("interrupt") + 1] == "trainer.lr"
+    rows = _csv(root / "summary.csv")
+    assert [(r["eta"], r["seed"], float(r["trainer.lr"]), r["speedup_vs_sync"]) for r in rows] == [
+        ("0", "1", 1e-06, "1.0"), ("2", "1", 1e-06, "2.0"), ("0", "2", 1e-06, "1.0"), ("2", "2", 1e-06, "4.0"),
+        ("0", "1", 1e-05, "1.0"), ("2", "1", 1e-05, "4.0"), ("0", "2", 1e-05, ""), ("2", "2", 1e-05, "")]
+    # the figures' groups: one per (η, lr), the two seeds in each; labels name the lr
+    _, study_cells_ = study_cells(root)
+    read = [(c, read_run(c.run_dir)) for c in study_cells_ if (c.run_dir / "metrics.jsonl").exists()]
+    groups = plots.groups_of(read)
+    assert [(g.label, len(g.runs), g.point) for g in groups] == [
+        ("η=0 naive, trainer.lr=1e-06", 2, 0), ("η=2 naive, trainer.lr=1e-06", 2, 0),
+        ("η=0 naive, trainer.lr=1e-05", 1, 1), ("η=2 naive, trainer.lr=1e-05", 2, 1)]
+    assert [len(p) for p in plots.by_point(groups)] == [2, 2]
+    html = (root / "report.html").read_text()
+    assert "× trainer.lr [1e-06, 1e-05] × seeds" in html and "trainer.<wbr>lr" in html
+    # means over seeds per grid point: lr 1e-06 η 2 speedup (2.0 + 4.0) / 2 = 3.0, step_s
+    # (1.5 + 0.5) / 2 = 1.0; lr 1e-05 η 0 one run (seed 2 missing); its η 2 speedup only seed 1's 4.0
+    points = by_grid_point(write_study_report(root).rows, ["trainer.lr"])
+    assert [(p["eta"], p["trainer.lr"], p["seeds"], p["speedup_vs_sync"], p["step_s"]) for p in points] == [
+        (0, 1e-06, 2, 1.0, 2.5), (2, 1e-06, 2, 3.0, 1.0), (0, 1e-05, 1, 1.0, 6.0), (2, 1e-05, 2, 4.0, 1.25)]
+    assert "By grid point: means over seeds" in html and '<table class="summary points">' in html
+
+
+def test_run_directories_are_grouped_by_a_config_key(tmp_path, capsys):
+    a = _write_run(tmp_path / "a", _timed([2.0, 2.0]), eta=0)
+    b = _write_run(tmp_path / "b", _timed([1.0, 1.0]), eta=2)
+    with (a / "config.yaml").open("a") as f:
+        f.write("trainer:\n  lr: 1.0e-05\n")
+    assert main([str(a), str(b), "--out", str(tmp_path / "o"), "--group-by", "trainer.lr"]) == 0
+    rows = _csv(tmp_path / "o" / "summary.csv")
+    # b has no trainer.lr: blank, and so another grid point than a: no η = 0 twin
+    assert [(r["cell"], r["trainer.lr"], r["speedup_vs_sync"]) for r in rows] == [("a", "1e-05", "1.0"),
+                                                                                   ("b", "", "")]
+    assert main([str(a), str(b), "--out", str(tmp_path / "o"), "--group-by", "trainer.lrr"]) == 2
+    assert "--group-by trainer.lrr: no run's config.yaml has it" in capsys.readouterr().err
+
+
+def test_time_to_threshold_reached_and_not(tmp_path):
+    # correct per step: a 0.2, 0.2, 0.4, 0.6, 0.8 (rows at 12, 14, 16, 18, 20 s);
+    # b 0.2 throughout. Window 2: a's trailing means (from step 1) 0.2, 0.3, 0.5, 0.7; b's 0.2.
+    # threshold 0.5: a at step 3, clock 8.0 (the run starts at 12 - perf/step_s 2 = 10, step 3 is at
+    # 18); b not reached. start+0.25: a's start is 0.2 → 0.45, step 3 again; b → 0.45, not reached.
+    # rollout/reward = 10 * correct - 5 (_train): a -3, -3, -1, 1, 3; means -3, -2, 0, 2; >= 1.5 at step 4.
+    a = _write_run(tmp_path / "a", [_train(k, 12.0 + 2 * k, c, 0.0, 0.0, 10.0)
+                                    for k, c in enumerate((0.2, 0.2, 0.4, 0.6, 0.8))])
+    b = _write_run(tmp_path / "b", [_train(k, 12.0 + 2 * k, 0.2, 0.0, 0.0, 10.0) for k in range(5)])
+    for kwargs, expected in (
+            ({"threshold": 0.5}, [("0.5", "True", "3", 8.0), ("0.5", "False", "", None)]),
+            ({"threshold": "start+0.25"}, [("0.45", "True", "3", 8.0), ("0.45", "False", "", None)]),
+            ({"threshold": "1.5", "metric": "rollout/reward"},
+             [("1.5", "True", "4", 10.0), ("1.5", "False", "", None)])):
+        rows = _csv(report_paths([a, b], tmp_path / "o", window=2, **kwargs).csv)
+        got = [(f"{float(r['threshold_value']):.4g}", r["threshold_reached"], r["threshold_step"],
+                float(r["wall_s_to_threshold"]) if r["wall_s_to_threshold"] else None) for r in rows]
+        assert got == expected, (kwargs, got)
+        assert rows[0]["threshold"] == str(kwargs["threshold"]) and rows[0]["window"] == "2"
+    html = (tmp_path / "o" / "report.html").read_text()
+    assert html.count('<td class="text missing-value">not reached</td>') == 2  # b's step and seconds
+    # fewer steps than the window: no threshold value, neither reached nor not
+    row = _csv(report_paths([b], tmp_path / "p", window=9).csv)[0]
+    assert (row["threshold_value"], row["threshold_reached"], row["threshold_step"]) == ("", "", "")
+
+
+def test_threshold_options_are_checked(tmp_path, capsys):
+    a = _write_run(tmp_path / "a", resumed_rows())
+    for argv, words in ((["--threshold", "start+0"], "threshold start+0: a threshold above the start needs a rise > 0"),
+                        (["--threshold", "half"], "threshold half is not a number"),
+                        (["--threshold", "start+x"], "threshold start+x is not a number")):
+        assert main([str(a), *argv]) == 2
+        assert words in capsys.readouterr().err
+    assert main([str(a), "--metric", "rollout/reward", "--threshold", "4"]) == 0  # not a fraction: any value
+
+
+def test_the_html_table_scrolls_in_its_box_with_the_cell_column_in_view(tmp_path):
+    a = _write_run(tmp_path / "a", [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 60367.25, **{"train/behav_kl": -0.000123456})
+                                    for k in range(2)])
+    html = report_paths([a], None).html.read_text()
+    style = html[html.index("<style>"):html.index("</style>")]
+    # the page is at most 1200 px wide; the table scrolls inside its box; the key column sticks
+    assert "max-width: 1200px" in style and ".scroll { overflow-x: auto; max-width: 100%; }" in style
+    assert "table.summary .key { position: sticky; left: 0;" in style
+    assert "table.summary th { background: #f2f2f2; white-space: normal; max-width: 7em;" in style
+    table = html[html.index('<div class="scroll">\n<table class="summary">'):html.index("</table>")]
+    assert '<th class="key" title="cell name (study) or run directory name">cell</th>' in table
+    assert "<th title=\"mean over steps of perf/step_s\">step_<wbr>s</th>" in table
+    assert '<td class="key">a</td>' in table
+    # compact numbers: thousands grouped without decimals, others to 3 significant digits
+    assert "<td>60,367</td>" in table and "<td>-0.000123</td>" in table and "60367.25" not in table
+    # constant or long columns are stated elsewhere, not in the table
+    assert ">run_<wbr>dir<" not in table and "threshold_<wbr>metric" not in table
+    # a column blank in every row is left out (summary.csv keeps it)
+    assert ">tool_<wbr>calls_<wbr>mean<" not in table and ">interrupt<" in table
+    assert "tool_calls_mean" in (a / "summary.csv").read_text()

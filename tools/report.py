@@ -1,7 +1,8 @@
 """The report of a staleness study or of any runs: ``summary.csv`` and a self-contained ``report.html``.
 
     python tools/report.py runs/<study>
-    python tools/report.py RUN_DIR [RUN_DIR ...] [--out DIR] [--threshold X] [--window N]
+    python tools/report.py RUN_DIR [RUN_DIR ...] [--out DIR] [--group-by KEY ...]
+        [--metric rollout/correct] [--threshold X | start+D] [--window N]
 
 A thin entry point: what it reads and writes is ``areal_async/report/build.py``'s docstring.
 Exit status 0, or 2 for bad input (the error names the path and the fix).

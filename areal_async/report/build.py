@@ -2,7 +2,7 @@
 
     python tools/report.py runs/<study>                       # a study: written into runs/<study>/
     python tools/report.py RUN_DIR [RUN_DIR ...] [--out DIR]   # any runs (one run: into RUN_DIR)
-        [--threshold X] [--window N] [--resume-gap-s S]
+        [--group-by KEY ...] [--metric KEY] [--threshold X | start+D] [--window N] [--resume-gap-s S]
 
 Figures are embedded as PNG data URIs; bad input raises ``ReportInputError`` (exit status 2).
 What it reads and shows: docs/dashboards.md#the-studys-report.
@@ -17,15 +17,22 @@ import datetime
 import json
 import math
 import pathlib
+import re
 import sys
 
 import jinja2
+import markupsafe
 
 from areal_async.report import plots
 from areal_async.report.runs import RESUME_GAP_S, ReportInputError, RunMetrics, read_cell_config, read_run
-from areal_async.report.summary import COLUMNS, DEFAULT_THRESHOLD, DEFAULT_WINDOW, Cell, summarize, write_csv
+from areal_async.report.summary import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_WINDOW, POINT_MEANS, Cell,
+                                        Threshold, add_speedups, by_grid_point, columns, summarize, write_csv)
 
-HTML_HIDDEN = ("threshold", "window", "run_dir")  # constant or long: stated above the table instead
+# constant, long or said otherwise: stated above the table, or "not reached" in the threshold columns
+HTML_HIDDEN = ("threshold_metric", "threshold", "window", "threshold_reached", "run_dir")
+NOT_REACHED = ("threshold_step", "wall_s_to_threshold")
+POINT_COLUMNS = {"seeds": "runs of the grid point with metrics (its seeds)",
+                 "reached": "runs that reached the threshold, of those with enough steps for its window"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,63 +62,113 @@ def study_cells(root: pathlib.Path) -> tuple[dict, list[Cell]]:
         # a study.json written before the interruption axis has no "interrupts": all its cells ran with it on
         default = "on" if "interrupts" not in study else None
         cells = [Cell(c["name"], root / c["name"], eta=c.get("eta"), objective=c.get("objective"),
-                      interrupt=c.get("interrupt", default), seed=c.get("seed"), state=c.get("state") or "")
-                 for c in study["cells"]]
+                      interrupt=c.get("interrupt", default), seed=c.get("seed"), state=c.get("state") or "",
+                      grid=dict(c.get("grid") or {})) for c in study["cells"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise ReportInputError(f"{path} is not a study record ({exc!r}); it is written by python -m "
                                f"launcher.ablation: run the study again to rewrite it") from None
     return study, cells
 
 
-def run_cell(run_dir: pathlib.Path) -> Cell:
-    cfg = read_cell_config(run_dir)
+def run_cell(run_dir: pathlib.Path, group_by: list[str] = ()) -> Cell:
+    cfg = read_cell_config(run_dir, group_by)
     return Cell(run_dir.name or str(run_dir), run_dir, eta=cfg["eta"], objective=cfg["objective"],
-                interrupt=cfg["interrupt"], seed=cfg["seed"])
+                interrupt=cfg["interrupt"], seed=cfg["seed"], grid=cfg["grid"])
 
 
-def _fmt(value) -> str:
+def compact(value) -> str:
+    """A table cell's text: blank for ``None``, floats to 3 significant digits (thousands grouped
+    from 1000 on, no exponent there), lists as JSON."""
     if value is None:
         return ""
-    if isinstance(value, float):
-        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    if isinstance(value, list):
+        return json.dumps(value)
     return str(value)
 
 
+def header_html(name: str) -> markupsafe.Markup:
+    """A column name that may wrap after ``_``, ``.`` and ``/`` (``<wbr>``), escaped."""
+    return markupsafe.Markup("").join(
+        markupsafe.escape(part) + (markupsafe.Markup("<wbr>") if part and part[-1] in "_./" else "")
+        for part in re.split(r"(?<=[_./])", name))
+
+
+def table_cells(row: dict, shown: list[str]) -> list[dict]:
+    """The HTML table's cells of a ``summarize`` row: text, and whether it is left-aligned text."""
+    cells = []
+    for c in shown:
+        value = "not reached" if c in NOT_REACHED and row["threshold_reached"] is False else compact(row[c])
+        cells.append({"value": value, "text": isinstance(row[c], str) or value == "not reached"})
+    return cells
+
+
+def point_table(rows: list[dict], grid_keys: list[str]) -> dict | None:
+    """The HTML table of ``by_grid_point`` (means over seeds); ``None`` when every point has one run."""
+    points = by_grid_point(rows, grid_keys)
+    if all(p["seeds"] <= 1 for p in points):
+        return None
+    described = columns(grid_keys)
+    keys = ["eta", "objective", *(["interrupt"] if len({p["interrupt"] for p in points}) > 1 else []), *grid_keys]
+    names = [*keys, "seeds", *POINT_MEANS[:4], "reached", *POINT_MEANS[4:]]
+    about = {**described, **POINT_COLUMNS}
+    return {"columns": [{"header": header_html(c), "description": about[c] + (" (mean over the grid point's runs)" if
+                                                                               c in POINT_MEANS else "")}
+                        for c in names],
+            "rows": [[{"value": "not reached", "text": True} if c in NOT_REACHED and none_reached(p)
+                      else {"value": compact(p[c]), "text": isinstance(p[c], str)} for c in names] for p in points]}
+
+
+def none_reached(point: dict) -> bool:
+    """No run of a ``by_grid_point`` row reached the threshold (of at least one that could)."""
+    return (point["reached"] or "").startswith("0/")
+
+
 def render_html(title: str, about: str, study: dict | None, rows: list[dict], missing: list[dict],
-                notes: list[str], panels: list[plots.Panel], threshold: float, window: int) -> str:
-    """``report.html.j2`` rendered (autoescaped): the table of ``rows`` and the panels as data URIs."""
+                notes: list[str], panels: list[plots.Panel], threshold: Threshold, grid_keys: list[str]) -> str:
+    """``report.html.j2`` rendered (autoescaped): the table of ``rows`` and the panels as data URIs.
+
+    The table scrolls inside its own box (the page never overflows sideways), its first column (the
+    cell's name, which holds every varied key) stays in view, headers wrap at ``_``/``.``; a column
+    blank in every row is left out."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(pathlib.Path(__file__).parent), autoescape=True)
-    shown = [c for c in COLUMNS if c not in HTML_HIDDEN]
-    table = [{"missing": r["state"] == "missing",
-              "cells": [{"value": _fmt(r[c]), "text": isinstance(r[c], str)} for c in shown]} for r in rows]
+    described = columns(grid_keys)
+    # a column blank in every row is left out (summary.csv keeps it); the keys stay
+    keys = ("cell", "eta", "objective", "interrupt", *grid_keys, "seed", "state")
+    shown = [c for c in described if c not in HTML_HIDDEN and (c in keys or any(r.get(c) is not None for r in rows))]
+    table = [{"missing": r["state"] == "missing", "cells": table_cells(r, shown)} for r in rows]
     return env.get_template("report.html.j2").render(
-        title=title, about=about, study=study, missing=missing, notes=notes, threshold=threshold, window=window,
-        columns=[{"name": c, "description": COLUMNS[c]} for c in shown], rows=table,
+        title=title, about=about, study=study, missing=missing, notes=notes, threshold=threshold,
+        grid=" × ".join(f"{a['key']} {json.dumps(a['values'])}" for a in (study or {}).get("grid", [])),
+        columns=[{"name": c, "header": header_html(c), "description": described[c]} for c in shown], rows=table,
+        points=point_table(rows, grid_keys),
         panels=[{"title": p.title, "caption": p.caption, "b64": base64.b64encode(p.png).decode("ascii")}
                 for p in panels])
 
 
 def write_report(cells: list[Cell], out: pathlib.Path, *, title: str, study: dict | None = None,
-                 threshold: float = DEFAULT_THRESHOLD, window: int = DEFAULT_WINDOW,
-                 resume_gap_s: float = RESUME_GAP_S, strict: bool = False) -> ReportFiles:
+                 threshold: float | str = DEFAULT_THRESHOLD, window: int = DEFAULT_WINDOW,
+                 metric: str = DEFAULT_METRIC, resume_gap_s: float = RESUME_GAP_S, strict: bool = False) -> ReportFiles:
     """Write ``out/summary.csv`` and ``out/report.html`` for ``cells``.
 
     Args:
-        cells: the runs, in the table's order.
+        cells: the runs, in the table's order; their ``grid`` keys are the table's grid columns.
         out: output directory (created if missing).
         study: ``study.json``'s record, shown in the report's header.
-        threshold: ``rollout/correct`` threshold in [0, 1]; window: steps of its trailing mean (>= 1).
+        threshold, window, metric: the time to threshold (``summary.Threshold.parse``): ``metric``
+            reaches ``threshold`` (a value, or ``"start+D"``) in a trailing mean over ``window`` steps.
         resume_gap_s: see ``runs.py``.
         strict: a cell without metrics raises instead of being listed as missing.
 
     Raises:
-        ReportInputError: threshold or window out of range; with ``strict``, a cell without metrics.
+        ReportInputError: a bad threshold or window; with ``strict``, a cell without metrics.
     """
-    if not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
-        raise ReportInputError(f"threshold {threshold!r}: rollout/correct is a fraction; give a threshold in "
-                               f"[0, 1], e.g. --threshold 0.5")
-    if window < 1:
-        raise ReportInputError(f"window {window}: the trailing mean needs at least 1 step; give --window 1 or more")
+    try:
+        rule = Threshold.parse(threshold, metric, window)
+    except ValueError as exc:
+        raise ReportInputError(str(exc)) from None
+    grid_keys = list(dict.fromkeys(k for cell in cells for k in cell.grid))
     read: list[tuple[Cell, RunMetrics]] = []
     rows, missing, notes = [], [], []
     for cell in cells:
@@ -125,35 +182,39 @@ def write_report(cells: list[Cell], out: pathlib.Path, *, title: str, study: dic
         if run is not None:
             read.append((cell, run))
             notes += run.notes
-        rows.append(summarize(cell, run, threshold, window))
+        rows.append(summarize(cell, run, rule))
+    add_speedups(rows)
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "summary.csv", rows)
+    write_csv(out / "summary.csv", rows, grid_keys)
     groups = plots.groups_of(read)
-    panels = [p for p in (plots.learning_curves(groups, "step", window, threshold),
-                          plots.learning_curves(groups, "wall", window, threshold),
-                          plots.eval_curves(groups), plots.throughput(rows), plots.interruption(rows),
+    panels = [p for p in (plots.learning_curves(groups, "step", rule), plots.learning_curves(groups, "wall", rule),
+                          plots.eval_curves(groups), plots.throughput(rows), plots.time_to_threshold(rows, rule),
+                          plots.interruption(rows),
                           plots.staleness_histograms(groups), plots.diagnostics(groups),
                           plots.episodes(groups)) if p is not None]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     about = (f"{len(cells)} run(s), {len(missing)} without metrics; written {when} from each run's "
              f"metrics.jsonl (each step once, the last occurrence wins).")
-    (out / "report.html").write_text(render_html(title, about, study, rows, missing, notes, panels,
-                                                 threshold, window))
+    (out / "report.html").write_text(render_html(title, about, study, rows, missing, notes, panels, rule,
+                                                 grid_keys))
     return ReportFiles(out / "summary.csv", out / "report.html", rows)
 
 
 def write_study_report(root: pathlib.Path, out: pathlib.Path | None = None, **kwargs) -> ReportFiles:
     """The report of the study in ``root`` (``study.json``), written into ``out`` (default
-    ``root``); ``kwargs`` as ``write_report``'s (threshold, window, resume_gap_s)."""
+    ``root``); ``kwargs`` as ``write_report``'s (threshold, window, metric, resume_gap_s)."""
     root = pathlib.Path(root)
     study, cells = study_cells(root)
     return write_report(cells, out or root, title=f"Staleness study {study.get('name', root.name)}", study=study,
                         **kwargs)
 
 
-def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, **kwargs) -> ReportFiles:
-    """The report of the CLI's paths: one study directory, or one or more run directories.
+def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: list[str] = (),
+                 **kwargs) -> ReportFiles:
+    """The report of the CLI's paths: one study directory (grouped by its ``--grid`` keys), or one
+    or more run directories (grouped by the dotted config keys ``group_by`` too, read from each
+    run's ``config.yaml``).
 
     Raises:
         ReportInputError: a path that is neither a run nor a study directory; a study directory
@@ -170,10 +231,17 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, **kwargs) 
         if len(paths) > 1:
             raise ReportInputError(f"{studies[0]} is a study directory: give it alone (its cells are its runs), "
                                    f"or give run directories only")
+        if group_by:
+            raise ReportInputError(f"--group-by {' '.join(group_by)}: a study's report is grouped by its own "
+                                   f"--grid keys; give --group-by with run directories only")
         return write_study_report(studies[0], out, **kwargs)
     if out is None and len(paths) > 1:
         raise ReportInputError(f"{len(paths)} run directories and no --out: give --out DIR for their report")
-    cells = [run_cell(p) for p in paths]
+    cells = [run_cell(p, group_by) for p in paths]
+    for key in group_by:
+        if all(c.grid[key] is None for c in cells):
+            raise ReportInputError(f"--group-by {key}: no run's config.yaml has it; give a dotted config key, e.g. "
+                                   f"--group-by trainer.lr")
     title = f"Runs {', '.join(c.name for c in cells)}" if len(cells) <= 4 else f"{len(cells)} runs"
     return write_report(cells, out or paths[0], title=title, strict=True, **kwargs)
 
@@ -184,16 +252,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=pathlib.Path, help="a study directory, or run directories")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="output directory (default: the study's or the single run's directory)")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                        help=f"rollout/correct threshold for wall_s_to_threshold (default {DEFAULT_THRESHOLD})")
+    parser.add_argument("--metric", default=DEFAULT_METRIC,
+                        help=f"rollout metric of the time to threshold, e.g. rollout/reward (default {DEFAULT_METRIC})")
+    parser.add_argument("--threshold", default=str(DEFAULT_THRESHOLD),
+                        help=f"the metric's value that counts as reached (default {DEFAULT_THRESHOLD}), or start+D: D "
+                        f"above the run's start (its first window's mean), e.g. start+0.1")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                        help=f"steps of the trailing mean of rollout/correct (default {DEFAULT_WINDOW})")
+                        help=f"steps of the metric's trailing mean (default {DEFAULT_WINDOW})")
+    parser.add_argument("--group-by", action="append", default=[], metavar="KEY",
+                        help="run directories: also group by this dotted config key (repeatable), e.g. trainer.lr")
     parser.add_argument("--resume-gap-s", type=float, default=RESUME_GAP_S,
                         help=f"an interval this much longer than its step is a resume gap (default {RESUME_GAP_S:g})")
     args = parser.parse_args(argv)
     try:
-        files = report_paths(args.paths, args.out, threshold=args.threshold, window=args.window,
-                             resume_gap_s=args.resume_gap_s)
+        files = report_paths(args.paths, args.out, args.group_by, threshold=args.threshold, window=args.window,
+                             metric=args.metric, resume_gap_s=args.resume_gap_s)
     except ReportInputError as exc:
         print(f"[report] error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from collections import defaultdict
 
 import matplotlib
@@ -13,11 +14,12 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from areal_async.report.runs import RunMetrics
-from areal_async.report.summary import Cell
+from areal_async.report.summary import Cell, Threshold
 
 STYLES = {"decoupled": "-", "naive": "--"}
 OFF = {"marker": "x", "alpha": 0.6}  # how a group without interruption is drawn, when both occur
 NOTES = {"off": "no interruption", None: "interruption unknown"}  # label notes when interruption differs
+GRID_MARKERS = ("o", "s", "^", "v", "D", "P", "*", "<", ">", "h")  # a grid point's marker, when there are several
 DIAGNOSTICS = [("train/importance_weight", "mean w = π_prox/π_behav after the cap"),
                ("train/behav_kl", "mean log π_prox − log π_behav (naive: θ − behav)"),
                ("train/clip_ratio", "share of tokens clipped"),
@@ -38,10 +40,12 @@ class Panel:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """The runs of one grid point (η, objective, interrupt), or one run of unknown grid point.
+    """The runs of one grid point (η, objective, interrupt, ``--grid`` values), or one run of
+    unknown grid point.
 
     ``note`` is what the label adds about interruption ("no interruption"), ``""`` when the runs
-    do not differ in it (or the group is on).
+    do not differ in it (or the group is on). ``grid``: ``((key, value as JSON), ...)`` of the
+    ``--grid`` keys; ``point``: its index among the report's ``--grid`` points (0 with one).
     """
 
     label: str
@@ -50,6 +54,18 @@ class Group:
     interrupt: str | None
     runs: list[RunMetrics]
     note: str = ""
+    grid: tuple = ()
+    point: int = 0
+
+    @property
+    def grid_text(self) -> str:
+        """``"trainer.lr=1e-06, rollout.max_new_tokens=256"``; ``""`` without ``--grid`` keys."""
+        return ", ".join(f"{k}={v}" for k, v in self.grid)
+
+
+def grid_of(cell: Cell) -> tuple:
+    """A cell's ``--grid`` values as a hashable ``((key, JSON text), ...)``."""
+    return tuple((k, json.dumps(v)) for k, v in cell.grid.items())
 
 
 def interruption_note(interrupt: str | None, values: set) -> str:
@@ -58,23 +74,33 @@ def interruption_note(interrupt: str | None, values: set) -> str:
 
 
 def groups_of(runs: list[tuple[Cell, RunMetrics]]) -> list[Group]:
-    """Runs grouped by (η, objective, interrupt), in order of η, objective, then on before off;
-    unknown ones last, by name."""
+    """Runs grouped by (η, objective, interrupt, ``--grid`` values), in order of grid point (as
+    the runs first give it), η, objective, then on before off; unknown ones last, by name. Labels
+    name the grid point only when the runs have several."""
     known: dict[tuple, list[RunMetrics]] = defaultdict(list)
     lone = []
     values = {cell.interrupt for cell, _ in runs}
+    grids = list(dict.fromkeys(grid_of(cell) for cell, _ in runs))
     for cell, run in runs:
+        g = grid_of(cell)
         if cell.eta is None or cell.objective is None:
-            lone.append(Group(cell.name, None, None, cell.interrupt, [run], interruption_note(cell.interrupt, values)))
+            lone.append(Group(cell.name, None, None, cell.interrupt, [run], interruption_note(cell.interrupt, values),
+                              g, grids.index(g)))
         else:
-            known[(cell.eta, cell.objective, cell.interrupt)].append(run)
-    order = sorted(known, key=lambda k: (k[0], list(STYLES).index(k[1]) if k[1] in STYLES else 9, k[1],
-                                         ["on", "off", None].index(k[2]) if k[2] in ("on", "off", None) else 9))
+            known[(cell.eta, cell.objective, cell.interrupt, g)].append(run)
+    order = sorted(known, key=lambda k: (grids.index(k[3]), k[0], list(STYLES).index(k[1]) if k[1] in STYLES else 9,
+                                         k[1], ["on", "off", None].index(k[2]) if k[2] in ("on", "off", None) else 9))
     out = []
-    for e, o, i in order:
+    for e, o, i, g in order:
         note = interruption_note(i, values)
-        out.append(Group(f"η={e} {o}" + (f", {note}" if note else ""), e, o, i, known[(e, o, i)], note))
+        label = f"η={e} {o}" + (f", {note}" if note else "") + "".join(f", {k}={v}" for k, v in g if len(grids) > 1)
+        out.append(Group(label, e, o, i, known[(e, o, i, g)], note, g, grids.index(g)))
     return out + sorted(lone, key=lambda g: g.label)
+
+
+def by_point(groups: list[Group]) -> list[list[Group]]:
+    """``groups`` split by ``--grid`` point, in point order."""
+    return [[g for g in groups if g.point == p] for p in sorted({g.point for g in groups})]
 
 
 def _colors(groups: list[Group]) -> dict[str, tuple]:
@@ -116,13 +142,18 @@ def _png(fig) -> bytes:
 
 def _draw(ax, groups, colors, key, xaxis, window=1, evals=False, marker=None) -> bool:
     drew = False
+    several = len({g.point for g in groups}) > 1  # grid points told apart by marker
     for g in groups:
         steps, clock, m, lo, hi = seed_band(g.runs, key, window, evals)
         if not len(steps):
             continue
         x = steps if xaxis == "step" else clock / 60
         off = g.interrupt == "off" and bool(g.note)  # drawn apart only when interruption differs
-        style = {**OFF, "markevery": max(1, len(x) // 12)} if off else {"marker": marker}
+        if several:
+            style = {"marker": GRID_MARKERS[g.point % len(GRID_MARKERS)], "markevery": max(1, len(x) // 12),
+                     "markersize": 4, **({"alpha": OFF["alpha"]} if off else {})}
+        else:
+            style = {**OFF, "markevery": max(1, len(x) // 12)} if off else {"marker": marker}
         ax.plot(x, m, STYLES.get(g.objective, "-"), color=colors[g.label], label=g.label, lw=1.6, **style)
         if len(g.runs) > 1:
             ax.fill_between(x, lo, hi, color=colors[g.label], alpha=0.08 if off else 0.15, lw=0)
@@ -132,24 +163,36 @@ def _draw(ax, groups, colors, key, xaxis, window=1, evals=False, marker=None) ->
     return drew
 
 
-def learning_curves(groups: list[Group], xaxis: str, window: int, threshold: float) -> Panel | None:
-    """Rollout reward and correct fraction against ``xaxis`` (``"step"`` | ``"wall"``)."""
-    fig = Figure(layout="constrained", figsize=(12, 4.2))
-    axes = fig.subplots(1, 2)
+def learning_curves(groups: list[Group], xaxis: str, rule: Threshold) -> Panel | None:
+    """Rollout reward and correct fraction against ``xaxis`` (``"step"`` | ``"wall"``), a row of
+    two axes per ``--grid`` point (titled by it when there are several)."""
+    window, points = rule.window, by_point(groups)
+    if not points:
+        return None
+    fig = Figure(layout="constrained", figsize=(12, 4.2 * len(points)))
+    rows = fig.subplots(len(points), 2, squeeze=False)
     colors = _colors(groups)
     drew = False
-    for ax, key in zip(axes, ("rollout/reward", "rollout/correct")):
-        drew |= _draw(ax, groups, colors, key, xaxis, window)
-        ax.set_ylabel(f"{key} ({window}-step trailing mean)")
-    axes[1].axhline(threshold, color="grey", lw=0.8, ls=":", label=f"threshold {threshold:g}")
-    axes[1].legend(fontsize=8)
+    for axes, point in zip(rows, points):
+        if len(points) > 1:  # the row's title names the grid point: the labels need not
+            short = [dataclasses.replace(g, label=g.label.removesuffix(", " + g.grid_text)) for g in point]
+            colors.update({s.label: colors[g.label] for s, g in zip(short, point)})
+            point = short
+        for ax, key in zip(axes, ("rollout/reward", "rollout/correct")):
+            drew |= _draw(ax, point, colors, key, xaxis, window)
+            ax.set_ylabel(f"{key} ({window}-step trailing mean)")
+            if len(points) > 1:
+                ax.set_title(point[0].grid_text, fontsize=9)
+            if key == rule.metric and not rule.relative:
+                ax.axhline(rule.value, color="grey", lw=0.8, ls=":", label=f"threshold {rule.value:g}")
+        axes[1].legend(fontsize=8)
     if not drew:
         return None
     what = "step" if xaxis == "step" else "wall time"
     return Panel(f"Reward and correct fraction vs {what}",
                  f"Rollout batches' mean reward and fraction correct, {window}-step trailing mean (fewer steps before "
-                 f"step {window - 1}); line: mean "
-                 f"over seeds, band: min–max over seeds.", _png(fig))
+                 f"step {window - 1}); line: mean over seeds, band: min–max over seeds"
+                 + ("; one row per --grid point." if len(points) > 1 else "."), _png(fig))
 
 
 def eval_curves(groups: list[Group]) -> Panel | None:
@@ -168,21 +211,25 @@ def eval_curves(groups: list[Group]) -> Panel | None:
 
 def _by_eta(rows: list[dict], columns: tuple[str, ...]) -> Figure | None:
     """A figure with one axis per column of ``rows`` (``summary.summarize``) against η, one line per
-    objective (per (objective, interrupt) when the rows differ in interruption), points the mean
-    over seeds and bars min–max; ``None`` when no row holds any of the columns."""
+    objective (per (objective, interrupt) when the rows differ in interruption, and per ``--grid``
+    point, labelled with it, when there are several), points the mean over seeds and bars min–max;
+    ``None`` when no row holds any of the columns."""
     rows = [r for r in rows if r["eta"] is not None and r["objective"] is not None]
     values = {r["interrupt"] for r in rows}
-    lines = sorted({(r["objective"], r["interrupt"]) for r in rows},
-                   key=lambda k: (k[0] not in STYLES, k[0], k[1] != "on", k[1] or ""))
-    objectives = list(dict.fromkeys(o for o, _ in lines))
-    fig = Figure(layout="constrained", figsize=(12, 4.2))
+    grids = list(dict.fromkeys(json.dumps(r["grid"]) for r in rows))
+    lines = sorted({(r["objective"], r["interrupt"], json.dumps(r["grid"])) for r in rows},
+                   key=lambda k: (grids.index(k[2]), k[0] not in STYLES, k[0], k[1] != "on", k[1] or ""))
+    # a line's colour: its objective when interruption differs, its (grid point, objective) when grid points do
+    hues = list(dict.fromkeys((g, o) if len(grids) > 1 else o for o, _, g in lines))
+    fig = Figure(layout="constrained", figsize=(4.2 * len(columns), 4.2))
     axes = fig.subplots(1, len(columns))
     drew = False
     for ax, column in zip(axes, columns):
-        for objective, interrupt in lines:
+        for objective, interrupt, grid in lines:
             by_eta = defaultdict(list)
             for r in rows:
-                if (r["objective"], r["interrupt"]) == (objective, interrupt) and r[column] is not None:
+                if (r["objective"], r["interrupt"], json.dumps(r["grid"])) == (objective, interrupt, grid) \
+                        and r[column] is not None:
                     by_eta[r["eta"]].append(r[column])
             if not by_eta:
                 continue
@@ -192,30 +239,53 @@ def _by_eta(rows: list[dict], columns: tuple[str, ...]) -> Figure | None:
             note = interruption_note(interrupt, values)
             off = interrupt == "off" and bool(note)
             # when interruption differs, an objective keeps one colour and off is told by marker and alpha
-            style = {"color": f"C{objectives.index(objective) % 10}"} if len(values) > 1 else {}
+            hue = hues.index((grid, objective) if len(grids) > 1 else objective)
+            style = {"color": f"C{hue % 10}"} if len(values) > 1 or len(grids) > 1 else {}
             if off:
                 style["alpha"] = OFF["alpha"]
-            ax.set_xticks(etas)
+            point = ", ".join(f"{k}={json.dumps(v)}" for k, v in json.loads(grid).items()) if len(grids) > 1 else ""
+            ax.set_xticks(sorted({r["eta"] for r in rows}))
             ax.errorbar(etas, m, yerr=err, fmt=STYLES.get(objective, "-") + ("x" if off else "o"), capsize=3,
-                        label=objective + (f", {note}" if note else ""), **style)
+                        label=objective + (f", {note}" if note else "") + (f", {point}" if point else ""), **style)
             drew = True
         ax.set_xlabel("η (max staleness)")
         ax.set_ylabel(column.replace("_", " "))
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if ax.lines and len(lines) <= 4:
             ax.legend(fontsize=8)
+    if drew and len(lines) > 4:  # one legend under the axes, which it would hide
+        handles, labels = next(ax for ax in axes if ax.lines).get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8)
     return fig if drew else None
 
 
 def throughput(rows: list[dict]) -> Panel | None:
-    """Trained tokens/s against η, one line per objective (and interruption, when the rows differ
-    in it), from ``summary.summarize`` rows."""
-    fig = _by_eta(rows, ("trained_tokens_per_s", "tokens_per_wall_s"))
+    """Trained tokens/s and ``speedup_vs_sync`` against η, one line per objective (and
+    interruption, and ``--grid`` point, when the rows differ in them), from ``summarize`` rows."""
+    fig = _by_eta(rows, ("trained_tokens_per_s", "tokens_per_wall_s", "speedup_vs_sync"))
     if fig is None:
         return None
+    fig.axes[2].axhline(1.0, color="grey", lw=0.8, ls=":")
     return Panel("Throughput vs η", "Left: mean over steps of perf/trained_tokens_per_s (the trainer's rate "
-                 "while training). Right: all trained tokens over the run's wall time. Points: mean over seeds, "
+                 "while training). Middle: all trained tokens over the run's wall time. Right: speedup_vs_sync, the "
+                 "η = 0 run's mean step time (same objective, interruption, --grid values and seed) over this "
+                 "run's; above the dotted line at 1 a step is faster than synchronous RL. Points: mean over seeds, "
                  "bars: min–max.", _png(fig))
+
+
+def time_to_threshold(rows: list[dict], rule: Threshold) -> Panel | None:
+    """``threshold_step`` and ``wall_s_to_threshold`` against η (the runs that reached the
+    threshold), from ``summarize`` rows; ``None`` when none did."""
+    fig = _by_eta(rows, ("threshold_step", "wall_s_to_threshold"))
+    if fig is None:
+        return None
+    reached = sum(r["threshold_reached"] is True for r in rows)
+    tried = sum(r["threshold_reached"] is not None for r in rows)
+    what = f"{rule.metric} ≥ {rule.text()} ({rule.window}-step trailing mean)"
+    return Panel(f"Time to {what}", f"Left: the first step whose trailing mean reaches the threshold; right: the "
+                 f"run clock there (s). {reached} of {tried} runs reached it; the others are left out here and "
+                 f"'not reached' in the table. Points: mean over the seeds that reached it, bars: min–max.",
+                 _png(fig))
 
 
 def interruption(rows: list[dict]) -> Panel | None:
@@ -234,12 +304,15 @@ def interruption(rows: list[dict]) -> Panel | None:
 
 def staleness_histograms(groups: list[Group]) -> Panel | None:
     """Per η, the fraction of trained samples at each staleness (``staleness/hist``, pooled over
-    the seeds and steps of each objective, and interruption when the groups differ in it)."""
+    the seeds and steps of each objective, and interruption and ``--grid`` point when the groups
+    differ in them)."""
     pooled: dict[int | str, dict[str, list[float]]] = defaultdict(dict)
+    several = len({g.point for g in groups}) > 1
     for g in groups:
         values = [v for run in g.runs for r in run.train for v in (r.get("staleness/hist") or [])]
         if values:
-            name = (g.objective or g.label) + (f", {g.note}" if g.note and g.eta is not None else "")
+            name = (g.objective or g.label) + (f", {g.note}" if g.note and g.eta is not None else "") + (
+                f", {g.grid_text}" if g.eta is not None and several else "")
             pooled[g.eta if g.eta is not None else g.label][name] = values
     if not pooled:
         return None
@@ -291,7 +364,11 @@ def _per_step_grid(groups: list[Group], present: list[tuple[str, str]], title: s
     for ax, (key, meaning) in zip(axes.flat, present):
         _draw(ax, groups, colors, key, "step")
         ax.set_title(f"{key}\n{meaning}", fontsize=9)
-    axes.flat[0].legend(fontsize=7)
+    if len(groups) <= 6:
+        axes.flat[0].legend(fontsize=7)
+    else:  # one legend under the axes, which it would hide
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=7)
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")
     return Panel(title, "Per step (no smoothing); line: mean over seeds, band: min–max.", _png(fig))

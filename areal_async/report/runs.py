@@ -138,8 +138,16 @@ def read_run(run_dir: pathlib.Path, resume_gap_s: float = RESUME_GAP_S) -> RunMe
     return RunMetrics(run_dir, out_train, out_evals, len(gaps), end - start, clock(end), notes)
 
 
-def read_cell_config(run_dir: pathlib.Path) -> dict:
-    """``eta``, ``objective``, ``interrupt``, ``seed`` from ``run_dir/config.yaml``.
+def dotted(cfg: dict, key: str):
+    """The value of dotted ``key`` in a config dict, ``None`` where a part is missing."""
+    for part in key.split("."):
+        cfg = cfg.get(part) if isinstance(cfg, dict) else None
+    return cfg
+
+
+def read_cell_config(run_dir: pathlib.Path, group_by: list[str] = ()) -> dict:
+    """``eta``, ``objective``, ``interrupt``, ``seed`` from ``run_dir/config.yaml``, and ``grid``:
+    ``{key: value}`` of each dotted key of ``group_by`` (``None`` where missing).
 
     ``queue.max_staleness``; ``algo.objective`` (a run written before it replaced the boolean
     ``algo.decoupled``: true → ``"decoupled"``, false → ``"naive"``);
@@ -151,11 +159,11 @@ def read_cell_config(run_dir: pathlib.Path) -> dict:
     try:
         cfg = yaml.safe_load((pathlib.Path(run_dir) / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
-        return dict.fromkeys(("eta", "objective", "interrupt", "seed"))
+        return {**dict.fromkeys(("eta", "objective", "interrupt", "seed")), "grid": dict.fromkeys(group_by)}
     algo = cfg.get("algo") or {}
     objective = algo.get("objective", {True: "decoupled", False: "naive"}.get(algo.get("decoupled")))
     interrupt = (cfg.get("rollout") or {}).get("interrupt_on_update", True)
     return {"eta": (cfg.get("queue") or {}).get("max_staleness"),
             "objective": objective,
             "interrupt": {True: "on", False: "off"}.get(interrupt) if isinstance(interrupt, bool) else None,
-            "seed": cfg.get("seed")}
+            "seed": cfg.get("seed"), "grid": {key: dotted(cfg, key) for key in group_by}}
