@@ -216,7 +216,7 @@ def test_the_interruption_axis_is_part_of_a_studys_identity(tmp_path, monkeypatc
     (["--grid", "queue.max_staleness=1,2"], "--grid queue.max_staleness=1,2: the study sets queue.max_staleness for "
                                             "each cell; leave it out of --grid (η: --etas"),
     (["--grid", "seed=1,2"], "--grid seed=1,2: the study sets seed for each cell"),
-    (["--grid", "algo.decoupled=true,false"], "the study sets algo.decoupled for each cell"),
+    (["--grid", "algo.objective=tis,mis"], "the study sets algo.objective for each cell"),
     (["--grid", "run_root=a,b"], "the study sets run_root for each cell"),
     (["--grid", "trainer.lr=1e-6,1e-5", "trainer.lr=1e-5"], "trainer.lr is also set by the override trainer.lr=...; "
                                                              "a key is either varied (--grid) or fixed"),
