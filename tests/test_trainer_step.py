@@ -434,3 +434,48 @@ def test_train_step_rejects_varlen_tree_attention_on_cpu():
     with pytest.raises(ValueError, match="trainer.tree_attention=varlen needs CUDA.*runs on CPU"):
         train_step(None, None, make_trajectories(vocab=50), AlgoConfig(), TrainerConfig(tree_attention="varlen"), 1.0,
                    torch.device("cpu"))
+
+
+def _lr0_step(model_dir, trajs, algo: AlgoConfig, **trainer_kwargs) -> dict:
+    """``train_step`` of the tiny model at lr 0 (SGD: the weights never move, so every forward of
+    the step sees the checkpoint's policy)."""
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    policy = _tiny_policy(model_dir)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    cfg = TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6, **trainer_kwargs)
+    return train_step(policy, optimizer, trajs, algo, cfg, 1.0, torch.device("cpu"))
+
+
+def _equal_rewards(t: Trajectory) -> Trajectory:
+    return msgspec.structs.replace(t, samples=[msgspec.structs.replace(s, reward=5.0) for s in t.samples])
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_a_skipped_minibatch_leaves_the_log_prob_statistics_alone(tiny_model_dir, decoupled):
+    # algo.ppo_minibatches = 2 over groups 0–1 and 2–3; groups 2 and 3 have all-equal rewards, so
+    # the second minibatch runs no sequence (nor does group 1's empty response). At lr 0 the
+    # policy never moves: the statistics that need log-probs must be those of the one minibatch
+    # that ran, i.e. of a one-minibatch step on groups 0–1 alone. They used to be averaged over
+    # both minibatches with the skipped one adding 0: ratio 0.5 (decoupled: π_θ = π_prox, so 1 is
+    # right), importance weight 0.5 (naive: w = 1), entropy and behav_kl halved. The gradient
+    # statistics (loss, clip fraction) are over every loss token and were right.
+    trajs = make_trajectories(384)
+    trajs[2] = _equal_rewards(trajs[2])
+    algo = AlgoConfig(ppo_minibatches=2, decoupled=decoupled)
+    both = _lr0_step(tiny_model_dir, trajs, algo)
+    alone = _lr0_step(tiny_model_dir, trajs[:2], AlgoConfig(ppo_minibatches=1, decoupled=decoupled))
+    unskipped = _lr0_step(tiny_model_dir, trajs, algo, skip_zero_advantage=False)
+    assert both["train/skipped_seqs"] == 5 and unskipped["train/skipped_seqs"] == 0
+    if decoupled:
+        assert both["train/ratio"] == pytest.approx(1.0, abs=1e-6)
+        assert unskipped["train/ratio"] == pytest.approx(1.0, abs=1e-6)
+    else:
+        assert both["train/importance_weight"] == pytest.approx(1.0, abs=1e-6)
+    for k in ("train/ratio", "train/importance_weight", "train/entropy", "train/behav_kl", "train/approx_kl",
+              "train/behav_capped_ratio"):
+        assert both[k] == pytest.approx(alone[k], rel=1e-6, abs=1e-9), k
+    assert both["train/entropy"] > 5  # ≈ log 384 ≈ 5.95 nats for the random tiny model (halved: ≈ 3)
+    for k in ("train/loss", "train/clip_ratio", "train/grad_norm"):  # skipping changes neither
+        assert both[k] == pytest.approx(unskipped[k], rel=1e-5, abs=1e-9), k

@@ -7,8 +7,9 @@ mean over the minibatch (denominator ``Minibatch.loss_tokens``, all micro-batche
 times the world size since FSDP2/DDP average gradients; every rank runs the same collectives
 (zero-loss passes where it has fewer micro-batches). π_prox: the only forward's values, detached,
 with one minibatch; a no-grad pass before the first update with several; π_behav, no pass, when
-``algo.decoupled`` is false. ``LOGP_STAT_KEYS`` are means over the tokens run. Why, and skipped
-sequences: docs/trainer.md, "One step" and "Exact savings".
+``algo.decoupled`` is false. ``LOGP_STAT_KEYS`` are means over the tokens run (a minibatch with
+none run is left out of their average). Why, and skipped sequences: docs/trainer.md, "One step"
+and "Exact savings".
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def train_step(
         loss and clip_ratio are over every loss token of the batch; the statistics that need
         log-probs (``LOGP_STAT_KEYS``: importance_weight, behav_capped_ratio, ratio, approx_kl,
         behav_kl, entropy) are means over the loss tokens of the sequences that were run, and
-        are left out when no loss token was run (every sequence skipped).
+        are left out when no loss token was run (every sequence skipped); a minibatch none of
+        whose sequences ran has none of them and is left out of their mean over minibatches.
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     plan = make_plan(trajs, algo, trainer, device, world, rank)
@@ -72,8 +74,9 @@ def train_step(
     # summed on the device and read once at the end: a read per micro-batch would stall the host
     # until the GPU finished it, and the next micro-batch would start with the GPU idle
     sums = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64, device=device)  # + entropy, forward tokens
+    n_run = sum(1 for mb in plan.minibatches if mb.run_loss_tokens)  # minibatches with log-prob statistics
     for m, minibatch in enumerate(plan.minibatches):
-        scale = _stat_scale(minibatch, n_mini, device)
+        scale = _stat_scale(minibatch, n_mini, n_run, device)
         for j, micro_batch in enumerate(minibatch.micro_batches()):
             batch = micro_batch.to(device)
             theta, entropy = packed_logprobs(policy, batch, temperature, chunk)
@@ -113,13 +116,14 @@ def _loss(theta: Tensor, prox_logp: Tensor, batch: PackedBatch | TreeBatch, algo
                           algo.eps_clip_high, num_tokens=num_tokens)
 
 
-def _stat_scale(minibatch: Minibatch, n_mini: int, device: torch.device) -> Tensor:
+def _stat_scale(minibatch: Minibatch, n_mini: int, n_run: int, device: torch.device) -> Tensor:
     """``[len(STAT_KEYS) + 1] float64`` factor of each statistic (entropy last) of one minibatch:
-    shares of its loss tokens → means over the tokens run for ``LOGP_STAT_KEYS``; averaged over
-    the ``n_mini`` minibatches."""
+    shares of its loss tokens, averaged over the ``n_mini`` minibatches; for ``LOGP_STAT_KEYS``
+    means over the tokens run, averaged over the ``n_run`` minibatches that ran a loss token (one
+    whose sequences were all skipped adds 0 to them, and must not count in the average)."""
     run = minibatch.loss_tokens / max(minibatch.run_loss_tokens, 1)
-    return torch.tensor([1.0 if k not in LOGP_STAT_KEYS else run for k in STAT_KEYS + ("entropy",)],
-                        dtype=torch.float64, device=device) / n_mini
+    return torch.tensor([1.0 / n_mini if k not in LOGP_STAT_KEYS else run / max(n_run, 1)
+                         for k in STAT_KEYS + ("entropy",)], dtype=torch.float64, device=device)
 
 
 def _clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float) -> tuple[Tensor, bool]:
