@@ -8,8 +8,10 @@ times the world size since FSDP2/DDP average gradients; every rank runs the same
 (zero-loss passes where it has fewer micro-batches). π_prox: the only forward's values, detached,
 with one minibatch; a no-grad pass before the first update with several; π_behav, no pass, when
 ``algo.decoupled`` is false. ``LOGP_STAT_KEYS`` are means over the tokens run (a minibatch with
-none run is left out of their average). Why, and skipped sequences: docs/trainer.md, "One step"
-and "Exact savings".
+none run is left out of their average). Where the step has log-probs of the policy it holds
+before the first update (π_prox, or θ of the first minibatch), they are compared with the
+behaviour log-probs (``algo/mismatch.py``). Why, and skipped sequences: docs/trainer.md, "One
+step" and "Exact savings".
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from areal_async.algo.loss import decoupled_ppo_loss, naive_ppo_loss
+from areal_async.algo.mismatch import MAX_KEYS, SUM_KEYS, mismatch_metrics, mismatch_sums
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.packed_policy import packed_logprobs
 from areal_async.trainer.packing import PackedBatch
@@ -42,13 +45,16 @@ def train_step(
     temperature: float,
     device: torch.device,
     on_micro_batch: Callable[[int, int], None] | None = None,
+    version: int | None = None,
 ) -> dict[str, float]:
     """Run one step (``algo.ppo_minibatches`` optimizer updates) on this rank's share.
 
     Collective: every rank of the default group must call it with the same ``trajs``.
     ``on_micro_batch(done, total)``, when given, is called on the host after each micro-batch's
     backward of this rank (``total``: its micro-batches over all updates of the step; the no-grad
-    proximal passes are not counted): progress only, it must not touch a device.
+    proximal passes are not counted): progress only, it must not touch a device. ``version``: the
+    policy version the trainer holds (steps done), for ``train/logprob_diff_*``; ``None``: no
+    token is compared there.
 
     Returns:
         ``train/*`` metrics (global token means over all ranks), identical on every rank:
@@ -63,6 +69,10 @@ def train_step(
         behav_kl, entropy) are means over the loss tokens of the sequences that were run, and
         are left out when no loss token was run (every sequence skipped); a minibatch none of
         whose sequences ran has none of them and is left out of their mean over minibatches.
+        logprob_diff_{tokens, mean, max} and mismatch/*: behaviour vs the trainer's log-probs at
+        ``version`` (``algo/mismatch.py``; compared where the step has them: the proximal pass, or
+        the first minibatch's forward when it runs none), ``logprob_diff_*`` over the tokens
+        sampled by ``version`` only.
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     plan = make_plan(trajs, algo, trainer, device, world, rank)
@@ -75,6 +85,8 @@ def train_step(
     # until the GPU finished it, and the next micro-batch would start with the GPU idle
     sums = torch.zeros(len(STAT_KEYS) + 2, dtype=torch.float64, device=device)  # + entropy, forward tokens
     n_run = sum(1 for mb in plan.minibatches if mb.run_loss_tokens)  # minibatches with log-prob statistics
+    cmp_sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)  # behaviour vs trainer log-probs
+    cmp_max = torch.full((len(MAX_KEYS),), float("-inf"), dtype=torch.float64, device=device)
     for m, minibatch in enumerate(plan.minibatches):
         scale = _stat_scale(minibatch, n_mini, n_run, device)
         for j, micro_batch in enumerate(minibatch.micro_batches()):
@@ -86,6 +98,11 @@ def train_step(
             ent = (entropy * batch.loss_mask).sum() / max(minibatch.loss_tokens, 1)
             sums[:-1] += torch.stack([st[k] for k in STAT_KEYS] + [ent.detach()]).to(torch.float64) * scale
             sums[-1] += batch.num_tokens if minibatch.seq_index[j] else 0  # a dummy pass is not counted
+            if algo.decoupled or m == 0:  # prox_logp is then the policy at `version` (naive: θ before any update)
+                fresh = (batch.versions == version) if version is not None else torch.zeros_like(batch.loss_mask)
+                s, mx = mismatch_sums(batch.behav_logprobs, prox_logp, batch.loss_mask, batch.cu_seqlens, fresh)
+                cmp_sums += s
+                torch.maximum(cmp_max, mx, out=cmp_max)
             done += 1
             if on_micro_batch is not None:
                 on_micro_batch(done, plan.num_micro_batches)
@@ -93,7 +110,12 @@ def train_step(
         skipped += not stepped
     if world > 1:
         dist.all_reduce(sums)
-    return _metrics(sums.cpu().tolist(), plan, float(grad_norm), optimizer.param_groups[0]["lr"], skipped)
+        dist.all_reduce(cmp_sums)
+        dist.all_reduce(cmp_max, op=dist.ReduceOp.MAX)
+    metrics = _metrics(sums.cpu().tolist(), plan, float(grad_norm), optimizer.param_groups[0]["lr"], skipped)
+    compared = mismatch_metrics(cmp_sums.cpu().tolist(), cmp_max.cpu().tolist())
+    metrics.update({f"train/{k}": v for k, v in compared.items()})
+    return metrics
 
 
 def _proximal_logprobs(policy: torch.nn.Module, plan: Plan, temperature: float, chunk_tokens: int,

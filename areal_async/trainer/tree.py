@@ -103,8 +103,11 @@ class TreeBatch:
         num_seq_tokens: ``T`` (int).
         attention: tree attention path, ``varlen``, ``flex`` or ``sdpa`` (``tree_paths.TREE_PATHS``).
         chains: ``ChainLayout`` of the forest (``varlen`` only, else ``None``).
-        behav_logprobs, advantages, loss_mask: the per-token loss fields, ``[T]`` in the unshared
-            layout, as ``packing.PackedBatch``'s (``None`` for a batch that only feeds a forward).
+        cu_seqlens: ``[B+1] int32`` the sequences' boundaries in the unshared layout (as
+            ``packing.PackedBatch``'s).
+        behav_logprobs, advantages, loss_mask, versions: the per-token loss fields, ``[T]`` in the
+            unshared layout, as ``packing.PackedBatch``'s (``None`` for a batch that only feeds a
+            forward).
     """
 
     input_ids: Tensor
@@ -118,9 +121,11 @@ class TreeBatch:
     num_seq_tokens: int
     attention: str = "sdpa"
     chains: ChainLayout | None = None
+    cu_seqlens: Tensor | None = None
     behav_logprobs: Tensor | None = None
     advantages: Tensor | None = None
     loss_mask: Tensor | None = None
+    versions: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -303,4 +308,5 @@ def pack_tree(seqs: list[list[int]], head_index: Tensor | None = None, attention
         num_seq_tokens=len(flat_ids),
         attention=attention,
         chains=chain_layout(parent) if attention == "varlen" else None,
+        cu_seqlens=torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)),
     )
