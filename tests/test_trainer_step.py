@@ -10,8 +10,12 @@ differs between the runs.
 from __future__ import annotations
 
 
+import os
+import sys
+
 import msgspec
 import numpy as np
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -46,12 +50,17 @@ def _run_rank(rank: int, world: int, rendezvous: str, model_dir: str, out_path: 
         if all_equal:  # every group's rewards equal: every sequence is skipped, each rank runs a dummy pass
             trajs = [msgspec.structs.replace(t, samples=[msgspec.structs.replace(x, reward=5.0) for x in t.samples])
                      for t in trajs]
-        metrics = train_step(policy, optimizer, trajs, AlgoConfig(), cfg, 1.0, device)
+        metrics = train_step(policy, optimizer, trajs, AlgoConfig(), cfg, 1.0, device, version=0)
         state = full_state_dict(policy)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, out_path)
     finally:
         dist.destroy_process_group()
+    # leave without interpreter finalization, as trainer/main.py does: a destroyed gloo group's
+    # C++ threads can still be joinable then, and their destructors abort the process (SIGABRT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2", device_type: str = "cpu",
@@ -76,6 +85,11 @@ def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
         torch.testing.assert_close(two["state"][k], v, rtol=0, atol=1e-6, msg=k)
     for k in ("train/loss", "train/grad_norm", "train/entropy", "train/importance_weight", "train/tokens"):
         assert two["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-5), k
+    # behaviour vs trainer log-probs: sums and maxima reduced over the ranks (sequence means too)
+    for k in ("train/logprob_diff_tokens", "train/logprob_diff_mean", "train/logprob_diff_max", "train/mismatch/seqs",
+              "train/mismatch/kl", "train/mismatch/ess", "train/mismatch/chi2_seq", "train/mismatch/log_ppl_diff_min"):
+        assert two["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-5), k
+    assert one["metrics"]["train/logprob_diff_tokens"] == one["metrics"]["train/mismatch/tokens"] > 0
     m = one["metrics"]
     # π_prox = π_θ in the only update: ratio 1, nothing clipped; behaviour log-probs are made up, so
     # the importance weights are large and many are capped at 5 (AlgoConfig default).
@@ -458,3 +472,105 @@ def test_each_objective_takes_a_step_and_logs_its_own_statistics(tiny_model_dir,
     after = dict(policy.lm.named_parameters())
     assert any(not torch.equal(after[n], before[n]) for n in before)
     assert all(torch.isfinite(p).all() for p in after.values())
+
+
+def _lr0_step(model_dir, trajs, algo: AlgoConfig, version: int | None = None, batch_invariant: bool = False,
+              **trainer_kwargs) -> dict:
+    """``train_step`` of the tiny model at lr 0 (SGD: the weights never move, so every forward of
+    the step sees the checkpoint's policy)."""
+    from areal_async.trainer.step import train_step
+
+    torch.set_num_threads(1)
+    policy = _tiny_policy(model_dir)
+    if batch_invariant:
+        from areal_async.batch_invariant import make_linears_batch_invariant
+
+        make_linears_batch_invariant(policy.lm)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    cfg = TrainerConfig(max_tokens_per_mb=24, grad_clip=1e6, **trainer_kwargs)
+    return train_step(policy, optimizer, trajs, algo, cfg, 1.0, torch.device("cpu"), version=version)
+
+
+def _equal_rewards(t: Trajectory) -> Trajectory:
+    return msgspec.structs.replace(t, samples=[msgspec.structs.replace(s, reward=5.0) for s in t.samples])
+
+
+@pytest.mark.parametrize("objective", ["decoupled", "naive", "icepop"])
+def test_a_skipped_minibatch_leaves_the_log_prob_statistics_alone(tiny_model_dir, objective):
+    # algo.ppo_minibatches = 2 over groups 0–1 and 2–3; groups 2 and 3 have all-equal rewards, so
+    # the second minibatch runs no sequence (nor does group 1's empty response). At lr 0 the
+    # policy never moves: the statistics that need log-probs must be those of the one minibatch
+    # that ran, i.e. of a one-minibatch step on groups 0–1 alone. They used to be averaged over
+    # both minibatches with the skipped one adding 0: ratio 0.5 (decoupled: π_θ = π_prox, so 1 is
+    # right), importance weight 0.5 (naive: w = 1), entropy and behav_kl halved. The gradient
+    # statistics (loss, clip fraction) are over every loss token and were right.
+    from areal_async.algo.objectives import OBJECTIVES
+
+    trajs = make_trajectories(384)
+    trajs[2] = _equal_rewards(trajs[2])
+    algo = AlgoConfig(ppo_minibatches=2, objective=objective)
+    both = _lr0_step(tiny_model_dir, trajs, algo)
+    alone = _lr0_step(tiny_model_dir, trajs[:2], AlgoConfig(ppo_minibatches=1, objective=objective))
+    unskipped = _lr0_step(tiny_model_dir, trajs, algo, skip_zero_advantage=False)
+    assert both["train/skipped_seqs"] == 5 and unskipped["train/skipped_seqs"] == 0
+    if objective != "naive":
+        assert both["train/ratio"] == pytest.approx(1.0, abs=1e-6)
+        assert unskipped["train/ratio"] == pytest.approx(1.0, abs=1e-6)
+    else:
+        assert both["train/importance_weight"] == pytest.approx(1.0, abs=1e-6)
+    own = [f"train/{k}" for k in OBJECTIVES[objective].stat_keys]  # icepop_masked_ratio: over the tokens run too
+    for k in ["train/ratio", "train/importance_weight", "train/entropy", "train/behav_kl", "train/approx_kl",
+              "train/behav_capped_ratio", *own]:
+        assert both[k] == pytest.approx(alone[k], rel=1e-6, abs=1e-9), k
+    assert both["train/entropy"] > 5  # ≈ log 384 ≈ 5.95 nats for the random tiny model (halved: ≈ 3)
+    for k in ("train/loss", "train/clip_ratio", "train/grad_norm"):  # skipping changes neither
+        assert both[k] == pytest.approx(unskipped[k], rel=1e-5, abs=1e-9), k
+
+
+def test_engine_and_trainer_logprobs_compared_at_the_trainer_version(tiny_model_dir):
+    # train/logprob_diff_*: behaviour log-probs vs the trainer's at the version it holds, over the
+    # tokens that version sampled. Behaviour log-probs here = the policy's own, each sequence
+    # forwarded alone (tiled linears, no shared prefixes: a sequence's log-probs are then bitwise
+    # independent of its packing), so at version 0 every compared token agrees exactly: max 0.
+    # Sample (0, 0) is then marked as sampled by version 1 with log-probs off by 0.25: its tokens
+    # leave logprob_diff_* (the trainer does not hold version 1) but stay in mismatch/*.
+    from areal_async.batch_invariant import make_linears_batch_invariant
+
+    policy = _tiny_policy(tiny_model_dir)
+    make_linears_batch_invariant(policy.lm)
+    trajs = _own_logprobs(policy, make_trajectories(384))
+    run_tokens = sum(s.output_ids.numpy().size for t in trajs for s in t.samples if t.group_id != 3)  # 3: skipped
+    for n_mini in (1, 2):
+        m = _lr0_step(tiny_model_dir, trajs, AlgoConfig(ppo_minibatches=n_mini), version=0, batch_invariant=True,
+                      share_prefixes=False)
+        assert m["train/logprob_diff_tokens"] == run_tokens == m["train/mismatch/tokens"], n_mini
+        assert m["train/logprob_diff_max"] == 0.0 and m["train/logprob_diff_mean"] == 0.0, n_mini
+        assert m["train/mismatch/kl"] == 0.0 and m["train/mismatch/chi2_token"] == 0.0, n_mini
+        assert m["train/mismatch/ess"] == 1.0 and m["train/mismatch/ppl_ratio"] == 1.0, n_mini
+    other = _lr0_step(tiny_model_dir, trajs, AlgoConfig(), version=1, batch_invariant=True, share_prefixes=False)
+    assert other["train/logprob_diff_tokens"] == 0 and "train/logprob_diff_max" not in other
+    assert other["train/mismatch/tokens"] == run_tokens
+
+    s = trajs[0].samples[0]
+    trajs[0].samples[0] = msgspec.structs.replace(
+        s, behav_logprobs=Array.of(s.behav_logprobs.numpy() - 0.25, "float32"),
+        versions=Array.of(np.ones(s.output_ids.numpy().size), "int32"))
+    m = _lr0_step(tiny_model_dir, trajs, AlgoConfig(), version=0, batch_invariant=True, share_prefixes=False)
+    stale = s.output_ids.numpy().size
+    assert m["train/logprob_diff_tokens"] == run_tokens - stale and m["train/logprob_diff_max"] == 0.0
+    assert m["train/mismatch/tokens"] == run_tokens
+    assert m["train/mismatch/kl"] == pytest.approx(-0.25 * stale / run_tokens, rel=1e-5)  # E[behav − train]
+    # shared-prefix packing (TreeBatch, sequences bounded by its cu_seqlens in the unshared layout):
+    # the same sequences and values up to the tree attention's rounding
+    tree = _lr0_step(tiny_model_dir, trajs, AlgoConfig(), version=0, batch_invariant=True)
+    assert tree["train/mismatch/seqs"] == m["train/mismatch/seqs"] == 5  # 8 samples: group 3, one empty response
+    assert tree["train/logprob_diff_max"] < 1e-5
+    for k in ("kl", "k3_kl", "chi2_token", "chi2_seq", "ess", "ppl_ratio", "log_ppl_diff_min", "training_ppl"):
+        assert tree[f"train/mismatch/{k}"] == pytest.approx(m[f"train/mismatch/{k}"], rel=1e-4, abs=1e-6), k
+    # naive PPO with 2 minibatches runs no proximal pass: only the first minibatch's forward (before
+    # any update) is at version 0; groups 0–1 run, minus the stale sample
+    naive = _lr0_step(tiny_model_dir, trajs, AlgoConfig(ppo_minibatches=2, objective="naive"), version=0,
+                      batch_invariant=True, share_prefixes=False)
+    first = sum(x.output_ids.numpy().size for t in trajs[:2] for x in t.samples)
+    assert naive["train/mismatch/tokens"] == first and naive["train/logprob_diff_tokens"] == first - stale
+    assert naive["train/logprob_diff_max"] == 0.0

@@ -29,7 +29,8 @@ class Learner:
 
     Attributes:
         device: this rank's device. policy, optimizer, scheduler: as built (or restored).
-        start: steps already done (the policy's version).
+        start: steps already done (the policy's version at construction).
+        version: the policy's version now (``start`` + the steps this object ran).
         elapsed_before_s: training wall time of the run before this job, seconds (the
             checkpoint's; 0.0 for a fresh run): ``perf/elapsed_s`` continues from it.
     """
@@ -50,6 +51,7 @@ class Learner:
                                            weight_decay=t.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, t)  # stepped once per training step
         self.start = load_training_state(self.policy, self.optimizer, self.scheduler, ckpt_dir) if t.resume else 0
+        self.version = self.start  # the policy version held: steps done
         # perf/elapsed_s: training wall time from the first step on, summed over resumes (a stopped
         # job's time after its checkpoint, and the pause before the resume, are not counted)
         self.elapsed_before_s = read_elapsed(ckpt_dir) if t.resume else 0.0
@@ -59,8 +61,9 @@ class Learner:
         scheduler step; returns ``train_step``'s metrics (``train/*``)."""
         cfg = self.cfg
         metrics = train_step(self.policy, self.optimizer, trajs, cfg.algo, cfg.trainer, cfg.rollout.temperature,
-                             self.device, on_micro_batch=on_micro_batch)
+                             self.device, on_micro_batch=on_micro_batch, version=self.version)
         self.scheduler.step()
+        self.version += 1
         return metrics
 
     def save_checkpoint(self, step: int, buffer: list[Trajectory], elapsed_s: float) -> None:

@@ -44,6 +44,7 @@ class PackedBatch:
         advantages: ``[T] float32`` that token's advantage, 0 off the loss mask.
         loss_mask: ``[T] bool`` true at the positions whose next token enters the loss (those
             that predict a sampled response token).
+        versions: ``[T] int32`` the policy version that sampled that token, -1 off the loss mask.
     """
 
     input_ids: Tensor
@@ -54,6 +55,7 @@ class PackedBatch:
     behav_logprobs: Tensor | None = None
     advantages: Tensor | None = None
     loss_mask: Tensor | None = None
+    versions: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

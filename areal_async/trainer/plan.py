@@ -1,14 +1,15 @@
 """The batch plan: how a consumed batch becomes each rank's packed micro-batches.
 
-``make_plan`` runs on every rank over the whole batch: ``build_sequences`` (ids, behaviour log-probs,
-GRPO advantages, loss mask: true only on sampled tokens), the zero-advantage skip (``runs_forward``), the ``algo.ppo_minibatches``
-split, balanced micro-batches under ``trainer.max_tokens_per_mb`` dealt round-robin to ranks
-(``assign_micro_batches``). The plan holds index lists; ``pack_micro_batch`` makes a ``PackedBatch``
-or ``TreeBatch`` with its own ``[T]`` loss fields when the step reaches it. Invariants: the plan is
-a function of the batch (token ids, rewards, config, world size), never of timing or arrival order;
-each sequence is in one minibatch and, unless skipped, one micro-batch of one rank; every rank has
-as many micro-batches per minibatch (at least one), so all run the same collectives. Position ``t``
-predicts token ``t+1``; output token ``j``'s loss fields sit at ``P-1+j``. Why: docs/trainer.md.
+``make_plan`` runs on every rank over the whole batch: ``build_sequences`` (ids, behaviour
+log-probs, GRPO advantages, loss mask: true only on sampled tokens; versions), the zero-advantage
+skip (``runs_forward``), the ``algo.ppo_minibatches`` split, balanced micro-batches under
+``trainer.max_tokens_per_mb`` dealt round-robin to ranks (``assign_micro_batches``). The plan holds
+index lists; ``pack_micro_batch`` makes a ``PackedBatch`` or ``TreeBatch`` with its own ``[T]`` loss
+fields when the step reaches it. Invariants: the plan is a function of the batch (token ids,
+rewards, config, world size), never of timing or arrival order; each sequence is in one minibatch
+and, unless skipped, one micro-batch of one rank; every rank has as many micro-batches per minibatch
+(at least one), so all run the same collectives. Position ``t`` predicts token ``t+1``; output token
+``j``'s loss fields sit at ``P-1+j``. Why: docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -28,20 +29,25 @@ from areal_async.trainer.packing import PackedBatch, allocate_micro_batches, ass
 from areal_async.trainer.tree import TreeBatch, cut_units, pack_tree
 from areal_async.types import Sample, Segment, Trajectory
 
-LOSS_FIELDS = ("behav_logprobs", "advantages", "loss_mask")
+LOSS_FIELDS = ("behav_logprobs", "advantages", "loss_mask", "versions")
 
 
 @dataclasses.dataclass
 class SeqTensors:
     """One sequence ``prompt + output_ids`` aligned to next-token positions (all ``[L]``);
     ``episode``: its sample's index in the batch order (groups by id, samples by index), shared by
-    the episode's sequences."""
+    the episode's sequences; ``versions``: ``None`` stands for -1 everywhere."""
 
     ids: list[int]
     behav_logprobs: Tensor  # float32, log π_behav of token t+1 at position t (0 off the mask)
     loss_mask: Tensor  # bool
     advantages: Tensor  # float32
     episode: int = 0
+    versions: Tensor | None = None  # int32, the policy version that sampled token t+1 (-1 off the mask)
+
+    def __post_init__(self) -> None:
+        if self.versions is None:
+            self.versions = torch.full((len(self.ids),), -1, dtype=torch.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +137,9 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
     A sample's first sequence is ``prompt + output_ids``, a segment's ``segment.prompt_ids +
     segment.output_ids``; its sampled tokens (``Sample.sampled()`` / ``Segment.sampled()``: a
     response's every token, an episode's model turns) are its loss tokens, the others (prompts,
-    tool results, environment and template tokens) get loss mask 0, behaviour log-prob 0 and
-    advantage 0, however many of them sit between the turns. A loss token of any sequence of an
-    episode gets the episode's group advantage (``algo.std_norm``, ``algo.batch_norm``) over the
+    tool results, environment and template tokens) get loss mask 0, behaviour log-prob 0, version
+    -1 and advantage 0, however many of them sit between the turns. A loss token of any sequence of
+    an episode gets the episode's group advantage (``algo.std_norm``, ``algo.batch_norm``) over the
     group's episode returns: with per-turn rewards and ``algo.turn_rewards = "sum"`` (the
     default) the return is the episode reward plus their sum; with ``"reward_to_go"`` the return is
     the episode reward and a loss token also gets its turn's ``turn_advantages`` (not
@@ -184,11 +190,14 @@ def _sequence(group_id: int, prompt: list[int], seq: Sample | Segment, a: float,
     mask[n_p - 1 : length - 1] = torch.from_numpy(seq.sampled())  # position t predicts token t+1
     behav = torch.zeros(length, dtype=torch.float32)
     behav[n_p - 1 : length - 1] = torch.from_numpy(seq.behav_logprobs.numpy().astype("float32"))
+    versions = torch.full((length,), -1, dtype=torch.int32)
+    versions[n_p - 1 : length - 1] = torch.from_numpy(seq.versions.numpy().astype("int32"))
     advantages = torch.where(mask, a, 0.0)
     if turns is not None:
         for (start, end), turn_adv in zip(seq.turn_spans.numpy().tolist(), turns):
             advantages[n_p - 1 + start : n_p - 1 + end] += turn_adv
-    return SeqTensors(prompt + resp, behav, mask, torch.where(mask, advantages, 0.0), episode)
+    return SeqTensors(prompt + resp, behav, mask, torch.where(mask, advantages, 0.0), episode,
+                      torch.where(mask, versions, -1))
 
 
 def _turn_advantages(samples: list[tuple[Trajectory, Sample]], group_size: int) -> dict[int, list[float]]:
@@ -242,7 +251,8 @@ def pack_micro_batch(seqs: list[SeqTensors], idx: Sequence[int], share_prefixes:
     all-masked loss fields, the head at that position."""
     if not idx:
         zero = torch.zeros(1)
-        return dataclasses.replace(pack_sequences([[0]]), behav_logprobs=zero, advantages=zero, loss_mask=zero.bool())
+        return dataclasses.replace(pack_sequences([[0]]), behav_logprobs=zero, advantages=zero, loss_mask=zero.bool(),
+                                   versions=torch.full((1,), -1, dtype=torch.int32))
     fields = {k: torch.cat([getattr(seqs[i], k) for i in idx]) for k in LOSS_FIELDS}
     head_index = fields["loss_mask"].nonzero()[:, 0]
     ids = [seqs[i].ids for i in idx]

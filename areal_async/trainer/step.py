@@ -7,8 +7,11 @@ mean over the minibatch (denominator ``Minibatch.loss_tokens``, all micro-batche
 times the world size since FSDP2/DDP average gradients; every rank runs the same collectives
 (zero-loss passes where it has fewer micro-batches). π_prox: the only forward's values, detached,
 with one minibatch; a no-grad pass before the first update with several; π_behav, no pass, for
-an objective that reads no π_prox (naive). ``LOGP_STAT_KEYS`` are means over the tokens run. Why, and skipped
-sequences: docs/trainer.md, "One step" and "Exact savings".
+an objective that reads no π_prox (naive). ``LOGP_STAT_KEYS`` are means over the tokens run (a
+minibatch with none run is left out of their average). Where the step has log-probs of the policy
+it holds before the first update (π_prox, or θ of the first minibatch), they are compared with the
+behaviour log-probs (``algo/mismatch.py``). Why, and skipped sequences: docs/trainer.md, "One
+step" and "Exact savings".
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from areal_async.algo.mismatch import MAX_KEYS, SUM_KEYS, mismatch_metrics, mismatch_sums
 from areal_async.algo.objectives import OBJECTIVES
 from areal_async.config import AlgoConfig, TrainerConfig
 from areal_async.trainer.packed_policy import packed_logprobs
@@ -39,13 +43,16 @@ def train_step(
     temperature: float,
     device: torch.device,
     on_micro_batch: Callable[[int, int], None] | None = None,
+    version: int | None = None,
 ) -> dict[str, float]:
     """Run one step (``algo.ppo_minibatches`` optimizer updates) on this rank's share.
 
     Collective: every rank of the default group must call it with the same ``trajs``.
     ``on_micro_batch(done, total)``, when given, is called on the host after each micro-batch's
     backward of this rank (``total``: its micro-batches over all updates of the step; the no-grad
-    proximal passes are not counted): progress only, it must not touch a device.
+    proximal passes are not counted): progress only, it must not touch a device. ``version``: the
+    policy version the trainer holds (steps done), for ``train/logprob_diff_*``; ``None``: no
+    token is compared there.
 
     Returns:
         ``train/*`` metrics (global token means over all ranks), identical on every rank:
@@ -59,7 +66,12 @@ def train_step(
         log-probs (``LOGP_STAT_KEYS``: importance_weight, behav_capped_ratio, ratio, approx_kl,
         behav_kl, entropy) are means over the loss tokens of the sequences that were run, and
         are left out when no loss token was run (every sequence skipped); so are the objective's
-        own statistics (``OBJECTIVES[algo.objective].stat_keys``, e.g. icepop_masked_ratio).
+        own statistics (``OBJECTIVES[algo.objective].stat_keys``, e.g. icepop_masked_ratio); a
+        minibatch none of whose sequences ran has none of them and is left out of their mean over
+        minibatches. logprob_diff_{tokens, mean, max} and mismatch/*: behaviour vs the trainer's
+        log-probs at ``version`` (``algo/mismatch.py``; compared where the step has them: the
+        proximal pass, or the first minibatch's forward when it runs none), ``logprob_diff_*`` over
+        the tokens sampled by ``version`` only.
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     plan = make_plan(trajs, algo, trainer, device, world, rank)
@@ -73,8 +85,11 @@ def train_step(
     # summed on the device and read once at the end: a read per micro-batch would stall the host
     # until the GPU finished it, and the next micro-batch would start with the GPU idle
     sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=device)  # + entropy, forward tokens
+    n_run = sum(1 for mb in plan.minibatches if mb.run_loss_tokens)  # minibatches with log-prob statistics
+    cmp_sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)  # behaviour vs trainer log-probs
+    cmp_max = torch.full((len(MAX_KEYS),), float("-inf"), dtype=torch.float64, device=device)
     for m, minibatch in enumerate(plan.minibatches):
-        scale = _stat_scale(minibatch, n_mini, device, keys)
+        scale = _stat_scale(minibatch, n_mini, n_run, device, keys)
         for j, micro_batch in enumerate(minibatch.micro_batches()):
             batch = micro_batch.to(device)
             theta, entropy = packed_logprobs(policy, batch, temperature, chunk)
@@ -84,6 +99,11 @@ def train_step(
             ent = (entropy * batch.loss_mask).sum() / max(minibatch.loss_tokens, 1)
             sums[:-1] += torch.stack([st[k] for k in keys] + [ent.detach()]).to(torch.float64) * scale
             sums[-1] += batch.num_tokens if minibatch.seq_index[j] else 0  # a dummy pass is not counted
+            if objective.needs_prox or m == 0:  # prox_logp is then the policy at `version` (naive: θ before any update)
+                fresh = (batch.versions == version) if version is not None else torch.zeros_like(batch.loss_mask)
+                s, mx = mismatch_sums(batch.behav_logprobs, prox_logp, batch.loss_mask, batch.cu_seqlens, fresh)
+                cmp_sums += s
+                torch.maximum(cmp_max, mx, out=cmp_max)
             done += 1
             if on_micro_batch is not None:
                 on_micro_batch(done, plan.num_micro_batches)
@@ -91,7 +111,12 @@ def train_step(
         skipped += not stepped
     if world > 1:
         dist.all_reduce(sums)
-    return _metrics(sums.cpu().tolist(), plan, float(grad_norm), optimizer.param_groups[0]["lr"], skipped, keys)
+        dist.all_reduce(cmp_sums)
+        dist.all_reduce(cmp_max, op=dist.ReduceOp.MAX)
+    metrics = _metrics(sums.cpu().tolist(), plan, float(grad_norm), optimizer.param_groups[0]["lr"], skipped, keys)
+    compared = mismatch_metrics(cmp_sums.cpu().tolist(), cmp_max.cpu().tolist())
+    metrics.update({f"train/{k}": v for k, v in compared.items()})
+    return metrics
 
 
 def _proximal_logprobs(policy: torch.nn.Module, plan: Plan, temperature: float, chunk_tokens: int,
@@ -103,13 +128,16 @@ def _proximal_logprobs(policy: torch.nn.Module, plan: Plan, temperature: float, 
                 for minibatch in plan.minibatches]
 
 
-def _stat_scale(minibatch: Minibatch, n_mini: int, device: torch.device, keys: tuple[str, ...]) -> Tensor:
-    """``[len(keys) + 1] float64`` factor of each statistic (entropy last) of one minibatch:
-    shares of its loss tokens → means over the tokens run for ``LOGP_STAT_KEYS`` and the
-    objective's own keys (beyond ``STAT_KEYS``); averaged over the ``n_mini`` minibatches."""
+def _stat_scale(minibatch: Minibatch, n_mini: int, n_run: int, device: torch.device,
+                keys: tuple[str, ...]) -> Tensor:
+    """``[len(keys) + 1] float64`` factor of each statistic (entropy last) of one minibatch: shares
+    of its loss tokens, averaged over the ``n_mini`` minibatches; for ``LOGP_STAT_KEYS`` and the
+    objective's own keys (beyond ``STAT_KEYS``) means over the tokens run, averaged over the
+    ``n_run`` minibatches that ran a loss token (one whose sequences were all skipped adds 0 to
+    them, and must not count in the average)."""
     run = minibatch.loss_tokens / max(minibatch.run_loss_tokens, 1)
-    return torch.tensor([1.0 if k in STAT_KEYS and k not in LOGP_STAT_KEYS else run for k in keys + ("entropy",)],
-                        dtype=torch.float64, device=device) / n_mini
+    return torch.tensor([1.0 / n_mini if k in STAT_KEYS and k not in LOGP_STAT_KEYS else run / max(n_run, 1)
+                         for k in keys + ("entropy",)], dtype=torch.float64, device=device)
 
 
 def _clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], grad_clip: float) -> tuple[Tensor, bool]:

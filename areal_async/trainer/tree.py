@@ -101,11 +101,13 @@ class TreeBatch:
         head_index: ``[M] int64`` where the row lands in the unshared layout (the sequences in the
             given order, back to back, ``T`` positions).
         num_seq_tokens: ``T`` (int).
-        cu_seqlens: ``[B+1] int32`` sequence b is positions ``[cu[b], cu[b+1])`` of the unshared layout.
         attention: tree attention path, ``varlen``, ``flex`` or ``sdpa`` (``tree_paths.TREE_PATHS``).
         chains: ``ChainLayout`` of the forest (``varlen`` only, else ``None``).
-        behav_logprobs, advantages, loss_mask: the per-token loss fields, ``[T]`` in the unshared
-            layout, as ``packing.PackedBatch``'s (``None`` for a batch that only feeds a forward).
+        cu_seqlens: ``[B+1] int32`` the sequences' boundaries in the unshared layout (as
+            ``packing.PackedBatch``'s).
+        behav_logprobs, advantages, loss_mask, versions: the per-token loss fields, ``[T]`` in the
+            unshared layout, as ``packing.PackedBatch``'s (``None`` for a batch that only feeds a
+            forward).
     """
 
     input_ids: Tensor
@@ -123,6 +125,7 @@ class TreeBatch:
     behav_logprobs: Tensor | None = None
     advantages: Tensor | None = None
     loss_mask: Tensor | None = None
+    versions: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
