@@ -9,13 +9,11 @@ differs between the runs.
 
 from __future__ import annotations
 
-
 import os
 import sys
 
 import msgspec
 import numpy as np
-
 import pytest
 import torch
 import torch.multiprocessing as mp
