@@ -25,18 +25,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from areal_async.algo.loss import token_denominator, token_share, weighted_clipped_loss
+from areal_async.algo.loss import check_token_inputs, token_denominator, token_share, weighted_clipped_loss
 
 
 def _inputs(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
             eps_clip: float) -> tuple[Tensor, Tensor]:
     """Check the ``[T]`` shapes; returns ``(mask [T] bool, log w [T] = prox - behav, 0 off the mask)``."""
-    shape = theta_logp.shape
-    assert theta_logp.dim() == 1, f"theta_logp must be [T], got {tuple(shape)}"
-    others = {"prox_logp": prox_logp, "behav_logp": behav_logp, "advantages": advantages, "loss_mask": loss_mask}
-    for name, t in others.items():
-        assert t.shape == shape, f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like theta_logp"
-    assert eps_clip > 0, f"eps_clip must be > 0, got {eps_clip}"
+    check_token_inputs(theta_logp, prox_logp, behav_logp, advantages, loss_mask, eps_clip)
     mask = loss_mask.bool()
     log_w = torch.where(mask, prox_logp.detach() - behav_logp.detach(), torch.zeros_like(theta_logp))
     return mask, log_w.detach()

@@ -19,6 +19,17 @@ import torch
 from torch import Tensor
 
 
+def check_token_inputs(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor,
+                       loss_mask: Tensor, eps_clip: float) -> None:
+    """Assert a token loss's inputs: ``theta_logp [T]`` and the other four of its shape, ``eps_clip > 0``."""
+    shape = theta_logp.shape
+    assert theta_logp.dim() == 1, f"theta_logp must be [T], got {tuple(shape)}"
+    others = {"prox_logp": prox_logp, "behav_logp": behav_logp, "advantages": advantages, "loss_mask": loss_mask}
+    for name, t in others.items():
+        assert t.shape == shape, f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like theta_logp"
+    assert eps_clip > 0, f"eps_clip must be > 0, got {eps_clip}"
+
+
 def decoupled_ppo_loss(
     theta_logp: Tensor,
     prox_logp: Tensor,
@@ -53,12 +64,7 @@ def decoupled_ppo_loss(
         (r-1) - log r), ``behav_kl`` (log w_t = prox_t - behav_t before the cap, a measure of how
         far the behaviour policy lags), ``num_tokens`` (Σ loss_mask of this call, not normalised).
     """
-    shape = theta_logp.shape
-    assert theta_logp.dim() == 1, f"theta_logp must be [T], got {tuple(shape)}"
-    others = {"prox_logp": prox_logp, "behav_logp": behav_logp, "advantages": advantages, "loss_mask": loss_mask}
-    for name, t in others.items():
-        assert t.shape == shape, f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like theta_logp"
-    assert eps_clip > 0, f"eps_clip must be > 0, got {eps_clip}"
+    check_token_inputs(theta_logp, prox_logp, behav_logp, advantages, loss_mask, eps_clip)
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     mask = loss_mask.bool()
     denom = token_denominator(mask, num_tokens, theta_logp.dtype)
