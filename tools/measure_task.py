@@ -4,7 +4,8 @@ GRPO learns only from groups whose rewards differ, so an RL task must be neither
 wrong: zero advantage everywhere) nor too easy for the starting model. This script samples
 ``--group`` responses per prompt with HF ``generate`` (batched, left padding) and prints, per task
 and temperature: n samples, pass rate, the share of responses with a non-empty ``\\boxed{}``,
-the share of groups with mixed rewards, and the mean response length in tokens.
+the share of groups with mixed rewards, the mean response length in tokens, and the share cut off
+at ``--max-new-tokens`` with no end-of-sequence token (``trunc``).
 
 Candidate tasks (all with a system prompt and optional few-shot chat demonstrations whose
 assistant answers end in ``\\boxed{N}``):
@@ -18,6 +19,7 @@ assistant answers end in ``\\boxed{N}``):
   count   "How many words are in this list: ...?" (2–6 words)
   repeat  "Repeat the number 47." (1–2 digits)
   arith   the quickstart task of ``areal_async.data.arith`` (its own prompts and demos)
+  longchain  the running sums of ``areal_async.data.longchain`` (answers of hundreds of tokens)
   gsm8k   GSM8K train questions, with GSM8K train answers as demonstrations
 
 Reward: ``areal_async.reward.math.math_reward`` when available, else exact match of the last
@@ -95,11 +97,11 @@ def make_item(task: str, rng: random.Random, gsm: list[dict]) -> tuple[str, str,
 
 def build_prompts(task: str, n: int, few_shot: int, seed: int, gsm: list[dict]):
     """``n`` (messages, gold) pairs; demonstrations come from a separate random stream."""
-    if task == "arith":
+    if task in ("arith", "longchain"):
         from areal_async.config import DataConfig
-        from areal_async.data.arith import load_arith
+        from areal_async.data import load_task
 
-        ds = load_arith(DataConfig(task="arith", few_shot=few_shot), "test")
+        ds = load_task(DataConfig(task=task, few_shot=few_shot), "test")
         return [(ds.messages(i), ds.gold(i)) for i in range(min(n, len(ds)))]
     rng, demo_rng = random.Random(seed), random.Random(seed + 10_000)
     out = []
@@ -145,8 +147,8 @@ def sample(model, tok, prompts: list[list[int]], temperature: float, max_new_tok
     for s in range(0, len(prompts), batch_size):
         chunk = prompts[s : s + batch_size]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
         kwargs = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
         if temperature == 0:
             kwargs = dict(do_sample=False)
@@ -171,6 +173,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="torch device of the model, e.g. cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", type=int, default=0, help="print this many responses per task")
     args = ap.parse_args()
@@ -184,7 +187,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     path = resolve_model_path(ModelConfig(path=args.model))
     tok = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     reward = _reward_fn()
     gsm_path = pathlib.Path(__file__).resolve().parents[1] / "data/gsm8k/train.jsonl"
     gsm = [json.loads(x) for x in gsm_path.read_text().splitlines()]
@@ -207,7 +210,8 @@ def main() -> None:
             mixed = (sum(len(set(g)) > 1 for g in groups) / len(groups)) if group > 1 else math.nan
             rows.append((task, temp, len(r), sum(r) / len(r), sum(boxed) / len(r), mixed,
                          sum(map(len, outs)) / len(outs), time.perf_counter() - t0,
-                         sum(map(len, ids)) / len(ids)))
+                         sum(map(len, ids)) / len(ids),
+                         sum(len(o) >= args.max_new_tokens for o in outs) / len(outs)))
             print(f"# {task} T={temp}: {rows[-1][3]:.3f} in {rows[-1][7]:.0f}s", flush=True)
             for t, g in list(zip(texts, golds))[: args.show]:
                 print(f"#   gold={g} response={t!r}")
@@ -215,10 +219,10 @@ def main() -> None:
     print(f"\nmodel={path.name} dtype={args.dtype} few_shot={args.few_shot} "
           f"max_new_tokens={args.max_new_tokens} group={args.group} seed={args.seed}")
     print(f"{'task':8} {'temp':>5} {'n':>5} {'pass':>6} {'boxed':>6} {'mixed_grp':>9} "
-          f"{'resp_len':>8} {'prompt_len':>10} {'secs':>6}")
-    for task, temp, n, p, b, m, rl, secs, pl in rows:
-        print(f"{task:8} {temp:5.1f} {n:5d} {p:6.3f} {b:6.3f} {m:9.3f} {rl:8.1f} {pl:10.1f} "
-              f"{secs:6.0f}")
+          f"{'resp_len':>8} {'trunc':>6} {'prompt_len':>10} {'secs':>6}")
+    for task, temp, n, p, b, m, rl, secs, pl, trunc in rows:
+        print(f"{task:8} {temp:5.1f} {n:5d} {p:6.3f} {b:6.3f} {m:9.3f} {rl:8.1f} {trunc:6.3f} "
+              f"{pl:10.1f} {secs:6.0f}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Prompt sources: ``TASKS`` maps ``data.task`` names to loaders ``loader(cfg, split) -> Task``:
-``file`` (your JSONL or Parquet rows), ``gsm8k``, ``arith``, ``calc`` (with the calculator tool); all
-are ``ChatTask``s."""
+``file`` (your JSONL or Parquet rows), ``gsm8k``, ``arith``, ``calc`` (with the calculator tool),
+``longchain`` (running sums with answers of hundreds of tokens); all are ``ChatTask``s."""
 
 from areal_async.data.arith import load_arith
 from areal_async.data.calc import load_calc
 from areal_async.data.file import load_file
 from areal_async.data.gsm8k import load_gsm8k
+from areal_async.data.longchain import load_longchain
 from areal_async.data.prompts import PromptItem, PromptSet
 from areal_async.data.task import ChatTask, Task, TaskItem, TaskLoader, build_messages
 
@@ -14,6 +15,7 @@ TASKS: dict[str, TaskLoader] = {
     "gsm8k": load_gsm8k,
     "arith": load_arith,
     "calc": load_calc,
+    "longchain": load_longchain,
 }
 
 
