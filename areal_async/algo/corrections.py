@@ -37,6 +37,12 @@ def _inputs(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantage
     return mask, log_w.detach()
 
 
+def _within(ratio: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """``(kept [T] bool: low ≤ ratio ≤ high, weight [T]: ratio where kept, else 0)``."""
+    kept = (ratio >= low) & (ratio <= high)
+    return kept, torch.where(kept, ratio, torch.zeros_like(ratio))
+
+
 def _token_loss(theta_logp: Tensor, prox_logp: Tensor, advantages: Tensor, mask: Tensor, log_w: Tensor,
                 weight: Tensor, eps_clip: float, eps_clip_high: float | None,
                 num_tokens: float | None) -> tuple[Tensor, dict[str, Tensor], Tensor]:
@@ -100,8 +106,7 @@ def mis_loss(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantag
     mask, log_w = _inputs(theta_logp, prox_logp, behav_logp, advantages, loss_mask, eps_clip)
     seq = sequence_index(cu_seqlens, len(theta_logp))
     rho = torch.exp(_sequence_sum(log_w, seq, len(cu_seqlens) - 1))[seq]
-    kept = (rho >= seq_ratio_low) & (rho <= seq_ratio_high)
-    weight = torch.where(kept, rho, torch.zeros_like(rho))
+    kept, weight = _within(rho, seq_ratio_low, seq_ratio_high)
     loss, stats, share = _token_loss(theta_logp, prox_logp, advantages, mask, log_w, weight, eps_clip,
                                      eps_clip_high, num_tokens)
     stats["mis_masked_ratio"] = share(~kept)
@@ -122,8 +127,7 @@ def icepop_loss(theta_logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advan
     """
     mask, log_w = _inputs(theta_logp, prox_logp, behav_logp, advantages, loss_mask, eps_clip)
     raw = torch.exp(log_w)
-    kept = (raw >= ratio_low) & (raw <= ratio_high)
-    weight = torch.where(kept, raw, torch.zeros_like(raw))
+    kept, weight = _within(raw, ratio_low, ratio_high)
     loss, stats, share = _token_loss(theta_logp, prox_logp, advantages, mask, log_w, weight, eps_clip,
                                      eps_clip_high, num_tokens)
     stats["icepop_masked_ratio"] = share(~kept)
