@@ -370,6 +370,10 @@ class Config(_Cfg):
     name: str = "default"
     seed: int = 1
     mode: Literal["deterministic", "throughput"] = "throughput"
+    # CPU jobs under launcher.local: "adaptive" gives each server and trainer rank its CPUs divided by
+    # the processes computing at that moment, so one that waits lends its cores (areal_async/cpu_share.py,
+    # docs/running.md#adaptive-threads); "fixed": the threads placement gives, for the whole run
+    cpu_threads: Literal["fixed", "adaptive"] = "fixed"
     run_root: str = "runs"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

@@ -34,11 +34,12 @@ import msgspec
 
 from areal_async import auth
 from areal_async.config import Config, dump_config, load_config
+from areal_async.cpu_share import create_ledger
 from areal_async.determinism import deterministic_env
 from areal_async.devices import port_in_use
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
-from launcher.placement import JobPlacement, place_job
+from launcher.placement import LEDGER_NAME, JobPlacement, place_job
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
 from launcher.resolve import check_devices, resolve_dtypes, resolve_tree_attention
 from launcher.servers import (PY, SERVER_ARGV, ServerProbe, _server_argv, check_backend, http_status,
@@ -290,6 +291,8 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         model = msgspec.structs.replace(cfg.model, path=str(ckpt.resolve()))
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
+    if cfg.cpu_threads == "adaptive":  # every server and trainer rank idle until it computes
+        create_ledger(cfg.run_dir / LEDGER_NAME, inf.num_servers + cfg.trainer.nproc)
     disk = cfg.trainer.weight_sync == "disk"
     if disk:
         remove_stale_weights(cfg.run_dir)
@@ -299,7 +302,8 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         restart = Restart(inf.max_server_restarts, functools.partial(server_failed, cfg, token, sup, i),
                           argv=functools.partial(restart_argv, cfg.run_dir, i, argv, model, version) if disk else None)
         health = HealthCheck(ServerProbe(url, inf.max_pause_s), inf.health_check_interval_s, inf.startup_timeout_s)
-        sup.start(f"server{i}", argv(model, version), env=deterministic_env(cfg.mode), restart=restart, health=health,
+        sup.start(f"server{i}", argv(model, version), env={**deterministic_env(cfg.mode), **placed.servers[i].env},
+                  restart=restart, health=health,
                   cpus=placed.servers[i].cpus)
     for url in inf.urls():
         _wait_until(lambda: http_status(url + "/health", 2.0) == 200, f"inference server {url}", sup,

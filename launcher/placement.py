@@ -14,6 +14,8 @@ the config, the CPUs this launcher may use and its environment:
   ``CUDA_VISIBLE_DEVICES`` (mapped through the launcher's own), so that rank r, on its ``cuda:r``,
   runs on the r-th of them.
 
+``cpu_threads: adaptive`` adds each server's and trainer rank's slot of the ledger
+(``areal_async/cpu_share.py``) to its environment; ``check_adaptive`` says where it cannot apply.
 An empty key leaves that process as before: not pinned, threads divided from the CPU count
 (``cpu_count // (num_servers + nproc)``). The supervisor applies ``Place.cpus`` with
 ``sched_setaffinity`` between fork and exec, so the process and every thread it starts inherit it.
@@ -28,9 +30,11 @@ import dataclasses
 from collections.abc import Mapping
 
 from areal_async.config import Config
+from areal_async.cpu_share import PATH_ENV, SLOT_ENV
 from areal_async.cpus import RANK_CPUS_ENV, divide, format_list, parse_list
 
 PINNING_KEYS = ("inference.cpus", "trainer.cpus", "trainer.gpus", "queue.cpus", "rollout.cpus")
+LEDGER_NAME = "cpu_share"  # cpu_threads: adaptive: RUN_DIR/cpu_share, one byte per server and trainer rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +156,37 @@ def place_job(cfg: Config, allowed: frozenset[int], cpu_count: int, environ: Map
     if both:
         warnings.append(f"inference.cpus={inf.cpus!r} and trainer.cpus={tr.cpus!r} share CPU(s) {format_list(both)}: "
                         f"the servers and the trainer compete there; give them disjoint lists to keep them apart")
+    if cfg.cpu_threads == "adaptive":
+        check_adaptive(cfg)
+        ledger = str((cfg.run_dir / LEDGER_NAME).resolve())
+        servers = [dataclasses.replace(p, env={**p.env, PATH_ENV: ledger, SLOT_ENV: str(i)}) for i, p in enumerate(servers)]
+        trainer = dataclasses.replace(trainer, env={**trainer.env, PATH_ENV: ledger, SLOT_ENV: str(inf.num_servers)})
     return JobPlacement(servers, Place(queue_cpus, 0, _threads_env(queue_cpus, environ)),
                         Place(worker_cpus, 0, _threads_env(worker_cpus, environ)), trainer, warnings)
+
+
+def check_adaptive(cfg: Config) -> None:
+    """Raise ``ValueError`` where ``cpu_threads: adaptive`` cannot apply: with pinned processes
+    (each keeps to its own CPUs, there is nothing to lend), fixed server threads, a CUDA device,
+    or ``mode: deterministic`` (thread counts change the order of float sums)."""
+    pinned = [f"{key}={getattr(getattr(cfg, key.partition('.')[0]), key.partition('.')[2])!r}" for key in PINNING_KEYS
+              if getattr(getattr(cfg, key.partition(".")[0]), key.partition(".")[2])]
+    refusals = [
+        (pinned, f"{', '.join(pinned)} pin processes apart, so none can lend its cores; leave the placement keys "
+                 f"empty, or set cpu_threads=fixed"),
+        (cfg.inference.backend != "embedded", f"inference.backend={cfg.inference.backend!r}: only the embedded "
+                                              f"engine follows the ledger; set cpu_threads=fixed"),
+        (cfg.mode == "deterministic", "mode=deterministic needs fixed thread counts (a count changes the order of "
+                                      "float sums); set cpu_threads=fixed"),
+        (cfg.inference.threads > 0, f"inference.threads={cfg.inference.threads} fixes the servers' threads; set it "
+                                    f"to 0, or cpu_threads=fixed"),
+        (any(d.startswith("cuda") for d in (cfg.inference.device, cfg.trainer.device)),
+         f"inference.device={cfg.inference.device!r}, trainer.device={cfg.trainer.device!r}: adaptive threads share "
+         f"CPU cores between CPU processes; set cpu_threads=fixed on a GPU"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"cpu_threads=adaptive: {why}")
 
 
 def refuse_on_ray(cfg: Config) -> None:
@@ -161,6 +194,8 @@ def refuse_on_ray(cfg: Config) -> None:
     in its Ray bundle, which this launcher does not pin; ``cluster.*`` sizes the bundles."""
     values = {key: getattr(getattr(cfg, key.partition(".")[0]), key.partition(".")[2]) for key in PINNING_KEYS}
     given = [f"{key}={value!r}" for key, value in values.items() if value]
+    if cfg.cpu_threads != "fixed":
+        given.append(f"cpu_threads={cfg.cpu_threads!r}")
     if given:
         raise ValueError(f"{', '.join(given)}: launcher.ray does not pin processes (Ray places each in its bundle: "
                          f"cluster.cpus_per_server, cluster.gpus_per_trainer_rank, ...); leave "

@@ -11,7 +11,8 @@ first half and the second half, e.g. 0 and 1 on 2 cores):
 
 - ``none``: nothing pinned (the launcher's default);
 - ``split``: the servers on the first half, the trainer on the second; queue and workers float;
-- ``split-light``: as ``split``, the queue and the workers on the servers' half too.
+- ``split-light``: as ``split``, the queue and the workers on the servers' half too;
+- ``adaptive``: nothing pinned, ``cpu_threads=adaptive`` (threads follow who computes).
 
 Printed: the CPU (model, count, the vector flags), then one row per run: steps, **Σ step s** (Σ
 ``perf/step_s``: taking the batch, training, publishing the weights; no evaluation, no
@@ -47,7 +48,8 @@ def placements(allowed: list[int]) -> dict[str, list[str]]:
     servers, trainer = format_list(allowed[:half]), format_list(allowed[half:])
     split = [f'inference.cpus="{servers}"', f'trainer.cpus="{trainer}"']
     return {"none": [], "split": split,
-            "split-light": [*split, f'queue.cpus="{servers}"', f'rollout.cpus="{servers}"']}
+            "split-light": [*split, f'queue.cpus="{servers}"', f'rollout.cpus="{servers}"'],
+            "adaptive": ["cpu_threads=adaptive"]}
 
 
 def cpu_description() -> str:
@@ -81,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
-    ap.add_argument("--placements", nargs="+", default=["none", "split"], help="of: none split split-light")
+    ap.add_argument("--placements", nargs="+", default=["none", "split"], help="of: none split split-light adaptive")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=0, help="trainer.total_steps (0: the config's)")
     ap.add_argument("--no-eval", action="store_true", help="turn evaluation off")
@@ -96,7 +98,7 @@ def main() -> None:
     unknown = [p for p in args.placements if p not in known]
     if unknown:
         ap.error(f"--placements {' '.join(unknown)}: choose among {' '.join(known)}")
-    if len(os.sched_getaffinity(0)) < 2 and set(args.placements) != {"none"}:
+    if len(os.sched_getaffinity(0)) < 2 and set(args.placements) - {"none", "adaptive"}:
         ap.error("split placements need 2 CPUs or more; give --placements none")
     cpu = cpu_description()
     print(cpu, flush=True)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .. import auth
+from .. import auth, cpu_share
 from ..dtypes import FLOAT_DTYPES
 from ..devices import cuda_index, port_in_use
 from ..jitter import Jitter
@@ -105,6 +105,7 @@ async def main(argv: list[str] | None = None) -> None:
                                     prefix_cache=not args.disable_radix_cache,
                                     prefix_cache_entries=args.prefix_cache_entries,
                                     max_queued_requests=args.max_queued_requests)
+    engine.cpu_share = cpu_share.from_environment()  # cpu_threads: adaptive (launcher.local sets it)
     server = InferenceServer(engine, tokenizer, args.model_path, args.stream_interval, args.served_model_name,
                              token=args.api_key, max_request_bytes=args.max_request_bytes)
     async with serve(server, args.host, args.port) as url:

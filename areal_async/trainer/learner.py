@@ -6,6 +6,7 @@ CUDA and NCCL start (environment, deterministic algorithms, tiled linears; docs/
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 from collections.abc import Callable
@@ -14,9 +15,10 @@ import torch
 
 from areal_async.atomic_dir import new_staging_dir, staging_dir
 from areal_async.config import Config
+from areal_async.cpu_share import from_environment, refresh_around_layers
 from areal_async.determinism import deterministic_env
 from areal_async.trainer.checkpoint import save_hf_checkpoint
-from areal_async.trainer.policy import build_policy, full_state_dict, init_distributed
+from areal_async.trainer.policy import build_policy, full_state_dict, hf_model, init_distributed
 from areal_async.trainer.resume import (load_training_state, publish_checkpoint, read_elapsed,
                                         save_training_state)
 from areal_async.trainer.schedule import make_scheduler
@@ -55,13 +57,19 @@ class Learner:
         # perf/elapsed_s: training wall time from the first step on, summed over resumes (a stopped
         # job's time after its checkpoint, and the pause before the resume, are not counted)
         self.elapsed_before_s = read_elapsed(ckpt_dir) if t.resume else 0.0
+        # cpu_threads: adaptive: threads follow who computes, refreshed before each decoder layer's
+        # forward and backward (areal_async/cpu_share.py)
+        self.cpu_share = from_environment(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        if self.cpu_share is not None:
+            refresh_around_layers(self.cpu_share, hf_model(self.policy).model.layers)
 
     def step(self, trajs: list[Trajectory], on_micro_batch: Callable[[int, int], None] | None = None) -> dict:
         """Collective: one training step on batch ``trajs`` (the same on every rank), then one
         scheduler step; returns ``train_step``'s metrics (``train/*``)."""
         cfg = self.cfg
-        metrics = train_step(self.policy, self.optimizer, trajs, cfg.algo, cfg.trainer, cfg.rollout.temperature,
-                             self.device, on_micro_batch=on_micro_batch, version=self.version)
+        with self.cpu_share.working() if self.cpu_share is not None else contextlib.nullcontext():
+            metrics = train_step(self.policy, self.optimizer, trajs, cfg.algo, cfg.trainer, cfg.rollout.temperature,
+                                 self.device, on_micro_batch=on_micro_batch, version=self.version)
         self.scheduler.step()
         self.version += 1
         return metrics

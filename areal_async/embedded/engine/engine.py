@@ -110,6 +110,7 @@ class Engine(StepPipeline, FlowControl):
         self._step_lock = asyncio.Lock()
         self._drain_requests = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="forward")
+        self.cpu_share = None  # cpu_threads: adaptive: this server's slot (areal_async/cpu_share.py), set by the server
         # each slot's last sampled token, on the device (entry max_slots: the scratch slot's)
         self._slot_tokens = torch.zeros(self.max_running + 1, dtype=torch.int64, device=forward.device)
         # each slot's sampling parameters on the host, kept in step with the slots: a step passes
@@ -294,7 +295,13 @@ class Engine(StepPipeline, FlowControl):
             while True:
                 if not self._drain_requests:  # a drain waiting for the lock goes first
                     async with self._step_lock:
-                        await self._pipeline(loop)
+                        if self.cpu_share is not None:
+                            self.cpu_share.busy()  # cpu_threads: adaptive; each step refreshes its threads
+                        try:
+                            await self._pipeline(loop)
+                        finally:
+                            if self.cpu_share is not None:
+                                self.cpu_share.idle()
                 # no await since the pipeline last looked for work or a drain: no wake-up is lost
                 self._wake.clear()
                 await self._wake.wait()

@@ -309,6 +309,8 @@ class StepPipeline:
     def _advance(self, plan: Plan | None, done: Plan | None) -> tuple[list[int], list[float]] | None:
         """Executor side, one call per pipeline iteration: launch ``plan`` (if any), then wait for
         ``done`` (the step launched before it, if any) and return its tokens and log-probs."""
+        if self.cpu_share is not None:
+            self.cpu_share.refresh()  # on this thread, which computes (cpu_threads: adaptive)
         if plan is not None:
             self._launch(plan)
         if done is None:
