@@ -90,6 +90,12 @@ def test_a_group_of_equal_rewards_costs_no_attention(bench, tmp_path):
     group["samples"][1]["reward"] = 0.0
     assert bench.group_pairs(group, shared=True) == 42.0
     assert bench.group_pairs(group, shared=False) == 18.0 + 32.0  # (4 + 2)²/2 + (4 + 4)²/2
+    # an Env's episodes: reward 0, the turn rewards carry it (summed)
+    for sample, turn in zip(group["samples"], (0.3, 0.3)):
+        sample.update(reward=0.0, turn_rewards=[turn])
+    assert bench.group_pairs(group, shared=True) == 0.0
+    group["samples"][0]["turn_rewards"] = [0.1, 0.4]
+    assert bench.group_pairs(group, shared=True) == 42.0  # 0.1 + 0.4 vs 0.3: both advantages non-zero
 
 
 @pytest.mark.slow

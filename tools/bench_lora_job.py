@@ -21,9 +21,9 @@ the model directory's tokenizer, the way ``data/prompts.py`` counts it); ``--ste
 distinct rows, so the servers' prefix cache serves nothing across groups. Each sample's response
 budget is drawn uniformly from ``--response-len`` by the workflow ``run`` below (one OpenAI-client
 call with ``max_tokens``: needs the ``openai`` package on the machine); random weights almost never
-sample the end token, so responses run to their budget. With a fixed ``--response-len N,N`` no
-workflow runs (the default rollout, ``rollout.max_new_tokens=N``). The reward is uniform in [0, 1)
-per sample: GRPO advantages are never all zero, so ``trainer.skip_zero_advantage`` skips nothing
+sample the end token, so responses run to their budget. With a fixed ``--response-len N,N`` the
+workflow is ``FixedLengthEpisode`` (one answer of ``rollout.max_new_tokens=N``, no ``openai``). The
+reward is uniform in [0, 1) per sample: GRPO advantages are never all zero, so ``trainer.skip_zero_advantage`` skips nothing
 (the table's ``skipped`` column checks it); prompts are still shared by each group's samples
 (``trainer.share_prefixes``), as in any GRPO job.
 
@@ -65,7 +65,7 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKFLOW = "tools.bench_lora_job:run"
-REWARD = "tools.bench_lora_job:uniform_reward"
+FIXED_WORKFLOW = "tools.bench_lora_job:FixedLengthEpisode"
 
 
 async def run(item, client) -> float:
@@ -76,9 +76,17 @@ async def run(item, client) -> float:
     return random.random()
 
 
-def uniform_reward(response: str, gold: str) -> float:
-    """The fixed-length job's reward (``reward.fn``): uniform in [0, 1), whatever the response."""
-    return random.random()
+class FixedLengthEpisode:
+    """The fixed-length job's workflow (an ``Env``: no ``openai`` needed): one answer of
+    ``rollout.max_new_tokens``, its reward uniform in [0, 1). (``reward.fn`` would not do: the
+    reward pool turns any number into ``reward.correct`` or ``reward.wrong``, and a group whose
+    samples all drew the same would be skipped.)"""
+
+    def reset(self, item, seed):
+        return None  # the group's prompt
+
+    def step(self, action):
+        return None, random.random(), True
 
 
 # Everything below runs in the benchmark's own process only (the workers import this module for ``run``).
@@ -158,10 +166,7 @@ def job_config(args, work: pathlib.Path, model_dir: pathlib.Path, data: pathlib.
         "eval": {"at_start": False, "at_end": False, "every_steps": 0, "max_new_tokens": r_hi},
         "logging": {"wandb_mode": "disabled", "dump_trajectories": True},
     }
-    if r_lo == r_hi:
-        cfg["reward"] = {"fn": REWARD}
-    else:
-        cfg["rollout"]["workflow"] = WORKFLOW
+    cfg["rollout"]["workflow"] = FIXED_WORKFLOW if r_lo == r_hi else WORKFLOW
     return cfg
 
 
@@ -232,12 +237,14 @@ def lora_of(run_dir: pathlib.Path) -> tuple[int, object]:
 
 def group_pairs(group: dict, shared: bool) -> float:
     """Attention pairs the trainer ran for one dumped group: its prompt once (``shared``) or per
-    sequence; samples whose advantage is zero (rewards all equal, or a reward at the mean) left out."""
+    sequence; samples whose advantage is zero (rewards all equal, or a reward at the mean) left out.
+    A sample's reward is its own plus its turns' (``algo.turn_rewards: sum``; an ``Env``'s are all
+    turn rewards)."""
     from areal_async.flops import causal_pairs, shared_prompt_pairs
 
-    rewards = [s["reward"] for s in group["samples"]]
+    rewards = [s["reward"] + sum(s.get("turn_rewards", ())) for s in group["samples"]]
     mean = sum(rewards) / len(rewards)
-    kept = [len(s["output_ids"]) for s in group["samples"] if s["reward"] != mean and len(set(rewards)) > 1]
+    kept = [len(s["output_ids"]) for s, r in zip(group["samples"], rewards) if r != mean and len(set(rewards)) > 1]
     p = len(group["prompt_ids"])
     if not kept:
         return 0.0
@@ -303,13 +310,22 @@ def main() -> None:
     for key, value in (CPU_JOB if args.device == "cpu" else GPU_JOB).items():
         setattr(args, key, getattr(args, key) or value)
 
+    if args.response_len[0] < args.response_len[1]:
+        import importlib.util
+
+        if importlib.util.find_spec("openai") is None:  # the workflow's client; fail before minutes of set-up
+            sys.exit("--response-len MIN,MAX with MIN < MAX runs the workflow `run`, whose client needs the openai "
+                     "package: install it (pip install 'openai>=1.40'), or give a fixed --response-len N,N")
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "tools"))
     import yaml
 
     from areal_async.flops import DecoderShape
     from areal_async.model.source import load_tokenizer
-    from qwen3_shapes import config as shape_config, write_model_dir
+    from qwen3_shapes import SHAPES, config as shape_config, write_model_dir
+
+    if args.shape not in SHAPES:
+        ap.error(f"--shape {args.shape}: choose among {' '.join(SHAPES)}")
 
     work = pathlib.Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
