@@ -23,9 +23,9 @@ budget is drawn uniformly from ``--response-len`` by the workflow ``run`` below 
 call with ``max_tokens``: needs the ``openai`` package on the machine); random weights almost never
 sample the end token, so responses run to their budget. With a fixed ``--response-len N,N`` the
 workflow is ``FixedLengthEpisode`` (one answer of ``rollout.max_new_tokens=N``, no ``openai``). The
-reward is uniform in [0, 1) per sample: GRPO advantages are never all zero, so ``trainer.skip_zero_advantage`` skips nothing
-(the table's ``skipped`` column checks it); prompts are still shared by each group's samples
-(``trainer.share_prefixes``), as in any GRPO job.
+reward is uniform in [0, 1) per sample: GRPO advantages are never all zero, so
+``trainer.skip_zero_advantage`` skips nothing (the table's ``skipped`` column checks it); prompts
+are still shared by each group's samples (``trainer.share_prefixes``), as in any GRPO job.
 
 The table, over the steps after the first ``--skip-steps`` (start-up, compilation and the first
 batch's wait left out), read from the run's ``metrics.jsonl`` and ``trajectories.jsonl``:
