@@ -1,7 +1,10 @@
 """Qwen3-shaped causal LMs with random weights, for GPU benchmarks on machines without checkpoints.
 
-The shapes follow the public Qwen3 configs (``0.6b``, ``1.7b``); ``tiny`` (2 layers, hidden 64) is
-for checking a benchmark script on a CPU. Weights are the transformers default initialisation from
+The shapes follow the public Qwen3 configs (``0.6b``, ``1.7b``, ``4b`` with a tied LM head; ``8b``
+with its own LM head, ``tie_word_embeddings: false`` as in Qwen/Qwen3-8B's config.json); ``tiny`` (2
+layers, hidden 64) is for checking a benchmark script on a CPU. Parameter counts (the tied matrix
+once): 0.6b 596M, 1.7b 1.72B, 4b 4.02B, 8b 8.19B (tests/test_qwen3_shapes.py builds each on the meta
+device and checks them). Weights are the transformers default initialisation from
 a fixed seed, so two processes that build the same shape with the same seed hold identical weights.
 ``write_model_dir`` also writes a small byte-level BPE tokenizer with a chat template (its
 vocabulary is far smaller than the model's: ids it does not know decode to nothing), so the
@@ -18,13 +21,18 @@ import torch
 
 from areal_async.atomic_dir import give_user_file_mode
 
+# ``tie_word_embeddings``: the LM head is the input embedding (True) or a matrix of its own (False)
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=1024),
+                 num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
 EOS_ID = 2  # "<|im_end|>" in the tokenizer below
 CHAT_TEMPLATE = (
@@ -36,9 +44,8 @@ CHAT_TEMPLATE = (
 def config(shape: str):
     from transformers import Qwen3Config
 
-    return Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, rope_theta=1_000_000.0,
-                       tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID,
-                       pad_token_id=0)
+    return Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
 
 
 def build_model(shape: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0):
