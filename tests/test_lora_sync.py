@@ -120,6 +120,30 @@ def test_disk_adapter_updates_reach_the_engine_and_equal_peft(tiny_model_dir, tm
     asyncio.run(main())
 
 
+def test_an_adapter_sent_in_bf16_is_held_bit_for_bit_and_merged_in_fp32(tiny_model_dir, tmp_path):
+    """``save_dtype`` bfloat16 (the servers' dtype in deployments): the engine holds the trainer's
+    tensors rounded once to bf16, exactly, and serves what peft serves with those rounded values."""
+    policy = peft_policy(tiny_model_dir)
+    prompt = prompt_ids(tiny_model_dir)
+    rounded = peft_policy(tiny_model_dir)
+    with torch.no_grad():  # the policy with its adapter rounded to bf16 (the base stays fp32)
+        for (name, p), (_, q) in zip(rounded.named_parameters(), policy.named_parameters()):
+            p.copy_(q.to(torch.bfloat16).float() if "lora_" in name else q)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            async with InferenceClient([api.url]) as client:
+                sender = DiskAdapterSender(adapter_items(policy), adapter_config(policy), client, 1,
+                                           tmp_path / "adapters", save_dtype=torch.bfloat16)
+                await sender.send(1)
+                sent = dict(adapter_items(policy)())
+                for name, t in engine.adapter.tensors.items():
+                    assert t.dtype == torch.bfloat16 and torch.equal(t, sent[name].to(torch.bfloat16)), name
+                assert_serves(await api.generate(prompt, **GREEDY), rounded, prompt, 1)
+
+    asyncio.run(main())
+
+
 def test_a_prefix_cached_under_the_previous_adapter_is_not_reused_even_without_a_flush(tiny_model_dir, tmp_path,
                                                                                         monkeypatch):
     """The version key alone keeps version v's KV from version v + 1 (the flush is a second guard)."""
@@ -250,7 +274,7 @@ def test_distributed_adapter_updates_reach_a_server_process_bit_for_bit(tiny_mod
 
     policy = peft_policy(tiny_model_dir)
     prompt = prompt_ids(tiny_model_dir)
-    port = free_port()
+    port, buckets = free_port(), []
     proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(tiny_model_dir), str(port)],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -273,11 +297,20 @@ def test_distributed_adapter_updates_reach_a_server_process_bit_for_bit(tiny_mod
                 async with client._http().post(url + path, json=body) as r:
                     return r.status, await r.json()
 
-            # 2 KiB buckets: a linear's lora_A and lora_B often land in different buckets
+            # 1.5 KiB buckets: some linear's lora_A and lora_B land in different buckets
             sender = DistributedAdapterSender(adapter_items(policy), adapter_config(policy), client, 1, "127.0.0.1",
-                                              free_port(), 2048, torch.device("cpu"))
+                                              free_port(), 1536, torch.device("cpu"))
+            announce = sender._announce
+
+            async def recording(server, names, *args):
+                buckets.append(names)
+                return await announce(server, names, *args)
+
+            sender._announce = recording
             await sender.setup()
             await sender.send(1)
+            bucket_of = {n: i for i, names in enumerate(buckets) for n in names}
+            assert any(bucket_of[n] != bucket_of[n.replace("lora_A", "lora_B")] for n in bucket_of if "lora_A" in n)
             await check(1)
             step(policy, seed=2)
             await sender.send(2)
@@ -382,3 +415,63 @@ def test_on_cuda_the_merged_adapter_is_what_the_cuda_graphs_serve(tiny_qwen3_dir
     engine2, tok2 = load_engine(str(full), "bfloat16", "cuda", 4, 256)
     fresh, _ = asyncio.run(outputs(engine2, tok2, False))
     assert fresh[0] == merged[0] and torch.equal(fresh[1], merged[1])
+
+
+@pytest.mark.timeout(300)
+def test_the_distributed_adapter_sender_brings_a_restarted_server_process_up_to_date(tiny_model_dir, tmp_path):
+    """Two server processes; server 1 is killed before version 1 (the group is rebuilt over server 0),
+    started again on its port from the base model, and version 2 rebuilds the group over both and
+    sends it the whole adapter: its version, tensors and outputs are version 2's."""
+    from safetensors.torch import load_file
+
+    policy = peft_policy(tiny_model_dir)
+    prompt = prompt_ids(tiny_model_dir)
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+
+    def start(i: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", _SERVER, str(tiny_model_dir), str(ports[i])],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+
+    procs = [start(0), start(1)]
+
+    async def main():
+        async with InferenceClient(urls, backoff_s=0.05, probe_timeout_s=2.0) as client:
+            await client.wait_healthy(120)
+
+            async def post(i, path, body):
+                async with client._http().post(urls[i] + path, json=body) as r:
+                    return r.status, await r.json()
+
+            sender = DistributedAdapterSender(adapter_items(policy), adapter_config(policy), client, 2, "127.0.0.1",
+                                              free_port(), 1 << 20, torch.device("cpu"))
+            await sender.setup()
+            procs[1].kill()
+            procs[1].wait()
+            await sender.send(1)
+            assert client.servers.live() == [0] and await client.get_weight_version(0) == 1
+            procs[1] = start(1)  # restarted: the base model, version 0
+            for _ in range(240):
+                if await client.servers.answers(1, "/health"):
+                    break
+                await asyncio.sleep(0.5)
+            step(policy, seed=5)
+            await sender.send(2)
+            assert client.servers.live() == [0, 1] and sender.rebuilds == 2
+            for i in (0, 1):
+                assert await client.get_weight_version(i) == 2
+                status, resp = await post(i, "/generate", {"input_ids": prompt, "sampling_params": GREEDY,
+                                                           "return_logprob": True})
+                assert status == 200, resp
+                assert_serves(resp, policy, prompt, 2)
+                dump = tmp_path / f"held{i}.safetensors"
+                assert (await post(i, "/test_dump_adapter", {"path": str(dump)}))[0] == 200
+                assert_holds(load_file(dump), policy)
+            destroy_weight_group(sender.group)
+
+    try:
+        asyncio.run(main())
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

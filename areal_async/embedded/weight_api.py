@@ -225,6 +225,8 @@ class WeightApi:
             return _lora_answer(False, f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}", self.engine)
 
         def unmerge(_: dict) -> None:
+            if self.engine.adapter is not held:  # replaced or unloaded by a call that swapped first
+                raise ValueError(f"LoRA adapter '{name}' changed while this unload waited; unload it again")
             held.restore(self.engine.forward.named_tensors())
             self.engine.adapter = None
 
