@@ -13,7 +13,7 @@ import pytest
 
 from areal_async.config import QueueConfig
 from areal_async.inference.client import InferenceClient
-from areal_async.inference.interface import GenerationClient, WeightUpdateClient
+from areal_async.inference.interface import AdapterUpdateClient, GenerationClient, WeightUpdateClient
 from areal_async.queue.client import QueueClient
 from areal_async.queue.core import ReplayQueue
 from areal_async.queue.interface import TrainerQueue, WorkerQueue
@@ -27,6 +27,7 @@ CALLS = [
     (WorkerQueue, ReplayQueue), (WorkerQueue, QueueClient),
     (GenerationClient, InferenceClient),
     (WeightUpdateClient, InferenceClient), (WeightUpdateClient, FakeClient),
+    (AdapterUpdateClient, InferenceClient),
 ]
 
 

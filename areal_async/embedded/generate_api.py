@@ -30,7 +30,7 @@ from .engine.admission import QueueFull
 from .engine.engine import Engine
 from .engine.requests import Completion, EngineFailed
 from .errors import error, json_body, overloaded
-from .request import GenerateCall, Prompt, parse_generate
+from .request import GenerateCall, Prompt, check_lora_path, parse_generate
 from .streaming import (SSE_DONE, NonFiniteLogprobs, non_finite, run_requests, running_text, sse_error, sse_event,
                         start_sse)
 
@@ -129,6 +129,7 @@ class GenerateApi:
 
     def parse(self, body: dict) -> GenerateCall:
         """A ``/generate`` body decoded for this server's engine (``request.parse_generate``)."""
+        check_lora_path(body, self.engine.adapter.name if self.engine.adapter is not None else None)
         return parse_generate(body, self.engine.max_seq_len, self._tokenize, self.engine.validate)
 
     def _tokenize(self, text: str | list[str]) -> list[int] | list[list[int]]:

@@ -272,15 +272,33 @@ def parse_generate(body: dict, max_seq_len: int, tokenize: Callable[[str | list[
 def refuse_unsupported(body: dict) -> None:
     """Raise ``ValueError`` for a top-level ``/generate`` field SGLang honours and this server does
     not (at a non-neutral value): ``top_logprobs_num > 0``, ``token_ids_logprob``,
-    ``return_hidden_states``, ``input_embeds``, multimodal data, LoRA, ``session_params``."""
+    ``return_hidden_states``, ``input_embeds``, multimodal data, ``session_params``. ``lora_path``
+    is checked by ``check_lora_path``."""
     top = body.get("top_logprobs_num")
     if any(v not in (None, 0) for v in (top if isinstance(top, list) else [top])):
         raise ValueError(f"top_logprobs_num {top!r} is not supported by this server (only the chosen "
                          f"token's log-prob is returned); send 0 or leave it out")
-    for key in ("token_ids_logprob", "input_embeds", "image_data", "video_data", "audio_data", "lora_path",
+    for key in ("token_ids_logprob", "input_embeds", "image_data", "video_data", "audio_data",
                 "session_params", "custom_logit_processor"):
         if body.get(key) not in (None, [], {}):
             raise ValueError(f"{key} is not supported by this server; leave it out")
     hidden = body.get("return_hidden_states")
     if any(v not in (None, False) for v in (hidden if isinstance(hidden, list) else [hidden])):
         raise ValueError("return_hidden_states is not supported by this server; send false or leave it out")
+
+
+def check_lora_path(body: dict, adapter_name: str | None) -> None:
+    """Raise ``ValueError`` unless ``lora_path`` (SGLang's adapter name, one or one per prompt) is
+    absent or names the LoRA adapter this server holds, ``adapter_name``. The adapter is merged
+    into the weights, so every request is served by it, named or not (docs/lora_sync.md)."""
+    raw = body.get("lora_path")
+    names = raw if isinstance(raw, list) else [raw]
+    for name in names:
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise ValueError(f"lora_path {raw!r} is not an adapter name (a string, or a list of them)")
+        if name != adapter_name:
+            loaded = f"'{adapter_name}'" if adapter_name is not None else "none"
+            raise ValueError(f"lora_path '{name}' is not a loaded LoRA adapter (loaded: {loaded}); load it with "
+                             f"/load_lora_adapter first, or leave lora_path out")

@@ -6,7 +6,9 @@ daemon thread; ``/update_weights_from_distributed`` receives a bucket by gloo or
 from rank 0 in ``names`` order, or as SGLang's ``flattened_bucket``; ``/destroy_weights_update_group``
 (``{group_name}``; as SGLang 0.5.23, HTTP 400 "The group to be destroyed does not exist." for a name
 it holds no group of; the trainer calls it when it rebuilds its group); ``/update_weights_from_disk``
-(an HF safetensors directory holding every weight). Bodies are read as SGLang's schemas read them
+(an HF safetensors directory holding every weight); the LoRA endpoints ``/load_lora_adapter``,
+``/unload_lora_adapter``, ``/update_weight_version`` and adapter buckets of the distributed update
+(one adapter, merged: ``lora.py``, docs/lora_sync.md). Bodies are read as SGLang's schemas read them
 (``weight_requests.py``: ``"29612"`` as a port; a missing ``group_name`` is ``"weight_update_group"``).
 ``weight_version`` is an integer below 2**63 (SGLang sends ``"3"``) that never goes back: a version
 behind the server's is refused before any tensor is read or received (the current one is accepted:
@@ -38,6 +40,7 @@ from . import weight_requests
 from .engine.engine import Engine
 from .engine.forward import check_weight_names
 from .errors import json_body
+from .lora import Adapter, adapter_scale, check_adapter_tensors, pairs_complete, read_adapter_dir
 
 _log = logging.getLogger(__name__)
 
@@ -121,7 +124,15 @@ class WeightApi:
                                  f"/init_weights_update_group with group_name '{bucket.group_name}' first, or "
                                  f"send the group_name of a joined group")
             names = bucket.names
-            check_weight_names(self.engine.forward.named_tensors(), dict(zip(names, map(tuple, bucket.shapes))))
+            shapes = dict(zip(names, map(tuple, bucket.shapes)))
+            lora = weight_requests.parse_adapter_bucket(body)
+            if lora is None:
+                self._refuse_full_update_over_adapter()
+                check_weight_names(self.engine.forward.named_tensors(), shapes)
+                load = None
+            else:  # an adapter's tensors (the LoRA extension, docs/lora_sync.md)
+                self._check_adapter(lora.lora_name, lora.config_dict, shapes, replace=True)
+                load = self._adapter_load(lora.lora_name, lora.config_dict, "__distributed__", replace=False)
             received, tensors = weight_group.receive_buffers(
                 [dtype_from_name(d, what="weight dtype") for d in bucket.dtypes], bucket.shapes,
                 self.engine.forward.device, flattened=bucket.load_format == "flattened_bucket")
@@ -132,13 +143,14 @@ class WeightApi:
             weight_group.broadcast_(group, received, src=0)
             return dict(zip(names, tensors))
 
-        return await self._update(receive, version, bucket.abort_all_requests)
+        return await self._update(receive, version, bucket.abort_all_requests, load)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await json_body(request)
         try:
             version = fields.weight_version(body.get("weight_version"), self.engine.weight_version)
             abort_all = fields.field(body, "abort_all_requests", "bool", False)
+            self._refuse_full_update_over_adapter()
         except ValueError as exc:
             return _result(False, f"update_weights_from_disk rejected: {exc}", num_paused_requests=0)
         raw = body.get("model_path")
@@ -168,12 +180,120 @@ class WeightApi:
 
         return await self._update(receive, version, abort_all, num_paused_requests=0)
 
-    async def _update(self, receive, version: int, abort_all: bool, **extra) -> web.Response:
+    # ---- LoRA adapters (SGLang's endpoints; one adapter, merged: embedded/lora.py, docs/lora_sync.md) ----
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's ``/load_lora_adapter`` (``lora_name``, ``lora_path``: a peft directory), plus
+        ``weight_version``: with it the adapter may replace one of the same name, and the version
+        changes in the same swap; without it the version stays (SGLang's load carries none)."""
+        body = await json_body(request)
+        try:
+            load = weight_requests.parse_load_adapter(body)
+            version = fields.weight_version(load.weight_version, self.engine.weight_version)
+            self._check_adapter(load.lora_name, None, {}, replace=load.weight_version is not None)
+        except ValueError as exc:
+            return _lora_answer(False, f"load_lora_adapter rejected: {exc}", self.engine)
+        path, read = pathlib.Path(load.lora_path), {}
+
+        def receive() -> dict[str, torch.Tensor]:
+            config, tensors = read_adapter_dir(path)
+            r = config.get("r")
+            adapter_scale(config)  # a config the merge cannot serve is refused before the swap
+            if not tensors:
+                raise ValueError(f"{path} holds no adapter tensors")
+            check_adapter_tensors(self.engine.forward.named_tensors(), {n: tuple(t.shape) for n, t in tensors.items()}, r)
+            if not pairs_complete(tensors):
+                raise ValueError(f"{path} holds a lora_A without its lora_B (or the reverse); write the whole adapter")
+            read["config"] = config
+            return tensors
+
+        def merge(tensors: dict[str, torch.Tensor]) -> None:
+            self._adapter_load(load.lora_name, read["config"], str(path), replace=True)(tensors)
+
+        return await self._update(receive, version, False, merge, answer=self._lora_answer)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's ``/unload_lora_adapter`` (``lora_name``): the base weights come back; the
+        weight version stays (as on SGLang)."""
+        try:
+            name = weight_requests.parse_unload_adapter(await json_body(request))
+        except ValueError as exc:
+            return _lora_answer(False, f"unload_lora_adapter rejected: {exc}", self.engine)
+        held = self.engine.adapter
+        if held is None or held.name != name:
+            loaded = [held.name] if held is not None else []
+            return _lora_answer(False, f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}", self.engine)
+
+        def unmerge(_: dict) -> None:
+            if self.engine.adapter is not held:  # replaced or unloaded by a call that swapped first
+                raise ValueError(f"LoRA adapter '{name}' changed while this unload waited; unload it again")
+            held.restore(self.engine.forward.named_tensors())
+            self.engine.adapter = None
+
+        return await self._update(dict, self.engine.weight_version, False, unmerge, answer=self._lora_answer)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """SGLang's ``/update_weight_version`` (``new_version``, ``abort_all_requests`` default
+        true): the version changes between two steps, the weights stay."""
+        try:
+            raw, abort_all = weight_requests.parse_weight_version_update(await json_body(request))
+            version = fields.weight_version(raw, self.engine.weight_version)
+        except ValueError as exc:
+            return _result(False, f"Failed to update weight version: {exc}")
+        return await self._update(dict, version, abort_all, lambda _: None, new_version=str(version))
+
+    def _lora_answer(self, ok: bool, message: str) -> web.Response:
+        return _lora_answer(ok, None if ok else message, self.engine)
+
+    def _check_adapter(self, name: str, config: dict | None, shapes: dict, replace: bool) -> None:
+        """Raise ``ValueError`` for an adapter this server cannot take now: another one is held
+        (one at a time), or this one is and ``replace`` is not asked; with ``config``, also a
+        config or tensors the merge cannot serve."""
+        held = self.engine.adapter
+        if held is not None and held.name != name:
+            raise ValueError(f"this server serves one LoRA adapter, merged into its weights, and holds '{held.name}'; "
+                             f"unload it first (/unload_lora_adapter) or send lora_name '{held.name}'")
+        if held is not None and not replace:
+            raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded; unload it first, or "
+                             f"send weight_version to replace it in one swap")
+        if config is not None:
+            adapter_scale(config)
+            check_adapter_tensors(self.engine.forward.named_tensors(), shapes, config["r"])
+
+    def _adapter_load(self, name: str, config: dict, path: str, replace: bool):
+        """The forward-thread load of adapter tensors: merged into the held adapter of ``name``
+        (a bucket), or (``replace``, or none held) into a new one, the previous one unmerged first."""
+        engine = self.engine
+
+        def load(tensors: dict[str, torch.Tensor]) -> None:
+            named = engine.forward.named_tensors()
+            old = engine.adapter
+            adapter = old
+            if replace or old is None or old.name != name:
+                if old is not None:
+                    old.restore(named)
+                adapter = Adapter(name, config, base=old.base if old is not None else None)
+            adapter.path = path
+            adapter.apply(named, tensors, config)
+            engine.adapter = adapter
+
+        return load
+
+    def _refuse_full_update_over_adapter(self) -> None:
+        held = self.engine.adapter
+        if held is not None:
+            raise ValueError(f"this server holds LoRA adapter '{held.name}' merged into its weights; a full-weight "
+                             f"update would overwrite the merged weights: unload the adapter first")
+
+    async def _update(self, receive, version: int, abort_all: bool, load=None, answer=None, **extra) -> web.Response:
+        if answer is None:  # SGLang's weight answers, {success, message}; the LoRA ones: _lora_answer
+            def answer(ok: bool, message: str) -> web.Response:
+                return _result(ok, message, **extra)
         if abort_all:
             self.engine.abort(None)
         # its own task: a client that disconnects mid-update cancels only this handler, never a
         # swap half-done (tensors received but not loaded, or loaded under the old version)
-        update = asyncio.ensure_future(self.engine.update_weights(receive, version))
+        update = asyncio.ensure_future(self.engine.update_weights(receive, version, load))
         self._updates.add(update)
         update.add_done_callback(self._updates.discard)
         if not await self._unless_closing(update):
@@ -181,8 +301,8 @@ class WeightApi:
         try:
             update.result()
         except (ValueError, RuntimeError) as exc:
-            return _result(False, f"weight update failed: {type(exc).__name__}: {exc}", **extra)
-        return _result(True, f"weights updated to version {self.engine.weight_version}", **extra)
+            return answer(False, f"weight update failed: {type(exc).__name__}: {exc}")
+        return answer(True, f"weights updated to version {self.engine.weight_version}")
 
     async def _unless_closing(self, work: asyncio.Future) -> bool:
         """Wait for ``work`` unless the server starts shutting down first: then cancel it (a join
@@ -201,6 +321,15 @@ class WeightApi:
             return True
         work.cancel()
         return False
+
+
+def _lora_answer(success: bool, error: str | None, engine: Engine) -> web.Response:
+    """SGLang's ``LoRAUpdateOutput``: ``{success, error_message, loaded_adapters}`` (HTTP 400 on
+    failure), plus this server's ``weight_version``."""
+    held = engine.adapter
+    return web.json_response({"success": success, "error_message": error,
+                              "loaded_adapters": {held.name: held.path} if held is not None else {},
+                              "weight_version": str(engine.weight_version)}, status=200 if success else 400)
 
 
 def _log_unanswered(work: asyncio.Future) -> None:

@@ -179,3 +179,76 @@ def parse_destroy(body: dict) -> str:
         ValueError: a ``group_name`` that is not a non-empty string.
     """
     return _text("group_name", _get(body, "group_name", DEFAULT_GROUP_NAME))
+
+
+# ---- LoRA adapters (docs/lora_sync.md) ----------------------------------------------------------
+
+class LoadAdapterRequest(msgspec.Struct, frozen=True):
+    """``/load_lora_adapter`` (SGLang's ``LoadLoRAAdapterReqInput``): load the peft directory
+    ``lora_path`` as ``lora_name``. ``weight_version`` is this project's extension (SGLang's load
+    carries none): when given, the adapter replaces one of the same name and the version changes
+    in the same swap."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    weight_version: object = None  # read by the server against its current version
+
+
+class AdapterBucket(msgspec.Struct, frozen=True):
+    """The LoRA extension of ``/update_weights_from_distributed``: the bucket's tensors are adapter
+    ``lora_name``'s (peft names), with its ``config_dict`` (field names of SGLang's
+    ``LoadLoRAAdapterFromTensorsReqInput``)."""
+
+    lora_name: str
+    config_dict: dict
+
+
+def parse_load_adapter(body: dict) -> LoadAdapterRequest:
+    """The ``/load_lora_adapter`` body.
+
+    Raises:
+        ValueError: ``lora_name`` or ``lora_path`` missing or not a non-empty string, ``pinned``
+            not a boolean.
+    """
+    return LoadAdapterRequest(
+        lora_name=_text("lora_name", _get(body, "lora_name")),
+        lora_path=_text("lora_path", _get(body, "lora_path")),
+        pinned=lax_bool("pinned", _get(body, "pinned", False)),
+        weight_version=body.get("weight_version"),
+    )
+
+
+def parse_unload_adapter(body: dict) -> str:
+    """The ``/unload_lora_adapter`` body's ``lora_name``.
+
+    Raises:
+        ValueError: ``lora_name`` missing or not a non-empty string.
+    """
+    return _text("lora_name", _get(body, "lora_name"))
+
+
+def parse_weight_version_update(body: dict) -> tuple[object, bool]:
+    """The ``/update_weight_version`` body (SGLang's ``UpdateWeightVersionReqInput``):
+    ``(new_version, abort_all_requests)``; ``new_version`` unread (the server checks it).
+
+    Raises:
+        ValueError: ``new_version`` missing, ``abort_all_requests`` not a boolean.
+    """
+    return _get(body, "new_version"), lax_bool("abort_all_requests", _get(body, "abort_all_requests", True))
+
+
+def parse_adapter_bucket(body: dict) -> AdapterBucket | None:
+    """The LoRA extension fields of an ``/update_weights_from_distributed`` body, or ``None`` when
+    it has none (a full-weight bucket).
+
+    Raises:
+        ValueError: ``lora_name`` without a ``config_dict`` object, or the reverse.
+    """
+    name, config = body.get("lora_name"), body.get("config_dict")
+    if name is None and config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError(f"config_dict {config!r} is not an object; an adapter bucket sends lora_name and its peft "
+                         f"adapter_config.json as config_dict")
+    return AdapterBucket(lora_name=_text("lora_name", name), config_dict=config)

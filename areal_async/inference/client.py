@@ -164,7 +164,7 @@ class InferenceClient:
                  token: str | None = None, overload_timeout_s: float | None = None,
                  probe_timeout_s: float = 5.0, reprobe_interval_s: float = 2.0,
                  health_check_interval_s: float | None = None, max_pause_s: float = 300.0,
-                 rejoin_timeout_s: float = 0.0):
+                 rejoin_timeout_s: float = 0.0, lora_path: str | None = None):
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -178,6 +178,9 @@ class InferenceClient:
         self.servers = ServerPool(self.urls, self._http, probe_timeout_s, reprobe_interval_s,
                                   health_check_interval_s, max_pause_s, rejoin_timeout_s)
         self._versions: dict[int, int] = {}  # the last weight_version each server answered with
+        # the LoRA adapter every /generate names (SGLang's lora_path; None: the base model);
+        # docs/lora_sync.md
+        self.lora_path = lora_path
 
     @property
     def server_failures(self) -> int:
@@ -358,6 +361,8 @@ class InferenceClient:
                 "return_logprob": True,
                 "rid": rid,
             }
+            if self.lora_path is not None:
+                payload["lora_path"] = self.lora_path
             await self.servers.wait_live()  # every server out: wait up to rejoin_timeout_s for one
             server = self.servers.route(preferred) if session is None else self.servers.route_session(session)
             try:
@@ -471,9 +476,12 @@ class InferenceClient:
         shapes: list[list[int]],
         version: int,
         group_name: str = "weight_update_group",
+        adapter: tuple[str, dict] | None = None,
     ) -> dict:
         """Announce one bucket of tensors that rank 0 broadcasts in ``names`` order; ``version`` is
-        sent as SGLang's string ``weight_version``."""
+        sent as SGLang's string ``weight_version``. ``adapter``: ``(lora_name, adapter_config)``
+        of a LoRA adapter whose tensors these are (the embedded server's extension fields
+        ``lora_name`` and ``config_dict``, docs/lora_sync.md; SGLang has no such update)."""
         payload = {
             "names": names,
             "dtypes": dtypes,
@@ -482,9 +490,37 @@ class InferenceClient:
             "flush_cache": True,
             "weight_version": str(version),
         }
+        if adapter is not None:
+            payload["lora_name"], payload["config_dict"] = adapter
         return await self._call(server, "POST", "/update_weights_from_distributed", payload, failover=True)
 
     async def update_weights_from_disk(self, server: int, path: str, version: int) -> dict:
         """Load an HF safetensors directory on ``server`` and set ``weight_version``."""
         payload = {"model_path": str(path), "weight_version": str(version)}
         return await self._call(server, "POST", "/update_weights_from_disk", payload)
+
+    # ---- LoRA adapters (SGLang's endpoints; docs/lora_sync.md) ------------------------------------
+
+    async def load_lora_adapter(self, server: int, name: str, path: str, version: int | None = None) -> dict:
+        """Load the peft adapter directory ``path`` as ``name`` on ``server`` (SGLang's
+        ``/load_lora_adapter``). ``version``: the embedded server's extension ``weight_version``:
+        the adapter replaces one of the same name and the version changes in the same swap (SGLang
+        refuses a loaded name: unload first, then ``update_weight_version``)."""
+        payload = {"lora_name": name, "lora_path": str(path)}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        return await self._call(server, "POST", "/load_lora_adapter", payload)
+
+    async def unload_lora_adapter(self, server: int, name: str) -> dict:
+        """Unload adapter ``name`` on ``server`` (SGLang's ``/unload_lora_adapter``).
+
+        Raises:
+            ServerError: HTTP 400 when no adapter of that name is loaded (e.g. a restarted server).
+        """
+        return await self._call(server, "POST", "/unload_lora_adapter", {"lora_name": name})
+
+    async def update_weight_version(self, server: int, version: int) -> dict:
+        """Set ``server``'s ``weight_version`` without touching its weights (SGLang's
+        ``/update_weight_version``; requests in flight go on: ``abort_all_requests`` false)."""
+        return await self._call(server, "POST", "/update_weight_version",
+                                {"new_version": str(version), "abort_all_requests": False})

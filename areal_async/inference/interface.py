@@ -1,7 +1,8 @@
 """The inference servers as their callers see them: ``GenerationClient`` (the generation worker
 and the evaluator) and ``WeightUpdateClient`` (the trainer's ``WeightSender`` on rank 0).
 
-``client.InferenceClient`` satisfies both (what each call does is documented there, once); test
+``AdapterUpdateClient`` extends the latter for the LoRA sync (``trainer/lora_sync.py``).
+``client.InferenceClient`` satisfies them all (what each call does is documented there, once); test
 fakes implement only the one they stand in for; ``tests/test_interfaces.py`` checks them all.
 """
 
@@ -84,4 +85,30 @@ class WeightUpdateClient(Protocol):
 
     async def continue_generation(self) -> None:
         """After an update, also a failed one: continue generation on every server."""
+        ...
+
+
+@runtime_checkable
+class AdapterUpdateClient(WeightUpdateClient, Protocol):
+    """What ``trainer/lora_sync.py``'s adapter senders call on rank 0 (docs/lora_sync.md): the
+    weight-update calls, an adapter bucket's extension fields, and SGLang's LoRA endpoints."""
+
+    async def update_weights_from_distributed(self, server: int, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], version: int, group_name: str,
+                                              adapter: "tuple[str, dict] | None" = None) -> object:
+        """Per bucket and server: receive it as ``version``; ``adapter``: ``(lora_name,
+        adapter_config)`` when the tensors are a LoRA adapter's (``DistributedAdapterSender``)."""
+        ...
+
+    async def load_lora_adapter(self, server: int, name: str, path: str, version: int | None = None) -> object:
+        """Per server, at ``DiskAdapterSender.send``: load the peft directory ``path`` as ``name``
+        (``version``: the embedded server's one-swap replacement)."""
+        ...
+
+    async def unload_lora_adapter(self, server: int, name: str) -> object:
+        """Per server, before an SGLang server loads the next version under the same name."""
+        ...
+
+    async def update_weight_version(self, server: int, version: int) -> object:
+        """Per server, after an SGLang server loaded the adapter: set its ``weight_version``."""
         ...

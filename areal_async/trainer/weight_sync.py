@@ -142,7 +142,7 @@ class DistributedWeightSender:
         failure = None
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, full in full_parameters(self.policy):
+        for name, full in self._named_tensors():
             if full is None or failure is not None:  # not rank 0, or failed: took part in the gather only
                 continue
             tensor = full.to(self.send_dtype).contiguous()
@@ -166,15 +166,24 @@ class DistributedWeightSender:
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
-        calls = asyncio.gather(*(
-            self.client.update_weights_from_distributed(i, names, dtypes, shapes, version, self.group_name)
-            for i in self.members
-        ))
+        calls = asyncio.gather(*(self._announce(i, names, dtypes, shapes, version) for i in self.members))
         # The servers join the broadcast when their HTTP call arrives; ours blocks until then.
         broadcast = in_daemon_thread(broadcast_, self.group, [t for _, t in bucket])
         await _with_server_calls(broadcast, calls, f"a server refused the bucket of {len(names)} tensors "
                                                    f"({names[0]}, ...) of weight version {version}, so the "
                                                    f"broadcast cannot complete")
+
+    def _named_tensors(self):
+        """``(name, full tensor or None)`` of everything a version sends, collective over the
+        trainer's ranks (``None`` on ranks other than 0): every parameter (``full_parameters``).
+        ``lora_sync.DistributedAdapterSender`` sends an adapter's tensors instead."""
+        return full_parameters(self.policy)
+
+    async def _announce(self, server: int, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                        version: int):
+        """``server``'s ``/update_weights_from_distributed`` call for one bucket."""
+        return await self.client.update_weights_from_distributed(server, names, dtypes, shapes, version,
+                                                                 self.group_name)
 
     async def _follow_live_servers(self) -> None:
         """Rank 0, before an update: rebuild the group if a member left routing, a server came back,

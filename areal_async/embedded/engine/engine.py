@@ -96,6 +96,7 @@ class Engine(StepPipeline, FlowControl):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
+        self.adapter = None  # the LoRA adapter merged into the weights (embedded/lora.py), if one
         self.vocab_size = forward.embed.weight.shape[0]
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []  # hold slots 0..len-1 and are decoded again
