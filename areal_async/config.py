@@ -228,6 +228,37 @@ class AlgoConfig(_Cfg):
     turn_rewards: Literal["sum", "reward_to_go"] = "sum"
 
 
+LORA_COMPILE_RULE = ("trainer.lora.rank > 0 with trainer.compile=true: compiling peft's LoRA layers is not "
+                     "supported here (not tested); set trainer.compile=false")
+
+
+class LoraConfig(_Cfg):
+    """LoRA adapters on the policy (``trainer.lora``; docs/lora.md). ``rank`` 0: off, full
+    fine-tuning. On: the base model is frozen and stored in ``trainer.dtype``, and only the
+    adapters (fp32, with their AdamW state) are trained and checkpointed.
+
+    ``alpha`` 0 means ``2 * rank`` (the scaling ``alpha / rank`` is then 2); ``dropout`` applies to
+    the adapters' input in the forward passes that build gradients; ``target_modules``:
+    ``"all-linear"`` (every ``nn.Linear`` of the decoder blocks: q/k/v/o and gate/up/down for
+    Llama/Qwen, never the LM head or the embeddings) or a list of their names (e.g.
+    ``[q_proj, v_proj]``).
+    """
+
+    rank: NonNegInt = 0
+    alpha: NonNegFloat = 0.0
+    dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+
+    def __post_init__(self):
+        t = self.target_modules
+        if isinstance(t, str) and t != "all-linear":
+            raise ValueError(f"trainer.lora.target_modules={t!r}: give 'all-linear' (every linear layer of the "
+                             f"decoder blocks) or a list of module names, e.g. trainer.lora.target_modules=[q_proj,v_proj]")
+        if not isinstance(t, str) and (not t or not all(t)):
+            raise ValueError(f"trainer.lora.target_modules={list(t)}: give a non-empty list of module names "
+                             f"(e.g. [q_proj,v_proj]) or 'all-linear'")
+
+
 class TrainerConfig(_Cfg):
     """The torchrun trainer: optimisation, packing, weight broadcast and checkpoints."""
 
@@ -280,6 +311,8 @@ class TrainerConfig(_Cfg):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: NonNegInt = 0
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    # LoRA adapters instead of full fine-tuning (rank 0: off; docs/lora.md)
+    lora: LoraConfig = LoraConfig()
 
 
 class RewardConfig(_Cfg):
@@ -506,6 +539,8 @@ def check_config(cfg: Config) -> None:
     if not all(0.0 <= b < 1.0 for b in cfg.trainer.adam_betas):
         raise ValueError(f"trainer.adam_betas={list(cfg.trainer.adam_betas)} must both be in [0, 1), "
                          f"e.g. [0.9, 0.999]")
+    if cfg.trainer.lora.rank and cfg.trainer.compile:
+        raise ValueError(LORA_COMPILE_RULE)
     if cfg.trainer.warmup_steps > cfg.trainer.total_steps:
         raise ValueError(f"trainer.warmup_steps={cfg.trainer.warmup_steps} is more than trainer.total_steps="
                          f"{cfg.trainer.total_steps}: the run would end before reaching trainer.lr; lower "

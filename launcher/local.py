@@ -228,6 +228,9 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
                              f"without --resume")
         recover_checkpoint(run_dir / "checkpoint")  # a publish interrupted between its two renames
         done = read_step(run_dir / "checkpoint")  # FileNotFoundError naming the fix when there is none
+        from areal_async.trainer.lora import check_checkpoint_kind
+
+        check_checkpoint_kind(run_dir / "checkpoint", cfg.trainer.lora.rank)  # adapters only, or full weights
         if done >= cfg.trainer.total_steps:
             raise ValueError(f"--resume: the checkpoint of run '{cfg.name}' is at step {done}, and "
                              f"trainer.total_steps={cfg.trainer.total_steps} leaves nothing to run; give "
@@ -288,7 +291,13 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
 
         ckpt = cfg.run_dir / "checkpoint"
         version = read_step(ckpt)
-        model = msgspec.structs.replace(cfg.model, path=str(ckpt.resolve()))
+        served = ckpt
+        if cfg.trainer.lora.rank:  # an adapter-only checkpoint: the servers start from it merged into the base
+            from launcher.merge_lora import merge
+
+            served = merge(ckpt, cfg.run_dir / "checkpoint_merged", cfg.model.path)
+            print(f"[launcher] merged the LoRA checkpoint into {served}", flush=True)
+        model = msgspec.structs.replace(cfg.model, path=str(served.resolve()))
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
     if cfg.cpu_threads == "adaptive":  # every server and trainer rank idle until it computes

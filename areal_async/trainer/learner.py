@@ -18,7 +18,10 @@ from areal_async.config import Config
 from areal_async.cpu_share import from_environment, refresh_around_layers
 from areal_async.determinism import deterministic_env
 from areal_async.trainer.checkpoint import save_hf_checkpoint
-from areal_async.trainer.policy import build_policy, full_state_dict, hf_model, init_distributed
+from areal_async.trainer.lora import (adapter_config, adapter_state_dict, base_dtype, check_checkpoint_kind,
+                                      lora_enabled, write_adapter_dir)
+from areal_async.trainer.policy import (build_policy, full_state_dict, hf_model, init_distributed,
+                                        trainable_parameters)
 from areal_async.trainer.resume import (load_training_state, publish_checkpoint, read_elapsed,
                                         save_training_state)
 from areal_async.trainer.schedule import make_scheduler
@@ -47,9 +50,16 @@ class Learner:
             torch.use_deterministic_algorithms(True)
         self.cfg, self.run_dir = cfg, run_dir
         ckpt_dir = run_dir / "checkpoint"
-        self.policy = build_policy(str(ckpt_dir) if t.resume else cfg.model.path, t, self.device,
-                                   batch_invariant=deterministic)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=t.lr, betas=t.adam_betas,
+        if t.resume:
+            check_checkpoint_kind(ckpt_dir, t.lora.rank)
+        if t.lora.rank:  # a LoRA checkpoint holds the adapters only: the base is the model's
+            self.policy = build_policy(cfg.model.path, t, self.device, batch_invariant=deterministic,
+                                       adapter_dir=str(ckpt_dir) if t.resume else None)
+        else:
+            self.policy = build_policy(str(ckpt_dir) if t.resume else cfg.model.path, t, self.device,
+                                       batch_invariant=deterministic)
+        # with LoRA the adapters only (AdamW state for them alone); all parameters otherwise
+        self.optimizer = torch.optim.AdamW(trainable_parameters(self.policy), lr=t.lr, betas=t.adam_betas,
                                            weight_decay=t.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, t)  # stepped once per training step
         self.start = load_training_state(self.policy, self.optimizer, self.scheduler, ckpt_dir) if t.resume else 0
@@ -83,11 +93,18 @@ def save_checkpoint(cfg: Config, policy, optimizer, scheduler, run_dir: pathlib.
                     buffer: list[Trajectory], elapsed_s: float = 0.0) -> None:
     """Collective: rank 0 writes ``RUN_DIR/checkpoint``: the fp32 master weights (HF directory),
     then the training state of ``step`` and the queue's saved ``buffer`` (``resume.py``), all into
-    a staging directory that replaces the previous checkpoint only once complete."""
+    a staging directory that replaces the previous checkpoint only once complete. With LoRA the
+    weights are the adapters only, a peft adapter directory (``lora.write_adapter_dir``;
+    ``launcher.merge_lora`` turns it into a full HF directory)."""
     ckpt = run_dir / "checkpoint"
-    state = full_state_dict(policy)
-    if state is not None:
-        save_hf_checkpoint(state, cfg.model.path, new_staging_dir(ckpt), torch.float32)
+    if lora_enabled(policy):
+        state = adapter_state_dict(policy)
+        if state is not None:
+            write_adapter_dir(new_staging_dir(ckpt), state, adapter_config(policy), base_dtype(policy))
+    else:
+        state = full_state_dict(policy)
+        if state is not None:
+            save_hf_checkpoint(state, cfg.model.path, new_staging_dir(ckpt), torch.float32)
     save_training_state(policy, optimizer, scheduler, staging_dir(ckpt), step, buffer, elapsed_s)
     if state is not None:
         publish_checkpoint(ckpt)

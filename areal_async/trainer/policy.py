@@ -2,7 +2,8 @@
 
 FSDP2 (also with gloo on CPU): each decoder layer is a unit and ``PackedPolicy`` the root;
 ``trainer.parallel: ddp`` keeps full replicas. Weights, gradients and optimizer state are fp32;
-``trainer.dtype`` is the compute dtype. ``trainer.compile`` compiles each decoder layer's
+``trainer.dtype`` is the compute dtype. With LoRA (``trainer.lora``, ``trainer/lora.py``) the base
+is frozen and stored in the compute dtype, and only the fp32 adapters are trained. ``trainer.compile`` compiles each decoder layer's
 ``forward`` and the head's chunks. ``full_parameters`` and ``full_state_dict`` are collectives, and
 only rank 0 gets the tensors. docs/trainer.md#data-parallelism-fsdp2-with-gloo-works-on-cpu and
 the sections after it.
@@ -22,12 +23,13 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from areal_async.batch_invariant import make_linears_batch_invariant
-from areal_async.config import TrainerConfig
+from areal_async.config import LORA_COMPILE_RULE, TrainerConfig
 from areal_async.determinism import check_compile
 from areal_async.devices import free_port
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.tcp_store import hosted_store
 from areal_async.trainer.attention import use_packed_attention
+from areal_async.trainer.lora import add_adapters, lora_enabled, merged_parameters
 from areal_async.trainer.packed_policy import PackedPolicy
 
 # trainer.dtype's choices (config.TrainerConfig; "auto" is resolved before): no float16 compute
@@ -101,22 +103,34 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
 
 
 def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
-                 batch_invariant: bool = False) -> PackedPolicy | torch.nn.Module:
+                 batch_invariant: bool = False, adapter_dir: str | None = None) -> PackedPolicy | torch.nn.Module:
     """Load the HF model in fp32, switch it to packed attention and shard/replicate it, computing
     in ``cfg.dtype``. ``batch_invariant`` (deterministic mode): every linear computes in fixed row
     tiles, so a sequence's log-probs do not depend on what else is packed with it.
 
+    ``cfg.lora.rank > 0``: LoRA adapters are injected first (``trainer/lora.py``; ``model_path``
+    is then the base model), the rest frozen and stored in ``cfg.dtype``; ``adapter_dir``: a
+    LoRA checkpoint whose adapters are loaded (``--resume``).
+
     Every rank loads the full checkpoint (small models; a meta-device init would avoid that).
 
     Raises:
-        ValueError: ``cfg.compile`` together with ``batch_invariant``.
+        ValueError: ``cfg.compile`` together with ``batch_invariant`` or with LoRA; bad
+            ``cfg.lora.target_modules``.
     """
     check_compile(cfg.compile, batch_invariant)
+    if cfg.lora.rank and cfg.compile:
+        raise ValueError(LORA_COMPILE_RULE)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank clutters the job's console
-    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    compute_dtype = dtype_from_name(cfg.dtype, _COMPUTE_DTYPES, "trainer.dtype")
+    # LoRA: the frozen base is loaded straight in the compute dtype (a bf16 base never exists in fp32)
+    load_dtype = compute_dtype if cfg.lora.rank else torch.float32
+    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=load_dtype).to(device)
     lm.config.use_cache = False
+    if cfg.lora.rank:  # before anything replaces a linear's forward: the adapters' linears are tiled too
+        add_adapters(lm, cfg.lora, model_path, compute_dtype, adapter_dir)
     use_packed_attention(lm, backend=cfg.attention_backend)
     if device.type == "cuda":
         use_fused_rms_norm(lm)
@@ -124,7 +138,6 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
         make_linears_batch_invariant(lm)
     if cfg.compile:
         compile_decoder_layers(lm)
-    compute_dtype = dtype_from_name(cfg.dtype, _COMPUTE_DTYPES, "trainer.dtype")
     if cfg.parallel == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -153,12 +166,22 @@ def full_parameters(policy: torch.nn.Module) -> Iterator[tuple[str, Tensor | Non
 
     Collective under FSDP2 (one all-gather per parameter; every rank must iterate to the end).
     Rank 0 gets the full tensor on the training device; other ranks get ``None``. Names are the
-    HF ones (``model.layers.0.self_attn.q_proj.weight``); tied weights appear once.
+    HF ones (``model.layers.0.self_attn.q_proj.weight``); tied weights appear once. With LoRA
+    (``trainer/lora.py``): the HF model's parameters with the adapters merged in (adapted weights fp32, the
+    rest in the compute dtype it is stored in), under the same names (``lora.merged_parameters``).
     """
+    if lora_enabled(policy):
+        yield from merged_parameters(policy)
+        return
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, p in hf_model(policy).named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         yield name, (full.detach() if rank == 0 else None)
+
+
+def trainable_parameters(policy: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: all of them in full fine-tuning, the adapters with LoRA."""
+    return [p for p in policy.parameters() if p.requires_grad]
 
 
 def full_state_dict(policy: torch.nn.Module) -> dict[str, Tensor] | None:

@@ -67,7 +67,9 @@ def fingerprint(run_dir: pathlib.Path) -> dict:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     metrics = [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("perf/")} for r in rows]
     trajectories = (run_dir / "trajectories.jsonl").read_text().splitlines()
-    weights = state_dict_sha256(load_file(str(run_dir / "checkpoint" / "model.safetensors")))
+    ckpt = run_dir / "checkpoint"  # a LoRA run checkpoints its adapters only
+    weights_file = ckpt / "model.safetensors" if (ckpt / "model.safetensors").exists() else ckpt / "adapter_model.safetensors"
+    weights = state_dict_sha256(load_file(str(weights_file)))
     return {"metrics": metrics, "trajectories": trajectories, "weights": weights}
 
 

@@ -1,0 +1,78 @@
+"""Merge a LoRA checkpoint into a full HF checkpoint.
+
+    python -m launcher.merge_lora ADAPTER_DIR OUT_DIR [--base PATH] [--dtype float32|bfloat16]
+
+``ADAPTER_DIR``: a LoRA run's ``RUN_DIR/checkpoint`` (or any peft adapter directory:
+``adapter_config.json`` + ``adapter_model.safetensors``). The base is ``--base`` or the adapter
+config's ``base_model_name_or_path`` (the run's ``model.path``); it is rounded to the dtype the
+trainer stored it in (``lora_base.json``, e.g. bfloat16), as the trained adapters saw it, then
+peft's ``merge_and_unload`` adds ``(alpha/r) · B A`` in fp32. ``OUT_DIR`` gets the weights in
+``--dtype`` (default float32, as a full fine-tuning checkpoint) with the base's config,
+generation config and tokenizer files (``checkpoint.save_hf_checkpoint``), written atomically;
+``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. docs/lora.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import torch
+
+from areal_async.atomic_dir import write_atomically
+from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
+from areal_async.trainer.checkpoint import save_hf_checkpoint
+from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE
+
+
+def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: str | None = None,
+          dtype: torch.dtype = torch.float32) -> pathlib.Path:
+    """Write the merged model of ``adapter_dir`` (on ``base``) into ``out_dir``; returns ``out_dir``.
+
+    Raises:
+        FileNotFoundError: ``adapter_dir`` holds no adapter (a full fine-tuning checkpoint is a
+            full HF directory already).
+        ValueError: no base given and none recorded.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = pathlib.Path(adapter_dir)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (adapter_dir / name).is_file():
+            raise FileNotFoundError(f"{adapter_dir / name} does not exist: {adapter_dir} is no LoRA checkpoint "
+                                    f"(a run with trainer.lora.rank=0 checkpoints a full HF directory, "
+                                    f"loadable as it is)")
+    base = base or json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} names no base model: give --base PATH")
+    info = json.loads((adapter_dir / LORA_BASE).read_text()) if (adapter_dir / LORA_BASE).is_file() else {}
+    stored = dtype_from_name(info.get("base_dtype", "float32"), FLOAT_DTYPES, "base_dtype")
+    lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for p in lm.parameters():  # the base as the trainer held it (tied weights: one Parameter)
+            p.data = p.data.to(stored).float()
+    merged = PeftModel.from_pretrained(lm, str(adapter_dir)).merge_and_unload()
+    state = {k: v.detach() for k, v in merged.state_dict().items()}
+    with write_atomically(out_dir) as staging:
+        save_hf_checkpoint(state, base, staging, dtype)
+    return pathlib.Path(out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launcher.merge_lora", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("adapter_dir", help="a LoRA checkpoint (RUN_DIR/checkpoint) or peft adapter directory")
+    parser.add_argument("out_dir", help="where the merged HF checkpoint is written")
+    parser.add_argument("--base", default=None, help="the base model (default: the adapter config's "
+                                                      "base_model_name_or_path)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the merged weights (default float32)")
+    args = parser.parse_args(argv)
+    out = merge(args.adapter_dir, args.out_dir, args.base, FLOAT_DTYPES[args.dtype])
+    print(f"merged {args.adapter_dir} into {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""LoRA checkpoints (adapter-only), ``--resume`` from one, and ``launcher.merge_lora``.
+
+A LoRA checkpoint is a peft adapter directory plus the usual training state
+(docs/lora.md#checkpoints): resumed, the next step is bit for bit the unbroken run's (fp32 on
+CPU, same packing, so the same arithmetic); merged, the HF checkpoint's logits equal peft's
+``PeftModel`` on the same adapter within fp32 rounding (1e-5 absolute on logits of size ~1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from areal_async.config import load_config
+from tests.support import REPO
+from tests.support.batches import make_trajectories, shared_prefix_trajectories
+
+CPU = torch.device("cpu")
+
+
+def _config(model_dir, *extra: str):
+    return load_config(None, [f"model.path={model_dir}", "trainer.lora.rank=4", "trainer.lora.dropout=0.1",
+                              "trainer.parallel=ddp", "trainer.max_tokens_per_mb=24", "trainer.warmup_steps=2",
+                              "trainer.lr=1e-3", *extra])
+
+
+def _learner(cfg, adapter_dir=None):
+    """What ``Learner`` builds on one rank (without its process group): policy, AdamW, schedule."""
+    from areal_async.trainer.policy import build_policy, trainable_parameters
+    from areal_async.trainer.schedule import make_scheduler
+
+    t = cfg.trainer
+    torch.manual_seed(cfg.seed)
+    policy = build_policy(cfg.model.path, t, CPU, adapter_dir=adapter_dir)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    return policy, optimizer, make_scheduler(optimizer, t)
+
+
+def _step(cfg, run, k: int) -> dict:
+    from areal_async.trainer.step import train_step
+
+    policy, optimizer, scheduler = run
+    trajs = (make_trajectories, shared_prefix_trajectories)[k % 2](384, seed=k)
+    metrics = train_step(policy, optimizer, trajs, cfg.algo, cfg.trainer, 1.0, CPU, version=k)
+    scheduler.step()
+    return metrics
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_exactly(tiny_model_dir, tmp_path):
+    from areal_async.trainer.learner import save_checkpoint
+    from areal_async.trainer.lora import adapter_config, adapter_state_dict
+    from areal_async.trainer.resume import load_training_state, read_step
+
+    torch.set_num_threads(1)
+    cfg = _config(tiny_model_dir)
+    unbroken = _learner(cfg)
+    want = [_step(cfg, unbroken, k) for k in range(3)]
+    stopped = _learner(cfg)
+    for k in range(2):
+        assert _step(cfg, stopped, k) == want[k]
+    save_checkpoint(cfg, *stopped, tmp_path, 2, [])
+    ckpt = tmp_path / "checkpoint"
+    assert read_step(ckpt) == 2
+    files = sorted(p.name for p in ckpt.iterdir())
+    assert "model.safetensors" not in files and {"adapter_model.safetensors", "adapter_config.json",
+                                                 "trainer_state.pt", "trainer_state.json"} <= set(files)
+    assert json.loads((ckpt / "adapter_config.json").read_text()) == adapter_config(stopped[0])
+    # the optimizer state is the adapters' only: much smaller than the model
+    model_bytes = (tiny_model_dir / "model.safetensors").stat().st_size
+    assert sum(p.stat().st_size for p in ckpt.iterdir()) < model_bytes
+
+    resumed = _learner(cfg, adapter_dir=str(ckpt))
+    assert load_training_state(*resumed, ckpt) == 2
+    saved, loaded = adapter_state_dict(stopped[0]), adapter_state_dict(resumed[0])
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert _step(cfg, resumed, 2) == want[2]  # dropout's RNG, AdamW's moments, the lr: all continue
+    final, got = adapter_state_dict(unbroken[0]), adapter_state_dict(resumed[0])
+    assert all(torch.equal(final[k], got[k]) for k in final)
+
+
+def test_a_resume_refuses_an_adapter_of_another_shape(tiny_model_dir, tmp_path):
+    from areal_async.trainer.learner import save_checkpoint
+
+    cfg = _config(tiny_model_dir)
+    save_checkpoint(cfg, *_learner(cfg), tmp_path, 0, [])
+    with pytest.raises(ValueError, match="does not match trainer.lora"):
+        _learner(_config(tiny_model_dir, "trainer.lora.rank=8"), adapter_dir=str(tmp_path / "checkpoint"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merge_lora_writes_a_checkpoint_that_matches_the_adapted_model(tiny_model_dir, tmp_path, dtype):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from areal_async.trainer.learner import save_checkpoint
+    from areal_async.trainer.policy import full_state_dict
+
+    torch.set_num_threads(1)
+    cfg = _config(tiny_model_dir, f"trainer.dtype={dtype}")
+    run = _learner(cfg)
+    for k in range(2):
+        _step(cfg, run, k)
+    save_checkpoint(cfg, *run, tmp_path, 2, [])
+    ckpt, out = tmp_path / "checkpoint", tmp_path / "merged"
+    proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(ckpt), str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert (out / "tokenizer_config.json").read_bytes() == (tiny_model_dir / "tokenizer_config.json").read_bytes()
+    # the trainer's own merge (what full_parameters sends to the servers) gives the same weights
+    ours = full_state_dict(run[0])
+    for name, p in merged.named_parameters():
+        torch.testing.assert_close(p, ours[name].float(), atol=1e-6, rtol=0, msg=name)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in base.parameters():  # the base as the trainer stored it
+            p.data = p.data.to(getattr(torch, dtype)).float()
+    ref = PeftModel.from_pretrained(base, str(ckpt))
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.no_grad():
+        got, want = merged(ids).logits, ref(ids).logits
+    assert not torch.allclose(want, AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits, atol=1e-4)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_merge_lora_refuses_a_full_checkpoint(tiny_model_dir, tmp_path):
+    from launcher.merge_lora import merge
+
+    with pytest.raises(FileNotFoundError, match="no LoRA checkpoint"):
+        merge(tiny_model_dir, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_a_lora_job_resumed_matches_the_unbroken_job(tiny_model_dir, tmp_path):
+    # the whole job through launcher.local in deterministic mode: the weight sync sends the merged
+    # weights (full_parameters), the checkpoint is adapter-only, and --resume starts the servers
+    # from it merged (RUN_DIR/checkpoint_merged) and the trainer from the base + adapters
+    from tests.support.jobs import fingerprint, run_job
+
+    lora = ("trainer.lora.rank=4", "trainer.lora.alpha=16", "trainer.lr=1e-3")
+    unbroken = fingerprint(run_job(tiny_model_dir, tmp_path, "unbroken", "deterministic", 1, steps=4, extra=lora))
+    run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 2, steps=2, extra=lora)
+    resumed_dir = run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 3, steps=4, resume=True, extra=lora)
+    resumed = fingerprint(resumed_dir)
+    assert (resumed_dir / "checkpoint_merged" / "model.safetensors").exists()
+    assert not (resumed_dir / "checkpoint" / "model.safetensors").exists()
+    assert resumed["metrics"] == unbroken["metrics"]
+    assert resumed["trajectories"] == unbroken["trajectories"]
+    assert resumed["weights"] == unbroken["weights"]
+    assert len({json.dumps(r.get("train/loss")) for r in unbroken["metrics"]}) > 2  # it trained
+
+
+def test_a_resume_refuses_a_checkpoint_of_the_other_kind(tiny_model_dir, tmp_path):
+    from areal_async.trainer.learner import save_checkpoint
+    from areal_async.trainer.lora import check_checkpoint_kind
+
+    cfg = _config(tiny_model_dir)
+    save_checkpoint(cfg, *_learner(cfg), tmp_path, 0, [])
+    check_checkpoint_kind(tmp_path / "checkpoint", 4)
+    with pytest.raises(ValueError, match="is a LoRA checkpoint.*launcher.merge_lora"):
+        check_checkpoint_kind(tmp_path / "checkpoint", 0)
+    check_checkpoint_kind(tiny_model_dir, 0)  # a full HF directory
+    with pytest.raises(ValueError, match="is a full fine-tuning checkpoint"):
+        check_checkpoint_kind(tiny_model_dir, 4)
