@@ -541,6 +541,11 @@ def check_config(cfg: Config) -> None:
                          f"e.g. [0.9, 0.999]")
     if cfg.trainer.lora.rank and cfg.trainer.compile:
         raise ValueError(LORA_COMPILE_RULE)
+    if cfg.trainer.lora.rank and cfg.inference.backend != "embedded":
+        raise ValueError(f"trainer.lora.rank={cfg.trainer.lora.rank} with inference.backend={cfg.inference.backend!r}: "
+                         f"a LoRA job runs on the embedded engine, which serves the merged adapter to every request; "
+                         f"on SGLang each request must name an adapter loaded before the first one, which the job "
+                         f"does not arrange yet (docs/lora_sync.md); use inference.backend=embedded")
     if cfg.trainer.warmup_steps > cfg.trainer.total_steps:
         raise ValueError(f"trainer.warmup_steps={cfg.trainer.warmup_steps} is more than trainer.total_steps="
                          f"{cfg.trainer.total_steps}: the run would end before reaching trainer.lr; lower "

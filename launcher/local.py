@@ -285,19 +285,18 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     placed = job_placement(cfg)
     make_argv = SERVER_ARGV[inf.backend]
     token = sup.env.get(auth.ENV)  # the job's (launch); the children read it from their environment
-    model, version, queue_args = cfg.model, 0, []
+    model, version, queue_args, lora_args = cfg.model, 0, [], []
     if cfg.trainer.resume:
         from areal_async.trainer.resume import read_step
 
         ckpt = cfg.run_dir / "checkpoint"
         version = read_step(ckpt)
-        served = ckpt
-        if cfg.trainer.lora.rank:  # an adapter-only checkpoint: the servers start from it merged into the base
-            from launcher.merge_lora import merge
+        if cfg.trainer.lora.rank:  # an adapter-only checkpoint: the servers merge it into the base at start
+            from areal_async.trainer.lora_sync import DEFAULT_LORA_NAME
 
-            served = merge(ckpt, cfg.run_dir / "checkpoint_merged", cfg.model.path)
-            print(f"[launcher] merged the LoRA checkpoint into {served}", flush=True)
-        model = msgspec.structs.replace(cfg.model, path=str(served.resolve()))
+            lora_args = ["--lora-paths", f"{DEFAULT_LORA_NAME}={ckpt.resolve()}"]
+        else:
+            model = msgspec.structs.replace(cfg.model, path=str(ckpt.resolve()))
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
     if cfg.cpu_threads == "adaptive":  # every server and trainer rank idle until it computes
@@ -307,7 +306,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         remove_stale_weights(cfg.run_dir)
     for i, url in enumerate(inf.urls()):
         argv = functools.partial(_server_argv, make_argv, inf, inf.base_port + i, cfg.mode, placed.servers[i].threads,
-                                 cfg.debug, token)
+                                 cfg.debug, token, extra=lora_args)
         restart = Restart(inf.max_server_restarts, functools.partial(server_failed, cfg, token, sup, i),
                           argv=functools.partial(restart_argv, cfg.run_dir, i, argv, model, version) if disk else None)
         health = HealthCheck(ServerProbe(url, inf.max_pause_s), inf.health_check_interval_s, inf.startup_timeout_s)

@@ -186,8 +186,9 @@ def remove_stale_weights(run_dir: pathlib.Path) -> None:
 
 
 def _server_argv(make_argv: Callable[..., list[str]], inf: InferenceConfig, port: int, mode: str, threads: int,
-                 debug: DebugConfig, token: str | None, model: ModelConfig, version: int) -> list[str]:
-    return make_argv(inf, model, port, mode, threads, debug, version, token)
+                 debug: DebugConfig, token: str | None, model: ModelConfig, version: int,
+                 extra: list[str] = ()) -> list[str]:
+    return [*make_argv(inf, model, port, mode, threads, debug, version, token), *extra]
 
 
 def restart_argv(run_dir: pathlib.Path, server: int, argv: Callable[[ModelConfig, int], list[str]],

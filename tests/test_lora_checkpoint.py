@@ -136,9 +136,9 @@ def test_merge_lora_refuses_a_full_checkpoint(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_a_lora_job_resumed_matches_the_unbroken_job(tiny_model_dir, tmp_path):
-    # the whole job through launcher.local in deterministic mode: the weight sync sends the merged
-    # weights (full_parameters), the checkpoint is adapter-only, and --resume starts the servers
-    # from it merged (RUN_DIR/checkpoint_merged) and the trainer from the base + adapters
+    # the whole job through launcher.local in deterministic mode: the weight sync sends the adapter
+    # only, the checkpoint is adapter-only, and --resume starts the servers from the base with the
+    # checkpoint's adapter merged (--lora-paths) and the trainer from the base + adapters
     from tests.support.jobs import fingerprint, run_job
 
     lora = ("trainer.lora.rank=4", "trainer.lora.alpha=16", "trainer.lr=1e-3")
@@ -146,7 +146,7 @@ def test_a_lora_job_resumed_matches_the_unbroken_job(tiny_model_dir, tmp_path):
     run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 2, steps=2, extra=lora)
     resumed_dir = run_job(tiny_model_dir, tmp_path, "resumed", "deterministic", 3, steps=4, resume=True, extra=lora)
     resumed = fingerprint(resumed_dir)
-    assert (resumed_dir / "checkpoint_merged" / "model.safetensors").exists()
+    assert "--lora-paths policy=" in (resumed_dir / "logs" / "server0.log").read_text()
     assert not (resumed_dir / "checkpoint" / "model.safetensors").exists()
     assert resumed["metrics"] == unbroken["metrics"]
     assert resumed["trajectories"] == unbroken["trajectories"]

@@ -475,3 +475,23 @@ def test_the_distributed_adapter_sender_brings_a_restarted_server_process_up_to_
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_lora_paths_merges_an_adapter_directory_before_serving(tiny_model_dir, tmp_path):
+    # the --lora-paths start of a resumed LoRA job's servers: base + the checkpoint's adapter, at the
+    # version given (0 here), served as peft serves it; a second adapter is refused
+    from areal_async.embedded.lora import load_adapter
+
+    policy = peft_policy(tiny_model_dir)
+    path = write_adapter_dir(tmp_path / "ckpt", dict(adapter_items(policy)()), adapter_config(policy))
+    prompt = prompt_ids(tiny_model_dir)
+
+    async def main():
+        async with running(tiny_model_dir) as (api, engine):
+            load_adapter(engine, "policy", path)
+            assert_serves(await api.generate(prompt, **GREEDY), policy, prompt, 0)
+            assert_holds(engine.adapter.tensors, policy)
+            with pytest.raises(ValueError, match="already holds adapter 'policy'"):
+                load_adapter(engine, "other", path)
+
+    asyncio.run(main())

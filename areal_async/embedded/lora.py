@@ -163,3 +163,27 @@ def _weight(name: str) -> str:
 
 def _other(name: str) -> str:
     return name[: -len("A.weight")] + "B.weight" if name.endswith("lora_A.weight") else name[: -len("B.weight")] + "A.weight"
+
+
+def load_adapter(engine, name: str, path: pathlib.Path) -> "Adapter":
+    """Merge the peft adapter directory ``path`` into ``engine``'s weights as adapter ``name``
+    before the engine serves (the ``--lora-paths`` flag); the version stays the engine's.
+
+    Raises:
+        ValueError: a directory the merge cannot serve (``read_adapter_dir``, ``adapter_scale``,
+            ``check_adapter_tensors``), or an adapter already held.
+    """
+    if engine.adapter is not None:
+        raise ValueError(f"--lora-paths {name}={path}: the server already holds adapter '{engine.adapter.name}'")
+    config, tensors = read_adapter_dir(path)
+    adapter_scale(config)
+    named = engine.forward.named_tensors()
+    check_adapter_tensors(named, {n: tuple(t.shape) for n, t in tensors.items()}, config.get("r"))
+    if not pairs_complete(tensors):
+        raise ValueError(f"{path} holds a lora_A without its lora_B (or the reverse); write the whole adapter")
+    adapter = Adapter(name, config)
+    adapter.path = str(path)
+    adapter.apply(named, tensors, config)
+    engine.adapter = adapter
+    return adapter
+

@@ -26,6 +26,7 @@ from ..config import DEFAULT_MAX_QUEUED
 from . import fields
 from .http_server import MAX_REQUEST_BYTES, InferenceServer, serve
 from .loading import load_engine
+from .lora import load_adapter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests that may wait for a KV slot; one more is HTTP 503 with Retry-After (SGLang's flag)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME=PATH",
+                   help="a peft adapter directory merged into the weights before serving (SGLang's flag; one adapter)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant forward: results independent of the other requests")
     p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: eager decode steps")
@@ -83,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.weight_version < fields.MAX_WEIGHT_VERSION:
         p.error(f"--weight-version {args.weight_version}: must be >= 0 and < 2**63 (the policy version "
                 f"being served)")
+    if len(args.lora_paths) > 1 or any("=" not in spec for spec in args.lora_paths):
+        p.error(f"--lora-paths {' '.join(args.lora_paths)}: give one NAME=PATH (this server merges one adapter)")
     if not (pathlib.Path(args.model_path) / "config.json").is_file():
         p.error(f"--model-path {args.model_path!r}: not an HF model directory (no config.json there)")
     try:
@@ -105,6 +110,9 @@ async def main(argv: list[str] | None = None) -> None:
                                     prefix_cache=not args.disable_radix_cache,
                                     prefix_cache_entries=args.prefix_cache_entries,
                                     max_queued_requests=args.max_queued_requests)
+    for spec in args.lora_paths:  # a resumed LoRA job's servers: the base model and the checkpoint's adapter
+        name, _, path = spec.partition("=")
+        load_adapter(engine, name, pathlib.Path(path))
     engine.cpu_share = cpu_share.from_environment()  # cpu_threads: adaptive (launcher.local sets it)
     server = InferenceServer(engine, tokenizer, args.model_path, args.stream_interval, args.served_model_name,
                              token=args.api_key, max_request_bytes=args.max_request_bytes)

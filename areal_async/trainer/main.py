@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import os
 import pathlib
 import signal
@@ -23,6 +24,8 @@ from areal_async.cpus import pin_rank
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.trainer.coordinator import connect
 from areal_async.trainer.learner import Learner
+from areal_async.trainer.lora import adapter_config, adapter_parameters, lora_enabled
+from areal_async.trainer.lora_sync import DiskAdapterSender, DistributedAdapterSender
 from areal_async.trainer.report import Timer
 from areal_async.trainer.weight_sync import DiskWeightSender, DistributedWeightSender, WeightSender
 
@@ -32,6 +35,13 @@ def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torc
     interrupting the generations in flight or waiting for them (``rollout.interrupt_on_update``)."""
     n, dtype = cfg.inference.num_servers, dtype_from_name(cfg.model.dtype, FLOAT_DTYPES, "model.dtype")
     interrupt = cfg.rollout.interrupt_on_update
+    if lora_enabled(policy):  # the adapter only (docs/lora_sync.md), merged by each server into its base
+        items, config = functools.partial(adapter_parameters, policy), functools.partial(adapter_config, policy)
+        if cfg.trainer.weight_sync == "disk":
+            return DiskAdapterSender(items, config, client, n, run_dir / "adapters", dtype, interrupt)
+        return DistributedAdapterSender(items, config, client, n, cfg.trainer.weight_sync_host,
+                                        cfg.trainer.weight_sync_port, cfg.trainer.weight_bucket_bytes, device, dtype,
+                                        interrupt)
     if cfg.trainer.weight_sync == "disk":
         return DiskWeightSender(policy, client, n, cfg.model.path, run_dir / "weights", dtype, interrupt)
     return DistributedWeightSender(policy, client, n, cfg.trainer.weight_sync_host, cfg.trainer.weight_sync_port,
