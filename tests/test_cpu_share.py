@@ -103,8 +103,13 @@ def test_placement_gives_servers_and_ranks_their_slots(tmp_path):
                              f"run_root={tmp_path}", "name=r"])
     placed = place_job(cfg, frozenset({0, 1}), 2, {})
     path = str((tmp_path / "r" / "cpu_share").resolve())
-    assert [dict(s.env) for s in placed.servers] == [{PATH_ENV: path, SLOT_ENV: "0"}, {PATH_ENV: path, SLOT_ENV: "1"}]
-    assert (placed.trainer.env[PATH_ENV], placed.trainer.env[SLOT_ENV]) == (path, "2")
+    wait = {"OMP_WAIT_POLICY": "PASSIVE"}  # threads sleep at barriers: counts may lag the ledger
+    assert [dict(s.env) for s in placed.servers] == [{**wait, PATH_ENV: path, SLOT_ENV: "0"},
+                                                     {**wait, PATH_ENV: path, SLOT_ENV: "1"}]
+    assert (placed.trainer.env[PATH_ENV], placed.trainer.env[SLOT_ENV], placed.trainer.env["OMP_WAIT_POLICY"]) == \
+        (path, "2", "PASSIVE")
+    spin = place_job(cfg, frozenset({0, 1}), 2, {"OMP_WAIT_POLICY": "ACTIVE"})
+    assert spin.servers[0].env["OMP_WAIT_POLICY"] == "ACTIVE"  # the launcher's own setting wins
     fixed = place_job(load_config(None, []), frozenset({0, 1}), 2, {})
     assert PATH_ENV not in fixed.trainer.env and dict(fixed.servers[0].env) == {}
 
