@@ -34,7 +34,7 @@ import msgspec
 
 from areal_async import auth
 from areal_async.config import Config, dump_config, load_config
-from areal_async.cpu_share import create_ledger
+from areal_async.cpu_share import PATH_ENV, create_ledger
 from areal_async.determinism import deterministic_env
 from areal_async.devices import port_in_use
 from areal_async.file_lock import file_lock
@@ -299,7 +299,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
             model = msgspec.structs.replace(cfg.model, path=str(ckpt.resolve()))
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
         print(f"[launcher] resuming at step {version} from {ckpt}", flush=True)
-    if cfg.cpu_threads == "adaptive":  # every server and trainer rank idle until it computes
+    if PATH_ENV in placed.trainer.env:  # cpu_threads: adaptive; every server and trainer rank idle until it computes
         create_ledger(cfg.run_dir / LEDGER_NAME, inf.num_servers + cfg.trainer.nproc)
     disk = cfg.trainer.weight_sync == "disk"
     if disk:

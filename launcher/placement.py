@@ -15,7 +15,8 @@ the config, the CPUs this launcher may use and its environment:
   runs on the r-th of them.
 
 ``cpu_threads: adaptive`` adds each server's and trainer rank's slot of the ledger
-(``areal_async/cpu_share.py``) to its environment; ``check_adaptive`` says where it cannot apply.
+(``areal_async/cpu_share.py``) to its environment; ``check_adaptive`` says where it does not apply
+(a warning, threads fixed) or contradicts a key (refused). ``launcher.ray`` keeps threads fixed.
 An empty key leaves that process as before: not pinned, threads divided from the CPU count
 (``cpu_count // (num_servers + nproc)``). The supervisor applies ``Place.cpus`` with
 ``sched_setaffinity`` between fork and exec, so the process and every thread it starts inherit it.
@@ -156,8 +157,10 @@ def place_job(cfg: Config, allowed: frozenset[int], cpu_count: int, environ: Map
     if both:
         warnings.append(f"inference.cpus={inf.cpus!r} and trainer.cpus={tr.cpus!r} share CPU(s) {format_list(both)}: "
                         f"the servers and the trainer compete there; give them disjoint lists to keep them apart")
-    if cfg.cpu_threads == "adaptive":
-        check_adaptive(cfg)
+    why_fixed = check_adaptive(cfg) if cfg.cpu_threads == "adaptive" else "fixed"
+    if why_fixed and why_fixed != "fixed":
+        warnings.append(why_fixed)
+    if not why_fixed:
         ledger = str((cfg.run_dir / LEDGER_NAME).resolve())
         # OpenMP threads that sleep at a barrier rather than spin: a count that lags the ledger for one
         # step or layer then costs little; spinning cost 1.45x in step time at eta = 1 (docs/performance.md)
@@ -170,28 +173,33 @@ def place_job(cfg: Config, allowed: frozenset[int], cpu_count: int, environ: Map
                         Place(worker_cpus, 0, _threads_env(worker_cpus, environ)), trainer, warnings)
 
 
-def check_adaptive(cfg: Config) -> None:
-    """Raise ``ValueError`` where ``cpu_threads: adaptive`` cannot apply: with pinned processes
-    (each keeps to its own CPUs, there is nothing to lend), fixed server threads, a CUDA device,
-    or ``mode: deterministic`` (thread counts change the order of float sums)."""
+def check_adaptive(cfg: Config) -> str:
+    """Why ``cpu_threads: adaptive`` does not apply to ``cfg``'s job (``""``: it does): a CUDA
+    device, the SGLang backend or ``mode: deterministic`` (a thread count changes the order of float
+    sums) keep the threads fixed, with this as the launcher's warning.
+
+    Raises:
+        ValueError: settings that contradict it: pinned processes (each keeps to its own CPUs, there
+            is nothing to lend) or fixed server threads.
+    """
     pinned = [f"{key}={getattr(getattr(cfg, key.partition('.')[0]), key.partition('.')[2])!r}" for key in PINNING_KEYS
               if getattr(getattr(cfg, key.partition(".")[0]), key.partition(".")[2])]
-    refusals = [
-        (pinned, f"{', '.join(pinned)} pin processes apart, so none can lend its cores; leave the placement keys "
-                 f"empty, or set cpu_threads=fixed"),
-        (cfg.inference.backend != "embedded", f"inference.backend={cfg.inference.backend!r}: only the embedded "
-                                              f"engine follows the ledger; set cpu_threads=fixed"),
-        (cfg.mode == "deterministic", "mode=deterministic needs fixed thread counts (a count changes the order of "
-                                      "float sums); set cpu_threads=fixed"),
-        (cfg.inference.threads > 0, f"inference.threads={cfg.inference.threads} fixes the servers' threads; set it "
-                                    f"to 0, or cpu_threads=fixed"),
+    if pinned:
+        raise ValueError(f"cpu_threads=adaptive: {', '.join(pinned)} pin processes apart, so none can lend its "
+                         f"cores; leave the placement keys empty, or set cpu_threads=fixed")
+    if cfg.inference.threads > 0:
+        raise ValueError(f"cpu_threads=adaptive: inference.threads={cfg.inference.threads} fixes the servers' "
+                         f"threads; set it to 0, or cpu_threads=fixed")
+    fallbacks = [
         (any(d.startswith("cuda") for d in (cfg.inference.device, cfg.trainer.device)),
-         f"inference.device={cfg.inference.device!r}, trainer.device={cfg.trainer.device!r}: adaptive threads share "
-         f"CPU cores between CPU processes; set cpu_threads=fixed on a GPU"),
+         f"inference.device={cfg.inference.device!r}, trainer.device={cfg.trainer.device!r}: the work is on a GPU"),
+        (cfg.inference.backend != "embedded", f"inference.backend={cfg.inference.backend!r}: only the embedded "
+                                              f"engine follows the ledger"),
+        (cfg.mode == "deterministic", "mode=deterministic needs fixed thread counts (a count changes the order of "
+                                      "float sums)"),
     ]
-    for refused, why in refusals:
-        if refused:
-            raise ValueError(f"cpu_threads=adaptive: {why}")
+    why = [reason for applies, reason in fallbacks if applies]
+    return f"cpu_threads=adaptive does not apply ({'; '.join(why)}): the threads stay fixed" if why else ""
 
 
 def refuse_on_ray(cfg: Config) -> None:
@@ -199,8 +207,6 @@ def refuse_on_ray(cfg: Config) -> None:
     in its Ray bundle, which this launcher does not pin; ``cluster.*`` sizes the bundles."""
     values = {key: getattr(getattr(cfg, key.partition(".")[0]), key.partition(".")[2]) for key in PINNING_KEYS}
     given = [f"{key}={value!r}" for key, value in values.items() if value]
-    if cfg.cpu_threads != "fixed":
-        given.append(f"cpu_threads={cfg.cpu_threads!r}")
     if given:
         raise ValueError(f"{', '.join(given)}: launcher.ray does not pin processes (Ray places each in its bundle: "
                          f"cluster.cpus_per_server, cluster.gpus_per_trainer_rank, ...); leave "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ from areal_async.config import load_config
 from areal_async.cpu_share import PATH_ENV, SLOT_ENV, CpuShare, create_ledger, from_environment, refresh_around_layers
 from areal_async.embedded.engine.sampling import SamplingParams
 from areal_async.embedded.loading import load_engine
-from launcher.placement import check_adaptive, place_job, refuse_on_ray
+from launcher.placement import check_adaptive, place_job
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -116,16 +117,22 @@ def test_placement_gives_servers_and_ranks_their_slots(tmp_path):
 
 @pytest.mark.parametrize("override, words", [
     ('trainer.cpus="1"', r"trainer.cpus='1' pin processes apart"),
-    ("mode=deterministic", "mode=deterministic needs fixed thread counts"),
     ("inference.threads=2", "inference.threads=2 fixes the servers' threads"),
-    ("inference.device=cuda:0", "inference.device='cuda:0'.*set cpu_threads=fixed on a GPU"),
-    ("inference.backend=sglang", "inference.backend='sglang': only the embedded engine"),
 ])
-def test_adaptive_threads_are_refused_where_they_cannot_apply(override, words):
+def test_adaptive_threads_are_refused_beside_keys_that_contradict_them(override, words):
     with pytest.raises(ValueError, match=rf"^cpu_threads=adaptive: {words}"):
         check_adaptive(load_config(None, ["cpu_threads=adaptive", override]))
 
 
-def test_ray_refuses_adaptive_threads():
-    with pytest.raises(ValueError, match=r"cpu_threads='adaptive': launcher.ray does not pin"):
-        refuse_on_ray(load_config(None, ["cpu_threads=adaptive"]))
+@pytest.mark.parametrize("override, words", [
+    ("mode=deterministic", "mode=deterministic needs fixed thread counts"),
+    ("inference.device=cuda:0", "inference.device='cuda:0'.*the work is on a GPU"),
+    ("inference.backend=sglang", "inference.backend='sglang': only the embedded engine"),
+])
+def test_where_adaptive_threads_do_not_apply_the_threads_stay_fixed_with_a_warning(override, words, tmp_path):
+    cfg = load_config(None, ["cpu_threads=adaptive", override, f"run_root={tmp_path}"])
+    placed = place_job(cfg, frozenset({0, 1}), 2, {})
+    assert len(placed.warnings) == 1
+    assert re.match(rf"cpu_threads=adaptive does not apply \({words}.*\): the threads stay fixed$", placed.warnings[0])
+    assert PATH_ENV not in placed.trainer.env and all(PATH_ENV not in s.env for s in placed.servers)
+    assert placed.servers[0].threads == 1  # 2 CPUs // (1 server + 1 rank), as fixed

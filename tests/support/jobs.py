@@ -91,7 +91,8 @@ TINY_JOB_CONFIG = "configs/quickstart_cpu.yaml"
 def tiny_job_overrides(model_dir, steps: int = 2) -> list[str]:
     """Overrides of ``TINY_JOB_CONFIG`` for a job of the tiny model that takes seconds: 2 groups of
     2 samples of 8 tokens a step, no evaluation, no wandb, and no port: every one is chosen at start."""
-    return [f"model.path={model_dir}", "model.dtype=float32", "trainer.dtype=float32", "inference.threads=1",
+    return [f"model.path={model_dir}", "model.dtype=float32", "trainer.dtype=float32", "cpu_threads=fixed",
+            "inference.threads=1",
             "inference.max_running_requests=8", "rollout.n_samples=2", "rollout.max_new_tokens=8",
             "queue.batch_size=2", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
             "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0", "eval.max_new_tokens=8",
