@@ -9,7 +9,7 @@ after the other (the machine should run nothing else meanwhile), and reads each 
 ``metrics.jsonl``. Placements, over the CPUs this process may use (``os.sched_getaffinity``; the
 first half and the second half, e.g. 0 and 1 on 2 cores):
 
-- ``none``: nothing pinned (the launcher's default);
+- ``none``: nothing pinned, fixed threads (``cpu_threads=fixed``);
 - ``split``: the servers on the first half, the trainer on the second; queue and workers float;
 - ``split-light``: as ``split``, the queue and the workers on the servers' half too;
 - ``adaptive``: nothing pinned, ``cpu_threads=adaptive`` (threads follow who computes).
@@ -47,8 +47,8 @@ def placements(allowed: list[int]) -> dict[str, list[str]]:
     half = len(allowed) // 2
     servers, trainer = format_list(allowed[:half]), format_list(allowed[half:])
     split = [f'inference.cpus="{servers}"', f'trainer.cpus="{trainer}"']
-    return {"none": [], "split": split,
-            "split-light": [*split, f'queue.cpus="{servers}"', f'rollout.cpus="{servers}"'],
+    return {"none": ["cpu_threads=fixed"], "split": ["cpu_threads=fixed", *split],
+            "split-light": ["cpu_threads=fixed", *split, f'queue.cpus="{servers}"', f'rollout.cpus="{servers}"'],
             "adaptive": ["cpu_threads=adaptive"]}
 
 
