@@ -91,7 +91,7 @@ def test_a_resume_refuses_an_adapter_of_another_shape(tiny_model_dir, tmp_path):
         _learner(_config(tiny_model_dir, "trainer.lora.rank=8"), adapter_dir=str(tmp_path / "checkpoint"))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_merge_lora_writes_a_checkpoint_that_matches_the_adapted_model(tiny_model_dir, tmp_path, dtype):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -15,7 +15,7 @@ from tests.support import REPO
 from tests.support.jobs import TINY_JOB_CONFIG, tiny_job_overrides
 
 
-@pytest.mark.parametrize("sync", ["distributed", "disk"])
+@pytest.mark.parametrize("sync", ["distributed", pytest.param("disk", marks=pytest.mark.slow)])
 def test_each_version_s_adapter_reaches_the_engine(tiny_model_dir, tmp_path, sync):
     # η = 0: every token of step k's batch was generated at version k, the trainer's version then.
     # lr 1e-2 with alpha/r = 4 moves the log-probs by ~1e-2 a step (measured), far above fp32 noise

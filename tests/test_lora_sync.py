@@ -417,6 +417,7 @@ def test_on_cuda_the_merged_adapter_is_what_the_cuda_graphs_serve(tiny_qwen3_dir
     assert fresh[0] == merged[0] and torch.equal(fresh[1], merged[1])
 
 
+@pytest.mark.slow  # 10 s; the in-process restart test above covers the sender's rule
 @pytest.mark.timeout(300)
 def test_the_distributed_adapter_sender_brings_a_restarted_server_process_up_to_date(tiny_model_dir, tmp_path):
     """Two server processes; server 1 is killed before version 1 (the group is rebuilt over server 0),
