@@ -3,7 +3,6 @@ directory (values derived by hand in comments); the whole job at the tiny shape 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,17 +12,14 @@ import pytest
 
 from areal_async.flops import DecoderShape
 from tests.support import REPO
+from tests.support.tools import load_tool
 
 TINY = DecoderShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=1024, tied=True)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_lora_job", REPO / "tools" / "bench_lora_job.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_lora_job")
 
 
 def test_prompts_have_the_lengths_drawn(bench, tmp_path):

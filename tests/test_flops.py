@@ -4,26 +4,20 @@ the tiny Qwen3 shape (hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 K/
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 import torch
 
 from areal_async.flops import (DecoderShape, causal_pairs, lora_params, shared_prompt_pairs, train_flops,
                                train_flops_per_token)
-from tests.support import REPO
+from tests.support.tools import load_tool
 
 TINY = DecoderShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=1024, tied=True)
 
 
 @pytest.fixture(scope="module")
 def shapes():
-    spec = importlib.util.spec_from_file_location("qwen3_shapes", REPO / "tools" / "qwen3_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("qwen3_shapes")
 
 
 def test_tiny_params_by_hand():
