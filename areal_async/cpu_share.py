@@ -12,7 +12,7 @@ Simplifications: the ledger is read, not locked (a process that starts computing
 read and that one's next refresh runs one piece of work oversubscribed); a process that dies while
 marked busy keeps its byte until it restarts and marks it again; the rollout workers, the queue and
 reward functions are not counted (they compute little). Thread counts change the order of float
-sums, so ``mode: deterministic`` refuses this (``launcher/placement.py``).
+sums, so in ``mode: deterministic`` the threads stay fixed (``launcher/placement.check_adaptive``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ class CpuShare:
                              f"the launcher sets it, do not set it by hand")
         self.slot = slot
         self.cpus = cpus or len(os.sched_getaffinity(0))
-        self.threads = torch.get_num_threads()
 
     def busy(self) -> None:
         self._map[self.slot] = 1
@@ -67,9 +66,8 @@ class CpuShare:
         ``torch.set_num_threads`` only on a change; returns the count. Call it on the thread that
         computes (MKL's count is per thread)."""
         threads = max(1, self.cpus // max(1, self.computing()))
-        if threads != self.threads or threads != torch.get_num_threads():
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-            self.threads = threads
         return threads
 
     @contextlib.contextmanager
@@ -81,10 +79,6 @@ class CpuShare:
             yield self
         finally:
             self.idle()
-
-    def close(self) -> None:
-        self.idle()
-        self._map.close()
 
 
 def from_environment(environ=os.environ, local_rank: int = 0) -> CpuShare | None:
@@ -110,9 +104,13 @@ def refresh_around_layers(share: CpuShare, layers) -> int:
         share.refresh()
         return None
 
+    def before_forward(module, args):
+        share.refresh()
+        return None
+
     count = 0
     for layer in layers:
-        layer.register_forward_pre_hook(lambda module, args: share.refresh() and None)
+        layer.register_forward_pre_hook(before_forward)
         layer.register_forward_hook(on_output)
         count += 1
     return count

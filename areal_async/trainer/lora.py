@@ -227,15 +227,18 @@ def base_dtype(policy: nn.Module) -> torch.dtype:
 
 
 def write_adapter_dir(out_dir: str | pathlib.Path, tensors: dict[str, Tensor], config: dict,
-                      stored_dtype: torch.dtype) -> pathlib.Path:
+                      stored_dtype: torch.dtype | None = None) -> pathlib.Path:
     """Write a peft adapter directory into the existing ``out_dir``: ``adapter_model.safetensors``
-    (``tensors``, peft names), ``adapter_config.json`` (``config``) and ``lora_base.json`` (the
-    base's dtype during training, which ``launcher.merge_lora`` rounds the base to)."""
+    (``tensors``, peft names), ``adapter_config.json`` (``config``, JSON-ready) and, with
+    ``stored_dtype`` (a checkpoint), ``lora_base.json`` (the base's dtype during training, which
+    ``launcher.merge_lora`` rounds the base to)."""
     from safetensors.torch import save_file
 
     out_dir = pathlib.Path(out_dir)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if stored_dtype is None:
+        return out_dir
     (out_dir / LORA_BASE).write_text(json.dumps({"base_model": config.get("base_model_name_or_path"),
                                                  "base_dtype": str(stored_dtype).removeprefix("torch.")}))
     return out_dir

@@ -22,7 +22,6 @@ names and endpoints: docs/lora_sync.md.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import pathlib
 from collections.abc import Callable, Iterable
@@ -31,9 +30,9 @@ import torch
 
 from areal_async.atomic_dir import remove_atomically, write_atomically
 from areal_async.inference.client import ServerError
+from areal_async.trainer import lora
 from areal_async.trainer.weight_sync import DistributedWeightSender, _rank
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # peft's file names
 DEFAULT_LORA_NAME = "policy"  # the one adapter name every version is loaded under
 AdapterItems = Callable[[], Iterable[tuple[str, "torch.Tensor | None"]]]
 
@@ -58,14 +57,10 @@ def adapter_config_json(config) -> dict:
 def write_adapter_dir(out_dir: pathlib.Path, tensors: dict[str, torch.Tensor], config: dict) -> pathlib.Path:
     """Write a peft adapter directory (``adapter_model.safetensors``, ``adapter_config.json``:
     what ``PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read) atomically
-    (``atomic_dir.write_atomically``); returns ``out_dir``."""
-    from safetensors.torch import save_file
-
+    (``atomic_dir.write_atomically``; the files: ``lora.write_adapter_dir``); returns ``out_dir``."""
     out_dir = pathlib.Path(out_dir)
     with write_atomically(out_dir) as staging:
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(staging / ADAPTER_WEIGHTS),
-                  metadata={"format": "pt"})
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config_json(config), indent=2, sort_keys=True) + "\n")
+        lora.write_adapter_dir(staging, tensors, adapter_config_json(config))
     return out_dir
 
 
