@@ -276,6 +276,10 @@ class TrainerConfig(_Cfg):
     # torch.compile each decoder layer's forward and the fused LM head's chunk kernels
     # (trainer/policy.py); not with mode: deterministic
     compile: bool = False
+    # recompute each decoder layer's activations in the backward pass instead of keeping them
+    # (torch.utils.checkpoint, non-reentrant): memory per token of a micro-batch drops from every
+    # layer's activations to one hidden state a layer, for one extra forward (trainer/policy.py)
+    activation_checkpointing: bool = False
     # packed attention on CUDA: "flash" (torch's varlen_attn) or "triton" (this project's kernels,
     # trainer/triton_packed_attention.py)
     attention_backend: Literal["flash", "triton"] = "flash"

@@ -138,6 +138,8 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
         make_linears_batch_invariant(lm)
     if cfg.compile:
         compile_decoder_layers(lm)
+    if cfg.activation_checkpointing:
+        checkpoint_decoder_layers(lm)
     if cfg.parallel == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -153,6 +155,23 @@ def build_policy(model_path: str, cfg: TrainerConfig, device: torch.device,
         return policy
     device_ids = [device.index] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(policy, device_ids=device_ids)
+
+
+def checkpoint_decoder_layers(lm: torch.nn.Module) -> None:
+    """Wrap each decoder layer's forward in ``torch.utils.checkpoint`` (non-reentrant, RNG state
+    kept, so LoRA dropout masks replay): while grad is enabled a layer keeps only its inputs and
+    runs its forward again in the backward pass. Log-probs and gradients are unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in lm.model.layers:
+        forward = layer.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
 
 
 def hf_model(policy: torch.nn.Module) -> torch.nn.Module:
