@@ -285,16 +285,14 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     placed = job_placement(cfg)
     make_argv = SERVER_ARGV[inf.backend]
     token = sup.env.get(auth.ENV)  # the job's (launch); the children read it from their environment
-    model, version, queue_args, lora_args = cfg.model, 0, [], []
+    model, version, queue_args, adapter = cfg.model, 0, [], None
     if cfg.trainer.resume:
         from areal_async.trainer.resume import read_step
 
         ckpt = cfg.run_dir / "checkpoint"
         version = read_step(ckpt)
         if cfg.trainer.lora.rank:  # an adapter-only checkpoint: the servers merge it into the base at start
-            from areal_async.trainer.lora_sync import DEFAULT_LORA_NAME
-
-            lora_args = ["--lora-paths", f"{DEFAULT_LORA_NAME}={ckpt.resolve()}"]
+            adapter = ckpt.resolve()
         else:
             model = msgspec.structs.replace(cfg.model, path=str(ckpt.resolve()))
         queue_args = ["--start-version", str(version), "--restore", str(ckpt / "buffer.msgpack")]
@@ -306,12 +304,16 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         remove_stale_weights(cfg.run_dir)
     for i, url in enumerate(inf.urls()):
         argv = functools.partial(_server_argv, make_argv, inf, inf.base_port + i, cfg.mode, placed.servers[i].threads,
-                                 cfg.debug, token, extra=lora_args)
+                                 cfg.debug, token)
+        # disk sync: from the newest weights or adapter it wrote; distributed: as first started, the next update's
+        # group rebuild sends it the current ones (docs/faults.md)
+        newest = functools.partial(restart_argv, cfg.run_dir, i, argv, model, version, adapter,
+                                   lora=bool(cfg.trainer.lora.rank))
         restart = Restart(inf.max_server_restarts, functools.partial(server_failed, cfg, token, sup, i),
-                          argv=functools.partial(restart_argv, cfg.run_dir, i, argv, model, version) if disk else None)
+                          argv=newest if disk else None)
         health = HealthCheck(ServerProbe(url, inf.max_pause_s), inf.health_check_interval_s, inf.startup_timeout_s)
-        sup.start(f"server{i}", argv(model, version), env={**deterministic_env(cfg.mode), **placed.servers[i].env},
-                  restart=restart, health=health,
+        sup.start(f"server{i}", argv(model, version, adapter),
+                  env={**deterministic_env(cfg.mode), **placed.servers[i].env}, restart=restart, health=health,
                   cpus=placed.servers[i].cpus)
     for url in inf.urls():
         _wait_until(lambda: http_status(url + "/health", 2.0) == 200, f"inference server {url}", sup,

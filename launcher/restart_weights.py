@@ -1,6 +1,7 @@
 """Which weights an inference server the launcher restarts starts from (``trainer.weight_sync=disk``).
 
-``pin`` finds the newest whole ``RUN_DIR/weights/v{N}/`` (``complete_versions``) and links its
+``pin`` finds the newest whole ``v{N}/`` of a directory the disk sync writes (``RUN_DIR/weights``:
+full weights; ``RUN_DIR/adapters``: a LoRA job's adapters; ``complete_versions``) and links its
 files into ``RUN_DIR/restart_weights/server{i}/v{N}/``, which only the launcher removes, so the
 trainer cannot remove them while the server loads them; none: the original command line
 (docs/faults.md#an-inference-server-dies-or-hangs).
@@ -16,11 +17,11 @@ import shutil
 _VERSION_DIR = re.compile(r"v(\d+)")
 
 
-def complete_versions(weights_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
-    """``(N, weights_dir/v{N})`` of every complete version directory, newest first (only the
+def complete_versions(versions_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    """``(N, versions_dir/v{N})`` of every complete version directory, newest first (only the
     exact name ``v{N}`` counts: ``.partial`` and removed ones do not, ``areal_async/atomic_dir.py``)."""
     try:
-        entries = list(pathlib.Path(weights_dir).iterdir())
+        entries = list(pathlib.Path(versions_dir).iterdir())
     except FileNotFoundError:
         return []
     found = [(int(m[1]), p) for p in entries if (m := _VERSION_DIR.fullmatch(p.name)) and p.is_dir()]
@@ -45,15 +46,15 @@ def _link_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
             shutil.copy2(path, target)
 
 
-def pin(weights_dir: pathlib.Path, pin_dir: pathlib.Path, attempts: int = 3) -> tuple[int, pathlib.Path] | None:
-    """The newest complete version in ``weights_dir`` as ``(N, pin_dir/v{N})``, its files linked
-    there (hard links); what ``pin_dir`` held before is removed first. A version removed while
-    it was being linked is given up for the newest one then, ``attempts`` times at most; ``None``:
-    no complete version (the server starts from the original weights)."""
+def pin(versions_dir: pathlib.Path, pin_dir: pathlib.Path, attempts: int = 3) -> tuple[int, pathlib.Path] | None:
+    """The newest complete version in ``versions_dir`` (full weights or an adapter) as
+    ``(N, pin_dir/v{N})``, its files linked there (hard links); what ``pin_dir`` held before is
+    removed first. A version removed while it was being linked is given up for the newest one then,
+    ``attempts`` times at most; ``None``: no complete version (the server starts as it first did)."""
     pin_dir = pathlib.Path(pin_dir)
     shutil.rmtree(pin_dir, ignore_errors=True)
     for _ in range(attempts):
-        versions = complete_versions(weights_dir)
+        versions = complete_versions(versions_dir)
         if not versions:
             return None
         version, src = versions[0]

@@ -3,8 +3,9 @@
 ``SERVER_ARGV[inference.backend]`` builds the embedded server's or ``sglang.launch_server``'s
 command line (the same flags where SGLang has them); ``ServerProbe`` asks ``GET /ready`` before
 ``GET /health_generate``, so a paused server is not taken for a hung one; ``server_failed`` and
-``restart_argv`` start a dead one again, from the disk sync's newest weights
-(docs/faults.md#an-inference-server-dies-or-hangs). Used by ``launcher.local.run_job``.
+``restart_argv`` start a dead one again, from the disk sync's newest weights, or a LoRA job's
+base model with its newest adapter (docs/faults.md#an-inference-server-dies-or-hangs). Used by
+``launcher.local.run_job``.
 """
 
 from __future__ import annotations
@@ -173,34 +174,52 @@ def server_failed(cfg: Config, token: str | None, sup: Supervisor, server: int, 
             await asyncio.wait_for(q.server_failed(server, restart=True), 30.0)
 
     asyncio.run(count())
-    return ("it starts again on its port from the newest weights of RUN_DIR/weights (the initial ones before the "
-            "first update) and rejoins the generation once it answers")
+    if cfg.trainer.weight_sync != "disk":
+        return ("it starts again on its port as it first started and rejoins the generation once the next weight "
+                "update has given it the current weights")
+    newest = "adapter of RUN_DIR/adapters" if cfg.trainer.lora.rank else "weights of RUN_DIR/weights"
+    return (f"it starts again on its port from the newest {newest} (as it first started before the first update) "
+            "and rejoins the generation once it answers")
 
 
 def remove_stale_weights(run_dir: pathlib.Path) -> None:
-    """Remove ``RUN_DIR/weights`` and ``RUN_DIR/restart_weights`` before a job with disk sync
-    starts: the versions a stopped job wrote are not this job's (a resumed job's checkpoint may be
-    older than them), so a restarted server must never start from one."""
-    for stale in ("weights", "restart_weights"):
+    """Remove ``RUN_DIR/weights``, ``RUN_DIR/adapters`` and ``RUN_DIR/restart_weights`` before a
+    job with disk sync starts: the versions a stopped job wrote are not this job's (a resumed job's
+    checkpoint may be older than them), so a restarted server must never start from one."""
+    for stale in ("weights", "adapters", "restart_weights"):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
 
 
 def _server_argv(make_argv: Callable[..., list[str]], inf: InferenceConfig, port: int, mode: str, threads: int,
                  debug: DebugConfig, token: str | None, model: ModelConfig, version: int,
-                 extra: list[str] = ()) -> list[str]:
-    return [*make_argv(inf, model, port, mode, threads, debug, version, token), *extra]
+                 adapter: pathlib.Path | None = None) -> list[str]:
+    """``make_argv``'s command line, with ``--lora-paths policy=ADAPTER`` (merged before serving) if given."""
+    argv = make_argv(inf, model, port, mode, threads, debug, version, token)
+    if adapter is None:
+        return argv
+    from areal_async.trainer.lora_sync import DEFAULT_LORA_NAME
+
+    return [*argv, "--lora-paths", f"{DEFAULT_LORA_NAME}={adapter}"]
 
 
-def restart_argv(run_dir: pathlib.Path, server: int, argv: Callable[[ModelConfig, int], list[str]],
-                 model: ModelConfig, version: int) -> list[str]:
-    """The command line of inference server ``server`` started again (``trainer.weight_sync=disk``):
-    ``argv(model, version)`` from the newest complete ``RUN_DIR/weights/v{N}/``, linked into
+def restart_argv(run_dir: pathlib.Path, server: int,
+                 argv: Callable[[ModelConfig, int, pathlib.Path | None], list[str]], model: ModelConfig,
+                 version: int, adapter: pathlib.Path | None = None, lora: bool = False) -> list[str]:
+    """The command line of inference server ``server`` started again (``trainer.weight_sync=disk``),
+    ``argv(model, version, adapter)``: full weights from the newest complete
+    ``RUN_DIR/weights/v{N}/``; with ``lora`` (``trainer.lora.rank > 0``) ``model`` with the newest
+    complete adapter ``RUN_DIR/adapters/v{N}/``. Either is linked into
     ``RUN_DIR/restart_weights/server{i}/`` so that the trainer's removal of it cannot pull it away
-    while the server loads it (``launcher/restart_weights.py``), at version N; when there is none
-    yet, ``model`` at ``version`` (the original model at 0, or a resumed job's checkpoint)."""
-    pinned = restart_weights.pin(run_dir / "weights", run_dir / "restart_weights" / f"server{server}")
+    while the server loads it (``launcher/restart_weights.py``), and served at version N; when there
+    is none yet, as it first started: ``model`` and ``adapter`` (``None``: none) at ``version``."""
+    source = run_dir / ("adapters" if lora else "weights")
+    pinned = restart_weights.pin(source, run_dir / "restart_weights" / f"server{server}")
     if pinned is not None:
         version, path = pinned
-        model = msgspec.structs.replace(model, path=str(path.resolve()))
-    print(f"[launcher] server{server} starts from {model.path} (weight version {version})", flush=True)
-    return argv(model, version)
+        if lora:
+            adapter = path.resolve()
+        else:
+            model = msgspec.structs.replace(model, path=str(path.resolve()))
+    with_adapter = f" with adapter {adapter}" if adapter is not None else ""
+    print(f"[launcher] server{server} starts from {model.path}{with_adapter} (weight version {version})", flush=True)
+    return argv(model, version, adapter)

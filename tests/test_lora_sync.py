@@ -27,42 +27,12 @@ from areal_async.devices import free_port
 from areal_async.inference.client import InferenceClient
 from areal_async.trainer.lora_sync import DiskAdapterSender, DistributedAdapterSender, update_bytes, write_adapter_dir
 from areal_async.weight_group import destroy_weight_group
-from tests.support.adapters import R, adapter_config, adapter_items, peft_policy, step
+from tests.support.adapters import (GREEDY, TOKENS, R, adapter_config, adapter_items, assert_serves, peft_policy,
+                                    reference, served, step)
 from tests.support.models import prompt_ids
 from tests.support.servers import running
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-TOKENS = 8
-
-
-def reference(model, prompt: list[int], n: int = TOKENS) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens of ``model`` (peft's unmerged forward) and their log-probs (log_softmax)."""
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-            token = int(logits.argmax())
-            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-            ids.append(token)
-    return ids[len(prompt):], torch.tensor(logprobs)
-
-
-GREEDY = {"max_new_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}
-
-
-def served(resp: dict) -> tuple[list[int], torch.Tensor, int, int]:
-    meta = resp["meta_info"]
-    return (resp["output_ids"], torch.tensor([e[0] for e in meta["output_token_logprobs"]]),
-            int(meta["weight_version"]), meta["cached_tokens"])
-
-
-def assert_serves(resp: dict, model, prompt: list[int], version: int) -> None:
-    ids, logprobs, v, _ = served(resp)
-    want_ids, want_logprobs = reference(model, prompt)
-    assert v == version
-    assert ids == want_ids
-    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-4)
 
 
 def assert_holds(engine_tensors: dict[str, torch.Tensor], model) -> None:

@@ -15,8 +15,9 @@ the trainer's LoRA module plugs in without this module knowing peft's wrapping:
 server's extension; SGLang 0.5.23 has no distributed LoRA update). ``DiskAdapterSender`` writes a
 peft adapter directory ``adapters_dir/v{N}/`` atomically and has each live server load it through
 SGLang's ``/load_lora_adapter``. Every version sends the whole adapter, so a restarted server is
-brought up to date by the next update. ``update_bytes`` is what one update moves. Decisions,
-names and endpoints: docs/lora_sync.md.
+brought up to date by the next update (with the disk sync the launcher starts it with the newest
+adapter already). ``update_bytes`` is what one update moves. Decisions, names and endpoints:
+docs/lora_sync.md.
 """
 
 from __future__ import annotations
@@ -104,8 +105,7 @@ class DiskAdapterSender:
         client: ``InferenceClient`` or a stand-in on rank 0, ``None`` elsewhere.
         num_servers: number of inference servers.
         adapters_dir: where ``v{version}/`` adapter directories are written, readable by the
-            servers; not ``RUN_DIR/weights`` (the launcher restarts a server from the newest
-            full-weight directory there): e.g. ``RUN_DIR/adapters``.
+            servers: ``RUN_DIR/adapters``, where the launcher finds the newest for a restarted server.
         save_dtype: dtype of the written adapter tensors (float32: the trainer's, bit for bit).
         interrupt_on_update: pause the servers (mode ``abort``) around the load.
         lora_name: the adapter's name on the servers.

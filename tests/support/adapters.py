@@ -1,6 +1,6 @@
 """peft adapters on the tiny models, as the trainer's LoRA module provides them
 (``areal_async/trainer/lora.py``'s ``adapter_parameters`` / ``adapter_config`` contract), for the
-LoRA sync's tests."""
+LoRA sync's tests; and what a server holding one must serve (``reference``, ``assert_serves``)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,35 @@ def adapter_items(model):
 
 def adapter_config(model) -> dict:
     return model.peft_config["default"].to_dict()
+
+
+TOKENS = 8
+
+
+def reference(model, prompt: list[int], n: int = TOKENS) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens of ``model`` (peft's unmerged forward) and their log-probs (log_softmax)."""
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return ids[len(prompt):], torch.tensor(logprobs)
+
+
+GREEDY = {"max_new_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}
+
+
+def served(resp: dict) -> tuple[list[int], torch.Tensor, int, int]:
+    meta = resp["meta_info"]
+    return (resp["output_ids"], torch.tensor([e[0] for e in meta["output_token_logprobs"]]),
+            int(meta["weight_version"]), meta["cached_tokens"])
+
+
+def assert_serves(resp: dict, model, prompt: list[int], version: int) -> None:
+    ids, logprobs, v, _ = served(resp)
+    want_ids, want_logprobs = reference(model, prompt)
+    assert v == version
+    assert ids == want_ids
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-4)
