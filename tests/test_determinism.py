@@ -5,7 +5,8 @@ tiny fixture model) with random timing jitter in workers, servers, queue and tra
 differently (``debug.jitter_seed`` 1 and 2), must give identical per-step metrics (wall-clock
 and queue-snapshot numbers excluded, ``TIMING_KEYS`` in ``tests/support/jobs.py``), identical
 trajectories (the trainer's ``trajectories.jsonl``) and identical final weights (SHA-256 over the
-state dict). The same pair of runs in ``mode: throughput`` must differ, which shows the comparison
+state dict) (``slow``: by default the seed-1 run is compared with the fault runs below, jitter
+seed 3). The same pair of runs in ``mode: throughput`` must differ, which shows the comparison
 can fail (``slow``; by default ``tests/test_episode_determinism.py`` shows it on episodes).
 
 The same job under ``launcher.ray`` (each process in a Ray actor, one actor per trainer rank) on
@@ -18,8 +19,9 @@ server's generations to server 0, same rids and seeds; the launcher restarts the
 rejoins at the trainer's next update, and the worker, and the queue hands the worker's groups out
 again), train every group once, count one server failure and restart, and equal the undisturbed
 run; without the queue's release it hangs at the batch of the lost groups, and the test fails at
-its 150 s bound; without the failover the worker dies at every try. A ``--resume`` of that run for two more steps then
-trains groups 0..N-1 exactly once each.
+its 150 s bound; without the failover the worker dies at every try (the disk-sync run is ``slow``:
+the lone-server run kills a server under the disk sync). A ``--resume`` of the distributed run for
+two more steps then trains groups 0..N-1 exactly once each.
 """
 
 import functools
@@ -33,28 +35,31 @@ import pytest
 
 from tests.support import REPO
 from tests.support.chaos import CHAOS_TOKEN, FAULT_KEYS, generating, holding, pids, start_chaos_job, wait
-from tests.support.jobs import STEPS, fingerprint, job_argv, run_job, stop_and_read
+from tests.support.jobs import STEPS, JobRuns, fingerprint, job_argv, run_job, stop_and_read
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     """``runs[mode, jitter_seed]``: the fingerprint of that undisturbed job, run on first use."""
-    root = tmp_path_factory.mktemp("det-runs")
-
-    class Runs(dict):
-        def __missing__(self, key):
-            mode, seed = key
-            self[key] = fingerprint(run_job(tiny_model_dir, root, f"{mode}-{seed}", mode, seed))
-            return self[key]
-
-    return Runs()
+    runs = JobRuns(tiny_model_dir, tmp_path_factory.mktemp("det-runs"))
+    yield runs
+    runs.close()
 
 
-def test_deterministic_runs_are_bitwise_identical_under_jitter(runs):
-    a, b = runs["deterministic", 1], runs["deterministic", 2]
-    print(f"\ndeterministic weights sha256: {a['weights']} / {b['weights']}")
+def _calm(runs) -> dict:
+    """The undisturbed deterministic run of jitter seed 1, which every other run must equal; its
+    rewards are mixed (a gradient to train on) and its staleness within η = 1."""
+    a = runs["deterministic", 1]
     assert len(a["trajectories"]) == STEPS and [r["step"] for r in a["metrics"]] == list(range(STEPS))
     assert any(0 < r["rollout/correct"] < 1 for r in a["metrics"]), "rewards were never mixed"
     assert all(r["staleness/max"] <= 1 for r in a["metrics"])
+    return a
+
+
+# the killed and lone-server runs below (jitter seed 3) equal the seed-1 run with faults on top
+@pytest.mark.slow
+def test_deterministic_runs_are_bitwise_identical_under_jitter(runs):
+    a, b = _calm(runs), runs["deterministic", 2]
+    print(f"\ndeterministic weights sha256: {a['weights']} / {b['weights']}")
     for step, (ra, rb) in enumerate(zip(a["metrics"], b["metrics"])):
         assert ra == rb, f"metrics of step {step} differ: " + str(
             {k: (ra.get(k), rb.get(k)) for k in ra.keys() | rb.keys() if ra.get(k) != rb.get(k)})
@@ -113,14 +118,15 @@ def _killed_run(tiny_model_dir, tmp_path_factory, weight_sync: str):
 
 
 @pytest.fixture(scope="module")
-def lone_server_run(tiny_model_dir, tmp_path_factory):
+def lone_server_run(tiny_model_dir, tmp_path_factory, runs):
     """A job with one inference server (disk sync, one worker) whose server is SIGKILLed while it
     runs a generation, after step 0 was logged; returns (exit status, the launcher's output, run
-    directory)."""
+    directory). The undisturbed run it is compared with runs alongside."""
     import signal
 
     from areal_async.config import load_config
 
+    runs.start(("deterministic", 1))
     root, run_dir, out, proc = start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp("lone"), "lone-server",
                                                ("inference.num_servers=1", "rollout.num_workers=1",
                                                 "trainer.weight_sync=disk"))
@@ -159,7 +165,7 @@ def test_a_job_whose_only_server_is_killed_finishes_and_equals_an_undisturbed_on
     assert sorted(int(g) for g, s in acct["groups"].items() if s == "consumed") == list(range(STEPS * 2))
     assert _trained_ids(run_dir) == list(range(STEPS * 2)), "a group was lost or trained twice"
 
-    lone, calm = fingerprint(run_dir), runs["deterministic", 1]
+    lone, calm = fingerprint(run_dir), _calm(runs)
     assert lone["metrics"][-1]["rollout/server_failures"] == lone["metrics"][-1]["rollout/server_restarts"] == 1
     strip = lambda rows: [{k: v for k, v in r.items() if k not in FAULT_KEYS} for r in rows]  # noqa: E731
     assert strip(lone["metrics"]) == strip(calm["metrics"])
@@ -172,6 +178,8 @@ def _trained_ids(run_dir: pathlib.Path) -> list[int]:
             for g in json.loads(line)["groups"]]
 
 
+# the same faults with the distributed sync below; a server killed under the disk sync: the lone-server run
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_run_equals_an_undisturbed_one(killed_run, runs):
     # The launcher restarts the worker, the queue hands its groups out again (same ids and seeds),
     # and the run ends exactly as the undisturbed 2-worker run.
@@ -204,7 +212,7 @@ def _check_the_killed_run(killed_run, runs) -> None:
     assert consumed == list(range(STEPS * 2)) and acct["requeued"] == 0
     assert _trained_ids(run_dir) == list(range(STEPS * 2)), "a group was lost or trained twice"
 
-    killed, calm = fingerprint(run_dir), runs["deterministic", 1]
+    killed, calm = fingerprint(run_dir), _calm(runs)
     assert killed["metrics"][-1]["rollout/worker_restarts"] == 1
     assert killed["metrics"][-1]["rollout/server_failures"] == killed["metrics"][-1]["rollout/server_restarts"] == 1
     assert killed["metrics"][0]["rollout/server_failures"] == 0
@@ -214,10 +222,10 @@ def _check_the_killed_run(killed_run, runs) -> None:
     assert killed["weights"] == calm["weights"]
 
 
-def test_resume_after_the_restart_trains_every_group_once(killed_run, tiny_model_dir):
-    # --resume of the run above for 2 more steps: the queue restarts at version 4 with the groups
-    # it had finished (8..11, saved with the checkpoint); every batch is trained once, in order.
-    rc, output, run_dir = killed_run
+def test_resume_after_the_restart_trains_every_group_once(killed_run_distributed, tiny_model_dir):
+    # --resume of the distributed run above for 2 more steps: the queue restarts at version 4 with
+    # the groups it had finished (8..11, saved with the checkpoint); every batch is trained once, in order.
+    rc, output, run_dir = killed_run_distributed
     assert rc == 0, output[-4000:]
     run_job(tiny_model_dir, run_dir.parent, run_dir.name, "deterministic", 4, steps=STEPS + 2,
             resume=True, extra=("rollout.num_workers=1",))
@@ -317,7 +325,7 @@ def test_the_ray_launcher_on_two_nodes_survives_a_hung_server_resumes_and_equals
     finally:
         cluster.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    on_two, calm = fingerprint(run_dir), runs["deterministic", 1]
+    on_two, calm = fingerprint(run_dir), _calm(runs)
     strip = lambda rows: [{k: v for k, v in r.items() if k not in FAULT_KEYS} for r in rows]  # noqa: E731
     assert [r["step"] for r in on_two["metrics"]] == list(range(STEPS))
     assert strip(on_two["metrics"]) == strip(calm["metrics"])

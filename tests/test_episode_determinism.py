@@ -15,7 +15,7 @@ import signal
 import pytest
 
 from tests.support.chaos import CHAOS_TOKEN, FAULT_KEYS, holding, pids, start_chaos_job, wait
-from tests.support.jobs import fingerprint, run_job, stop_and_read
+from tests.support.jobs import JobRuns, fingerprint, stop_and_read
 
 # one worker and one trainer rank (several of each: tests/test_determinism.py): a shorter suite
 EPISODES = ("rollout.workflow=tests.support.episode_envs:ThreeTurnToolEnv", "rollout.max_turns=3",
@@ -31,24 +31,19 @@ def _compared(fp: dict) -> list[dict]:
 @pytest.fixture(scope="module")
 def episode_runs(tiny_model_dir, tmp_path_factory):
     """``episode_runs[mode, jitter_seed]``: the fingerprint of that undisturbed job, run on first use."""
-    root = tmp_path_factory.mktemp("episode-runs")
-
-    class Runs(dict):
-        def __missing__(self, key):
-            mode, seed = key
-            self[key] = fingerprint(run_job(tiny_model_dir, root, f"{mode}-{seed}", mode, seed, STEPS[mode],
-                                            extra=EPISODES))
-            return self[key]
-
-    return Runs()
+    runs = JobRuns(tiny_model_dir, tmp_path_factory.mktemp("episode-runs"), STEPS, EPISODES)
+    yield runs
+    runs.close()
 
 
 @pytest.fixture(scope="module")
-def killed_episode_run(tiny_model_dir, tmp_path_factory):
+def killed_episode_run(tiny_model_dir, tmp_path_factory, episode_runs):
     """A deterministic episode job (jitter seed 2, one worker) whose worker is SIGKILLed while it
-    holds groups, after step 0 was logged; returns (exit status, the launcher's output, run directory)."""
+    holds groups, after step 0 was logged; returns (exit status, the launcher's output, run directory).
+    The undisturbed run it is compared with runs alongside."""
     from areal_async.config import load_config
 
+    episode_runs.start(("deterministic", 1))
     _, run_dir, out, proc = start_chaos_job(tiny_model_dir, tmp_path_factory.mktemp("episode-killed"),
                                             "killed-worker", EPISODES, jitter_seed=2,
                                             steps=STEPS["deterministic"])
@@ -100,6 +95,7 @@ def test_deterministic_episode_runs_are_bitwise_identical_under_jitter_and_a_kil
 
 
 def test_throughput_episode_runs_differ_under_jitter(episode_runs):
+    episode_runs.start(("throughput", 1), ("throughput", 2))  # side by side
     a, b = episode_runs["throughput", 1], episode_runs["throughput", 2]
     differ = {key: a[key] != b[key] for key in ("metrics", "trajectories", "weights")}
     print(f"\nthroughput episode weights sha256: {a['weights']} / {b['weights']}; differ: {differ}")

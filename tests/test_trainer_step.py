@@ -71,11 +71,17 @@ def _train(world: int, model_dir, tmp_path, parallel: str = "fsdp2", device_type
     return torch.load(out)
 
 
-def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, tmp_path_factory) -> dict:
+    """``_train``'s fp32 FSDP2 step on one rank, the reference of the tests below."""
+    return _train(1, tiny_model_dir, tmp_path_factory.mktemp("one-rank"))
+
+
+def test_two_ranks_match_one_rank(one_rank, tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
     before = load_file(str(tiny_model_dir / "model.safetensors"))
-    one = _train(1, tiny_model_dir, tmp_path)
+    one = one_rank
     two = _train(2, tiny_model_dir, tmp_path)
     changed = [k for k in before if not torch.equal(before[k], one["state"][k])]
     assert len(changed) == len(before), f"unchanged: {set(before) - set(changed)}"
@@ -211,10 +217,10 @@ def test_ppo_minibatches_recompute_prox(tiny_model_dir, monkeypatch):
                                torch.device("cpu"))
 
 
-def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, tmp_path):
+def test_bf16_compute_keeps_fp32_master_weights(one_rank, tiny_model_dir, tmp_path):
     # trainer.dtype=bfloat16: FSDP2 gathers bf16 parameters for compute, the update lands in the
     # fp32 master weights. Entropy (≈ log 384 ≈ 5.95 nats) agrees with fp32 to bf16 precision.
-    fp32 = _train(1, tiny_model_dir, tmp_path)
+    fp32 = one_rank
     bf16 = _train(1, tiny_model_dir, tmp_path, dtype="bfloat16")
     assert all(v.dtype == torch.float32 for v in bf16["state"].values())
     assert bf16["metrics"]["train/entropy"] == pytest.approx(fp32["metrics"]["train/entropy"], abs=2e-2)

@@ -344,12 +344,14 @@ def test_worker_cli_exit_codes(tiny_model_dir, tokenizer, tmp_path):
             await r.cleanup()
         return proc.returncode, out.decode() + err.decode(), batch
 
-    rc, log, batch = asyncio.run(asyncio.wait_for(run_cli(None), timeout=200))
+    async def both():  # side by side: each has its own fake server, queue and config
+        return await asyncio.gather(run_cli(None), run_cli("g1-s0"))
+
+    (rc, log, batch), (rc_failed, log_failed, _) = asyncio.run(asyncio.wait_for(both(), timeout=200))
     assert rc == 0, log
     assert [t.group_id for t in batch] == [0, 1] and "queue closed: " in log
     assert "prompts kept" in log
-    rc, log, _ = asyncio.run(asyncio.wait_for(run_cli("g1-s0"), timeout=200))
-    assert rc != 0 and "ServerError" in log and "HTTP 500" in log, log
+    assert rc_failed != 0 and "ServerError" in log_failed and "HTTP 500" in log_failed, log_failed
 
 
 def test_a_file_tasks_rows_reach_a_keyword_reward_from_the_worker_and_the_evaluation(tokenizer, tmp_path):

@@ -1,8 +1,9 @@
 """Small end-to-end jobs through the launcher, for the tests that run whole jobs.
 
-- The determinism job (``job_argv``, ``run_job``): ``mode`` deterministic or throughput, η = 1,
-  2 embedded servers, 2 workers, a 2-rank trainer, the tiny model, random timing jitter seeded by
-  ``jitter_seed``; ``fingerprint`` reads what must be identical across two such runs.
+- The determinism job (``job_argv``, ``run_job``; ``start_job`` and ``finish_job`` to run several
+  side by side): ``mode`` deterministic or throughput, η = 1, 2 embedded servers, 2 workers, a
+  2-rank trainer, the tiny model, random timing jitter seeded by ``jitter_seed``; ``fingerprint``
+  reads what must be identical across two such runs, ``JobRuns`` keeps one per mode and seed.
 - The tiny job (``TINY_JOB_CONFIG`` with ``tiny_job_overrides``): seconds long, every port chosen
   at start.
 - ``stop_and_read``: stop a launcher started with ``subprocess.Popen`` and read its output.
@@ -56,10 +57,58 @@ def run_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, mode: st
     """Run one job of ``steps`` steps through ``launcher.<launcher>`` (``resume``: continue the run
     ``name`` from its checkpoint; ``extra``: more overrides); returns its run directory (asserts
     exit 0)."""
-    argv = job_argv(model_dir, run_root, name, mode, jitter_seed, steps, resume, jitter_ms, extra, launcher)
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return finish_job(start_job(model_dir, run_root, name, mode, jitter_seed, steps, resume, jitter_ms, extra,
+                                launcher), run_root, name)
+
+
+def start_job(model_dir: pathlib.Path, run_root: pathlib.Path, name: str, *args, **kwargs) -> subprocess.Popen:
+    """Start ``run_job``'s job (same arguments) in the background, its output in
+    ``run_root/<name>.out``; ``finish_job`` waits for it."""
+    argv = job_argv(model_dir, run_root, name, *args, **kwargs)
+    with (run_root / f"{name}.out").open("w") as out:
+        return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_job(proc: subprocess.Popen, run_root: pathlib.Path, name: str, timeout_s: float = 300) -> pathlib.Path:
+    """Wait for the job ``start_job`` started (killed after ``timeout_s``); returns its run
+    directory (asserts exit 0)."""
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, (run_root / f"{name}.out").read_text()[-6000:]
     return run_root / name
+
+
+class JobRuns(dict):
+    """``runs[mode, jitter_seed]``: the ``fingerprint`` of that undisturbed ``run_job`` job under
+    ``root`` (``steps``: per mode, else ``STEPS``; ``extra``: more overrides), run on first use;
+    ``start`` runs jobs side by side ahead of their use; ``close`` kills those never used."""
+
+    def __init__(self, model_dir: pathlib.Path, root: pathlib.Path, steps: dict[str, int] | None = None,
+                 extra: tuple[str, ...] = ()):
+        super().__init__()
+        self._model_dir, self._root, self._steps, self._extra = model_dir, root, steps or {}, extra
+        self._started: dict[tuple[str, int], subprocess.Popen] = {}
+
+    def start(self, *keys: tuple[str, int]) -> None:
+        for mode, seed in keys:
+            if (mode, seed) not in self and (mode, seed) not in self._started:
+                self._started[mode, seed] = start_job(self._model_dir, self._root, f"{mode}-{seed}", mode, seed,
+                                                      self._steps.get(mode, STEPS), extra=self._extra)
+
+    def __missing__(self, key: tuple[str, int]) -> dict:
+        self.start(key)
+        mode, seed = key
+        self[key] = fingerprint(finish_job(self._started.pop(key), self._root, f"{mode}-{seed}"))
+        return self[key]
+
+    def close(self) -> None:
+        for proc in self._started.values():
+            proc.kill()
+            proc.wait()
 
 
 def fingerprint(run_dir: pathlib.Path) -> dict:
