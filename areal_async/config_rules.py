@@ -36,6 +36,20 @@ def _non_finite(struct: msgspec.Struct, prefix: str = "") -> tuple[str, float] |
 SEED_MAX = 2**63 - 1
 
 
+def _check_lora_on_sglang(cfg) -> None:
+    """A LoRA job on SGLang loads each adapter version from disk, generation paused (docs/lora_sync.md)."""
+    rank = cfg.trainer.lora.rank
+    if cfg.trainer.weight_sync != "disk":
+        raise ValueError(f"trainer.lora.rank={rank} with inference.backend=sglang and trainer.weight_sync="
+                         f"{cfg.trainer.weight_sync!r}: SGLang 0.5.23 has no distributed LoRA update (its load "
+                         f"from tensors takes same-host handles only); set trainer.weight_sync=disk (each adapter "
+                         f"version written to RUN_DIR/adapters and loaded by every server)")
+    if not cfg.rollout.interrupt_on_update:
+        raise ValueError(f"trainer.lora.rank={rank} with inference.backend=sglang and rollout.interrupt_on_update="
+                         f"false: SGLang replaces an adapter by unloading and loading it, and a request between "
+                         f"the two would reload the previous version; set rollout.interrupt_on_update=true")
+
+
 def check_config(cfg) -> None:
     """Rules that span several fields; raises ``ValueError`` naming the keys and the fix."""
     bad = _non_finite(cfg)
@@ -75,11 +89,8 @@ def check_config(cfg) -> None:
                          f"e.g. [0.9, 0.999]")
     if cfg.trainer.lora.rank and cfg.trainer.compile:
         raise ValueError(LORA_COMPILE_RULE)
-    if cfg.trainer.lora.rank and cfg.inference.backend != "embedded":
-        raise ValueError(f"trainer.lora.rank={cfg.trainer.lora.rank} with inference.backend={cfg.inference.backend!r}: "
-                         f"a LoRA job runs on the embedded engine, which serves the merged adapter to every request; "
-                         f"on SGLang each request must name an adapter loaded before the first one, which the job "
-                         f"does not arrange yet (docs/lora_sync.md); use inference.backend=embedded")
+    if cfg.trainer.lora.rank and cfg.inference.backend == "sglang":
+        _check_lora_on_sglang(cfg)
     if cfg.trainer.warmup_steps > cfg.trainer.total_steps:
         raise ValueError(f"trainer.warmup_steps={cfg.trainer.warmup_steps} is more than trainer.total_steps="
                          f"{cfg.trainer.total_steps}: the run would end before reaching trainer.lr; lower "

@@ -43,7 +43,7 @@ from launcher.placement import LEDGER_NAME, JobPlacement, place_job
 from launcher.ports import choose_ports, describe, is_bind_failure, keys_to_choose, read_record, write_record
 from launcher.resolve import check_devices, resolve_dtypes, resolve_tree_attention
 from launcher.servers import (PY, SERVER_ARGV, ServerProbe, _server_argv, check_backend, http_status,
-                              remove_stale_weights, restart_argv, server_failed)
+                              remove_stale_weights, restart_argv, server_failed, sglang_lora_start)
 from launcher.supervisor import HealthCheck, JobFailed, Restart, Supervisor
 
 
@@ -302,9 +302,12 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
     disk = cfg.trainer.weight_sync == "disk"
     if disk:
         remove_stale_weights(cfg.run_dir)
+    lora_flags = []
+    if cfg.trainer.lora.rank and inf.backend == "sglang":  # every /generate names the adapter: loaded from the start
+        adapter, lora_flags = sglang_lora_start(cfg, adapter)
     for i, url in enumerate(inf.urls()):
         argv = functools.partial(_server_argv, make_argv, inf, inf.base_port + i, cfg.mode, placed.servers[i].threads,
-                                 cfg.debug, token)
+                                 cfg.debug, token, lora_flags=lora_flags)
         # disk sync: from the newest weights or adapter it wrote; distributed: as first started, the next update's
         # group rebuild sends it the current ones (docs/faults.md)
         newest = functools.partial(restart_argv, cfg.run_dir, i, argv, model, version, adapter,

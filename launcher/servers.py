@@ -19,11 +19,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from typing import Callable
 
 import msgspec
 
 from areal_async.config import Config, DebugConfig, InferenceConfig, ModelConfig
+from areal_async.inference.client import LORA_NAME
 from launcher import restart_weights
 from launcher.supervisor import Supervisor
 
@@ -32,10 +34,11 @@ PY = sys.executable
 
 def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
                          threads: int, debug: DebugConfig = DebugConfig(),
-                         weight_version: int = 0, token: str | None = None) -> list[str]:
+                         weight_version: int = 0, token: str | None = None, lora: Sequence[str] = ()) -> list[str]:
     """Command line of one embedded inference server (flags mirror sglang.launch_server);
-    ``debug.jitter_ms`` becomes a per-step delay, seeded by ``jitter_seed`` and the port. The
-    ``token`` is not on it: the server reads ``AREAL_ASYNC_TOKEN`` from its environment."""
+    ``debug.jitter_ms`` becomes a per-step delay, seeded by ``jitter_seed`` and the port; ``lora``:
+    the adapter's flags (``_server_argv``). The ``token`` is not on it: the server reads
+    ``AREAL_ASYNC_TOKEN`` from its environment."""
     argv = [PY, "-m", "areal_async.embedded.server", "--model-path", model.path,
             "--host", cfg.host, "--port", str(port), "--dtype", model.dtype,
             "--max-request-bytes", str(cfg.max_request_bytes),
@@ -47,16 +50,17 @@ def embedded_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mo
     if debug.jitter_ms > 0:
         argv += ["--debug-jitter-ms", str(debug.jitter_ms), "--debug-jitter-seed",
                  str(debug.jitter_seed), "--debug-jitter-stream", str(port)]
-    return argv
+    return argv + list(lora)
 
 
 def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode: str,
                        threads: int, debug: DebugConfig = DebugConfig(),
-                       weight_version: int = 0, token: str | None = None) -> list[str]:
+                       weight_version: int = 0, token: str | None = None, lora: Sequence[str] = ()) -> list[str]:
     """Command line of one real SGLang server (``python -m sglang.launch_server``); SGLang has
     no step jitter, so ``debug`` is ignored, nor a body limit (``max_request_bytes``). ``token``
     becomes ``--api-key`` (SGLang reads it from no environment variable), so it shows in the
-    process list of this machine's users."""
+    process list of this machine's users. ``lora``: the adapter's flags (``_server_argv``), before
+    ``inference.sglang_args``, which may override them."""
     argv = [PY, "-m", "sglang.launch_server", "--model-path", model.path, "--host", cfg.host,
             "--port", str(port), "--dtype", model.dtype,
             "--max-running-requests", str(cfg.max_running_requests),
@@ -67,7 +71,36 @@ def sglang_server_argv(cfg: InferenceConfig, model: ModelConfig, port: int, mode
     argv += _engine_flags(cfg, mode)
     if token:
         argv.append(f"--api-key={token}")  # one word: a token may start with "-", which argparse would take for a flag
-    return argv + list(cfg.sglang_args)
+    return argv + list(lora) + list(cfg.sglang_args)
+
+
+# SGLang's adapter slots per batch: the policy's, and the base model's for the requests naming no
+# adapter (the launcher's /health_generate probes)
+SGLANG_LORAS_PER_BATCH = 2
+
+
+def sglang_lora_flags(rank: int, target_modules: Sequence[str]) -> list[str]:
+    """SGLang's flags for serving a LoRA adapter of rank ``rank`` on ``target_modules`` (its
+    ``--lora-paths`` comes with the adapter, ``_server_argv``)."""
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras-per-batch", str(SGLANG_LORAS_PER_BATCH),
+            "--lora-target-modules", *target_modules]
+
+
+def sglang_lora_start(cfg: Config, adapter: pathlib.Path | None) -> tuple[pathlib.Path, list[str]]:
+    """For a LoRA job on SGLang, which serves the base model to a request naming no loaded adapter:
+    the adapter its servers start with under the name ``policy`` (``adapter``, a resumed job's
+    checkpoint, or else version 0, ``lora.initial_adapter`` in ``model.dtype``, written to
+    ``RUN_DIR/adapters/v0``) and ``sglang_lora_flags`` for ``trainer.lora``. Call after
+    ``remove_stale_weights``."""
+    from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
+    from areal_async.trainer.lora import initial_adapter
+    from areal_async.trainer.lora_sync import write_adapter_dir
+
+    dtype = dtype_from_name(cfg.model.dtype, FLOAT_DTYPES, "model.dtype")
+    tensors, config = initial_adapter(cfg.model.path, cfg.trainer.lora, dtype)
+    if adapter is None:
+        adapter = write_adapter_dir(cfg.run_dir / "adapters" / "v0", tensors, config).resolve()
+    return adapter, sglang_lora_flags(config["r"], config["target_modules"])
 
 
 def _engine_flags(cfg: InferenceConfig, mode: str) -> list[str]:
@@ -192,14 +225,11 @@ def remove_stale_weights(run_dir: pathlib.Path) -> None:
 
 def _server_argv(make_argv: Callable[..., list[str]], inf: InferenceConfig, port: int, mode: str, threads: int,
                  debug: DebugConfig, token: str | None, model: ModelConfig, version: int,
-                 adapter: pathlib.Path | None = None) -> list[str]:
-    """``make_argv``'s command line, with ``--lora-paths policy=ADAPTER`` (merged before serving) if given."""
-    argv = make_argv(inf, model, port, mode, threads, debug, version, token)
-    if adapter is None:
-        return argv
-    from areal_async.trainer.lora_sync import DEFAULT_LORA_NAME
-
-    return [*argv, "--lora-paths", f"{DEFAULT_LORA_NAME}={adapter}"]
+                 adapter: pathlib.Path | None = None, *, lora_flags: Sequence[str] = ()) -> list[str]:
+    """``make_argv``'s command line; with ``adapter``, ``lora_flags`` (SGLang's: ``sglang_lora_flags``)
+    and ``--lora-paths policy=ADAPTER`` (served from the start: the embedded server merges it)."""
+    lora = () if adapter is None else [*lora_flags, "--lora-paths", f"{LORA_NAME}={adapter}"]
+    return make_argv(inf, model, port, mode, threads, debug, version, token, lora=lora)
 
 
 def restart_argv(run_dir: pathlib.Path, server: int,

@@ -138,6 +138,16 @@ def _version(url: str, raw) -> int:
                                     "--weight-version 0 (a version that reports it in meta_info)") from None
 
 
+LORA_NAME = "policy"  # the one adapter name a LoRA job's servers load every version under
+
+
+def job_lora_path(backend: str, lora_rank: int) -> str | None:
+    """The ``lora_path`` every ``/generate`` of a job names: ``LORA_NAME`` for a LoRA job
+    (``lora_rank > 0``) on ``"sglang"``, which serves the base model to a request naming no adapter;
+    ``None`` otherwise (the embedded engine serves its merged adapter to every request)."""
+    return LORA_NAME if lora_rank > 0 and backend == "sglang" else None
+
+
 class InferenceClient:
     """Async client for one or more servers (``urls``: e.g. ``["http://127.0.0.1:30000"]``).
 

@@ -124,7 +124,7 @@ class GenerationWorker:
 
 async def main(cfg: Config, worker_id: int) -> None:
     from areal_async.data import load_task
-    from areal_async.inference.client import InferenceClient
+    from areal_async.inference.client import InferenceClient, job_lora_path
     from areal_async.model.source import load_tokenizer, resolve_model_path
     from areal_async.queue.client import QueueClient
 
@@ -140,7 +140,8 @@ async def main(cfg: Config, worker_id: int) -> None:
         async with InferenceClient(urls, timeout_s=inf.request_timeout_s, token=auth.job_token(),
                                    health_check_interval_s=inf.health_check_interval_s,
                                    max_pause_s=inf.max_pause_s,
-                                   rejoin_timeout_s=inf.server_rejoin_timeout_s) as client:
+                                   rejoin_timeout_s=inf.server_rejoin_timeout_s,
+                                   lora_path=job_lora_path(inf.backend, cfg.trainer.lora.rank)) as client:
             await client.wait_healthy(inf.startup_timeout_s)
             queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token())
             async with queue:

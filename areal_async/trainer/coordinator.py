@@ -130,7 +130,7 @@ class Coordinator:
         what was opened."""
         from areal_async.data import load_task
         from areal_async.data.prompts import PromptSet
-        from areal_async.inference.client import InferenceClient
+        from areal_async.inference.client import InferenceClient, job_lora_path
         from areal_async.metrics import MetricsLogger
         from areal_async.model.source import load_tokenizer
         from areal_async.queue.client import QueueClient
@@ -145,7 +145,8 @@ class Coordinator:
             InferenceClient(inf.urls(), timeout_s=inf.request_timeout_s, token=auth.job_token(),
                             health_check_interval_s=inf.health_check_interval_s,
                             max_pause_s=inf.max_pause_s,
-                            rejoin_timeout_s=inf.server_rejoin_timeout_s))
+                            rejoin_timeout_s=inf.server_rejoin_timeout_s,
+                            lora_path=job_lora_path(inf.backend, t.lora.rank)))  # the evaluation's /generate
         await client.wait_healthy(inf.startup_timeout_s)
         queue = await stack.enter_async_context(
             await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token()))

@@ -10,7 +10,8 @@ model keeps its class, its ``model`` / ``lm_head`` and its parameter order, so `
 runs it unchanged.
 
 Public, for the weight sync: ``lora_enabled``, ``adapter_parameters`` (a collective, like
-``policy.full_parameters``) and ``adapter_config``. Names are peft's
+``policy.full_parameters``) and ``adapter_config``; for the launcher, ``initial_adapter`` (version 0,
+from the model's config alone: what an SGLang server of a LoRA job starts with). Names are peft's
 (``get_peft_model_state_dict``: ``base_model.model.<hf module>.lora_A.weight``), so a directory with
 ``adapter_model.safetensors`` of those tensors and ``adapter_config.json`` of that dict is what
 ``PeftModel.save_pretrained`` writes and ``PeftModel.from_pretrained`` loads (``write_adapter_dir``).
@@ -19,6 +20,7 @@ Public, for the weight sync: ``lora_enabled``, ``adapter_parameters`` (a collect
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from collections.abc import Iterator
 
@@ -190,10 +192,41 @@ def adapter_config(policy: nn.Module) -> dict:
     writes it (``r``, ``lora_alpha``, ``target_modules`` sorted, ``lora_dropout``,
     ``base_model_name_or_path``, ``peft_type: "LORA"``, ``task_type: "CAUSAL_LM"``, ...). Not a
     collective."""
-    out = _peft_config(policy).to_dict()
-    out = {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
+    return _config_json(_peft_config(policy))
+
+
+def _config_json(peft_cfg) -> dict:
+    out = {k: sorted(v) if isinstance(v, set) else v for k, v in peft_cfg.to_dict().items()}
     out["inference_mode"] = True  # as save_pretrained writes it
     return json.loads(json.dumps(out, default=str))
+
+
+def initial_adapter(model_path: str, cfg: LoraSettings, dtype: torch.dtype = torch.float32,
+                    seed: int = 0) -> tuple[dict[str, Tensor], dict]:
+    """The adapter of version 0 for ``trainer.lora`` on the model at ``model_path``, from its
+    config alone (the model is built on the meta device: no weights read): ``(tensors, config)``,
+    what ``adapter_state_dict`` and ``adapter_config`` give for a fresh policy, save the values:
+    ``lora_A`` Kaiming-uniform (``a = sqrt(5)``, peft's init) from a generator seeded ``seed``,
+    ``lora_B`` zero, so the adapted model is the base; tensors in ``dtype``, peft names.
+
+    Raises:
+        ValueError: bad ``target_modules`` (see ``resolve_target_modules``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    targets = resolve_target_modules(lm, cfg.target_modules)
+    peft_cfg = make_peft_config(cfg, targets, model_path)
+    peft_cfg.target_modules = set(targets)  # as add_adapters leaves it
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in lm.named_modules():  # add_adapters' targets: the decoder blocks' linears
+        if isinstance(module, nn.Linear) and name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in targets:
+            a = nn.init.kaiming_uniform_(torch.empty(cfg.rank, module.in_features), a=math.sqrt(5), generator=gen)
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.to(dtype)
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(module.out_features, cfg.rank, dtype=dtype)
+    return tensors, _config_json(peft_cfg)
 
 
 def adapter_parameters(policy: nn.Module) -> Iterator[tuple[str, Tensor | None]]:

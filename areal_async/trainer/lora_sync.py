@@ -30,11 +30,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from areal_async.atomic_dir import remove_atomically, write_atomically
-from areal_async.inference.client import ServerError
+from areal_async.inference.client import LORA_NAME, ServerError
 from areal_async.trainer import lora
 from areal_async.trainer.weight_sync import DistributedWeightSender, _rank
 
-DEFAULT_LORA_NAME = "policy"  # the one adapter name every version is loaded under
 AdapterItems = Callable[[], Iterable[tuple[str, "torch.Tensor | None"]]]
 
 
@@ -79,7 +78,7 @@ class DistributedAdapterSender(DistributedWeightSender):
 
     def __init__(self, items: AdapterItems, config, client, num_servers: int, master_address: str,
                  master_port: int, bucket_bytes: int, device: torch.device, send_dtype: torch.dtype = torch.float32,
-                 interrupt_on_update: bool = True, lora_name: str = DEFAULT_LORA_NAME):
+                 interrupt_on_update: bool = True, lora_name: str = LORA_NAME):
         super().__init__(None, client, num_servers, master_address, master_port, bucket_bytes, send_dtype, device,
                          interrupt_on_update)
         self.items, self.config, self.lora_name = items, config, lora_name
@@ -121,7 +120,7 @@ class DiskAdapterSender:
 
     def __init__(self, items: AdapterItems, config, client, num_servers: int, adapters_dir: pathlib.Path,
                  save_dtype: torch.dtype = torch.float32, interrupt_on_update: bool = True,
-                 lora_name: str = DEFAULT_LORA_NAME, backend: str = "embedded"):
+                 lora_name: str = LORA_NAME, backend: str = "embedded"):
         if backend not in ("embedded", "sglang"):
             raise ValueError(f"backend {backend!r} is not 'embedded' or 'sglang'")
         if backend == "sglang" and not interrupt_on_update:

@@ -38,7 +38,8 @@ def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torc
     if lora_enabled(policy):  # the adapter only (docs/lora_sync.md), merged by each server into its base
         items, config = functools.partial(adapter_parameters, policy), functools.partial(adapter_config, policy)
         if cfg.trainer.weight_sync == "disk":
-            return DiskAdapterSender(items, config, client, n, run_dir / "adapters", dtype, interrupt)
+            return DiskAdapterSender(items, config, client, n, run_dir / "adapters", dtype, interrupt,
+                                     backend=cfg.inference.backend)
         return DistributedAdapterSender(items, config, client, n, cfg.trainer.weight_sync_host,
                                         cfg.trainer.weight_sync_port, cfg.trainer.weight_bucket_bytes, device, dtype,
                                         interrupt)

@@ -15,6 +15,7 @@
 - ``listening``: the TCP sockets a process listens on (``/proc``).
 - ``parity_reward``: a reward a random model earns half the time (named by dotted path in configs).
 - ``sglang_ref``: running SGLang's own code in ``.venv-sglang``.
+- ``lora_jobs``: a LoRA job on SGLang set up by the launcher and its processes, stopped before anything runs.
 - ``peers``: verl's, AReaL's and TRL's own loss code from ``.peers``, for the loss parity tests.
 - ``reward_forms``: reward functions of each signature, named by dotted path in reward tests.
 - ``chat_templates``: a Qwen3-shaped chat template (tool results grouped, earlier reasoning dropped).
