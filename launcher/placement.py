@@ -157,10 +157,11 @@ def place_job(cfg: Config, allowed: frozenset[int], cpu_count: int, environ: Map
     if both:
         warnings.append(f"inference.cpus={inf.cpus!r} and trainer.cpus={tr.cpus!r} share CPU(s) {format_list(both)}: "
                         f"the servers and the trainer compete there; give them disjoint lists to keep them apart")
-    why_fixed = check_adaptive(cfg) if cfg.cpu_threads == "adaptive" else "fixed"
-    if why_fixed and why_fixed != "fixed":
+    adaptive = cfg.cpu_threads == "adaptive"
+    why_fixed = check_adaptive(cfg) if adaptive else ""
+    if why_fixed:
         warnings.append(why_fixed)
-    if not why_fixed:
+    if adaptive and not why_fixed:
         ledger = str((cfg.run_dir / LEDGER_NAME).resolve())
         # OpenMP threads that sleep at a barrier rather than spin: a count that lags the ledger for one
         # step or layer then costs little; spinning cost 1.45x in step time at eta = 1 (docs/performance.md)
