@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 from collections.abc import Iterator
 
 import torch
@@ -85,6 +86,12 @@ def resolve_target_modules(lm: nn.Module, target: str | tuple[str, ...] | list[s
     return list(dict.fromkeys(target))
 
 
+def _block_pattern(targets: list[str]) -> str:
+    """The adapted modules as the regex peft full-matches against module names: the ``targets``
+    linears inside the decoder blocks only (peft would match a bare name anywhere in the model)."""
+    return rf"model\.layers\.\d+\..*\b({'|'.join(targets)})$"
+
+
 def make_peft_config(cfg: LoraSettings, target_modules: list[str], base_model_path: str):
     """peft's ``LoraConfig`` for ``trainer.lora`` (a causal LM, no bias, peft's default init: A
     Kaiming-uniform, B zero, so the adapted model starts as the base)."""
@@ -134,9 +141,8 @@ def add_adapters(lm: nn.Module, cfg: LoraSettings, base_model_path: str, compute
     from peft.tuners.lora import LoraLayer
 
     targets = resolve_target_modules(lm, cfg.target_modules)
-    # peft matches target names anywhere in the model: keep the adapters in the decoder blocks
     peft_cfg = make_peft_config(cfg, targets, base_model_path)
-    peft_cfg.target_modules = rf"model\.layers\.\d+\..*\b({'|'.join(targets)})$"
+    peft_cfg.target_modules = _block_pattern(targets)
     inject_adapter_in_model(peft_cfg, lm, adapter_name=ADAPTER_NAME)
     peft_cfg.target_modules = set(targets)  # what adapter_config.json names (servers, PeftModel)
     layers = [m for name, m in lm.named_modules() if isinstance(m, LoraLayer)]
@@ -219,10 +225,11 @@ def initial_adapter(model_path: str, cfg: LoraSettings, dtype: torch.dtype = tor
     targets = resolve_target_modules(lm, cfg.target_modules)
     peft_cfg = make_peft_config(cfg, targets, model_path)
     peft_cfg.target_modules = set(targets)  # as add_adapters leaves it
+    adapted = re.compile(_block_pattern(targets))  # the modules add_adapters' injection adapts
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, module in lm.named_modules():  # add_adapters' targets: the decoder blocks' linears
-        if isinstance(module, nn.Linear) and name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in targets:
+    for name, module in lm.named_modules():
+        if isinstance(module, nn.Linear) and adapted.fullmatch(name):
             a = nn.init.kaiming_uniform_(torch.empty(cfg.rank, module.in_features), a=math.sqrt(5), generator=gen)
             tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.to(dtype)
             tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = torch.zeros(module.out_features, cfg.rank, dtype=dtype)
