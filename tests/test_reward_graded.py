@@ -26,6 +26,7 @@ RIGHT = "4 + 3 = 7\n7 + 7 = 14\nThe answer is \\boxed{14}."
     (RIGHT, 3 / 3),                                                    # both steps and the total
     ("4 + 3 = 7\n7 + 7 = 15\nThe answer is \\boxed{15}.", 1 / 3),      # right until line 2
     ("4 + 3 = 8\n8 + 7 = 15\n\\boxed{15}", 0 / 3),                     # the first line wrong
+    ("4 + 3 = 8\n7 + 7 = 14\n\\boxed{14}", 0 / 3),                     # a wrong line stops the count
     ("4 + 3 = 7\n7 + 7 = 14\nThe answer is \\boxed{15}.", 2 / 3),      # wrong boxed total
     ("4 + 3 = 7\n7 + 7 = 14\nThe answer is 14.", 2 / 3),               # no box
     ("  4+3 =7 \n\n\t7 +  7=14\nThe answer is \\boxed{ 14 }.", 3 / 3),  # whitespace, a blank line
@@ -70,6 +71,7 @@ def test_graded_pool_scales_v_and_refuses_values_outside_0_1(capsys):
         # reward = wrong + v * (correct - wrong) = -5 + 10 v; correct only at v = 1
         assert await pool.score(value_of_gold, "", "0") == RewardResult(-5.0, False, False, False)
         assert await pool.score(value_of_gold, "", "0.3") == RewardResult(-2.0, False, False, False)
+        assert await pool.score(value_of_gold, "", "0.7") == RewardResult(2.0, False, False, False)
         assert await pool.score(value_of_gold, "", "1") == RewardResult(5.0, True, False, False)
         assert await pool.score(value_of_gold, "\\boxed{1}", "1") == RewardResult(5.0, True, False, True)
         for bad in ("1.5", "-0.1", "nan"):  # an error: scored as wrong (v = 0) and counted
@@ -79,7 +81,7 @@ def test_graded_pool_scales_v_and_refuses_values_outside_0_1(capsys):
         assert third == RewardResult(-5.0 + (1 / 3) * 10.0, False, False, True)
         assert third.reward == pytest.approx(-5 / 3)
         assert await pool.score("longchain_steps", RIGHT, "14", item=ITEM) == RewardResult(5.0, True, False, True)
-        assert pool.stats() == {"reward/calls": 9, "reward/errors": 3, "reward/timeouts": 0,
+        assert pool.stats() == {"reward/calls": 10, "reward/errors": 3, "reward/timeouts": 0,
                                 "reward/restarts": 0}
 
     with RewardPool(cfg) as pool:
