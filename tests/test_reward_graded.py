@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -105,3 +106,14 @@ def test_pool_off_is_pass_fail_as_before():
 
     with RewardPool(cfg) as pool:
         asyncio.run(body(pool))
+
+
+def test_measure_task_reports_the_step_credit_groups_need():
+    from tests.support.tools import load_tool
+
+    step_credit = load_tool("measure_task").step_credit
+    # v = [1, 0 | 1, 1]: mean 3/4; group stds 0.5 and 0 -> mean 0.25; one group of two mixed
+    texts = [RIGHT, "", RIGHT, RIGHT]
+    assert step_credit(texts, [ITEM] * 4, 2) == (0.75, 0.25, 0.5)
+    mean, std, mixed = step_credit(texts, [ITEM] * 4, 1)
+    assert mean == 0.75 and math.isnan(std) and math.isnan(mixed)
