@@ -317,10 +317,11 @@ class TrainerConfig(_Cfg):
 class RewardConfig(_Cfg):
     """Verifiable reward: +``correct`` / ``wrong`` (sequence level), computed in a process pool.
 
-    ``fn`` replaces the task's own reward function: a registered name (``math``, ``longchain_steps``) or an import
-    path ``package.module:function`` of a top-level function, either ``fn(response, gold) ->
-    float`` or one taking by keyword any of ``response``, ``answer``, ``messages``, ``item``
-    (``areal_async/reward/fn.py``); empty keeps the task's. A reward process that dies is replaced and its call retried once;
+    ``fn`` replaces the task's own reward function: a registered name (``math``,
+    ``longchain_steps``) or an import path ``package.module:function`` of a top-level function,
+    either ``fn(response, gold) -> float`` or one taking by keyword any of ``response``,
+    ``answer``, ``messages``, ``item`` (``areal_async/reward/fn.py``); empty keeps the task's. A
+    reward process that dies is replaced and its call retried once;
     ``max_consecutive_deaths`` deaths in a row (no call ending otherwise in between) stop the job.
 
     ``graded`` off: reward ``correct`` when the function returns > 0.5, else ``wrong``. On: the

@@ -134,8 +134,9 @@ class RewardPool:
     """Scores responses in worker processes; use as a context manager or call ``close()``.
 
     Args:
-        cfg: ``correct``, ``wrong``, ``graded``, ``format_bonus``, ``timeout_s`` (per call, counted from
-            the moment a process takes the call), ``num_procs``, ``max_consecutive_deaths``.
+        cfg: ``correct``, ``wrong``, ``graded``, ``format_bonus``, ``timeout_s`` (per call,
+            counted from the moment a process takes the call), ``num_procs``,
+            ``max_consecutive_deaths``.
 
     Raises:
         ValueError: ``num_procs < 1``, ``timeout_s <= 0``, ``max_consecutive_deaths < 1``, or
