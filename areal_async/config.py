@@ -317,16 +317,22 @@ class TrainerConfig(_Cfg):
 class RewardConfig(_Cfg):
     """Verifiable reward: +``correct`` / ``wrong`` (sequence level), computed in a process pool.
 
-    ``fn`` replaces the task's own reward function: a registered name (``math``) or an import
-    path ``package.module:function`` of a top-level function, either ``fn(response, gold) ->
-    float`` or one taking by keyword any of ``response``, ``answer``, ``messages``, ``item``
-    (``areal_async/reward/fn.py``); empty keeps the task's. A reward process that dies is replaced and its call retried once;
+    ``fn`` replaces the task's own reward function: a registered name (``math``,
+    ``longchain_steps``) or an import path ``package.module:function`` of a top-level function,
+    either ``fn(response, gold) -> float`` or one taking by keyword any of ``response``,
+    ``answer``, ``messages``, ``item`` (``areal_async/reward/fn.py``); empty keeps the task's. A
+    reward process that dies is replaced and its call retried once;
     ``max_consecutive_deaths`` deaths in a row (no call ending otherwise in between) stop the job.
+
+    ``graded`` off: reward ``correct`` when the function returns > 0.5, else ``wrong``. On: the
+    function returns v in [0, 1] and the reward is ``wrong + v * (correct - wrong)``; counted
+    correct only at v = 1 (full credit); v outside [0, 1] or NaN scores as an error (wrong).
     """
 
     fn: str = ""
     correct: float = 5.0
     wrong: float = -5.0
+    graded: bool = False
     format_bonus: float = 0.0
     timeout_s: PosFloat = 5.0
     num_procs: PosInt = 1

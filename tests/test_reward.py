@@ -159,7 +159,7 @@ def test_reward_fn_by_import_path_and_errors():
     fn = resolve_reward_fn("tests.support.parity_reward:even_length")
     assert fn("ab", "") == 1.0 and fn("abc", "") == 0.0
     assert resolve_reward_fn("math") is math_reward
-    with pytest.raises(ValueError, match="registered: \\['math'\\]"):
+    with pytest.raises(ValueError, match="registered: \\['longchain_steps', 'math'\\]"):
         resolve_reward_fn("maths")
     with pytest.raises(ValueError, match="does not import"):
         resolve_reward_fn("tests.support.parity_reward:missing")

@@ -5,7 +5,11 @@ wrong: zero advantage everywhere) nor too easy for the starting model. This scri
 ``--group`` responses per prompt with HF ``generate`` (batched, left padding) and prints, per task
 and temperature: n samples, pass rate, the share of responses with a non-empty ``\\boxed{}``,
 the share of groups with mixed rewards, the mean response length in tokens, and the share cut off
-at ``--max-new-tokens`` with no end-of-sequence token (``trunc``).
+at ``--max-new-tokens`` with no end-of-sequence token (``trunc``). For ``longchain`` also the step
+credit v of ``areal_async.reward.running_sum.longchain_steps`` (the value ``reward.graded`` scales):
+its mean (``step_v``), its population std within a group averaged over groups (``v_std``), and the
+share of groups whose v are not all equal (``v_mixed``: the groups GRPO learns from under graded
+rewards); ``nan`` for the other tasks and at T = 0.
 
 Candidate tasks (all with a system prompt and optional few-shot chat demonstrations whose
 assistant answers end in ``\\boxed{N}``):
@@ -102,7 +106,7 @@ def build_prompts(task: str, n: int, few_shot: int, seed: int, gsm: list[dict]):
         from areal_async.data import load_task
 
         ds = load_task(DataConfig(task=task, few_shot=few_shot), "test")
-        return [(ds.messages(i), ds.gold(i)) for i in range(min(n, len(ds)))]
+        return [(ds.messages(i), ds.gold(i), ds.item(i).row) for i in range(min(n, len(ds)))]
     rng, demo_rng = random.Random(seed), random.Random(seed + 10_000)
     out = []
     for _ in range(n):
@@ -113,8 +117,21 @@ def build_prompts(task: str, n: int, few_shot: int, seed: int, gsm: list[dict]):
                      {"role": "assistant", "content": demo}]
         q, gold, _ = make_item(task, rng, gsm)
         msgs.append({"role": "user", "content": f"{q} {INSTRUCTION}"})
-        out.append((msgs, gold))
+        out.append((msgs, gold, {}))
     return out
+
+
+def step_credit(texts: list[str], rows: list[dict], group: int) -> tuple[float, float, float]:
+    """``(mean v, mean within-group population std of v, share of groups whose v differ)`` of
+    ``longchain_steps``; ``texts`` and ``rows`` in consecutive groups of ``group``."""
+    from areal_async.reward.running_sum import longchain_steps
+
+    v = [longchain_steps(t, row) for t, row in zip(texts, rows)]
+    groups = [v[i : i + group] for i in range(0, len(v), group)]
+    std = [math.sqrt(sum((x - sum(g) / len(g)) ** 2 for x in g) / len(g)) for g in groups]
+    if group == 1:
+        return sum(v) / len(v), math.nan, math.nan
+    return sum(v) / len(v), sum(std) / len(std), sum(len(set(g)) > 1 for g in groups) / len(groups)
 
 
 def _reward_fn():
@@ -196,22 +213,24 @@ def main() -> None:
     for task in args.tasks.split(","):
         items = build_prompts(task, args.prompts, args.few_shot, args.seed, gsm)
         ids = [tok(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for m, _ in items]
+                   add_special_tokens=False)["input_ids"] for m, _, _ in items]
         for temp in [float(t) for t in args.temperatures.split(",")]:
             group = args.group if temp > 0 else 1
             t0 = time.perf_counter()
             outs = sample(model, tok, [p for p in ids for _ in range(group)], temp,
                           args.max_new_tokens, args.batch_size)
             texts = [tok.decode(o) for o in outs]
-            golds = [g for _, g in items for _ in range(group)]
+            golds = [g for _, g, _ in items for _ in range(group)]
             r = [reward(t, g) for t, g in zip(texts, golds)]
             boxed = [bool(_last_boxed(t)) for t in texts]
             groups = [r[i : i + group] for i in range(0, len(r), group)]
             mixed = (sum(len(set(g)) > 1 for g in groups) / len(groups)) if group > 1 else math.nan
+            steps = (step_credit(texts, [row for _, _, row in items for _ in range(group)], group)
+                     if task == "longchain" else (math.nan,) * 3)
             rows.append((task, temp, len(r), sum(r) / len(r), sum(boxed) / len(r), mixed,
                          sum(map(len, outs)) / len(outs), time.perf_counter() - t0,
                          sum(map(len, ids)) / len(ids),
-                         sum(len(o) >= args.max_new_tokens for o in outs) / len(outs)))
+                         sum(len(o) >= args.max_new_tokens for o in outs) / len(outs), *steps))
             print(f"# {task} T={temp}: {rows[-1][3]:.3f} in {rows[-1][7]:.0f}s", flush=True)
             for t, g in list(zip(texts, golds))[: args.show]:
                 print(f"#   gold={g} response={t!r}")
@@ -219,10 +238,11 @@ def main() -> None:
     print(f"\nmodel={path.name} dtype={args.dtype} few_shot={args.few_shot} "
           f"max_new_tokens={args.max_new_tokens} group={args.group} seed={args.seed}")
     print(f"{'task':8} {'temp':>5} {'n':>5} {'pass':>6} {'boxed':>6} {'mixed_grp':>9} "
-          f"{'resp_len':>8} {'trunc':>6} {'prompt_len':>10} {'secs':>6}")
-    for task, temp, n, p, b, m, rl, secs, pl, trunc in rows:
+          f"{'resp_len':>8} {'trunc':>6} {'prompt_len':>10} {'secs':>6} {'step_v':>6} {'v_std':>6} "
+          f"{'v_mixed':>7}")
+    for task, temp, n, p, b, m, rl, secs, pl, trunc, sv, sd, sm in rows:
         print(f"{task:8} {temp:5.1f} {n:5d} {p:6.3f} {b:6.3f} {m:9.3f} {rl:8.1f} {trunc:6.3f} "
-              f"{pl:10.1f} {secs:6.0f}")
+              f"{pl:10.1f} {secs:6.0f} {sv:6.3f} {sd:6.3f} {sm:7.3f}")
 
 
 if __name__ == "__main__":

@@ -9,18 +9,19 @@ ends in ``\\boxed{total}``. Three kinds by list length (``short`` 10–19, ``med
 ``long`` 30–40 numbers), ``ITEMS_PER_KIND`` problems each drawn from a fixed seed (duplicates
 dropped); split as ``arith`` splits (``task.split_generated``). Scored by ``"math"`` on the final
 total only: one wrong step anywhere makes the whole answer wrong, so the pass rate falls with the
-list's length.
+list's length. ``reward.fn: longchain_steps`` with ``reward.graded`` gives credit per right step
+instead (``reward/running_sum.py``).
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import msgspec
 
 from areal_async.config import DataConfig
 from areal_async.data.task import ChatTask, TaskItem, pick_generated, split_generated
+from areal_async.reward.running_sum import chain_steps
 
 SYSTEM = "You are a helpful assistant. Put the final answer in \\boxed{}."
 INSTRUCTION = "Put the final answer in \\boxed{}."
@@ -48,8 +49,7 @@ class ChainItem(msgspec.Struct, frozen=True):
 
     def steps(self) -> list[str]:
         """The answer's lines: ``total + next = new total``, one per number after the first."""
-        totals = list(itertools.accumulate(self.numbers))
-        return [f"{t} + {x} = {t + x}" for t, x in zip(totals, self.numbers[1:])]
+        return chain_steps(self.numbers)
 
     def demo_answer(self) -> str:
         return "\n".join(self.steps()) + f"\nThe answer is \\boxed{{{self.answer}}}."

@@ -1,7 +1,8 @@
 """Reward functions: the registry (``REWARD_FNS``), resolving ``reward.fn``, and the two forms.
 
 A reward function is a top-level function (so that the pool's processes import it by reference)
-returning a number, 1.0 correct or 0.0 wrong (> 0.5 counts as correct). Its form is read from its
+returning a number, 1.0 correct or 0.0 wrong (> 0.5 counts as correct); under ``reward.graded``
+a value in [0, 1], scaled linearly between ``wrong`` and ``correct`` (1.0 counts as correct). Its form is read from its
 signature once, at resolution:
 
 - **answer form** ``fn(response, gold)``: two positional parameters (any names but the keyword
@@ -22,10 +23,11 @@ import inspect
 from collections.abc import Callable
 
 from areal_async.reward.math import math_reward
+from areal_async.reward.running_sum import longchain_steps
 
 RewardFn = Callable[..., float]
 
-REWARD_FNS: dict[str, RewardFn] = {"math": math_reward}
+REWARD_FNS: dict[str, RewardFn] = {"math": math_reward, "longchain_steps": longchain_steps}
 
 KEYWORDS = ("response", "answer", "messages", "item")
 

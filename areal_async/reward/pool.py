@@ -1,6 +1,7 @@
 """The process pool that runs reward functions (``reward/fn.py``: names and forms) with a timeout.
 
-Reward = ``correct if value > 0.5 else wrong``, plus ``format_bonus`` for a non-empty
+Reward = ``correct if value > 0.5 else wrong`` (``reward.graded``: ``wrong + value * (correct -
+wrong)`` for a value in [0, 1], any other an error), plus ``format_bonus`` for a non-empty
 ``\\boxed{}``. ``RewardPool`` keeps ``num_procs`` spawned processes, each serving one call at a
 time (the function travels pickled by reference: any importable one works; an answer-form call
 sends the response and the gold only, a keyword-form call the arguments the function names).
@@ -50,9 +51,11 @@ class RewardResult(msgspec.Struct, frozen=True):
     """Outcome of one scored response.
 
     Fields:
-        reward: scaled reward (``RewardConfig.correct``/``wrong`` + format bonus).
-        correct: the function returned > 0.5.
-        error: the function raised or timed out (scored as wrong).
+        reward: scaled reward (``RewardConfig.correct``/``wrong``, or between them when graded,
+            + format bonus).
+        correct: the function returned > 0.5 (graded: returned 1.0).
+        error: the function raised, timed out, or (graded) returned a value outside [0, 1]
+            (scored as wrong).
         boxed: the response has a non-empty ``\\boxed{}``.
     """
 
@@ -131,8 +134,9 @@ class RewardPool:
     """Scores responses in worker processes; use as a context manager or call ``close()``.
 
     Args:
-        cfg: ``correct``, ``wrong``, ``format_bonus``, ``timeout_s`` (per call, counted from
-            the moment a process takes the call), ``num_procs``, ``max_consecutive_deaths``.
+        cfg: ``correct``, ``wrong``, ``graded``, ``format_bonus``, ``timeout_s`` (per call,
+            counted from the moment a process takes the call), ``num_procs``,
+            ``max_consecutive_deaths``.
 
     Raises:
         ValueError: ``num_procs < 1``, ``timeout_s <= 0``, ``max_consecutive_deaths < 1``, or
@@ -157,6 +161,7 @@ class RewardPool:
         self.errors = 0
         self.timeouts = 0
         self.restarts = 0  # processes replaced after dying (timeouts are counted apart)
+        self._out_of_range = 0  # graded values outside [0, 1]: the first one is printed
         self._deaths_in_a_row = 0
 
     async def score(self, fn: str | RewardFn, response: str, gold: str,
@@ -206,14 +211,22 @@ class RewardPool:
             raise
         finally:
             self._idle.put_nowait(proc)
+        if status == "ok" and self._cfg.graded and not 0.0 <= value <= 1.0:  # NaN fails too
+            status = "error"
+            self._report_out_of_range(fn, value)
         self.calls += 1
         if status == "timeout":
             self.timeouts += 1
         elif status == "error":
             self.errors += 1
-        correct = status == "ok" and value > 0.5
         boxed = bool(extract_boxed(response))
-        reward = (self._cfg.correct if correct else self._cfg.wrong)
+        if self._cfg.graded:
+            v = value if status == "ok" else 0.0
+            correct = v == 1.0
+            reward = self._cfg.wrong + v * (self._cfg.correct - self._cfg.wrong)
+        else:
+            correct = status == "ok" and value > 0.5
+            reward = (self._cfg.correct if correct else self._cfg.wrong)
         reward += self._cfg.format_bonus if boxed else 0.0
         return RewardResult(reward=reward, correct=correct, error=status != "ok", boxed=boxed)
 
@@ -245,6 +258,15 @@ class RewardPool:
         ``reward/restarts`` (processes replaced after dying)."""
         return {"reward/calls": self.calls, "reward/errors": self.errors,
                 "reward/timeouts": self.timeouts, "reward/restarts": self.restarts}
+
+    def _report_out_of_range(self, fn: RewardFn, value: float) -> None:
+        """Print the first graded value outside [0, 1]; later ones are counted in errors only."""
+        self._out_of_range += 1
+        if self._out_of_range == 1:
+            print(f"[reward] reward function {fn_name(fn)} returned {value!r}, outside [0, 1], with "
+                  f"reward.graded on: scored as an error (wrong); return a fraction of full credit "
+                  f"in [0, 1], or turn reward.graded off for a pass/fail value (> 0.5 correct); "
+                  f"later ones are counted in reward/errors only", flush=True)
 
     def _count_death(self, fn: RewardFn, exitcode: int | None) -> None:
         """Count a process that died in ``fn`` (already replaced); raise once deaths in a row
