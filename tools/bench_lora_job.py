@@ -79,9 +79,8 @@ async def run(item, client) -> float:
 
 class FixedLengthEpisode:
     """The fixed-length job's workflow (an ``Env``: no ``openai`` needed): one answer of
-    ``rollout.max_new_tokens``, its reward uniform in [0, 1). (``reward.fn`` would not do: the
-    reward pool turns any number into ``reward.correct`` or ``reward.wrong``, and a group whose
-    samples all drew the same would be skipped.)"""
+    ``rollout.max_new_tokens``, its reward uniform in [0, 1). (A pass/fail ``reward.fn`` would not
+    do: a group whose samples all scored the same would be skipped.)"""
 
     def reset(self, item, seed):
         return None  # the group's prompt
