@@ -127,10 +127,10 @@ def step_credit(texts: list[str], rows: list[dict], group: int) -> tuple[float, 
     from areal_async.reward.running_sum import longchain_steps
 
     v = [longchain_steps(t, row) for t, row in zip(texts, rows)]
-    groups = [v[i : i + group] for i in range(0, len(v), group)]
-    std = [math.sqrt(sum((x - sum(g) / len(g)) ** 2 for x in g) / len(g)) for g in groups]
     if group == 1:
         return sum(v) / len(v), math.nan, math.nan
+    groups = [v[i : i + group] for i in range(0, len(v), group)]
+    std = [math.sqrt(sum((x - sum(g) / len(g)) ** 2 for x in g) / len(g)) for g in groups]
     return sum(v) / len(v), sum(std) / len(std), sum(len(set(g)) > 1 for g in groups) / len(groups)
 
 
