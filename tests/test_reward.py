@@ -63,7 +63,7 @@ def boom(response: str, gold: str) -> float:
     raise RuntimeError("verifier bug")
 
 
-def test_pool_scales_and_counts_failures():
+def test_pool_scales_and_counts_failures(capsys):
     cfg = RewardConfig(correct=5.0, wrong=-5.0, format_bonus=0.5, timeout_s=1.0, num_procs=1)
 
     async def body(pool: RewardPool):
@@ -79,15 +79,22 @@ def test_pool_scales_and_counts_failures():
         assert (stuck.correct, stuck.error, stuck.reward) == (False, True, -4.5)
         failed = await pool.score(boom, "\\boxed{72}", "72")
         assert (failed.correct, failed.error) == (False, True)
+        assert (await pool.score(boom, "\\boxed{72}", "72")).error
         # The stuck process was replaced: the pool still scores.
         assert (await pool.score("math", "\\boxed{\\frac{1}{2}}", "0.5")).correct
-        assert pool.stats() == {"reward/calls": 6, "reward/errors": 1, "reward/timeouts": 1,
+        assert pool.stats() == {"reward/calls": 7, "reward/errors": 2, "reward/timeouts": 1,
                                 "reward/restarts": 0}
         with pytest.raises(ValueError, match="registered"):
             await pool.score("nope", "", "")
 
     with RewardPool(cfg) as pool:
         asyncio.run(body(pool))
+    # The first failure of each kind is printed with its cause; the second raise is not.
+    logged = capsys.readouterr().out
+    assert logged.count("[reward]") == 2, logged
+    assert ("reward function tests.test_reward:boom failed: RuntimeError('verifier bug') at "
+            f"{__file__}:63 in boom; scored as an error") in logged
+    assert "tests.test_reward:hang took over reward.timeout_s = 1.0 s" in logged
 
 
 def exit_on_die(response: str, gold: str) -> float:

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import signal
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -82,7 +83,14 @@ def _serve(conn: mp.connection.Connection) -> None:
         try:
             conn.send(("ok", float(fn(*args, **kwargs))))
         except Exception as exc:
-            conn.send(("error", repr(exc)))
+            conn.send(("error", _where(exc)))
+
+
+def _where(exc: BaseException) -> str:
+    """``repr(exc)`` and the innermost frame it was raised in (``file:line in function``)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{exc!r} at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" \
+        if frames else repr(exc)
 
 
 class _Proc:
@@ -161,7 +169,7 @@ class RewardPool:
         self.errors = 0
         self.timeouts = 0
         self.restarts = 0  # processes replaced after dying (timeouts are counted apart)
-        self._out_of_range = 0  # graded values outside [0, 1]: the first one is printed
+        self._reported: set[str] = set()  # failure kinds printed once: error, timeout, range
         self._deaths_in_a_row = 0
 
     async def score(self, fn: str | RewardFn, response: str, gold: str,
@@ -213,7 +221,17 @@ class RewardPool:
             self._idle.put_nowait(proc)
         if status == "ok" and self._cfg.graded and not 0.0 <= value <= 1.0:  # NaN fails too
             status = "error"
-            self._report_out_of_range(fn, value)
+            self._report_once("range", f"reward function {fn_name(fn)} returned {value!r}, outside "
+                              f"[0, 1], with reward.graded on: scored as an error (wrong); return a "
+                              f"fraction of full credit in [0, 1], or turn reward.graded off for a "
+                              f"pass/fail value (> 0.5 correct)")
+        elif status == "error":
+            self._report_once("error", f"reward function {fn_name(fn)} failed: {value}; scored as "
+                              f"an error (wrong)")
+        elif status == "timeout":
+            self._report_once("timeout", f"reward function {fn_name(fn)} took over reward.timeout_s "
+                              f"= {self._cfg.timeout_s} s: scored wrong and its "
+                              f"process replaced; raise reward.timeout_s if the verifier is slow")
         self.calls += 1
         if status == "timeout":
             self.timeouts += 1
@@ -259,14 +277,12 @@ class RewardPool:
         return {"reward/calls": self.calls, "reward/errors": self.errors,
                 "reward/timeouts": self.timeouts, "reward/restarts": self.restarts}
 
-    def _report_out_of_range(self, fn: RewardFn, value: float) -> None:
-        """Print the first graded value outside [0, 1]; later ones are counted in errors only."""
-        self._out_of_range += 1
-        if self._out_of_range == 1:
-            print(f"[reward] reward function {fn_name(fn)} returned {value!r}, outside [0, 1], with "
-                  f"reward.graded on: scored as an error (wrong); return a fraction of full credit "
-                  f"in [0, 1], or turn reward.graded off for a pass/fail value (> 0.5 correct); "
-                  f"later ones are counted in reward/errors only", flush=True)
+    def _report_once(self, kind: str, message: str) -> None:
+        """Print the first failure of ``kind``; later ones are counted in the stats only."""
+        if kind not in self._reported:
+            self._reported.add(kind)
+            print(f"[reward] {message}; later ones are counted in reward/errors or "
+                  f"reward/timeouts only", flush=True)
 
     def _count_death(self, fn: RewardFn, exitcode: int | None) -> None:
         """Count a process that died in ``fn`` (already replaced); raise once deaths in a row
