@@ -73,6 +73,11 @@ def check_config(cfg) -> None:
     if r.workflow and r.tools:
         raise ValueError(f"rollout.tools={list(r.tools)} are the default workflow's; rollout.workflow="
                          f"{r.workflow!r} runs its own (areal_async.tools from its code): set rollout.tools=[]")
+    if r.workflow and (cfg.reward.fn or cfg.reward.graded):
+        given = [k for k, on in (("reward.fn", cfg.reward.fn), ("reward.graded", cfg.reward.graded)) if on]
+        raise ValueError(f"{' and '.join(given)} apply to the default workflow's reward; rollout.workflow="
+                         f"{r.workflow!r} returns its own rewards (Env.step or run's return value), so "
+                         f"they would have no effect: unset them, or score inside the workflow")
     if r.n_samples < 2:
         raise ValueError(f"rollout.n_samples={r.n_samples}: GRPO normalises rewards within a group, so one "
                          f"sample per prompt gives every advantage 0; use rollout.n_samples >= 2")

@@ -103,6 +103,15 @@ def test_sampling_and_algorithm_values_are_checked_at_load(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("override, given", [
+    ("reward.graded=true", "reward.graded apply"), ("reward.fn=math", "reward.fn apply")])
+def test_reward_keys_a_workflow_would_ignore_are_refused(override, given):
+    workflow = "rollout.workflow=examples.workflows.calculator_env:CalculatorEnv"
+    with pytest.raises(ValueError, match=f"{given} to the default workflow's reward;.* unset them"):
+        load_config(None, [workflow, "rollout.tools=[]", override])
+    load_config(None, [workflow, "rollout.tools=[]"])  # no reward key: loads
+
+
 def test_compile_is_refused_in_deterministic_mode_at_load():
     with pytest.raises(ValueError, match=r"trainer.compile=true is not supported with mode: deterministic.*"
                                          r"set trainer.compile=false"):
