@@ -18,7 +18,8 @@ from tests.support.chaos import CHAOS_TOKEN, FAULT_KEYS, holding, pids, start_ch
 from tests.support.jobs import JobRuns, fingerprint, stop_and_read
 
 # one worker and one trainer rank (several of each: tests/test_determinism.py): a shorter suite
-EPISODES = ("rollout.workflow=tests.support.episode_envs:ThreeTurnToolEnv", "rollout.max_turns=3",
+# reward.fn="": the environment scores its own turns (the jobs' parity reward would be refused beside it)
+EPISODES = ("rollout.workflow=tests.support.episode_envs:ThreeTurnToolEnv", 'reward.fn=""', "rollout.max_turns=3",
             "queue.max_staleness=2", "rollout.max_new_tokens=8", "rollout.num_workers=1", "trainer.nproc=1")
 # 3 steps: staleness reaches η = 2 at step 2; throughput runs differ after 2 (fewer: a shorter suite)
 STEPS = {"deterministic": 3, "throughput": 2}
