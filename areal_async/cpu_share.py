@@ -22,8 +22,6 @@ import mmap
 import os
 import pathlib
 
-import torch
-
 # the ledger's path and this process's slot, set by launcher.local for servers and trainer ranks (a
 # rank's slot is the variable's value plus its LOCAL_RANK)
 PATH_ENV = "AREAL_ASYNC_CPU_SHARE"
@@ -65,6 +63,8 @@ class CpuShare:
         """Set this thread's torch threads to ``cpus // max(1, computing())`` (at least 1), calling
         ``torch.set_num_threads`` only on a change; returns the count. Call it on the thread that
         computes (MKL's count is per thread)."""
+        import torch  # here, not at the top: the launcher imports this module and needs no torch
+
         threads = max(1, self.cpus // max(1, self.computing()))
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
@@ -93,6 +93,7 @@ def refresh_around_layers(share: CpuShare, layers) -> int:
     """Refresh ``share`` before each of ``layers``' forward and before its backward (a hook on the
     gradient of its output), so that a long step follows who computes, layer by layer. Returns how
     many layers were hooked."""
+    import torch
 
     def on_output(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output

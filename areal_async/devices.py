@@ -5,17 +5,23 @@
 - ``cuda_index``: the CUDA device index a device string (``auto``, ``cpu``, ``cuda``, ``cuda:N``)
   resolves to, given whether torch sees CUDA.
 - ``cpu_has_bf16``: whether this CPU computes bf16 natively.
+- ``cuda_available``: ``torch.cuda.is_available()``, with torch imported only where a GPU driver is.
 
-Each is a plain function of plain values (a host, a device string, ``/proc/cpuinfo``): nothing here
-knows the config tree or imports torch; the caller asks torch whether CUDA is available. What the
+Each is a plain function of plain values (a host, a device string, ``/proc/cpuinfo``, ``/dev``):
+nothing here knows the config tree, and torch is imported only by ``cuda_available``. What the
 launcher decides from these facts (``dtype: auto``, the tree attention path, the NCCL device rules)
 is in ``launcher/resolve.py``; the free ports a job gets are chosen in ``launcher/ports.py``.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
+import sys
+
+# Linux device nodes of a GPU driver: NVIDIA's control device, ROCm's kernel driver, WSL's GPU
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -36,6 +42,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``; on Linux with none of ``GPU_DRIVER_NODES`` it is ``False``
+    without importing torch (the import is ~2 s of CPU in a launcher that needs nothing else of it)."""
+    if sys.platform.startswith("linux") and not any(os.path.exists(node) for node in GPU_DRIVER_NODES):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cuda_index(key: str, device: str, cuda_available: bool) -> int | None:

@@ -36,7 +36,7 @@ from areal_async import auth
 from areal_async.config import Config, dump_config, load_config
 from areal_async.cpu_share import PATH_ENV, create_ledger
 from areal_async.determinism import deterministic_env
-from areal_async.devices import port_in_use
+from areal_async.devices import cuda_available, port_in_use
 from areal_async.file_lock import file_lock
 from areal_async.progress import ENV as PROGRESS_ENV
 from launcher.placement import LEDGER_NAME, JobPlacement, place_job
@@ -167,8 +167,6 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
     write the resolved config, model path resolved (``resume``: keep the directory and set
     ``trainer.resume``). A check that fails leaves the run directory as it was, or absent.
     ``own_gpus``: every server and trainer rank gets its own GPUs from Ray (``check_devices``)."""
-    import torch
-
     from areal_async.model.source import resolve_model_path
 
     from areal_async.data import TASKS, load_task
@@ -178,7 +176,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
 
     check_backend(cfg.inference)
     # own_gpus: the processes run on the GPU nodes Ray gives them, which need not include this one
-    cuda = own_gpus or torch.cuda.is_available()
+    cuda = own_gpus or cuda_available()
     check_devices(cfg, cuda, own_gpus)
     progress_mode()  # a bad AREAL_ASYNC_PROGRESS is a ValueError naming the choices, before any process starts
     if cfg.data.task not in TASKS:

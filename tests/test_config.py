@@ -5,6 +5,7 @@ import re
 import pytest
 
 from areal_async.config import Config, dump_config, load_config
+from areal_async.devices import GPU_DRIVER_NODES
 
 
 def test_defaults_and_override(tmp_path):
@@ -92,6 +93,25 @@ def test_device_strings_are_checked_and_dtypes_resolved(monkeypatch):
         assert (resolved.model.dtype, resolved.trainer.dtype) == (expected, expected)
     gpu = resolve_dtypes(load_config(None, ["model.dtype=auto", "inference.device=cuda:1"]), cuda_available=True)
     assert gpu.model.dtype == "bfloat16" and gpu.trainer.dtype == "float32"  # an explicit value stays
+
+
+@pytest.mark.parametrize("node", [None, *GPU_DRIVER_NODES])
+def test_cuda_is_asked_of_torch_only_where_a_gpu_driver_is(monkeypatch, node):
+    import os
+
+    import torch
+
+    from areal_async import devices
+
+    monkeypatch.setattr(devices.sys, "platform", "linux")
+    monkeypatch.setattr(devices.os.path, "exists", lambda path: path == node)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.cuda_available() is (node is not None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.cuda_available() is False
+    monkeypatch.undo()
+    if not any(os.path.exists(n) for n in devices.GPU_DRIVER_NODES):  # this machine: no GPU driver
+        assert devices.cuda_available() is torch.cuda.is_available() is False
 
 
 @pytest.mark.parametrize("override, message", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -30,6 +31,48 @@ def test_dir_without_config_json_is_rejected(tmp_path):
 def test_load_tokenizer_has_chat_end_eos(tiny_model_dir):
     tok = source.load_tokenizer(tiny_model_dir)
     assert tok.eos_token == source.CHAT_END_TOKEN
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny_dir(request, tiny_model_dir, tiny_qwen3_dir) -> pathlib.Path:
+    return {"llama": tiny_model_dir, "qwen3": tiny_qwen3_dir}[request.param]
+
+
+def test_a_generic_tokenizer_loads_as_autotokenizer_loads_it(tiny_dir):
+    from transformers import AutoTokenizer
+
+    assert source._generic_tokenizer(tiny_dir)
+    ours, auto = source.load_tokenizer(tiny_dir), AutoTokenizer.from_pretrained(tiny_dir)
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab() and ours.chat_template == auto.chat_template
+    assert ours.all_special_tokens == auto.all_special_tokens and ours.eos_token_id == auto.eos_token_id
+    for text in ["12 + 7 = 19", "  Leading spaces\nand\ttabs", "<|im_start|>user\nhi<|im_end|>", "ünï 数字 🙂"]:
+        assert ours(text)["input_ids"] == auto(text)["input_ids"], text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("edit", ["class", "arch", "auto_map"])
+def test_any_other_tokenizer_is_left_to_autotokenizer(tiny_model_dir, tmp_path, edit):
+    import json
+    import shutil
+
+    model = pathlib.Path(shutil.copytree(tiny_model_dir, tmp_path / "m"))
+    name = "config.json" if edit == "arch" else "tokenizer_config.json"
+    data = json.loads((model / name).read_text())
+    data.update({"class": {"tokenizer_class": "GPT2Tokenizer"}, "arch": {"model_type": "mistral"},
+                 "auto_map": {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}}[edit])
+    (model / name).write_text(json.dumps(data))
+    assert not source._generic_tokenizer(model)
+
+
+def test_loading_a_generic_tokenizer_imports_no_torch(tiny_model_dir):
+    # The generation worker loads one; torch's import is ~2 s of CPU in every worker of every job.
+    code = ("import sys; from areal_async.model.source import load_tokenizer; "
+            f"load_tokenizer({str(tiny_model_dir)!r}); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 def test_cached_builtin_is_not_fetched_again(tmp_path, monkeypatch):
