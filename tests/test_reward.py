@@ -97,6 +97,19 @@ def test_pool_scales_and_counts_failures(capsys):
     assert "tests.test_reward:hang took over reward.timeout_s = 1.0 s" in logged
 
 
+def test_a_pool_starts_its_processes_at_its_first_call():
+    # A spawned process imports the modules of its parent's __main__ (a trainer's: torch and the
+    # model code); a trainer with no evaluation due never scores, so its pool must start nothing.
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    with RewardPool(RewardConfig(num_procs=2)) as pool:
+        assert set(multiprocessing.active_children()) == before
+        assert asyncio.run(pool.score("math", "\\boxed{2}", "2")).correct
+        assert len(set(multiprocessing.active_children()) - before) == 2
+    assert set(multiprocessing.active_children()) == before
+
+
 def exit_on_die(response: str, gold: str) -> float:
     """Ends its process (as a crashing verifier does) on the response "die"; else math."""
     if response == "die":

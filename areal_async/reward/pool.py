@@ -2,8 +2,9 @@
 
 Reward = ``correct if value > 0.5 else wrong`` (``reward.graded``: ``wrong + value * (correct -
 wrong)`` for a value in [0, 1], any other an error), plus ``format_bonus`` for a non-empty
-``\\boxed{}``. ``RewardPool`` keeps ``num_procs`` spawned processes, each serving one call at a
-time (the function travels pickled by reference: any importable one works; an answer-form call
+``\\boxed{}``. ``RewardPool`` keeps ``num_procs`` spawned processes, started at the first call (a
+pool that scores nothing, e.g. a trainer's with no evaluation due, costs no process), each serving
+one call at a time (the function travels pickled by reference: any importable one works; an answer-form call
 sends the response and the gold only, a keyword-form call the arguments the function names).
 Invariant: a call that fails scores as wrong and is counted, and a dead or stuck process is
 replaced; deaths in a row stop the job (docs/faults.md#a-reward-function-fails).
@@ -161,7 +162,7 @@ class RewardPool:
         # a name or function given to score() -> (the function, its keywords): resolved once
         self._resolved: dict[str | RewardFn, tuple[RewardFn, tuple[str, ...] | None]] = {}
         self._ctx = mp.get_context("spawn")
-        self._procs = [_Proc(self._ctx) for _ in range(cfg.num_procs)]
+        self._procs: list[_Proc] = []  # started at the first call: a spawned child imports __main__'s modules
         self._idle: asyncio.Queue[_Proc] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = ThreadPoolExecutor(cfg.num_procs, thread_name_prefix="reward")
@@ -193,6 +194,8 @@ class RewardPool:
         args, kwargs = self._arguments(names, response, gold, prompt, item)
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first call, or a new event loop (the old one is done)
+            if not self._procs:
+                self._procs = [_Proc(self._ctx) for _ in range(self._cfg.num_procs)]
             self._loop, self._idle = loop, asyncio.Queue()
             for proc in self._procs:
                 self._idle.put_nowait(proc)
