@@ -421,7 +421,7 @@ runpy.run_module("areal_async.embedded.server", run_name="__main__", alter_sys=T
 def test_the_sglang_backend_runs_sglangs_command_line_in_each_servers_actor(tiny_model_dir, tmp_path):
     # inference.backend=sglang under launcher.ray: each server's actor runs `python -m
     # sglang.launch_server` with the flags launcher.local gives it (here answered by the stand-in),
-    # and the job trains through them.
+    # and the job trains through them (one trainer rank: the ranks' actors are tested above).
     standin = tmp_path / "standin"
     (standin / "sglang").mkdir(parents=True)
     (standin / "sglang" / "__init__.py").write_text("")
@@ -431,7 +431,7 @@ def test_the_sglang_backend_runs_sglangs_command_line_in_each_servers_actor(tiny
     env = {**os.environ, "PYTHONPATH": f"{standin}{os.pathsep}{REPO}", "STANDIN_SGLANG_LOG": str(log),
            "AREAL_ASYNC_TOKEN": token}
     argv = job_argv(tiny_model_dir, tmp_path, "sglang", "deterministic", 1, steps=1,
-                    extra=("rollout.num_workers=1", "inference.backend=sglang"), launcher="ray")
+                    extra=("rollout.num_workers=1", "trainer.nproc=1", "inference.backend=sglang"), launcher="ray")
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     starts = [json.loads(line) for line in log.read_text().splitlines()]
