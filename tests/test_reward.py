@@ -110,6 +110,25 @@ def test_a_pool_starts_its_processes_at_its_first_call():
     assert set(multiprocessing.active_children()) == before
 
 
+def math_verify_loaded(response: str, gold: str) -> float:
+    return float("math_verify" in sys.modules)
+
+
+def test_a_process_imports_its_functions_module_before_the_first_call():
+    # 2 s of imports against a 1 s timeout: counted in the call, it would time out (an error).
+    from tests.support.slow_import_reward import full_credit
+
+    with RewardPool(RewardConfig(timeout_s=1.0, num_procs=1)) as pool:
+        first = asyncio.run(pool.score(full_credit, "", ""))
+        assert (first.correct, first.error) == (True, False), pool.stats()
+    # math_verify is imported ahead for the default verifier only
+    with RewardPool(RewardConfig(timeout_s=30.0, num_procs=1)) as pool:
+        assert asyncio.run(pool.score(math_verify_loaded, "", "")) == RewardResult(-5.0, False, False, False)
+    with RewardPool(RewardConfig(timeout_s=30.0, num_procs=1)) as pool:
+        assert asyncio.run(pool.score("math", "\\boxed{1}", "1")).correct
+        assert asyncio.run(pool.score(math_verify_loaded, "", "")).correct
+
+
 def exit_on_die(response: str, gold: str) -> float:
     """Ends its process (as a crashing verifier does) on the response "die"; else math."""
     if response == "die":

@@ -13,6 +13,7 @@ replaced; deaths in a row stop the job (docs/faults.md#a-reward-function-fails).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import signal
@@ -25,7 +26,7 @@ import msgspec
 
 from areal_async.config import RewardConfig
 from areal_async.reward.fn import REWARD_FNS, RewardFn, fn_name, keywords, resolve_reward_fn
-from areal_async.reward.math import extract_boxed
+from areal_async.reward.math import extract_boxed, math_reward
 
 __all__ = ["REWARD_FNS", "RewardPool", "RewardProcessError", "RewardResult", "resolve_reward_fn"]
 
@@ -67,11 +68,15 @@ class RewardResult(msgspec.Struct, frozen=True):
     boxed: bool
 
 
-def _serve(conn: mp.connection.Connection) -> None:
-    """Worker process loop: receive ``(fn, args, kwargs)``, reply ``(status, value)``."""
-    import areal_async.reward.math  # noqa: F401  (warm the default verifier's imports)
-    import math_verify  # noqa: F401
-
+def _serve(conn: mp.connection.Connection, module: str) -> None:
+    """Worker process loop: import ``module`` (the reward function's: its imports are not counted
+    in the first call's timeout), then receive ``(fn, args, kwargs)``, reply ``(status, value)``."""
+    try:
+        importlib.import_module(module)
+        if module == math_reward.__module__:
+            importlib.import_module("math_verify")  # imported by the default verifier at its first call
+    except Exception:  # the first call imports it again and replies with the error
+        pass
     conn.send(("ready", None))
     while True:
         try:
@@ -97,9 +102,9 @@ def _where(exc: BaseException) -> str:
 class _Proc:
     """One worker process and the parent's end of its pipe."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, module: str):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="reward")
+        self.proc = ctx.Process(target=_serve, args=(child, module), daemon=True, name="reward")
         self.proc.start()
         child.close()
         self.ready = False
@@ -163,6 +168,7 @@ class RewardPool:
         self._resolved: dict[str | RewardFn, tuple[RewardFn, tuple[str, ...] | None]] = {}
         self._ctx = mp.get_context("spawn")
         self._procs: list[_Proc] = []  # started at the first call: a spawned child imports __main__'s modules
+        self._module = ""
         self._idle: asyncio.Queue[_Proc] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = ThreadPoolExecutor(cfg.num_procs, thread_name_prefix="reward")
@@ -195,7 +201,8 @@ class RewardPool:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first call, or a new event loop (the old one is done)
             if not self._procs:
-                self._procs = [_Proc(self._ctx) for _ in range(self._cfg.num_procs)]
+                self._module = fn.__module__  # what each process imports before its first call
+                self._procs = [_Proc(self._ctx, self._module) for _ in range(self._cfg.num_procs)]
             self._loop, self._idle = loop, asyncio.Queue()
             for proc in self._procs:
                 self._idle.put_nowait(proc)
@@ -304,7 +311,7 @@ class RewardPool:
 
     def _replace(self, proc: _Proc) -> _Proc:
         proc.kill()
-        fresh = _Proc(self._ctx)
+        fresh = _Proc(self._ctx, self._module)
         self._procs[self._procs.index(proc)] = fresh
         return fresh
 
