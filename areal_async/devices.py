@@ -5,7 +5,8 @@
 - ``cuda_index``: the CUDA device index a device string (``auto``, ``cpu``, ``cuda``, ``cuda:N``)
   resolves to, given whether torch sees CUDA.
 - ``cpu_has_bf16``: whether this CPU computes bf16 natively.
-- ``cuda_available``: ``torch.cuda.is_available()``, with torch imported only where a GPU driver is.
+- ``cuda_available``: ``torch.cuda.is_available()``, with torch imported only where a GPU driver
+  may be.
 
 Each is a plain function of plain values (a host, a device string, ``/proc/cpuinfo``, ``/dev``):
 nothing here knows the config tree, and torch is imported only by ``cuda_available``. What the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import platform
 import socket
 import sys
 
@@ -45,9 +47,11 @@ def free_port() -> int:
 
 
 def cuda_available() -> bool:
-    """``torch.cuda.is_available()``; on Linux with none of ``GPU_DRIVER_NODES`` it is ``False``
-    without importing torch (the import is ~2 s of CPU in a launcher that needs nothing else of it)."""
-    if sys.platform.startswith("linux") and not any(os.path.exists(node) for node in GPU_DRIVER_NODES):
+    """``torch.cuda.is_available()``; on x86-64 Linux with none of ``GPU_DRIVER_NODES`` it is
+    ``False`` without importing torch (~2 s of CPU in a launcher that needs nothing else of it). Not
+    on ARM: a Jetson's integrated GPU has none of these nodes."""
+    if sys.platform.startswith("linux") and platform.machine() == "x86_64" \
+            and not any(os.path.exists(node) for node in GPU_DRIVER_NODES):
         return False
     import torch
 

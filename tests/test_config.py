@@ -104,9 +104,12 @@ def test_cuda_is_asked_of_torch_only_where_a_gpu_driver_is(monkeypatch, node):
     from areal_async import devices
 
     monkeypatch.setattr(devices.sys, "platform", "linux")
+    monkeypatch.setattr(devices.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(devices.os.path, "exists", lambda path: path == node)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert devices.cuda_available() is (node is not None)
+    monkeypatch.setattr(devices.platform, "machine", lambda: "aarch64")  # a Jetson has none of the nodes
+    assert devices.cuda_available() is True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert devices.cuda_available() is False
     monkeypatch.undo()

@@ -53,6 +53,14 @@ def test_a_generic_tokenizer_loads_as_autotokenizer_loads_it(tiny_dir):
         auto.apply_chat_template(chat, add_generation_prompt=True)
 
 
+def test_the_generic_architectures_are_none_whose_tokenizer_class_autotokenizer_replaces():
+    from transformers.models.auto import tokenization_auto as auto
+
+    for arch in source.GENERIC_TOKENIZER_ARCHS:
+        assert arch not in auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, arch
+        assert "Mistral" not in (auto.TOKENIZER_MAPPING_NAMES.get(arch) or ""), arch
+
+
 @pytest.mark.parametrize("edit", ["class", "arch", "auto_map"])
 def test_any_other_tokenizer_is_left_to_autotokenizer(tiny_model_dir, tmp_path, edit):
     import json

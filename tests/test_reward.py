@@ -129,6 +129,20 @@ def test_a_process_imports_its_functions_module_before_the_first_call():
         assert asyncio.run(pool.score(math_verify_loaded, "", "")).correct
 
 
+def test_a_process_whose_imports_hang_is_replaced_by_one_that_imports_only_what_a_call_needs(
+        monkeypatch, capsys):
+    from areal_async.reward import pool as pool_module
+    from tests.support.hanging_import_reward import full_credit
+
+    monkeypatch.setattr(pool_module, "STARTUP_TIMEOUT_S", 2.0)
+    with RewardPool(RewardConfig(timeout_s=30.0, num_procs=1)) as pool:
+        stuck = asyncio.run(pool.score(full_credit, "", ""))
+        assert (stuck.correct, stuck.error) == (False, True)
+        # the fresh process does not import that module ahead: the next call is scored
+        assert asyncio.run(pool.score("math", "\\boxed{2}", "2")).correct
+    assert "failed: reward process not ready within 2.0 s" in capsys.readouterr().out
+
+
 def exit_on_die(response: str, gold: str) -> float:
     """Ends its process (as a crashing verifier does) on the response "die"; else math."""
     if response == "die":

@@ -83,8 +83,9 @@ def resolve_model_path(cfg: ModelConfig) -> pathlib.Path:
 
 
 # Architectures whose tokenizer AutoTokenizer loads as the class tokenizer_config.json names when
-# that class is the generic tokenizers-library one (transformers 5's AutoTokenizer.from_pretrained)
-GENERIC_TOKENIZER_ARCHS = ("llama", "qwen2", "qwen3")
+# that class is the generic tokenizers-library one (transformers 5's AutoTokenizer.from_pretrained;
+# not qwen2: its hub class is overridden with Qwen2Tokenizer, another normaliser and pad token)
+GENERIC_TOKENIZER_ARCHS = ("llama", "qwen3")
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -97,9 +98,11 @@ def load_tokenizer(path: str | pathlib.Path):
     Raises:
         ValueError: the tokenizer has no chat template or no eos token.
     """
-    if _generic_tokenizer(pathlib.Path(path)):
-        from transformers import TokenizersBackend as tokenizer_class
-    else:
+    try:
+        if not _generic_tokenizer(pathlib.Path(path)):
+            raise ImportError
+        from transformers import TokenizersBackend as tokenizer_class  # transformers >= 5
+    except ImportError:
         from transformers import AutoTokenizer as tokenizer_class
 
     tok = tokenizer_class.from_pretrained(str(path))

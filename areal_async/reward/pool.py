@@ -30,7 +30,8 @@ from areal_async.reward.math import extract_boxed, math_reward
 
 __all__ = ["REWARD_FNS", "RewardPool", "RewardProcessError", "RewardResult", "resolve_reward_fn"]
 
-STARTUP_TIMEOUT_S = 120.0  # a spawned process imports torch-free modules only; generous on 2 cores
+# a spawned process imports its parent's __main__ module and the reward function's; generous on 2 cores
+STARTUP_TIMEOUT_S = 120.0
 
 
 class RewardProcessError(RuntimeError):
@@ -72,7 +73,8 @@ def _serve(conn: mp.connection.Connection, module: str) -> None:
     """Worker process loop: import ``module`` (the reward function's: its imports are not counted
     in the first call's timeout), then receive ``(fn, args, kwargs)``, reply ``(status, value)``."""
     try:
-        importlib.import_module(module)
+        if module:
+            importlib.import_module(module)
         if module == math_reward.__module__:
             importlib.import_module("math_verify")  # imported by the default verifier at its first call
     except Exception:  # the first call imports it again and replies with the error
@@ -112,11 +114,12 @@ class _Proc:
 
     def call(self, fn: RewardFn, args: tuple, kwargs: dict, timeout_s: float) -> tuple[str, object]:
         """Blocking (runs in a thread): ``("ok", float)`` | ``("error", str)`` |
-        ``("timeout", None)`` | ``("died", exitcode)`` (the process ended: its pipe closed)."""
+        ``("timeout", None)`` | ``("died", exitcode)`` (the process ended: its pipe closed) |
+        ``("stuck", str)`` (not ready within ``STARTUP_TIMEOUT_S``: e.g. an import that hangs)."""
         try:
             if not self.ready:
                 if not self._wait(STARTUP_TIMEOUT_S):
-                    return "error", f"reward process not ready within {STARTUP_TIMEOUT_S} s"
+                    return "stuck", f"reward process not ready within {STARTUP_TIMEOUT_S} s"
                 self.conn.recv()
                 self.ready = True
             self.conn.send((fn, args, kwargs))
@@ -202,7 +205,8 @@ class RewardPool:
         if self._loop is not loop:  # first call, or a new event loop (the old one is done)
             if not self._procs:
                 self._module = fn.__module__  # what each process imports before its first call
-                self._procs = [_Proc(self._ctx, self._module) for _ in range(self._cfg.num_procs)]
+                for _ in range(self._cfg.num_procs):  # appended one by one: close() kills what started
+                    self._procs.append(_Proc(self._ctx, self._module))
             self._loop, self._idle = loop, asyncio.Queue()
             for proc in self._procs:
                 self._idle.put_nowait(proc)
@@ -220,8 +224,10 @@ class RewardPool:
                 status, value = "error", f"reward process died ({describe_exit(value)})"
             else:
                 self._deaths_in_a_row = 0
-            if status == "timeout":
-                proc = self._replace(proc)  # it is still inside the call: kill it, start afresh
+            if status in ("timeout", "stuck"):  # still inside the call or its imports: kill it, start afresh
+                if status == "stuck":  # its imports hang: a fresh process imports only what a call needs
+                    self._module, status = "", "error"
+                proc = self._replace(proc)
         except RewardProcessError:  # the process was replaced already
             raise
         except BaseException:  # cancelled mid-call: the process state is unknown, replace it
