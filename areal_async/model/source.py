@@ -98,19 +98,27 @@ def load_tokenizer(path: str | pathlib.Path):
     Raises:
         ValueError: the tokenizer has no chat template or no eos token.
     """
-    try:
-        if not _generic_tokenizer(pathlib.Path(path)):
-            raise ImportError
-        from transformers import TokenizersBackend as tokenizer_class  # transformers >= 5
-    except ImportError:
-        from transformers import AutoTokenizer as tokenizer_class
-
-    tok = tokenizer_class.from_pretrained(str(path))
+    tok = _tokenizer_class(pathlib.Path(path)).from_pretrained(str(path))
     if not tok.chat_template:
         raise ValueError(f"tokenizer in '{path}' has no chat template; use an instruct model")
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer in '{path}' has no eos token; set eos_token in its config")
     return tok
+
+
+def _tokenizer_class(path: pathlib.Path):
+    """``TokenizersBackend`` for a generic tokenizer (``_generic_tokenizer``) under transformers 5,
+    else ``AutoTokenizer``."""
+    if _generic_tokenizer(path):
+        try:
+            from transformers import TokenizersBackend  # transformers >= 5
+
+            return TokenizersBackend
+        except ImportError:
+            pass
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def _generic_tokenizer(path: pathlib.Path) -> bool:
