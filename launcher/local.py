@@ -144,6 +144,19 @@ def sparse_eval_warning(cfg: Config) -> str:
             f"during training")
 
 
+def lora_off_warning(cfg: Config) -> str:
+    """What a job does with ``trainer.lora`` settings given but ``trainer.lora.rank`` 0 (LoRA off):
+    ``""`` when every setting is its default."""
+    lora = cfg.trainer.lora
+    given = [f"trainer.lora.{k}={v}" for k, v, default in (("alpha", lora.alpha, 0.0), ("dropout", lora.dropout, 0.0),
+                                                          ("target_modules", lora.target_modules, "all-linear"))
+             if v != default]
+    if lora.rank or not given:
+        return ""
+    return (f"{', '.join(given)} but trainer.lora.rank=0: LoRA is off and the job fine-tunes every weight at "
+            f"trainer.lr={cfg.trainer.lr:g}; set trainer.lora.rank=N (e.g. 8) to train adapters")
+
+
 def check_run_dir(cfg: Config) -> None:
     """Raise ``ValueError`` if the run directory exists but cannot hold the run: it is a file, or
     a file cannot be created in it (the ``run_root`` itself is checked by ``lock_run``)."""
@@ -197,6 +210,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
                          f"{len(test)} prompts; set eval.num_prompts={len(test)} or fewer")
     if e.every_steps > cfg.trainer.total_steps:
         print(f"[launcher] warning: {sparse_eval_warning(cfg)}", file=sys.stderr, flush=True)
+    if lora_off_warning(cfg):
+        print(f"[launcher] warning: {lora_off_warning(cfg)}", file=sys.stderr, flush=True)
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     if cfg.rollout.workflow:
@@ -238,6 +253,10 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
         raise ValueError(f"{run_dir} already holds a run; choose another name (name=...), "
                          f"delete it, or pass --overwrite")
     model_path = str(resolve_model_path(cfg.model))  # a bad path removes and creates nothing
+    if cfg.trainer.lora.rank:  # target modules, and a resume's settings, checked before anything starts
+        from areal_async.trainer.lora import check_lora_settings
+
+        check_lora_settings(model_path, cfg.trainer.lora, run_dir / "checkpoint" if resume else None)
     if replace:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Merge a LoRA checkpoint into a full HF checkpoint.
 
-    python -m launcher.merge_lora ADAPTER_DIR OUT_DIR [--base PATH] [--dtype float32|bfloat16]
+    python -m launcher.merge_lora ADAPTER_DIR OUT_DIR [--base PATH] [--dtype float32|bfloat16] [--overwrite]
 
 ``ADAPTER_DIR``: a LoRA run's ``RUN_DIR/checkpoint`` (or any peft adapter directory:
 ``adapter_config.json`` + ``adapter_model.safetensors``). The base is ``--base`` or the adapter
@@ -9,7 +9,8 @@ trainer stored it in (``lora_base.json``, e.g. bfloat16), as the trained adapter
 peft's ``merge_and_unload`` adds ``(alpha/r) · B A`` in fp32. ``OUT_DIR`` gets the weights in
 ``--dtype`` (default float32, as a full fine-tuning checkpoint) with the base's config,
 generation config and tokenizer files (``checkpoint.save_hf_checkpoint``), written atomically;
-``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. docs/lora.md.
+``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. ``OUT_DIR`` may not hold, or lie
+inside, ``ADAPTER_DIR``; an existing non-empty one is replaced only with ``--overwrite``. docs/lora.md.
 """
 
 from __future__ import annotations
@@ -26,24 +27,44 @@ from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE
 
 
+def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool) -> None:
+    """Refuse an ``out_dir`` whose replacement would lose data: ``adapter_dir`` itself, a directory
+    holding it (its run directory) or one inside it, or, without ``overwrite``, any non-empty one.
+
+    Raises:
+        ValueError: naming ``out_dir`` and the fix.
+    """
+    a, o = adapter_dir.resolve(), out_dir.resolve()
+    if o == a or o in a.parents or a in o.parents:
+        raise ValueError(f"OUT_DIR {out_dir} {'is' if o == a else 'holds' if o in a.parents else 'lies inside'} "
+                         f"the adapter directory {adapter_dir}: writing it would replace the checkpoint; "
+                         f"give a new directory outside it, e.g. {a.parent.parent / (a.parent.name + '-merged')}")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ValueError(f"OUT_DIR {out_dir} exists and is not empty; give a new directory, or pass "
+                         f"--overwrite to replace it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"OUT_DIR {out_dir} is a file; give a directory path")
+
+
 def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: str | None = None,
-          dtype: torch.dtype = torch.float32) -> pathlib.Path:
+          dtype: torch.dtype = torch.float32, overwrite: bool = False) -> pathlib.Path:
     """Write the merged model of ``adapter_dir`` (on ``base``) into ``out_dir``; returns ``out_dir``.
 
     Raises:
         FileNotFoundError: ``adapter_dir`` holds no adapter (a full fine-tuning checkpoint is a
             full HF directory already).
-        ValueError: no base given and none recorded.
+        ValueError: no base given and none recorded, or an ``out_dir`` refused by ``check_out_dir``.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    adapter_dir = pathlib.Path(adapter_dir)
+    adapter_dir, out_dir = pathlib.Path(adapter_dir), pathlib.Path(out_dir)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (adapter_dir / name).is_file():
             raise FileNotFoundError(f"{adapter_dir / name} does not exist: {adapter_dir} is no LoRA checkpoint "
                                     f"(a run with trainer.lora.rank=0 checkpoints a full HF directory, "
                                     f"loadable as it is)")
+    check_out_dir(adapter_dir, out_dir, overwrite)
     base = base or json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} names no base model: give --base PATH")
@@ -69,8 +90,12 @@ def main(argv: list[str] | None = None) -> None:
                                                       "base_model_name_or_path)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the merged weights (default float32)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT_DIR")
     args = parser.parse_args(argv)
-    out = merge(args.adapter_dir, args.out_dir, args.base, FLOAT_DTYPES[args.dtype])
+    try:
+        out = merge(args.adapter_dir, args.out_dir, args.base, FLOAT_DTYPES[args.dtype], args.overwrite)
+    except (OSError, ValueError) as exc:  # a missing adapter or base, a refused OUT_DIR
+        parser.exit(2, f"python -m launcher.merge_lora: error: {exc}\n")
     print(f"merged {args.adapter_dir} into {out}")
 
 

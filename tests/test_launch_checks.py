@@ -206,6 +206,8 @@ def test_flags_go_anywhere_among_the_overrides_and_a_directory_is_not_a_config(t
     (["inference.host=10.255.255.1"], ValueError,
      r"inference.host='10.255.255.1' cannot be listened on here \(Cannot assign requested address\); set "
      r"inference.host to an address of this machine"),
+    (["trainer.lora.rank=4", "trainer.lora.target_modules=[qproj]"], ValueError,
+     r"trainer.lora.target_modules=\['qproj'\]: \['qproj'\] is no linear layer of the decoder blocks"),
     (["trainer.weight_sync_host=10.255.255.1"], ValueError,
      r"trainer.weight_sync_host='10.255.255.1' cannot be listened on here \(Cannot assign requested address\)"),
 ])
@@ -298,6 +300,18 @@ def test_an_eval_every_steps_that_never_comes_due_is_a_warning_at_launch(tmp_pat
                                                             "eval.at_start=false", "eval.at_end=false"]), overwrite=False)
     assert "evaluation runs never;" in capsys.readouterr().err
     prepare_run(load_config("configs/quickstart_cpu.yaml", [*base, "name=c", "eval.every_steps=3"]), overwrite=False)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_lora_settings_without_a_rank_are_a_warning_at_launch(tmp_path, tiny_model_dir, capsys):
+    # trainer.lora.alpha=16 with rank 0 ran full fine-tuning without a word
+    from launcher.local import prepare_run
+
+    base = [f"model.path={tiny_model_dir}", f"run_root={tmp_path}", "inference.num_servers=1", "trainer.lr=1e-5"]
+    prepare_run(load_config("configs/quickstart_cpu.yaml", [*base, "name=a", "trainer.lora.alpha=16"]), overwrite=False)
+    assert ("[launcher] warning: trainer.lora.alpha=16.0 but trainer.lora.rank=0: LoRA is off and the job fine-tunes "
+            "every weight at trainer.lr=1e-05; set trainer.lora.rank=N") in capsys.readouterr().err
+    prepare_run(load_config("configs/quickstart_cpu.yaml", [*base, "name=b"]), overwrite=False)
     assert "warning" not in capsys.readouterr().err
 
 

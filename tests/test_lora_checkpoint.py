@@ -91,6 +91,49 @@ def test_a_resume_refuses_an_adapter_of_another_shape(tiny_model_dir, tmp_path):
         _learner(_config(tiny_model_dir, "trainer.lora.rank=8"), adapter_dir=str(tmp_path / "checkpoint"))
 
 
+def test_a_resume_with_another_alpha_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    # A resume with trainer.lora.alpha changed used to run: the servers merged the checkpoint at the
+    # old alpha / r, the trainer trained at the new one (|Δ log-prob| 3.5 at staleness 0).
+    from areal_async.trainer.learner import save_checkpoint
+    from areal_async.trainer.lora import check_lora_settings
+    from launcher.local import prepare_run
+
+    cfg = _config(tiny_model_dir)  # rank 4, alpha 0 (= 8), all-linear
+    save_checkpoint(cfg, *_learner(cfg), tmp_path / "exp", 1, [])
+    ckpt = tmp_path / "exp" / "checkpoint"
+    check_lora_settings(str(tiny_model_dir), _config(tiny_model_dir, "trainer.lora.alpha=8").trainer.lora, ckpt)
+    check_lora_settings(str(tiny_model_dir), _config(tiny_model_dir, "trainer.lora.dropout=0.0").trainer.lora, ckpt)
+    with pytest.raises(ValueError, match=r"trained with trainer.lora.alpha=8.0 but this run has "
+                                         r"trainer.lora.alpha=32.0.*Resume with trainer.lora.alpha=8, "):
+        check_lora_settings(str(tiny_model_dir), _config(tiny_model_dir, "trainer.lora.alpha=32").trainer.lora, ckpt)
+    with pytest.raises(ValueError, match=r"Resume with trainer.lora.target_modules=\[.*o_proj.*\]"):
+        check_lora_settings(str(tiny_model_dir),
+                            _config(tiny_model_dir, "trainer.lora.target_modules=[q_proj]").trainer.lora, ckpt)
+    launch = load_config("configs/quickstart_cpu.yaml", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
+                                                         "name=exp", "inference.num_servers=1", "trainer.total_steps=3",
+                                                         "trainer.lora.rank=4", "trainer.lora.alpha=16"])
+    with pytest.raises(ValueError, match="trainer.lora.alpha=8.0 but this run has trainer.lora.alpha=16.0"):
+        prepare_run(launch, overwrite=False, resume=True)
+
+
+def test_merge_lora_refuses_an_out_dir_that_would_replace_data(tmp_path):
+    # merge_lora RUN/checkpoint RUN used to replace the whole run directory with the merged model
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (ckpt / name).write_text("{}")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep").write_text("x")
+    cases = [(run, "holds the adapter directory"), (ckpt, "is the adapter directory"),
+             (ckpt / "sub", "lies inside the adapter directory"), (tmp_path / "other", "exists and is not empty")]
+    for out, words in cases:
+        proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(ckpt), str(out)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert (run / "metrics.jsonl").read_text() == "{}\n" and (tmp_path / "other" / "keep").read_text() == "x"
+
+
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_merge_lora_writes_a_checkpoint_that_matches_the_adapted_model(tiny_model_dir, tmp_path, dtype):
     from peft import PeftModel

@@ -19,7 +19,7 @@ from areal_async.cpu_share import from_environment, refresh_around_layers
 from areal_async.determinism import deterministic_env
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.lora import (adapter_config, adapter_state_dict, base_dtype, check_checkpoint_kind,
-                                      lora_enabled, write_adapter_dir)
+                                      check_lora_settings, lora_enabled, write_adapter_dir)
 from areal_async.trainer.policy import (build_policy, full_state_dict, hf_model, init_distributed,
                                         trainable_parameters)
 from areal_async.trainer.resume import (load_training_state, publish_checkpoint, read_elapsed,
@@ -52,6 +52,8 @@ class Learner:
         ckpt_dir = run_dir / "checkpoint"
         if t.resume:
             check_checkpoint_kind(ckpt_dir, t.lora.rank)
+            if t.lora.rank:
+                check_lora_settings(cfg.model.path, t.lora, ckpt_dir)
         if t.lora.rank:  # a LoRA checkpoint holds the adapters only: the base is the model's
             self.policy = build_policy(cfg.model.path, t, self.device, batch_invariant=deterministic,
                                        adapter_dir=str(ckpt_dir) if t.resume else None)

@@ -207,6 +207,50 @@ def _config_json(peft_cfg) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
+def _meta_model(model_path: str) -> nn.Module:
+    """The HF model at ``model_path`` built from its config on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+
+
+def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | pathlib.Path | None = None) -> None:
+    """Check ``trainer.lora`` against the model at ``model_path`` (its config alone) before a job
+    starts and, for ``--resume``, against the checkpoint ``ckpt_dir`` it continues: the adapted
+    policy is ``base + (alpha / r) · B A`` on the target modules, so a resume that changed rank,
+    alpha or target modules would train one policy while the servers serve another
+    (``trainer.lora.dropout`` may change).
+
+    Raises:
+        ValueError: a target module that is no linear layer of the decoder blocks, or a setting
+            that differs from the checkpoint's ``adapter_config.json`` (the message names both
+            values and the override that resumes it).
+    """
+    targets = resolve_target_modules(_meta_model(model_path), cfg.target_modules)
+    if ckpt_dir is None:
+        return
+    path = pathlib.Path(ckpt_dir) / ADAPTER_CONFIG
+    saved = json.loads(path.read_text())
+    have = {"trainer.lora.rank": saved.get("r"), "trainer.lora.alpha": float(saved.get("lora_alpha") or 0.0),
+            "trainer.lora.target_modules": sorted(saved.get("target_modules") or [])}
+    want = {"trainer.lora.rank": cfg.rank, "trainer.lora.alpha": lora_alpha(cfg),
+            "trainer.lora.target_modules": sorted(targets)}
+    changed = [key for key in want if have[key] != want[key]]
+    if changed:
+        fix = " ".join(f"{key}={_override(have[key])}" for key in changed)
+        raise ValueError(f"--resume: the checkpoint {path.parent} was trained with "
+                         + ", ".join(f"{key}={have[key]}" for key in changed) + " but this run has "
+                         + ", ".join(f"{key}={want[key]}" for key in changed)
+                         + f"; the servers would serve another policy than the trainer trains. Resume with "
+                           f"{fix}, or start a new run (another name=...) with the new settings")
+
+
+def _override(value) -> str:
+    """``value`` as a command-line override's right-hand side."""
+    return f"[{','.join(value)}]" if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def initial_adapter(model_path: str, cfg: LoraSettings, dtype: torch.dtype = torch.float32,
                     seed: int = 0) -> tuple[dict[str, Tensor], dict]:
     """The adapter of version 0 for ``trainer.lora`` on the model at ``model_path``, from its
@@ -218,10 +262,7 @@ def initial_adapter(model_path: str, cfg: LoraSettings, dtype: torch.dtype = tor
     Raises:
         ValueError: bad ``target_modules`` (see ``resolve_target_modules``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    lm = _meta_model(model_path)
     targets = resolve_target_modules(lm, cfg.target_modules)
     peft_cfg = make_peft_config(cfg, targets, model_path)
     peft_cfg.target_modules = set(targets)  # as add_adapters leaves it
