@@ -53,6 +53,8 @@ def parse_ints(flag: str, text: str, what: str) -> list[int]:
     values = []
     for item in text.split(","):
         try:
+            if not item.strip().lstrip("+-").isdigit():  # int() would read "1_0" as 10
+                raise ValueError
             value = int(item.strip())
         except ValueError:
             raise ValueError(f"{flag} {text}: {item.strip()!r} is not an integer; give each {what} as an "
@@ -146,8 +148,10 @@ def open_study(root: pathlib.Path, study: dict) -> dict:
     path = root / "study.json"
     if path.exists():
         old = json.loads(path.read_text())
-        if any(old.get(k, IDENTITY_DEFAULTS.get(k)) != study[k] for k in IDENTITY):
-            raise ValueError(f"study '{study['name']}' in {root} was run with {_identity_text(old)}; this "
+        differ = [k for k in IDENTITY if old.get(k, IDENTITY_DEFAULTS.get(k)) != study[k]]
+        if differ:  # the config path and the overrides compare as given (order and spelling count)
+            raise ValueError(f"study '{study['name']}' in {root} differs in {', '.join(differ)}: it was run with "
+                             f"{_identity_text(old)}; this "
                              f"command gives {_identity_text(study)}. Give a new study name (--name ...) for "
                              f"this grid, or the same grid to continue that study")
         states = {c["name"]: c for c in old.get("cells", [])}
@@ -248,7 +252,7 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, axes: list[Axi
     jobs, skipped, how = [], 0, {}
     for eta, objective, seed, interrupt, point in grid:
         name = cell_name(eta, objective, seed, interrupt, point, axes)
-        state, step = cell_state(root / name, total)
+        state, step = cell_state(root / name, int(point.get("trainer.total_steps", total)))  # a grid may vary it
         if state == "finished":
             skipped += 1
             cells[name].update(state="finished", error=None)

@@ -109,6 +109,7 @@ def test_cell_states(tmp_path):
     (["--etas", "0,-1"], "--etas 0,-1: -1 is negative; each η must be >= 0"),
     (["--etas", "0,2,2"], "--etas 0,2,2: 2 is given twice; give each η once"),
     (["--etas", "0,two"], "--etas 0,two: 'two' is not an integer"),
+    (["--etas", "1_0"], "--etas 1_0: '1_0' is not an integer"),  # int() reads it as 10
     (["--etas", "0", "--objectives", "decoupled,ppo"], "'ppo' is not an objective; choose from decoupled, naive, tis, mis, icepop, m2po, gspo"),
     (["--etas", "0", "--objectives", "naive,naive"], "'naive' is given twice"),
     (["--etas", "0", "--seeds", "1,-3"], "--seeds 1,-3: -3 is negative; each seed must be >= 0"),
@@ -131,7 +132,7 @@ def test_a_study_name_with_another_grid_is_an_error_naming_both(tmp_path, capsys
     capsys.readouterr()
     assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0,4", "--name", "g"]) == 2
     err = capsys.readouterr().err
-    assert "study 'g'" in err and "etas [0, 1]" in err and "etas [0, 4]" in err
+    assert "study 'g'" in err and "differs in etas:" in err and "etas [0, 1]" in err and "etas [0, 4]" in err
     assert "Give a new study name (--name ...)" in err
     assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0,1", "--name", "g", "--parallel", "2"]) == 0
 
@@ -160,6 +161,25 @@ def test_a_broken_cell_runs_again_from_scratch_and_one_with_a_checkpoint_resumes
             "seed=1", 'logging.wandb_group="b"',
             'logging.wandb_tags=["eta=1", "objective=naive", "seed=1"]'} <= set(argv)
     assert "eta1-naive-s1: started (resumed at step 3)" in capsys.readouterr().out
+
+
+def test_a_grid_over_total_steps_judges_each_cell_by_its_own_steps(tmp_path, monkeypatch, capsys):
+    # cells finished at their own trainer.total_steps were judged by the config's (50), resumed
+    # with nothing left to run, failed, and marked failed in study.json
+    started = _record_jobs(monkeypatch)
+    study = [CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "t",
+             "--grid", "trainer.total_steps=2,3"]
+    assert main(study) == 0 and len(started) == 2
+    for steps in (2, 3):
+        done = tmp_path / "t" / f"eta0-naive-s1-total_steps{steps}"
+        (done / "checkpoint").mkdir(parents=True)
+        (done / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": steps}))
+        (done / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "train/loss": 0.0}) + "\n"
+                                                    for k in range(steps)))
+    started.clear()
+    capsys.readouterr()
+    assert main(study) == 0
+    assert "2 finished before, 0 to run" in capsys.readouterr().out and not started
 
 
 def test_the_interruption_axis_names_only_its_non_default_cells(tmp_path, monkeypatch, capsys):

@@ -350,12 +350,26 @@ def test_a_grid_study_is_grouped_by_its_keys_with_speedup_vs_sync(tmp_path):
     assert [len(p) for p in plots.by_point(groups)] == [2, 2]
     html = (root / "report.html").read_text()
     assert "× trainer.lr [1e-06, 1e-05] × seeds" in html and "trainer.<wbr>lr" in html
+    assert "2 steps per cell" in html  # the grid does not vary trainer.total_steps
     # means over seeds per grid point: lr 1e-06 η 2 speedup (2.0 + 4.0) / 2 = 3.0, step_s
     # (1.5 + 0.5) / 2 = 1.0; lr 1e-05 η 0 one run (seed 2 missing); its η 2 speedup only seed 1's 4.0
     points = by_grid_point(write_study_report(root).rows, ["trainer.lr"])
     assert [(p["eta"], p["trainer.lr"], p["seeds"], p["speedup_vs_sync"], p["step_s"]) for p in points] == [
         (0, 1e-06, 2, 1.0, 2.5), (2, 1e-06, 2, 3.0, 1.0), (0, 1e-05, 1, 1.0, 6.0), (2, 1e-05, 2, 4.0, 1.25)]
     assert "By grid point: means over seeds" in html and '<table class="summary points">' in html
+
+
+def test_a_grid_over_total_steps_names_no_one_step_count(tmp_path):
+    # the report said "50 steps per cell" (the config's) of cells run for 2 and 3 steps
+    root = tmp_path / "t"
+    root.mkdir()
+    cells = [(f"eta0-naive-s1-total_steps{n}", 0, 1, {"trainer.total_steps": n}) for n in (2, 3)]
+    _grid_study(root, cells, [{"key": "trainer.total_steps", "values": [2, 3]}])
+    for name, *_ in cells:
+        _write_run(root / name, _timed([1.0, 1.0]), eta=0)
+    write_study_report(root)
+    html = (root / "report.html").read_text()
+    assert "steps per cell" not in html and "× trainer.total_steps [2, 3] × seeds" in html
 
 
 def test_run_directories_are_grouped_by_a_config_key(tmp_path, capsys):
