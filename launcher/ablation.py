@@ -279,13 +279,13 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, axes: list[Axi
         ok = job.returncode == 0
         minutes = (time.monotonic() - job.started_s) / 60
         cells[job.name].update(state="finished" if ok else "failed",
-                               error=None if ok else f"exit {job.returncode}: {error_line(job)}")
+                               error=None if ok else f"{job.exit_text()}: {error_line(job)}")
         write_study(root, study)
         if ok:
             progress.say(f"[ablation] {job.name}: finished in {minutes:.1f} min")
         else:
             failed.append(job)
-            progress.say(f"[ablation] {job.name}: FAILED after {minutes:.1f} min (exit {job.returncode}): "
+            progress.say(f"[ablation] {job.name}: FAILED after {minutes:.1f} min ({job.exit_text()}): "
                          f"{error_line(job)}")
         progress.ended(ok)
 
@@ -299,7 +299,7 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, axes: list[Axi
     progress.close()
     for job in failed:
         tail = "\n".join(f"    {line}" for line in job.last_lines(12))
-        print(f"[ablation] failed cell {job.name} (exit {job.returncode}); last lines of {job.out}:\n{tail}",
+        print(f"[ablation] failed cell {job.name} ({job.exit_text()}); last lines of {job.out}:\n{tail}",
               file=sys.stderr, flush=True)
     done = sum(c["state"] == "finished" for c in study["cells"])
     print(f"[ablation] {done}/{len(grid)} cells finished, {len(failed)} failed; study in {root}", flush=True)

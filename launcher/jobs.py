@@ -7,6 +7,7 @@ the terminal (a Ctrl-C reaches it once, from here) and dies with the caller (``P
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -50,6 +51,14 @@ class Job:
         if self.returncode is None and self.proc is not None:
             self.returncode = self.proc.poll()
         return self.returncode
+
+    def exit_text(self) -> str:
+        """``"exit 2"``, or ``"killed by SIGKILL"`` for a process a signal ended."""
+        rc = self.poll()
+        if rc is not None and rc < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-rc).name}"
+        return f"exit {rc}"
 
     def interrupt(self) -> None:
         """SIGINT, as Ctrl-C: the launcher stops its processes and exits 130."""

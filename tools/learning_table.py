@@ -135,7 +135,7 @@ def run_jobs(args: argparse.Namespace) -> int:
     for job in jobs:
         if job.returncode != 0:
             last_line = (job.last_lines(1) or [""])[0][-160:]
-            notes[job.name] = f"failed (exit {job.returncode}): {last_line}"
+            notes[job.name] = f"failed ({job.exit_text()}): {last_line}"
     print_table([root / j.name for j in jobs], args.block, notes)
     return 1 if notes else 0
 
