@@ -184,6 +184,11 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         parts += [seg.versions.numpy()[seg.sampled()] for seg in self.segments]
         return np.concatenate(parts).astype(np.int32, copy=False)
 
+    def episode_return(self) -> float:
+        """``reward`` plus the sum of ``turn_rewards`` (float64): the episode's return R_i."""
+        turns = self.turn_rewards
+        return self.reward + (float(turns.numpy().sum(dtype="float64")) if turns is not None else 0.0)
+
     def oldest_version(self) -> int | None:
         """The oldest policy version of a sampled token of any sequence of the episode (the
         sample's version for staleness: docs/design.md, Staleness); ``None`` if nothing was

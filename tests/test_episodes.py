@@ -146,6 +146,57 @@ def test_an_episode_over_max_turns_is_truncated(tiny_model_dir):
     assert sample.stats.turns == 2 and sample.stats.truncated and len(sample.turn_rewards.tolist()) == 2
 
 
+class FloodEnv:
+    """A tool result longer than the servers' context (512 tokens) after the first turn."""
+
+    def reset(self, item, seed):
+        return None
+
+    def step(self, action):
+        return [{"role": "tool", "content": "apple " * 600}], 1.0, False
+
+
+def test_an_observation_that_fills_the_context_truncates_the_episode(tiny_model_dir):
+    # the next turn's request was refused by the server (HTTP 400: prompt + max_new_tokens exceeds
+    # max_seq_len) and the worker died on it, three times, then the job
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    async def main():
+        async with engine_client(tiny_model_dir) as client:
+            ep = episode(client, tok)
+            ep.max_seq_len = 512  # the engine's
+            return await EnvWorkflow(FloodEnv)(ep, item()), client.calls
+
+    sample, calls = asyncio.run(main())
+    assert len(calls) == 1 and sample.stats.turns == 1 and sample.stats.truncated
+    assert sample.turn_rewards.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("reward, error, words", [
+    (float("nan"), ValueError, "gave the reward nan in episode g3-s1, turn 0; a reward must be finite"),
+    ("0.5", TypeError, "gave the reward '0.5' (str) in episode g3-s1, turn 0; a reward is a number"),
+    (None, TypeError, "gave the reward None (NoneType)"),
+])
+def test_an_env_reward_that_is_no_finite_number_is_named(tiny_model_dir, reward, error, words):
+    # a NaN reward trained nothing (every loss NaN, the update skipped) and the job ended "done";
+    # a string was read as a number
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    class BadReward:
+        def reset(self, item, seed):
+            return None
+
+        def step(self, action):
+            return None, reward, True
+
+    async def main():
+        async with engine_client(tiny_model_dir) as client:
+            return await EnvWorkflow(BadReward)(episode(client, tok), item())
+
+    with pytest.raises(error, match=f"BadReward.step {words}".replace("(", r"\(").replace(")", r"\)")):
+        asyncio.run(main())
+
+
 async def two_calls_then_an_edit(item, client):
     """Two calls that extend the conversation, then one whose history is edited: a new sequence."""
     messages = list(item.messages)

@@ -59,6 +59,9 @@ def test_turn_rewards_are_summed_into_the_episode_return_by_default():
     for s, sign in zip(seqs, (1, -1)):
         torch.testing.assert_close(s.advantages, torch.where(s.loss_mask, sign * a, 0.0), rtol=0, atol=0)
     assert seqs[0].loss_mask.nonzero()[:, 0].tolist() == [3, 4, 8, 9]
+    # rollout/reward reports the same returns (it was the reward alone: 0 for every Env episode)
+    assert [s.episode_return() for s in group0().samples] == [11.0, -3.0]
+    assert batch_metrics([group0()], step=5, step_s=1.0)["rollout/reward"] == 4.0
 
 
 def test_sampled_tokens_carry_the_loss_fields():

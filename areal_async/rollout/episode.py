@@ -61,19 +61,22 @@ class Episode:
         server: the index of the server every turn goes to (failover kept).
         max_new_tokens: per turn; max_turns: model turns at most (``>= 1``);
         max_episode_tokens: tokens after the first prompt of a sequence at most (0: no cap).
+        max_seq_len: the servers' context, a sequence's tokens at most (``inference.max_seq_len``;
+            0: no cap): a turn gets at most what is left of it.
         name: the request id of turn 0, ``-t{t}`` appended after it; default ``g{g}-s{i}``.
     """
 
     def __init__(self, client: GenerationClient, tokenizer, decode: Callable[[list[int]], str], group_id: int,
                  index: int, seed: int, prompt_ids: Sequence[int], messages: list[dict[str, Any]],
                  sampling: dict[str, Any], server: int, max_new_tokens: int, max_turns: int,
-                 max_episode_tokens: int = 0, name: str | None = None):
+                 max_episode_tokens: int = 0, name: str | None = None, max_seq_len: int = 0):
         self.client, self.tokenizer, self.decode = client, tokenizer, decode
         self.group_id, self.index, self.seed = group_id, index, seed
         self.name = name or f"g{group_id}-s{index}"
         self.prompt_ids, self.messages = list(prompt_ids), messages
         self._sampling, self._server = sampling, server
         self.max_new_tokens, self.max_turns, self.max_episode_tokens = max_new_tokens, max_turns, max_episode_tokens
+        self.max_seq_len = max_seq_len
         self.conversations: list[Conversation] = []
         self.turns: list[Turn] = []
         # EpisodeStats' fields but ``turns`` (counted from ``turns``), as the turns and tools go
@@ -107,17 +110,21 @@ class Episode:
 
         Raises:
             EpisodeTruncated: ``max_turns`` turns were sampled already, or no token is left of
-                ``max_episode_tokens`` (the episode is marked truncated).
+                ``max_episode_tokens`` or ``max_seq_len`` (the episode is marked truncated).
         """
         conv = self.conversation
         t = len(self.turns)
-        budget = min(self.max_new_tokens, max_new_tokens or self.max_new_tokens)
+        asked = min(self.max_new_tokens, max_new_tokens or self.max_new_tokens)
+        budget = asked
         if self.max_episode_tokens:
             budget = min(budget, self.max_episode_tokens - (len(conv.ids) - conv.prompt_len))
+        if self.max_seq_len:  # an observation may have filled the context: end here, not with the server's 400
+            budget = min(budget, self.max_seq_len - len(conv.ids))
         if t >= self.max_turns or budget < 1:
             self.stats["truncated"] = True
-            raise EpisodeTruncated(f"episode {self.name}: turn {t} would exceed "
-                                   f"max_turns {self.max_turns} or max_episode_tokens {self.max_episode_tokens}")
+            raise EpisodeTruncated(f"episode {self.name}: turn {t} would exceed max_turns {self.max_turns}, "
+                                   f"max_episode_tokens {self.max_episode_tokens} or the context "
+                                   f"({len(conv.ids)} of max_seq_len {self.max_seq_len} tokens used)")
         seed = turn_seed(self.seed, t)
         sampling = {**self._sampling, "max_new_tokens": budget, "sampling_seed": seed}
         if stop:
@@ -130,7 +137,7 @@ class Episode:
         turn = Turn(list(out.output_ids), list(out.logprobs), list(out.versions), out.finish_reason,
                     self.decode(out.output_ids), t, seed)
         conv.add_sampled(turn.ids, turn.logprobs, turn.versions, record_text(turn.text) if record_text else turn.text)
-        if out.finish_reason == "length" and self.max_episode_tokens and budget < self.max_new_tokens:
+        if out.finish_reason == "length" and budget < asked:  # cut by an episode limit, not the turn's own
             self.stats["truncated"] = True
         self.turns.append(turn)
         return turn

@@ -26,7 +26,7 @@ class MixedVersionError(RuntimeError):
 async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: RewardPool, num_prompts: int,
                    max_new_tokens: int, version: int,
                    on_done: Callable[[], None] | None = None, workflow: Workflow | None = None,
-                   max_turns: int = 1, max_episode_tokens: int = 0) -> dict[str, float]:
+                   max_turns: int = 1, max_episode_tokens: int = 0, max_seq_len: int = 0) -> dict[str, float]:
     """Greedy pass@1 of the served policy (version ``version``).
 
     Args:
@@ -40,7 +40,8 @@ async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: Reward
         version: the policy version the servers hold for the whole evaluation.
         on_done: called once per scored prompt (progress display).
         workflow: the episodes' workflow (``workflows.build_workflow(..., greedy=True)``); ``None``:
-            one answer per prompt. max_turns, max_episode_tokens: its limits (``rollout.*``).
+            one answer per prompt. max_turns, max_episode_tokens: its limits (``rollout.*``);
+            max_seq_len: the servers' context (``inference.max_seq_len``; 0: no cap).
 
     Returns:
         ``eval/pass@1`` (fraction correct), ``eval/response_len`` (mean output tokens),
@@ -64,7 +65,7 @@ async def evaluate(client: GenerationClient, prompts: PromptSet, rewards: Reward
         messages = prompts.task.messages(item.data_index)
         ep = Episode(client, prompts.tokenizer, prompts.decode, -1, j, 0, item.prompt_ids, messages, sampling,
                      server=j % len(client.urls), max_new_tokens=max_new_tokens, max_turns=max_turns,
-                     max_episode_tokens=max_episode_tokens, name=f"eval-{j}")
+                     max_episode_tokens=max_episode_tokens, name=f"eval-{j}", max_seq_len=max_seq_len)
         sample = await workflow(ep, EpisodeItem(messages, item.gold, item.row, item.data_index))
         seen.update(v for turn in ep.turns for v in turn.versions)
         if on_done is not None:

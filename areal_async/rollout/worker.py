@@ -47,7 +47,7 @@ class GenerationWorker:
 
     def __init__(self, worker_id: int, queue: WorkerQueue, client: GenerationClient, prompts: PromptSet,
                  rewards: RewardPool, rollout: RolloutConfig, seed: int, debug: DebugConfig = DebugConfig(),
-                 workflow: Workflow | None = None):
+                 workflow: Workflow | None = None, max_seq_len: int = 0):
         if rollout.n_samples < 1 or rollout.max_groups_in_flight < 1 or rollout.max_new_tokens < 1:
             raise ValueError(
                 f"rollout.n_samples ({rollout.n_samples}), max_groups_in_flight "
@@ -56,7 +56,7 @@ class GenerationWorker:
         self.worker_id = worker_id
         self._queue, self._client = queue, client
         self._prompts, self._rewards = prompts, rewards
-        self._rollout, self._seed = rollout, seed
+        self._rollout, self._seed, self._max_seq_len = rollout, seed, max_seq_len
         self._jitter = Jitter(debug.jitter_ms, debug.jitter_seed, worker_id)
         self._workflow = workflow or ToolLoop(rewards, prompts.task.reward_fn)
         self._in_flight = 0
@@ -114,7 +114,7 @@ class GenerationWorker:
         episode = Episode(self._client, self._prompts.tokenizer, self._prompts.decode, g, i,
                           sample_seed(self._seed, g, i), item.prompt_ids, messages, sampling,
                           server=(g * r.n_samples + i) % len(self._client.urls), max_new_tokens=r.max_new_tokens,
-                          max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens)
+                          max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens, max_seq_len=self._max_seq_len)
         sample = await self._workflow(episode, EpisodeItem(messages, item.gold, item.row, item.data_index))
         sample.check()
         self.samples_done += 1
@@ -146,7 +146,8 @@ async def main(cfg: Config, worker_id: int) -> None:
             queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token())
             async with queue:
                 worker = GenerationWorker(worker_id, queue, client, prompts, rewards, cfg.rollout, cfg.seed,
-                                          cfg.debug, build_workflow(cfg.rollout, rewards, prompts.task.reward_fn))
+                                          cfg.debug, build_workflow(cfg.rollout, rewards, prompts.task.reward_fn),
+                                          max_seq_len=inf.max_seq_len)
                 await worker.run()
         elapsed = time.perf_counter() - t0
         print(f"{tag} queue closed: {worker.groups_done} groups, {worker.samples_done} samples, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -146,10 +147,10 @@ class EnvWorkflow:
                     out = await _maybe(env.step(Action(turn.text, turn.ids, turn.finish_reason, turn.index, turn.seed)))
                 observation, reward, done, *rest = out
                 info = dict(rest[0]) if rest and rest[0] else {}
-                rewards.append(float(reward))
             except Exception as exc:
                 raise RuntimeError(f"{_name(self.env_class)}.step raised in {where}, turn {turn.index}: "
                                    f"{exc!r}") from exc
+            rewards.append(_reward(reward, f"{_name(self.env_class)}.step", f"{where}, turn {turn.index}"))
             ep.stats["tool_calls"] += int(info.get("tool_calls", 0))
             ep.stats["tool_errors"] += int(info.get("tool_errors", 0))
             if done:
@@ -193,10 +194,11 @@ class OpenAIWorkflow:
             if bad:
                 raise TypeError(f"{_name(self.fn)} returned rewards for turns {bad} in {where}, which made "
                                 f"{len(ep.turns)} calls (turns 0..{len(ep.turns) - 1})")
-            per_turn = [float(result.get(t, 0.0)) for t in range(len(ep.turns))]
+            per_turn = [_reward(result.get(t, 0.0), _name(self.fn), f"{where}, turn {t}") for t in range(len(ep.turns))]
             return ep.to_sample(0.0, sum(per_turn) > 0, turn_rewards=per_turn)
         if isinstance(result, (int, float)) and not isinstance(result, bool):
-            return ep.to_sample(float(result), float(result) > 0)
+            reward = _reward(result, _name(self.fn), where)
+            return ep.to_sample(reward, reward > 0)
         raise TypeError(f"{_name(self.fn)} returned {type(result).__name__} in {where}; return the "
                         f"episode's reward (a number) or {{turn: reward}}")
 
@@ -223,6 +225,26 @@ def load_workflow(spec: str, temperature: float, top_p: float) -> Workflow:
         return OpenAIWorkflow(obj, temperature, top_p)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
                      f"reset(item, seed) and step(action)) nor 'async def run(item, client)'")
+
+
+def _reward(value, source: str, where: str) -> float:
+    """``value`` as a reward: a finite number (anything ``float()`` takes but text and bool: a
+    numpy or 0-d torch scalar passes; NaN and ±inf are refused).
+
+    Raises:
+        TypeError / ValueError: naming ``source``, ``where`` and the value.
+    """
+    try:
+        if isinstance(value, (str, bytes, bool)):
+            raise TypeError
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{source} gave the reward {value!r} ({type(value).__name__}) in {where}; a reward is "
+                        f"a number (int or float)") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{source} gave the reward {value!r} in {where}; a reward must be finite (a NaN or "
+                         f"infinite reward makes every loss of its group NaN: nothing would be trained)")
+    return float(value)
 
 
 async def _maybe(value):

@@ -34,7 +34,7 @@ class Evaluations:
         self._eval, self._total_steps = cfg.eval, cfg.trainer.total_steps
         self._metrics_path = run_dir / "metrics.jsonl"
         self._client, self._prompts, self._rewards, self._logger = client, prompts, rewards, logger
-        self._rollout = cfg.rollout
+        self._rollout, self._max_seq_len = cfg.rollout, cfg.inference.max_seq_len
         self._workflow = build_workflow(cfg.rollout, rewards, prompts.task.reward_fn, greedy=True)
         self._running: asyncio.Task | None = None  # of start()
 
@@ -51,7 +51,8 @@ class Evaluations:
                 result = await evaluate(self._client, self._prompts, self._rewards, e.num_prompts,
                                         e.max_new_tokens, version, on_done=prog.update, workflow=self._workflow,
                                         max_turns=self._rollout.max_turns,
-                                        max_episode_tokens=self._rollout.max_episode_tokens)
+                                        max_episode_tokens=self._rollout.max_episode_tokens,
+                                        max_seq_len=self._max_seq_len)
         self._logger.log(version, result)
 
     async def first(self, start: int) -> None:

@@ -162,9 +162,7 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
         except ValueError as e:
             raise ValueError(f"group {traj.group_id}: {e}") from None
     summed = algo.turn_rewards == "sum"
-    rewards = torch.tensor([s.reward + (float(s.turn_rewards.numpy().sum(dtype="float64"))
-                                        if summed and s.turn_rewards is not None else 0.0)
-                            for _, s in samples], dtype=torch.float32)
+    rewards = torch.tensor([s.episode_return() if summed else s.reward for _, s in samples], dtype=torch.float32)
     adv = group_advantages(rewards, group_size, std_norm=algo.std_norm)
     if algo.batch_norm:
         adv = batch_normalize(adv)

@@ -36,7 +36,8 @@ def sample_version(traj: Trajectory, sample: Sample) -> int:
 def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
     """``rollout/*`` and ``staleness/*`` of the batch consumed by training step ``step``.
 
-    ``rollout/reward`` is the mean scaled reward; ``correct`` the verifier's accept rate;
+    ``rollout/reward`` is the mean episode return, the reward plus the sum of the turn
+    rewards (what ``algo.turn_rewards = "sum"`` trains on); ``correct`` the verifier's accept rate;
     ``response_len`` mean sampled tokens per sample (all its sequences); ``no_eos_ratio`` the
     fraction of samples that did not end with a stop token; ``tokens_per_s`` the batch's sampled
     tokens over the step's wall time (in steady state, the generation rate that kept up with
@@ -51,7 +52,7 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
     lengths = [len(v) for v in versions]  # sampled tokens (a response: all)
     staleness = [step - sample_version(t, s) for t, s in samples]
     return {
-        "rollout/reward": sum(s.reward for _, s in samples) / n,
+        "rollout/reward": sum(s.episode_return() for _, s in samples) / n,
         "rollout/correct": sum(s.correct for _, s in samples) / n,
         "rollout/response_len": sum(lengths) / n,
         "rollout/no_eos_ratio": sum(s.finish_reason != "stop" for _, s in samples) / n,
