@@ -176,6 +176,9 @@ class RolloutConfig(_Cfg):
     tool_timeout_s: PosFloat = 5.0  # a tool call's wall-clock limit; over it: an error observation
     max_turns: PosInt = 8  # model turns of an episode at most; more: truncated
     max_episode_tokens: NonNegInt = 0  # tokens after a sequence's prompt at most (0: max_new_tokens per turn only)
+    # an Env's reset/step call's wall-clock limit; over it the worker fails naming the env, episode
+    # and turn (a synchronous call that blocks is ended with its process). 0: no limit
+    env_timeout_s: NonNegFloat = 600.0
     cpus: str = ""  # CPUs every worker is pinned to, e.g. "0-1"; "": not pinned (launcher.local only)
 
 

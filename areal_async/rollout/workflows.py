@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from areal_async.rollout.env_limit import EnvTimeout, call_env
 from areal_async.rollout.episode import Episode, EpisodeTruncated
 from areal_async.types import Sample
 
@@ -117,22 +118,26 @@ class ToolLoop:
 class EnvWorkflow:
     """Episodes of an ``Env`` class: reset, then model turn and ``step`` until ``done`` or a
     limit. Rewards are per turn (``Sample.turn_rewards``; the episode's own reward is 0);
-    ``correct``: the last info's, else whether the rewards sum above 0.
+    ``correct``: the last info's, else whether the rewards sum above 0. ``env_timeout_s``: each
+    ``reset``/``step`` call's wall-clock limit (0: none; ``env_limit.call_env``).
 
-    Raises (from a call): what ``reset``/``step`` raise, with the episode and turn named.
+    Raises (from a call): what ``reset``/``step`` raise, with the episode and turn named;
+    ``EnvTimeout`` for an ``async`` call past the limit (a synchronous one ends the process).
     """
 
-    def __init__(self, env_class: Callable[[], Env]):
-        self.env_class = env_class
+    def __init__(self, env_class: Callable[[], Env], env_timeout_s: float = 0.0):
+        self.env_class, self.env_timeout_s = env_class, env_timeout_s
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         env = self.env_class()
-        where = f"episode {ep.name}"
+        name, where = _name(self.env_class), f"episode {ep.name}"
         try:
             with ep.timed_env():
-                first = await _maybe(env.reset(item, ep.seed))
+                first = await call_env(env.reset, (item, ep.seed), f"{name}.reset", where, self.env_timeout_s)
+        except EnvTimeout:
+            raise
         except Exception as exc:
-            raise RuntimeError(f"{_name(self.env_class)}.reset raised in {where}: {exc!r}") from exc
+            raise RuntimeError(f"{name}.reset raised in {where}: {exc!r}") from exc
         conv = ep.start(*_observation(first))
         stop = list(getattr(env, "stop", ()) or ())
         rewards: list[float] = []
@@ -142,15 +147,19 @@ class EnvWorkflow:
                 turn = await ep.generate(stop=stop)
             except EpisodeTruncated:
                 break
+            action = Action(turn.text, turn.ids, turn.finish_reason, turn.index, turn.seed)
             try:
                 with ep.timed_env():
-                    out = await _maybe(env.step(Action(turn.text, turn.ids, turn.finish_reason, turn.index, turn.seed)))
+                    out = await call_env(env.step, (action,), f"{name}.step", f"{where}, turn {turn.index}",
+                                         self.env_timeout_s)
                 observation, reward, done, *rest = out
                 info = dict(rest[0]) if rest and rest[0] else {}
+            except EnvTimeout:
+                raise
             except Exception as exc:
-                raise RuntimeError(f"{_name(self.env_class)}.step raised in {where}, turn {turn.index}: "
+                raise RuntimeError(f"{name}.step raised in {where}, turn {turn.index}: "
                                    f"{exc!r}") from exc
-            rewards.append(_reward(reward, f"{_name(self.env_class)}.step", f"{where}, turn {turn.index}"))
+            rewards.append(_reward(reward, f"{name}.step", f"{where}, turn {turn.index}"))
             ep.stats["tool_calls"] += int(info.get("tool_calls", 0))
             ep.stats["tool_errors"] += int(info.get("tool_errors", 0))
             if done:
@@ -203,9 +212,9 @@ class OpenAIWorkflow:
                         f"episode's reward (a number) or {{turn: reward}}")
 
 
-def load_workflow(spec: str, temperature: float, top_p: float) -> Workflow:
+def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0) -> Workflow:
     """The user's workflow named ``package.module:object``: a class with ``reset`` and ``step``
-    (an ``Env``), or an ``async def run(item, client)``.
+    (an ``Env``, each call limited to ``env_timeout_s``, 0: none), or an ``async def run(item, client)``.
 
     Raises:
         ValueError: not ``module:object``, not importable, or of neither shape (names the fix).
@@ -220,7 +229,7 @@ def load_workflow(spec: str, temperature: float, top_p: float) -> Workflow:
         raise ValueError(f"rollout.workflow {spec!r} cannot be imported: {exc}; the module must be on "
                          f"PYTHONPATH (the run's working directory is)") from exc
     if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
-        return EnvWorkflow(obj)
+        return EnvWorkflow(obj, env_timeout_s)
     if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
         return OpenAIWorkflow(obj, temperature, top_p)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
@@ -245,10 +254,6 @@ def _reward(value, source: str, where: str) -> float:
         raise ValueError(f"{source} gave the reward {value!r} in {where}; a reward must be finite (a NaN or "
                          f"infinite reward makes every loss of its group NaN: nothing would be trained)")
     return float(value)
-
-
-async def _maybe(value):
-    return await value if inspect.isawaitable(value) else value
 
 
 def _observation(obs) -> tuple[list[dict] | None, Sequence[int] | None]:
@@ -283,7 +288,7 @@ def build_workflow(rollout, rewards, reward_fn, greedy: bool = False) -> Workflo
     over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0)."""
     if rollout.workflow:
         return load_workflow(rollout.workflow, 0.0 if greedy else rollout.temperature,
-                             1.0 if greedy else rollout.top_p)
+                             1.0 if greedy else rollout.top_p, rollout.env_timeout_s)
     tools = None
     if rollout.tools:
         from areal_async.tools import ToolSet

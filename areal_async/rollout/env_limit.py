@@ -1,0 +1,143 @@
+"""A wall-clock limit on each call into a user's environment (``rollout.env_timeout_s``).
+
+An ``async`` call past the limit is cancelled and raises ``EnvTimeout``; the worker fails with
+it. A call that blocks the event loop (a synchronous method, or a synchronous call inside an
+``async`` one) cannot be interrupted: a watchdog thread sees when it started and, once it is past
+the limit while holding the loop, prints the message to stderr and ends the process with status 1.
+Either way the launcher reports the worker's death with its last lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+HOLD_S = 1.0  # an overdue call is ended once it has held the loop this long (or its limit, if less)
+
+
+class EnvTimeout(TimeoutError):
+    """An environment call ran past ``rollout.env_timeout_s``."""
+
+
+def overrun_message(what: str, where: str, limit_s: float, elapsed_s: float) -> str:
+    """What a call past the limit is reported with: ``what`` (``Class.method``), ``where`` (the
+    episode and turn), the limit and the key that sets it."""
+    return (f"{what} has run {round(elapsed_s, 1):g} s in {where} (rollout.env_timeout_s={limit_s:g}); "
+            f"make it return sooner, or raise rollout.env_timeout_s (0: no limit)")
+
+
+async def call_env(fn: Callable[..., Any], args: tuple, what: str, where: str, limit_s: float) -> Any:
+    """``fn(*args)``, awaited if it returns an awaitable, within ``limit_s`` seconds (0: no limit).
+
+    Raises:
+        EnvTimeout: an awaitable not done within the limit (cancelled).
+        What ``fn`` raises. A call that blocks the event loop past the limit ends the process.
+    """
+    if not limit_s:
+        out = fn(*args)
+        return await out if inspect.isawaitable(out) else out
+    call = _Call(what, where, limit_s)
+    _WATCHDOG.watch(call)
+    try:
+        out = fn(*args)
+        call.inside_since = None
+        if not inspect.isawaitable(out):
+            return out
+        timeout = asyncio.timeout(max(0.0, call.start + limit_s - time.monotonic()))
+        try:
+            async with timeout:
+                return await _marked(out, call)
+        except TimeoutError:
+            if not timeout.expired():  # the call's own TimeoutError
+                raise
+            raise EnvTimeout(overrun_message(what, where, limit_s, time.monotonic() - call.start)) from None
+    finally:
+        _WATCHDOG.unwatch(call)
+
+
+class _Call:
+    """A watched call; ``inside_since``: when the event loop's thread last entered it (``None``:
+    it is not running now)."""
+
+    def __init__(self, what: str, where: str, limit_s: float):
+        self.what, self.where, self.limit_s = what, where, limit_s
+        self.start = self.inside_since = time.monotonic()
+
+    def next_look(self, now: float) -> float | None:
+        """When the watchdog should look at it again; ``None``: end the process now."""
+        due, since = self.start + self.limit_s, self.inside_since
+        hold = min(self.limit_s, HOLD_S)
+        if now < due:
+            return due
+        if since is None:  # being cancelled, or awaiting; asyncio's timeout ends it
+            return now + hold
+        return None if now - since >= hold else since + hold
+
+
+@types.coroutine
+def _marked(awaitable, call: _Call):
+    """``await awaitable``, with ``call.inside_since`` set while the loop's thread runs it."""
+    it = awaitable.__await__()
+    value, error = None, None
+    while True:
+        call.inside_since = time.monotonic()
+        try:
+            yielded = it.send(value) if error is None else it.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            call.inside_since = None
+        try:
+            value, error = (yield yielded), None
+        except GeneratorExit:
+            it.close()
+            raise
+        except BaseException as exc:  # a cancellation, passed on to the call
+            value, error = None, exc
+
+
+class _Watchdog:
+    """A daemon thread that ends the process when a watched call blocks the loop past its limit."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._calls: set[_Call] = set()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, call: _Call) -> None:
+        with self._cond:
+            self._calls.add(call)
+            if self._thread is None or not self._thread.is_alive():  # none yet, or a forked child
+                self._thread = threading.Thread(target=self._run, name="env-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def unwatch(self, call: _Call) -> None:
+        with self._cond:
+            self._calls.discard(call)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                looks = {call: call.next_look(now) for call in self._calls}
+                blocked = [call for call, at in looks.items() if at is None]
+                if not blocked:
+                    self._cond.wait(min(looks.values()) - now if looks else None)
+                    continue
+                call = blocked[0]
+                print(f"[env-watchdog] {overrun_message(call.what, call.where, call.limit_s, now - call.start)}; "
+                      f"it blocks this process's event loop, so the process is ended", file=sys.stderr, flush=True)
+                # os._exit, not an exception or sys.exit: the blocked call holds the only thread that
+                # could raise, and a normal exit would wait for that thread and for exit handlers
+                os._exit(1)
+
+
+_WATCHDOG = _Watchdog()
