@@ -98,3 +98,11 @@ def test_a_call_ending_in_os_exit_still_answers():
     assert run_sglang("import os\nprint(5, flush=True)\nos._exit(0)") == 5
     with pytest.raises(AssertionError, match=r"failed \(3\)"):
         run_sglang("import os, sys\nprint('bye', file=sys.stderr, flush=True)\nos._exit(3)")
+
+
+def test_a_variable_set_in_this_process_later_does_not_unfork_the_calls(monkeypatch):
+    # a test that left an import-time variable (HF_*, TORCH*, ...) in os.environ sent every later
+    # call of its process to a fresh interpreter: no SGLang preloaded, no process-group kill
+    assert run_sglang("print(1)") == 1  # the server started
+    monkeypatch.setenv("HF_SET_BY_ANOTHER_TEST", "1")
+    assert run_sglang("import json, sys\nprint(json.dumps('torch' in sys.modules))") is True

@@ -27,10 +27,16 @@ needs_sglang = pytest.mark.skipif(
 )
 
 
+# the test process's environment as it started: a variable another test (or a library it imports)
+# sets in os.environ later must not turn every later call into a fresh process (see IMPORT_TIME_ENV)
+_START_ENV = dict(os.environ)
+
+
 def sglang_env(**extra: str) -> dict[str, str]:
-    """Environment for a process of ``.venv-sglang``: no CUDA, no inherited ``PYTHONPATH`` (this
-    project's modules stay out of SGLang's interpreter unless a test adds them)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    """Environment for a process of ``.venv-sglang``: the test process's environment at its start,
+    with no CUDA and no inherited ``PYTHONPATH`` (this project's modules stay out of SGLang's
+    interpreter unless a test adds them)."""
+    env = {k: v for k, v in _START_ENV.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update({"CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"})
     env.update(extra)
     return env
