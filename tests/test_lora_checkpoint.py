@@ -125,12 +125,18 @@ def test_merge_lora_refuses_an_out_dir_that_would_replace_data(tmp_path):
     (run / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep").write_text("x")
-    cases = [(run, "holds the adapter directory"), (ckpt, "is the adapter directory"),
-             (ckpt / "sub", "lies inside the adapter directory"), (tmp_path / "other", "exists and is not empty")]
+    from launcher.merge_lora import merge
+
+    cases = [(ckpt, "is the adapter directory"), (ckpt / "sub", "lies inside the adapter directory"),
+             (tmp_path / "other", "exists and is not empty")]
     for out, words in cases:
-        proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(ckpt), str(out)], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        with pytest.raises(ValueError, match=words):
+            merge(ckpt, out)
+    # the command line: exit 2 with the message, no traceback
+    proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(ckpt), str(run)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "holds the adapter directory" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
     assert (run / "metrics.jsonl").read_text() == "{}\n" and (tmp_path / "other" / "keep").read_text() == "x"
 
 
