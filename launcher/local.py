@@ -210,8 +210,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
                          f"{len(test)} prompts; set eval.num_prompts={len(test)} or fewer")
     if e.every_steps > cfg.trainer.total_steps:
         print(f"[launcher] warning: {sparse_eval_warning(cfg)}", file=sys.stderr, flush=True)
-    if lora_off_warning(cfg):
-        print(f"[launcher] warning: {lora_off_warning(cfg)}", file=sys.stderr, flush=True)
+    if warning := lora_off_warning(cfg):
+        print(f"[launcher] warning: {warning}", file=sys.stderr, flush=True)
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     if cfg.rollout.workflow:

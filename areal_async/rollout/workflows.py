@@ -253,7 +253,7 @@ def _reward(value, source: str, where: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{source} gave the reward {value!r} in {where}; a reward must be finite (a NaN or "
                          f"infinite reward makes every loss of its group NaN: nothing would be trained)")
-    return float(value)
+    return value
 
 
 def _observation(obs) -> tuple[list[dict] | None, Sequence[int] | None]:
