@@ -129,12 +129,24 @@ def test_bad_bytes_a_bad_parquet_row_and_a_bad_parquet_file(tmp_path):
         file_task(str(tmp_path / "junk.parquet"))
 
 
-def test_an_empty_file_and_a_missing_one(tmp_path):
+def test_a_blank_file_an_empty_one_and_a_missing_one(tmp_path):
     (tmp_path / "test.jsonl").write_text("\n\n")
-    with pytest.raises(ValueError, match=r"data\.test_path=.*test\.jsonl holds no rows"):
+    with pytest.raises(ValueError, match=r"data\.test_path=.*test\.jsonl holds no rows \(blank lines only\)"):
         file_task(str(tmp_path / "test.jsonl"), split="test")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl holds no rows \(the file is empty\)"):
+        file_task(str(tmp_path / "empty.jsonl"), split="test")
     with pytest.raises(FileNotFoundError, match="nosuch.jsonl"):
         file_task(str(tmp_path / "nosuch.jsonl"))
+
+
+def test_a_byte_order_mark_at_the_start_is_read_past_and_one_later_is_an_error(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "q", "answer": "1"}\n{"prompt": "r", "answer": "2"}\n')
+    assert [item.answer for item in file_task(str(path)).items] == ["1", "2"]
+    path.write_bytes(b'{"prompt": "q", "answer": "1"}\n\xef\xbb\xbf{"prompt": "r", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: malformed row .*BOM"):
+        file_task(str(path))
 
 
 def test_a_system_message_and_data_system_prompt_clash(tmp_path):

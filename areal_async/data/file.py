@@ -2,7 +2,7 @@
 
 ``read_items(path, parse, what)``: a ``.parquet`` file is read with pyarrow (rows counted from 1,
 ``x.parquet row 3``); any other name is JSONL, one JSON object a line (``x.jsonl:3``; blank lines
-are not rows). Each row becomes a ``TaskItem`` through ``parse``. Anything wrong with a row (not
+are not rows; a UTF-8 byte order mark opening the file is skipped). Each row becomes a ``TaskItem`` through ``parse``. Anything wrong with a row (not
 UTF-8, not JSON, not an object, a missing or mistyped field) is a ``ValueError`` ``"{source}:
 malformed {what}: {why}"`` naming the field and the fix; no row is dropped or repaired.
 
@@ -62,6 +62,8 @@ def _raw_rows(path: pathlib.Path) -> Iterator[tuple[str, bytes | dict]]:
         return
     with path.open("rb") as f:
         for lineno, line in enumerate(f, start=1):
+            if lineno == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
             if line.strip():
                 yield f"{path}:{lineno}", line
 
@@ -195,6 +197,7 @@ def load_file(cfg: DataConfig, split: str) -> ChatTask:
 
     items = read_items(path, parse, what=f"row ({key})")
     if not items:
-        raise ValueError(f"{key}={path} holds no rows (the file is empty); give a JSONL file with "
+        what = "blank lines only" if path.stat().st_size else "the file is empty"
+        raise ValueError(f"{key}={path} holds no rows ({what}); give a JSONL file with "
                          f"one JSON object per line, or a Parquet file")
     return ChatTask("file", items, system=cfg.system_prompt or None)
