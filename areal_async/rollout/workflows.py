@@ -120,17 +120,20 @@ class EnvWorkflow:
     limit. Rewards are per turn (``Sample.turn_rewards``; the episode's own reward is 0);
     ``correct``: the last info's, else whether the rewards sum above 0. ``env_timeout_s``: each
     ``reset``/``step`` call's wall-clock limit (0: none; ``env_limit.call_env``).
+    ``vocab_size``: observation ids must be below it (0: ``len(tokenizer)``).
 
     Raises (from a call): what ``reset``/``step`` raise, with the episode and turn named;
-    ``EnvTimeout`` for an ``async`` call past the limit (a synchronous one ends the process).
+    ``EnvTimeout`` for an ``async`` call past the limit (a synchronous one ends the process);
+    ``ValueError`` for an observation id outside the vocabulary.
     """
 
-    def __init__(self, env_class: Callable[[], Env], env_timeout_s: float = 0.0):
-        self.env_class, self.env_timeout_s = env_class, env_timeout_s
+    def __init__(self, env_class: Callable[[], Env], env_timeout_s: float = 0.0, vocab_size: int = 0):
+        self.env_class, self.env_timeout_s, self.vocab_size = env_class, env_timeout_s, vocab_size
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         env = self.env_class()
         name, where = _name(self.env_class), f"episode {ep.name}"
+        vocab = self._vocab(ep)
         try:
             with ep.timed_env():
                 first = await call_env(env.reset, (item, ep.seed), f"{name}.reset", where, self.env_timeout_s)
@@ -138,7 +141,7 @@ class EnvWorkflow:
             raise
         except Exception as exc:
             raise RuntimeError(f"{name}.reset raised in {where}: {exc!r}") from exc
-        conv = ep.start(*_observation(first))
+        conv = ep.start(*_observation(first, vocab, f"{name}.reset", where))
         stop = list(getattr(env, "stop", ()) or ())
         rewards: list[float] = []
         info: dict = {}
@@ -164,9 +167,14 @@ class EnvWorkflow:
             ep.stats["tool_errors"] += int(info.get("tool_errors", 0))
             if done:
                 break
-            _extend(conv, observation)
+            _extend(conv, observation, vocab, f"{name}.step", f"{where}, turn {turn.index}")
         correct = bool(info["correct"]) if "correct" in info else sum(rewards) > 0
         return ep.to_sample(0.0, correct, turn_rewards=rewards)
+
+    def _vocab(self, ep: Episode) -> Callable[[], int]:
+        """The bound of observation ids, asked only of ids (``len`` of a slow tokenizer builds its
+        vocabulary)."""
+        return lambda: self.vocab_size or len(ep.tokenizer)
 
 
 class OpenAIWorkflow:
@@ -212,9 +220,11 @@ class OpenAIWorkflow:
                         f"episode's reward (a number) or {{turn: reward}}")
 
 
-def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0) -> Workflow:
+def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0,
+                  vocab_size: int = 0) -> Workflow:
     """The user's workflow named ``package.module:object``: a class with ``reset`` and ``step``
-    (an ``Env``, each call limited to ``env_timeout_s``, 0: none), or an ``async def run(item, client)``.
+    (an ``Env``: ``EnvWorkflow``, ``env_timeout_s`` and ``vocab_size`` as its), or an
+    ``async def run(item, client)``.
 
     Raises:
         ValueError: not ``module:object``, not importable, or of neither shape (names the fix).
@@ -229,7 +239,7 @@ def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: fl
         raise ValueError(f"rollout.workflow {spec!r} cannot be imported: {exc}; the module must be on "
                          f"PYTHONPATH (the run's working directory is)") from exc
     if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
-        return EnvWorkflow(obj, env_timeout_s)
+        return EnvWorkflow(obj, env_timeout_s, vocab_size)
     if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
         return OpenAIWorkflow(obj, temperature, top_p)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
@@ -256,22 +266,42 @@ def _reward(value, source: str, where: str) -> float:
     return value
 
 
-def _observation(obs) -> tuple[list[dict] | None, Sequence[int] | None]:
-    """``Episode.start``'s arguments for an observation."""
+def _observation(obs, vocab: Callable[[], int], source: str,
+                 where: str) -> tuple[list[dict] | None, Sequence[int] | None]:
+    """``Episode.start``'s arguments for an observation (ids checked by ``_ids``)."""
     if obs is None:
         return None, None
     if _is_ids(obs):
-        return None, [int(t) for t in obs]
+        return None, _ids(obs, vocab, source, where)
     return list(obs), None
 
 
-def _extend(conv, obs) -> None:
+def _extend(conv, obs, vocab: Callable[[], int], source: str, where: str) -> None:
     if obs is None:
         conv.add_messages([])
     elif _is_ids(obs):
-        conv.add_ids([int(t) for t in obs])
+        conv.add_ids(_ids(obs, vocab, source, where))
     else:
         conv.add_messages(list(obs))
+
+
+def _ids(obs, vocab_size: Callable[[], int], source: str, where: str) -> list[int]:
+    """An observation's token ids, each in ``[0, vocab)``, ``vocab = vocab_size()``.
+
+    ``vocab`` is the model's embedding rows (its config's ``vocab_size``) where known, else
+    ``len(tokenizer)``: the embedding is often padded past the tokenizer (Qwen2.5: 151936 rows,
+    151665 tokens), and the engine and the trainer accept any id below its rows; an id past them
+    would reach the engine and fail there (on a GPU, a device-side assert that names nothing).
+
+    Raises:
+        ValueError: an id outside ``[0, vocab)``, naming ``source``, ``where``, the id and the range.
+    """
+    ids, vocab = [int(t) for t in obs], vocab_size()
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{source} gave the observation token id {bad} in {where}, outside the vocabulary "
+                         f"[0, {vocab}); give ids of the model's tokenizer (tokenizer.encode), or chat messages")
+    return ids
 
 
 def _is_ids(obs) -> bool:
@@ -283,12 +313,13 @@ def _name(obj) -> str:
     return getattr(obj, "__qualname__", None) or type(obj).__name__
 
 
-def build_workflow(rollout, rewards, reward_fn, greedy: bool = False) -> Workflow:
+def build_workflow(rollout, rewards, reward_fn, greedy: bool = False, vocab_size: int = 0) -> Workflow:
     """The run's workflow: ``rollout.workflow`` loaded (``load_workflow``), else a ``ToolLoop``
-    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0)."""
+    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0);
+    ``vocab_size``: the model's embedding rows (0: unknown, ``len(tokenizer)``)."""
     if rollout.workflow:
         return load_workflow(rollout.workflow, 0.0 if greedy else rollout.temperature,
-                             1.0 if greedy else rollout.top_p, rollout.env_timeout_s)
+                             1.0 if greedy else rollout.top_p, rollout.env_timeout_s, vocab_size)
     tools = None
     if rollout.tools:
         from areal_async.tools import ToolSet
