@@ -82,7 +82,7 @@ class Episode:
         self.turns: list[Turn] = []
         # EpisodeStats' fields but ``turns`` (counted from ``turns``), as the turns and tools go
         self.stats = {"tool_calls": 0, "tool_errors": 0, "env_s": 0.0, "truncated": False,
-                      "later_prompt_tokens": 0, "later_cached_tokens": 0}
+                      "later_prompt_tokens": 0, "later_cached_tokens": 0, "env_error": False}
 
     def start(self, messages: list[dict[str, Any]] | None = None, ids: Sequence[int] | None = None) -> Conversation:
         """A new training sequence: the group's prompt when ``messages`` and ``ids`` are ``None``
@@ -165,7 +165,8 @@ class Episode:
         if not self.conversations:
             raise RuntimeError("Episode.start() has not been called")
         first, *rest = [_Trimmed.of(c) for c in self.conversations]
-        plain = not rest and len(self.turns) == 1 and turn_rewards is None and all(first.loss_mask)
+        plain = (not rest and len(self.turns) == 1 and turn_rewards is None and all(first.loss_mask)
+                 and not self.stats["env_error"])
         if turn_rewards is not None and len(turn_rewards) != len(self.turns):
             raise ValueError(f"episode {self.name}: {len(turn_rewards)} turn rewards for "
                              f"{len(self.turns)} model turns")

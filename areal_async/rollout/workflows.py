@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from areal_async.rollout.env_limit import EnvTimeout, call_env
+from areal_async.rollout.env_errors import EnvErrors, EnvFailed, OnEnvError
+from areal_async.rollout.env_limit import call_env
 from areal_async.rollout.episode import Episode, EpisodeTruncated
 from areal_async.types import Sample
 
@@ -120,27 +121,30 @@ class EnvWorkflow:
     limit. Rewards are per turn (``Sample.turn_rewards``; the episode's own reward is 0);
     ``correct``: the last info's, else whether the rewards sum above 0. ``env_timeout_s``: each
     ``reset``/``step`` call's wall-clock limit (0: none; ``env_limit.call_env``).
+    ``on_env_error``: ``zero`` ends an episode whose call failed there (a failed ``reset``: no
+    turn; a failed ``step``: that turn's reward 0), ``correct`` False (``env_errors.py``).
     ``vocab_size``: observation ids must be below it (0: ``len(tokenizer)``).
 
-    Raises (from a call): what ``reset``/``step`` raise, with the episode and turn named;
-    ``EnvTimeout`` for an ``async`` call past the limit (a synchronous one ends the process);
-    ``ValueError`` for an observation id outside the vocabulary.
+    Raises (from a call): under ``on_env_error: raise``, what ``reset``/``step`` raise, with the
+    episode and turn named, and ``EnvTimeout`` for an ``async`` call past the limit (a synchronous
+    one ends the process); under either, ``TypeError``/``ValueError`` for a malformed step
+    result, a reward that is no finite number or an observation id outside the vocabulary.
     """
 
-    def __init__(self, env_class: Callable[[], Env], env_timeout_s: float = 0.0, vocab_size: int = 0):
+    def __init__(self, env_class: Callable[[], Env], env_timeout_s: float = 0.0, on_env_error: OnEnvError = "raise",
+                 vocab_size: int = 0):
         self.env_class, self.env_timeout_s, self.vocab_size = env_class, env_timeout_s, vocab_size
+        self.errors = EnvErrors(on_env_error)
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         env = self.env_class()
         name, where = _name(self.env_class), f"episode {ep.name}"
         vocab = self._vocab(ep)
         try:
-            with ep.timed_env():
-                first = await call_env(env.reset, (item, ep.seed), f"{name}.reset", where, self.env_timeout_s)
-        except EnvTimeout:
-            raise
-        except Exception as exc:
-            raise RuntimeError(f"{name}.reset raised in {where}: {exc!r}") from exc
+            first = await self._call(ep, env.reset, (item, ep.seed), f"{name}.reset", where)
+        except EnvFailed:
+            ep.start()  # no turn: an empty episode
+            return ep.to_sample(0.0, False, turn_rewards=[])
         conv = ep.start(*_observation(first, vocab, f"{name}.reset", where))
         stop = list(getattr(env, "stop", ()) or ())
         rewards: list[float] = []
@@ -151,30 +155,35 @@ class EnvWorkflow:
             except EpisodeTruncated:
                 break
             action = Action(turn.text, turn.ids, turn.finish_reason, turn.index, turn.seed)
+            at = f"{where}, turn {turn.index}"
             try:
-                with ep.timed_env():
-                    out = await call_env(env.step, (action,), f"{name}.step", f"{where}, turn {turn.index}",
-                                         self.env_timeout_s)
-                observation, reward, done, *rest = out
-                info = dict(rest[0]) if rest and rest[0] else {}
-            except EnvTimeout:
-                raise
-            except Exception as exc:
-                raise RuntimeError(f"{name}.step raised in {where}, turn {turn.index}: "
-                                   f"{exc!r}") from exc
-            rewards.append(_reward(reward, f"{name}.step", f"{where}, turn {turn.index}"))
+                out = await self._call(ep, env.step, (action,), f"{name}.step", at)
+            except EnvFailed:
+                rewards.append(0.0)  # the turn whose step failed
+                break
+            observation, reward, done, info = _step_result(out, f"{name}.step", at)
+            rewards.append(_reward(reward, f"{name}.step", at))
             ep.stats["tool_calls"] += int(info.get("tool_calls", 0))
             ep.stats["tool_errors"] += int(info.get("tool_errors", 0))
             if done:
                 break
-            _extend(conv, observation, vocab, f"{name}.step", f"{where}, turn {turn.index}")
-        correct = bool(info["correct"]) if "correct" in info else sum(rewards) > 0
+            _extend(conv, observation, vocab, f"{name}.step", at)
+        correct = not ep.stats["env_error"] and (bool(info["correct"]) if "correct" in info else sum(rewards) > 0)
         return ep.to_sample(0.0, correct, turn_rewards=rewards)
 
     def _vocab(self, ep: Episode) -> Callable[[], int]:
         """The bound of observation ids, asked only of ids (``len`` of a slow tokenizer builds its
         vocabulary)."""
         return lambda: self.vocab_size or len(ep.tokenizer)
+
+    async def _call(self, ep: Episode, fn, args: tuple, what: str, where: str):
+        """``fn(*args)`` within the limit, its time counted as the environment's. Raises what
+        ``EnvErrors.fail`` raises for a failure."""
+        try:
+            with ep.timed_env():
+                return await call_env(fn, args, what, where, self.env_timeout_s)
+        except Exception as exc:
+            self.errors.fail(exc, what, where, ep.stats)
 
 
 class OpenAIWorkflow:
@@ -183,14 +192,16 @@ class OpenAIWorkflow:
     reward (a number) or per-turn rewards (``{turn: reward}``, turns counted from 0 in call order;
     missing turns 0); ``correct``: whether the rewards sum above 0. A call past ``max_turns`` or
     ``max_episode_tokens`` is answered 400 and marks the episode truncated; if ``run`` then raises,
-    the episode ends there with reward 0.
+    the episode ends there with reward 0. ``on_env_error``: ``zero`` ends an episode whose ``run``
+    raised with reward 0, ``correct`` False (``env_errors.py``).
 
-    Raises (from a call): ``TypeError`` for another return value; what ``run`` raises, with the
-    episode named.
+    Raises (from a call): ``TypeError`` for another return value; under ``on_env_error: raise``,
+    what ``run`` raises, with the episode named.
     """
 
-    def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float):
+    def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float, on_env_error: OnEnvError = "raise"):
         self.fn, self.temperature, self.top_p = fn, temperature, top_p
+        self.errors = EnvErrors(on_env_error)
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         from areal_async.rollout.openai_endpoint import RecordingEndpoint
@@ -198,12 +209,15 @@ class OpenAIWorkflow:
         where = f"episode {ep.name}"
         endpoint = RecordingEndpoint(ep, self.temperature, self.top_p)
         try:
-            async with endpoint.client() as client:
-                result = await self.fn(item, client)
-        except Exception as exc:
-            if not ep.stats["truncated"]:
-                raise RuntimeError(f"{_name(self.fn)} raised in {where}: {exc!r}") from exc
-            result = 0.0  # a call past a limit was refused and the agent gave up: reward 0
+            try:
+                async with endpoint.client() as client:
+                    result = await self.fn(item, client)
+            except Exception as exc:
+                if not ep.stats["truncated"]:
+                    self.errors.fail(exc, _name(self.fn), where, ep.stats)
+                result = 0.0  # a call past a limit was refused and the agent gave up: reward 0
+        except EnvFailed:
+            result = 0.0
         if not ep.conversations:
             ep.start()  # no call: an empty episode
         if isinstance(result, dict):
@@ -221,10 +235,10 @@ class OpenAIWorkflow:
 
 
 def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0,
-                  vocab_size: int = 0) -> Workflow:
+                  on_env_error: OnEnvError = "raise", vocab_size: int = 0) -> Workflow:
     """The user's workflow named ``package.module:object``: a class with ``reset`` and ``step``
-    (an ``Env``: ``EnvWorkflow``, ``env_timeout_s`` and ``vocab_size`` as its), or an
-    ``async def run(item, client)``.
+    (an ``Env``: ``EnvWorkflow``), or an ``async def run(item, client)`` (``OpenAIWorkflow``);
+    ``env_timeout_s`` (0: none), ``on_env_error`` and ``vocab_size`` as theirs.
 
     Raises:
         ValueError: not ``module:object``, not importable, or of neither shape (names the fix).
@@ -239,9 +253,9 @@ def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: fl
         raise ValueError(f"rollout.workflow {spec!r} cannot be imported: {exc}; the module must be on "
                          f"PYTHONPATH (the run's working directory is)") from exc
     if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
-        return EnvWorkflow(obj, env_timeout_s, vocab_size)
+        return EnvWorkflow(obj, env_timeout_s, on_env_error, vocab_size)
     if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
-        return OpenAIWorkflow(obj, temperature, top_p)
+        return OpenAIWorkflow(obj, temperature, top_p, on_env_error)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
                      f"reset(item, seed) and step(action)) nor 'async def run(item, client)'")
 
@@ -264,6 +278,20 @@ def _reward(value, source: str, where: str) -> float:
         raise ValueError(f"{source} gave the reward {value!r} in {where}; a reward must be finite (a NaN or "
                          f"infinite reward makes every loss of its group NaN: nothing would be trained)")
     return value
+
+
+def _step_result(out, source: str, where: str) -> tuple[Any, Any, bool, dict]:
+    """``(observation, reward, done, info)`` of what ``step`` returned.
+
+    Raises:
+        TypeError: fewer than 3 items, or an info that is no dict; naming ``source`` and ``where``.
+    """
+    try:
+        observation, reward, done, *rest = out
+        return observation, reward, done, dict(rest[0]) if rest and rest[0] else {}
+    except (TypeError, ValueError):
+        raise TypeError(f"{source} returned {out!r:.200} in {where}; return (observation, reward, done) or "
+                        f"(observation, reward, done, info) with info a dict") from None
 
 
 def _observation(obs, vocab: Callable[[], int], source: str,
@@ -319,7 +347,8 @@ def build_workflow(rollout, rewards, reward_fn, greedy: bool = False, vocab_size
     ``vocab_size``: the model's embedding rows (0: unknown, ``len(tokenizer)``)."""
     if rollout.workflow:
         return load_workflow(rollout.workflow, 0.0 if greedy else rollout.temperature,
-                             1.0 if greedy else rollout.top_p, rollout.env_timeout_s, vocab_size)
+                             1.0 if greedy else rollout.top_p, rollout.env_timeout_s, rollout.on_env_error,
+                             vocab_size)
     tools = None
     if rollout.tools:
         from areal_async.tools import ToolSet
