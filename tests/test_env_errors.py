@@ -101,11 +101,26 @@ async def gives_up(item, client):
     raise ConnectionError("tool server down")
 
 
+async def stalls(item, client):
+    await client.chat.completions.create(model="p", messages=item.messages)
+    await asyncio.Event().wait()
+
+
 def test_under_zero_an_agents_failing_run_ends_the_episode_with_reward_0(tok):
     sample = run_workflow(OpenAIWorkflow(gives_up, 1.0, 1.0, on_env_error="zero"), scripted_episode(tok))
     assert sample.reward == 0.0 and not sample.correct and sample.stats.env_error and sample.stats.turns == 1
     with pytest.raises(RuntimeError, match=r"gives_up raised in episode g0-s2: ConnectionError"):
         run_workflow(OpenAIWorkflow(gives_up, 1.0, 1.0), scripted_episode(tok))
+
+
+def test_an_agents_run_has_the_time_limit_subject_to_on_env_error(tok):
+    # a run that never returned held its group, and the trainer waited for it, forever
+    with pytest.raises(EnvTimeout, match=r"stalls\(item, client\) has run [\d.]+ s in episode g0-s2 "
+                                         r"\(rollout\.env_timeout_s=0\.2\); .*raise rollout\.env_timeout_s"):
+        run_workflow(OpenAIWorkflow(stalls, 1.0, 1.0, env_timeout_s=0.2), scripted_episode(tok))
+    workflow = OpenAIWorkflow(stalls, 1.0, 1.0, env_timeout_s=0.2, on_env_error="zero")
+    sample = run_workflow(workflow, scripted_episode(tok))
+    assert sample.reward == 0.0 and sample.stats.env_error and sample.stats.turns == 1
 
 
 def ids_env(first, later):

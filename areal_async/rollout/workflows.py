@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import msgspec
 
 from areal_async.rollout.env_errors import EnvErrors, EnvFailed, OnEnvError
-from areal_async.rollout.env_limit import call_env
+from areal_async.rollout.env_limit import EnvTimeout, call_env
 from areal_async.rollout.episode import Episode, EpisodeTruncated
 from areal_async.types import Sample
 
@@ -192,15 +192,17 @@ class OpenAIWorkflow:
     reward (a number) or per-turn rewards (``{turn: reward}``, turns counted from 0 in call order;
     missing turns 0); ``correct``: whether the rewards sum above 0. A call past ``max_turns`` or
     ``max_episode_tokens`` is answered 400 and marks the episode truncated; if ``run`` then raises,
-    the episode ends there with reward 0. ``on_env_error``: ``zero`` ends an episode whose ``run``
-    raised with reward 0, ``correct`` False (``env_errors.py``).
+    the episode ends there with reward 0. ``env_timeout_s``: the whole ``run``'s wall-clock limit
+    (0: none). ``on_env_error``: ``zero`` ends an episode whose ``run`` raised or timed out with
+    reward 0, ``correct`` False (``env_errors.py``).
 
     Raises (from a call): ``TypeError`` for another return value; under ``on_env_error: raise``,
-    what ``run`` raises, with the episode named.
+    what ``run`` raises, with the episode named, and ``EnvTimeout`` for a ``run`` past the limit.
     """
 
-    def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float, on_env_error: OnEnvError = "raise"):
-        self.fn, self.temperature, self.top_p = fn, temperature, top_p
+    def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float, env_timeout_s: float = 0.0,
+                 on_env_error: OnEnvError = "raise"):
+        self.fn, self.temperature, self.top_p, self.env_timeout_s = fn, temperature, top_p, env_timeout_s
         self.errors = EnvErrors(on_env_error)
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
@@ -211,7 +213,10 @@ class OpenAIWorkflow:
         try:
             try:
                 async with endpoint.client() as client:
-                    result = await self.fn(item, client)
+                    result = await call_env(self.fn, (item, client), f"{_name(self.fn)}(item, client)", where,
+                                            self.env_timeout_s)
+            except EnvTimeout as exc:
+                self.errors.fail(exc, _name(self.fn), where, ep.stats)
             except Exception as exc:
                 if not ep.stats["truncated"]:
                     self.errors.fail(exc, _name(self.fn), where, ep.stats)
@@ -255,7 +260,7 @@ def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: fl
     if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
         return EnvWorkflow(obj, env_timeout_s, on_env_error, vocab_size)
     if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
-        return OpenAIWorkflow(obj, temperature, top_p, on_env_error)
+        return OpenAIWorkflow(obj, temperature, top_p, env_timeout_s, on_env_error)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
                      f"reset(item, seed) and step(action)) nor 'async def run(item, client)'")
 
