@@ -78,6 +78,10 @@ def check_config(cfg) -> None:
         raise ValueError(f"{' and '.join(given)} apply to the default workflow's reward; rollout.workflow="
                          f"{r.workflow!r} returns its own rewards (Env.step or run's return value), so "
                          f"they would have no effect: unset them, or score inside the workflow")
+    if r.on_env_error != "raise" and not r.workflow:
+        raise ValueError(f"rollout.on_env_error={r.on_env_error!r} applies to rollout.workflow's Env or run; the "
+                         f"default workflow calls no environment (a failing tool is an error observation, "
+                         f"rollout/tool_errors): set rollout.workflow, or unset rollout.on_env_error")
     if r.n_samples < 2:
         raise ValueError(f"rollout.n_samples={r.n_samples}: GRPO normalises rewards within a group, so one "
                          f"sample per prompt gives every advantage 0; use rollout.n_samples >= 2")

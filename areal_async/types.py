@@ -41,6 +41,8 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
         truncated: cut by ``rollout.max_turns`` or ``rollout.max_episode_tokens``.
         later_prompt_tokens, later_cached_tokens: prompt tokens of turns after the first, and of
             those the ones the server's prefix cache served.
+        env_error: the environment failed and ended the episode (``rollout.on_env_error: zero``);
+            its sequences are not trained (docs/workflows.md).
     """
 
     turns: int = 1
@@ -50,6 +52,7 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     truncated: bool = False
     later_prompt_tokens: int = 0
     later_cached_tokens: int = 0
+    env_error: bool = False
 
 
 def _sampled(output_ids: Array, loss_mask: Array | None) -> np.ndarray:

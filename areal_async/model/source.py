@@ -106,6 +106,18 @@ def load_tokenizer(path: str | pathlib.Path):
     return tok
 
 
+def model_vocab_size(path: str | pathlib.Path) -> int:
+    """The embedding rows of the HF checkpoint in ``path`` (``config.json``'s ``vocab_size``, or its
+    ``text_config``'s), the ids the engine accepts: often more than the tokenizer's ``len``; 0 when
+    the directory has no such config."""
+    try:
+        config = json.loads((pathlib.Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else 0
+
+
 def _tokenizer_class(path: pathlib.Path):
     """``TokenizersBackend`` for a generic tokenizer (``_generic_tokenizer``) under transformers 5,
     else ``AutoTokenizer``."""

@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 
 from areal_async.inference.interface import GenerationClient
 from areal_async.rollout.conversation import Conversation
@@ -81,7 +82,7 @@ class Episode:
         self.turns: list[Turn] = []
         # EpisodeStats' fields but ``turns`` (counted from ``turns``), as the turns and tools go
         self.stats = {"tool_calls": 0, "tool_errors": 0, "env_s": 0.0, "truncated": False,
-                      "later_prompt_tokens": 0, "later_cached_tokens": 0}
+                      "later_prompt_tokens": 0, "later_cached_tokens": 0, "env_error": False}
 
     def start(self, messages: list[dict[str, Any]] | None = None, ids: Sequence[int] | None = None) -> Conversation:
         """A new training sequence: the group's prompt when ``messages`` and ``ids`` are ``None``
@@ -154,15 +155,18 @@ class Episode:
     def to_sample(self, reward: float, correct: bool, reward_error: bool = False,
                   turn_rewards: Sequence[float] | None = None) -> Sample:
         """The ``Sample`` of this episode. A single sequence of one sampled turn and no other
-        tokens is a plain response: no loss mask, turns or stats on the wire.
+        tokens is a plain response: no loss mask, turns or stats on the wire. A sequence's tokens
+        after its last sampled token (an observation that no turn followed) are left out; a
+        sequence with no sampled token is kept whole.
 
         Raises:
             ValueError: ``turn_rewards`` not one per sampled turn.
         """
         if not self.conversations:
             raise RuntimeError("Episode.start() has not been called")
-        first, *rest = self.conversations
-        plain = not rest and len(self.turns) == 1 and turn_rewards is None and all(first.loss_mask)
+        first, *rest = [_Trimmed.of(c) for c in self.conversations]
+        plain = (not rest and len(self.turns) == 1 and turn_rewards is None and all(first.loss_mask)
+                 and not self.stats["env_error"])
         if turn_rewards is not None and len(turn_rewards) != len(self.turns):
             raise ValueError(f"episode {self.name}: {len(turn_rewards)} turn rewards for "
                              f"{len(self.turns)} model turns")
@@ -176,7 +180,7 @@ class Episode:
             loss_mask=None if plain else Array.of(first.loss_mask, "uint8"),
             turn_spans=_spans(first) if with_turns else None,
             turn_rewards=Array.of(list(turn_rewards), "float32") if with_turns else None,
-            segments=[Segment(prompt_ids=Array.of(c.ids[:c.prompt_len], "int32"),
+            segments=[Segment(prompt_ids=Array.of(c.prompt_ids, "int32"),
                               output_ids=Array.of(c.output_ids, "int32"),
                               behav_logprobs=Array.of(c.behav_logprobs, "float32"),
                               versions=Array.of(c.versions, "int32"), loss_mask=Array.of(c.loss_mask, "uint8"),
@@ -184,5 +188,25 @@ class Episode:
             stats=stats)
 
 
-def _spans(conv: Conversation) -> Array:
+class _Trimmed(NamedTuple):
+    """A ``Conversation``'s prompt and per-token fields up to its last sampled token (all of them
+    where it has none): what trails it conditions no trained token, so it would only be packed."""
+
+    prompt_ids: list[int]
+    output_ids: np.ndarray
+    behav_logprobs: np.ndarray
+    versions: np.ndarray
+    loss_mask: np.ndarray
+    turn_spans: np.ndarray
+
+    @classmethod
+    def of(cls, conv: Conversation) -> "_Trimmed":
+        mask = conv.loss_mask
+        sampled = np.flatnonzero(mask)
+        n = int(sampled[-1]) + 1 if sampled.size else len(mask)
+        return cls(conv.ids[:conv.prompt_len], conv.output_ids[:n], conv.behav_logprobs[:n],
+                   conv.versions[:n], mask[:n], conv.turn_spans)
+
+
+def _spans(conv: _Trimmed) -> Array:
     return Array.of(conv.turn_spans, "int32")  # [K, 2]

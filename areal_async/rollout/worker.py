@@ -125,11 +125,12 @@ class GenerationWorker:
 async def main(cfg: Config, worker_id: int) -> None:
     from areal_async.data import load_task
     from areal_async.inference.client import InferenceClient, job_lora_path
-    from areal_async.model.source import load_tokenizer, resolve_model_path
+    from areal_async.model.source import load_tokenizer, model_vocab_size, resolve_model_path
     from areal_async.queue.client import QueueClient
 
     tag = f"[worker{worker_id}]"
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model))
+    model_path = resolve_model_path(cfg.model)
+    tokenizer = load_tokenizer(model_path)
     prompts = PromptSet(load_task(cfg.data, "train"), tokenizer, cfg.data.max_prompt_len,
                         cfg.seed)
     print(f"{tag} {prompts.summary()}", flush=True)
@@ -145,9 +146,10 @@ async def main(cfg: Config, worker_id: int) -> None:
             await client.wait_healthy(inf.startup_timeout_s)
             queue = await QueueClient.connect(cfg.queue.host, cfg.queue.port, timeout_s=60.0, token=auth.job_token())
             async with queue:
+                workflow = build_workflow(cfg.rollout, rewards, prompts.task.reward_fn,
+                                          vocab_size=model_vocab_size(model_path))
                 worker = GenerationWorker(worker_id, queue, client, prompts, rewards, cfg.rollout, cfg.seed,
-                                          cfg.debug, build_workflow(cfg.rollout, rewards, prompts.task.reward_fn),
-                                          max_seq_len=inf.max_seq_len)
+                                          cfg.debug, workflow, max_seq_len=inf.max_seq_len)
                 await worker.run()
         elapsed = time.perf_counter() - t0
         print(f"{tag} queue closed: {worker.groups_done} groups, {worker.samples_done} samples, "

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from areal_async.rollout.env_errors import EnvErrors, EnvFailed, OnEnvError
 from areal_async.rollout.env_limit import EnvTimeout, call_env
 from areal_async.rollout.episode import Episode, EpisodeTruncated
 from areal_async.types import Sample
@@ -120,25 +121,31 @@ class EnvWorkflow:
     limit. Rewards are per turn (``Sample.turn_rewards``; the episode's own reward is 0);
     ``correct``: the last info's, else whether the rewards sum above 0. ``env_timeout_s``: each
     ``reset``/``step`` call's wall-clock limit (0: none; ``env_limit.call_env``).
+    ``on_env_error``: ``zero`` ends an episode whose call failed there (a failed ``reset``: no
+    turn; a failed ``step``: that turn's reward 0), ``correct`` False (``env_errors.py``).
+    ``vocab_size``: observation ids must be below it (0: ``len(tokenizer)``).
 
-    Raises (from a call): what ``reset``/``step`` raise, with the episode and turn named;
-    ``EnvTimeout`` for an ``async`` call past the limit (a synchronous one ends the process).
+    Raises (from a call): under ``on_env_error: raise``, what ``reset``/``step`` raise, with the
+    episode and turn named, and ``EnvTimeout`` for an ``async`` call past the limit (a synchronous
+    one ends the process); under either, ``TypeError``/``ValueError`` for a malformed step
+    result, a reward that is no finite number or an observation id outside the vocabulary.
     """
 
-    def __init__(self, env_class: Callable[[], Env], env_timeout_s: float = 0.0):
-        self.env_class, self.env_timeout_s = env_class, env_timeout_s
+    def __init__(self, env_class: Callable[[], Env], env_timeout_s: float = 0.0, on_env_error: OnEnvError = "raise",
+                 vocab_size: int = 0):
+        self.env_class, self.env_timeout_s, self.vocab_size = env_class, env_timeout_s, vocab_size
+        self.errors = EnvErrors(on_env_error)
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         env = self.env_class()
         name, where = _name(self.env_class), f"episode {ep.name}"
+        vocab = self._vocab(ep)
         try:
-            with ep.timed_env():
-                first = await call_env(env.reset, (item, ep.seed), f"{name}.reset", where, self.env_timeout_s)
-        except EnvTimeout:
-            raise
-        except Exception as exc:
-            raise RuntimeError(f"{name}.reset raised in {where}: {exc!r}") from exc
-        conv = ep.start(*_observation(first))
+            first = await self._call(ep, env.reset, (item, ep.seed), f"{name}.reset", where)
+        except EnvFailed:
+            ep.start()  # no turn: an empty episode
+            return ep.to_sample(0.0, False, turn_rewards=[])
+        conv = ep.start(*_observation(first, vocab, f"{name}.reset", where))
         stop = list(getattr(env, "stop", ()) or ())
         rewards: list[float] = []
         info: dict = {}
@@ -148,25 +155,35 @@ class EnvWorkflow:
             except EpisodeTruncated:
                 break
             action = Action(turn.text, turn.ids, turn.finish_reason, turn.index, turn.seed)
+            at = f"{where}, turn {turn.index}"
             try:
-                with ep.timed_env():
-                    out = await call_env(env.step, (action,), f"{name}.step", f"{where}, turn {turn.index}",
-                                         self.env_timeout_s)
-                observation, reward, done, *rest = out
-                info = dict(rest[0]) if rest and rest[0] else {}
-            except EnvTimeout:
-                raise
-            except Exception as exc:
-                raise RuntimeError(f"{name}.step raised in {where}, turn {turn.index}: "
-                                   f"{exc!r}") from exc
-            rewards.append(_reward(reward, f"{name}.step", f"{where}, turn {turn.index}"))
+                out = await self._call(ep, env.step, (action,), f"{name}.step", at)
+            except EnvFailed:
+                rewards.append(0.0)  # the turn whose step failed
+                break
+            observation, reward, done, info = _step_result(out, f"{name}.step", at)
+            rewards.append(_reward(reward, f"{name}.step", at))
             ep.stats["tool_calls"] += int(info.get("tool_calls", 0))
             ep.stats["tool_errors"] += int(info.get("tool_errors", 0))
             if done:
                 break
-            _extend(conv, observation)
-        correct = bool(info["correct"]) if "correct" in info else sum(rewards) > 0
+            _extend(conv, observation, vocab, f"{name}.step", at)
+        correct = not ep.stats["env_error"] and (bool(info["correct"]) if "correct" in info else sum(rewards) > 0)
         return ep.to_sample(0.0, correct, turn_rewards=rewards)
+
+    def _vocab(self, ep: Episode) -> Callable[[], int]:
+        """The bound of observation ids, asked only of ids (``len`` of a slow tokenizer builds its
+        vocabulary)."""
+        return lambda: self.vocab_size or len(ep.tokenizer)
+
+    async def _call(self, ep: Episode, fn, args: tuple, what: str, where: str):
+        """``fn(*args)`` within the limit, its time counted as the environment's. Raises what
+        ``EnvErrors.fail`` raises for a failure."""
+        try:
+            with ep.timed_env():
+                return await call_env(fn, args, what, where, self.env_timeout_s)
+        except Exception as exc:
+            self.errors.fail(exc, what, where, ep.stats)
 
 
 class OpenAIWorkflow:
@@ -175,14 +192,18 @@ class OpenAIWorkflow:
     reward (a number) or per-turn rewards (``{turn: reward}``, turns counted from 0 in call order;
     missing turns 0); ``correct``: whether the rewards sum above 0. A call past ``max_turns`` or
     ``max_episode_tokens`` is answered 400 and marks the episode truncated; if ``run`` then raises,
-    the episode ends there with reward 0.
+    the episode ends there with reward 0. ``env_timeout_s``: the whole ``run``'s wall-clock limit
+    (0: none). ``on_env_error``: ``zero`` ends an episode whose ``run`` raised or timed out with
+    reward 0, ``correct`` False (``env_errors.py``).
 
-    Raises (from a call): ``TypeError`` for another return value; what ``run`` raises, with the
-    episode named.
+    Raises (from a call): ``TypeError`` for another return value; under ``on_env_error: raise``,
+    what ``run`` raises, with the episode named, and ``EnvTimeout`` for a ``run`` past the limit.
     """
 
-    def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float):
-        self.fn, self.temperature, self.top_p = fn, temperature, top_p
+    def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float, env_timeout_s: float = 0.0,
+                 on_env_error: OnEnvError = "raise"):
+        self.fn, self.temperature, self.top_p, self.env_timeout_s = fn, temperature, top_p, env_timeout_s
+        self.errors = EnvErrors(on_env_error)
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         from areal_async.rollout.openai_endpoint import RecordingEndpoint
@@ -190,12 +211,18 @@ class OpenAIWorkflow:
         where = f"episode {ep.name}"
         endpoint = RecordingEndpoint(ep, self.temperature, self.top_p)
         try:
-            async with endpoint.client() as client:
-                result = await self.fn(item, client)
-        except Exception as exc:
-            if not ep.stats["truncated"]:
-                raise RuntimeError(f"{_name(self.fn)} raised in {where}: {exc!r}") from exc
-            result = 0.0  # a call past a limit was refused and the agent gave up: reward 0
+            try:
+                async with endpoint.client() as client:
+                    result = await call_env(self.fn, (item, client), f"{_name(self.fn)}(item, client)", where,
+                                            self.env_timeout_s)
+            except EnvTimeout as exc:
+                self.errors.fail(exc, _name(self.fn), where, ep.stats)
+            except Exception as exc:
+                if not ep.stats["truncated"]:
+                    self.errors.fail(exc, _name(self.fn), where, ep.stats)
+                result = 0.0  # a call past a limit was refused and the agent gave up: reward 0
+        except EnvFailed:
+            result = 0.0
         if not ep.conversations:
             ep.start()  # no call: an empty episode
         if isinstance(result, dict):
@@ -212,9 +239,11 @@ class OpenAIWorkflow:
                         f"episode's reward (a number) or {{turn: reward}}")
 
 
-def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0) -> Workflow:
+def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0,
+                  on_env_error: OnEnvError = "raise", vocab_size: int = 0) -> Workflow:
     """The user's workflow named ``package.module:object``: a class with ``reset`` and ``step``
-    (an ``Env``, each call limited to ``env_timeout_s``, 0: none), or an ``async def run(item, client)``.
+    (an ``Env``: ``EnvWorkflow``), or an ``async def run(item, client)`` (``OpenAIWorkflow``);
+    ``env_timeout_s`` (0: none), ``on_env_error`` and ``vocab_size`` as theirs.
 
     Raises:
         ValueError: not ``module:object``, not importable, or of neither shape (names the fix).
@@ -229,9 +258,9 @@ def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: fl
         raise ValueError(f"rollout.workflow {spec!r} cannot be imported: {exc}; the module must be on "
                          f"PYTHONPATH (the run's working directory is)") from exc
     if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
-        return EnvWorkflow(obj, env_timeout_s)
+        return EnvWorkflow(obj, env_timeout_s, on_env_error, vocab_size)
     if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
-        return OpenAIWorkflow(obj, temperature, top_p)
+        return OpenAIWorkflow(obj, temperature, top_p, env_timeout_s, on_env_error)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
                      f"reset(item, seed) and step(action)) nor 'async def run(item, client)'")
 
@@ -256,22 +285,56 @@ def _reward(value, source: str, where: str) -> float:
     return value
 
 
-def _observation(obs) -> tuple[list[dict] | None, Sequence[int] | None]:
-    """``Episode.start``'s arguments for an observation."""
+def _step_result(out, source: str, where: str) -> tuple[Any, Any, bool, dict]:
+    """``(observation, reward, done, info)`` of what ``step`` returned.
+
+    Raises:
+        TypeError: fewer than 3 items, or an info that is no dict; naming ``source`` and ``where``.
+    """
+    try:
+        observation, reward, done, *rest = out
+        return observation, reward, done, dict(rest[0]) if rest and rest[0] else {}
+    except (TypeError, ValueError):
+        raise TypeError(f"{source} returned {out!r:.200} in {where}; return (observation, reward, done) or "
+                        f"(observation, reward, done, info) with info a dict") from None
+
+
+def _observation(obs, vocab: Callable[[], int], source: str,
+                 where: str) -> tuple[list[dict] | None, Sequence[int] | None]:
+    """``Episode.start``'s arguments for an observation (ids checked by ``_ids``)."""
     if obs is None:
         return None, None
     if _is_ids(obs):
-        return None, [int(t) for t in obs]
+        return None, _ids(obs, vocab, source, where)
     return list(obs), None
 
 
-def _extend(conv, obs) -> None:
+def _extend(conv, obs, vocab: Callable[[], int], source: str, where: str) -> None:
     if obs is None:
         conv.add_messages([])
     elif _is_ids(obs):
-        conv.add_ids([int(t) for t in obs])
+        conv.add_ids(_ids(obs, vocab, source, where))
     else:
         conv.add_messages(list(obs))
+
+
+def _ids(obs, vocab_size: Callable[[], int], source: str, where: str) -> list[int]:
+    """An observation's token ids, each in ``[0, vocab)``, ``vocab = vocab_size()``.
+
+    ``vocab`` is the model's embedding rows (its config's ``vocab_size``) where known, else
+    ``len(tokenizer)``: the embedding is often padded past the tokenizer (Qwen2.5: 151936 rows,
+    151665 tokens), and the engine and the trainer accept any id below its rows; an id past them
+    would reach the engine and fail there (on a GPU, a device-side assert that names nothing).
+
+    Raises:
+        ValueError: an id outside ``[0, vocab)``, naming ``source``, ``where``, the id and the range.
+    """
+    ids, vocab = [int(t) for t in obs], vocab_size()
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{source} gave the observation token id {bad} in {where}, outside the vocabulary "
+                         f"[0, {vocab}); give ids of the model's tokenizer (tokenizer.encode), or chat messages")
+    return ids
 
 
 def _is_ids(obs) -> bool:
@@ -283,12 +346,14 @@ def _name(obj) -> str:
     return getattr(obj, "__qualname__", None) or type(obj).__name__
 
 
-def build_workflow(rollout, rewards, reward_fn, greedy: bool = False) -> Workflow:
+def build_workflow(rollout, rewards, reward_fn, greedy: bool = False, vocab_size: int = 0) -> Workflow:
     """The run's workflow: ``rollout.workflow`` loaded (``load_workflow``), else a ``ToolLoop``
-    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0)."""
+    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0);
+    ``vocab_size``: the model's embedding rows (0: unknown, ``len(tokenizer)``)."""
     if rollout.workflow:
         return load_workflow(rollout.workflow, 0.0 if greedy else rollout.temperature,
-                             1.0 if greedy else rollout.top_p, rollout.env_timeout_s)
+                             1.0 if greedy else rollout.top_p, rollout.env_timeout_s, rollout.on_env_error,
+                             vocab_size)
     tools = None
     if rollout.tools:
         from areal_async.tools import ToolSet

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from areal_async.config import Config
 from areal_async.inference.interface import GenerationClient
+from areal_async.model.source import model_vocab_size
 from areal_async.progress import Progress, following, progress_mode
 from areal_async.rollout.workflows import build_workflow
 from areal_async.trainer.resume import has_eval_row
@@ -35,7 +36,8 @@ class Evaluations:
         self._metrics_path = run_dir / "metrics.jsonl"
         self._client, self._prompts, self._rewards, self._logger = client, prompts, rewards, logger
         self._rollout, self._max_seq_len = cfg.rollout, cfg.inference.max_seq_len
-        self._workflow = build_workflow(cfg.rollout, rewards, prompts.task.reward_fn, greedy=True)
+        self._workflow = build_workflow(cfg.rollout, rewards, prompts.task.reward_fn, greedy=True,
+                                        vocab_size=model_vocab_size(cfg.model.path))
         self._running: asyncio.Task | None = None  # of start()
 
     async def evaluate(self, version: int, background: bool = False) -> None:

@@ -144,7 +144,9 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
     default) the return is the episode reward plus their sum; with ``"reward_to_go"`` the return is
     the episode reward and a loss token also gets its turn's ``turn_advantages`` (not
     batch-normalised; the episode's turns in order: the first sequence's, then each segment's).
-    Without per-turn rewards the advantages are exactly the single-response ones.
+    Without per-turn rewards the advantages are exactly the single-response ones. An episode the
+    environment ended (``EpisodeStats.env_error``) counts in its group's statistics with its
+    return but has no loss token: nothing of it is trained, nor counted in the loss's denominator.
 
     Raises:
         ValueError: groups of different sizes (advantages are normalised per group), or a sample
@@ -171,21 +173,23 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
     for j, ((traj, s), a) in enumerate(zip(samples, adv.tolist())):
         turns = iter(to_go.get(j, ()))
         for prompt_ids, seq in [(traj.prompt_ids, s)] + [(seg.prompt_ids, seg) for seg in s.segments]:
-            out.append(_sequence(traj.group_id, prompt_ids.tolist(), seq, a, turns if j in to_go else None, j))
+            out.append(_sequence(traj.group_id, prompt_ids.tolist(), seq, a, turns if j in to_go else None, j,
+                                 trained=not (s.stats is not None and s.stats.env_error)))
     return out
 
 
 def _sequence(group_id: int, prompt: list[int], seq: Sample | Segment, a: float, turns: Iterator[float] | None,
-              episode: int) -> SeqTensors:
+              episode: int, trained: bool = True) -> SeqTensors:
     """One sequence ``prompt + seq.output_ids``: advantage ``a`` on its sampled tokens, plus, with
     ``turns`` (the episode's remaining per-turn advantages), the next one per span of
-    ``seq.turn_spans``."""
+    ``seq.turn_spans``; not ``trained``: no loss token."""
     resp = seq.output_ids.tolist()
     n_p, n_r = len(prompt), len(resp)
     assert n_p >= 1, f"group {group_id} has an empty prompt"
     length = n_p + n_r
     mask = torch.zeros(length, dtype=torch.bool)
-    mask[n_p - 1 : length - 1] = torch.from_numpy(seq.sampled())  # position t predicts token t+1
+    if trained:
+        mask[n_p - 1 : length - 1] = torch.from_numpy(seq.sampled())  # position t predicts token t+1
     behav = torch.zeros(length, dtype=torch.float32)
     behav[n_p - 1 : length - 1] = torch.from_numpy(seq.behav_logprobs.numpy().astype("float32"))
     versions = torch.full((length,), -1, dtype=torch.int32)

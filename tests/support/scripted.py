@@ -24,3 +24,27 @@ class ScriptedClient:
         ids = ids[:sampling["max_new_tokens"]]
         self.calls.append((rid, list(input_ids), dict(sampling)))
         return GenResult(ids, [-0.5] * len(ids), [self.version] * len(ids), "stop", prompt_tokens=len(input_ids))
+
+
+QUESTION = [{"role": "user", "content": "What is 12 times 7?"}]
+
+
+def scripted_episode(tok, replies=("a", "b", "c"), max_turns: int = 4):
+    """Episode g0-s2 (seed 9) of ``QUESTION`` whose turns a ``ScriptedClient`` answers with ``replies``."""
+    from areal_async.rollout.episode import Episode
+
+    prompt = tok(tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    return Episode(ScriptedClient(tok, list(replies)), tok, tok.decode, 0, 2, 9, prompt, QUESTION,
+                   {"stop_token_ids": [tok.eos_token_id]}, server=0, max_new_tokens=16, max_turns=max_turns)
+
+
+def run_workflow(workflow, ep, bound_s: float = 5.0):
+    """``workflow``'s checked sample of ``ep`` (item ``QUESTION``, answer 84) within ``bound_s``."""
+    import asyncio
+
+    from areal_async.rollout.workflows import EpisodeItem
+
+    sample = asyncio.run(asyncio.wait_for(workflow(ep, EpisodeItem(QUESTION, "84")), bound_s))
+    sample.check()
+    return sample
