@@ -66,3 +66,15 @@ def umask_027() -> int:
     before = os.umask(0o027)
     yield 0o640
     os.umask(before)
+
+
+@pytest.fixture(scope="module")
+def det_runs(tiny_model_dir, tmp_path_factory):
+    """``det_runs[mode, jitter_seed]``: the fingerprint of that undisturbed determinism job
+    (``tests/support/jobs.py``), run once per pytest run, on first use, and shared by the test
+    processes (``tests/support/determinism.py``)."""
+    from tests.support.determinism import SharedJobRuns, shared_root
+
+    runs = SharedJobRuns(tiny_model_dir, shared_root(tmp_path_factory))
+    yield runs
+    runs.close()

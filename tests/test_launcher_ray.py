@@ -2,15 +2,11 @@
 trainer ranks' command line, the interface every child kind shares with ``Child``, and faults.
 
 That a Ray job on two Ray nodes equals ``launcher.local``'s bit for bit is tested in
-``test_determinism.py``. A server in an actor that fails its health check is killed through the
-actor and restarted.
-Fault tests, on a local Ray instance: a generation worker whose actor is killed is started again
-in a new actor (``release_worker`` first, as ``launcher.local`` does); then the replay queue is
-SIGKILLed, which must stop the job with exit 1, naming the queue, and leave no process behind:
-every process the launcher started (the Ray instance's included) is gone when it exits. SIGTERM
-to the launcher must do the same with exit 130. An actor that dies inside ``start`` (made certain:
-``DiesInStart``) is such a death too: restarted by the worker's policy, and, dying at every start,
-the end of the job once its restarts are spent.
+``test_determinism_ray.py``; a job ended by a lost actor, a dead queue or SIGTERM in
+``test_launcher_ray_faults.py``. A server in an actor that fails its health check is killed
+through the actor and restarted. An actor that dies inside ``start`` (made certain:
+``DiesInStart``) is a death too: restarted by the worker's policy, and, dying at every start, the
+end of the job once its restarts are spent.
 """
 
 import json
@@ -29,7 +25,8 @@ from launcher.local import PY  # noqa: E402
 from launcher.ray import RankGroup, RayChild, _rank_argv, bind_hosts, bundles_of  # noqa: E402
 from launcher.ray_actor import ProcessActor  # noqa: E402
 from tests.support import REPO  # noqa: E402
-from tests.support.jobs import job_argv, stop_and_read  # noqa: E402
+from tests.support.jobs import job_argv  # noqa: E402
+from tests.support.procs import pids_running, processes  # noqa: E402
 
 
 def test_one_bundle_per_process_with_the_cluster_sections_resources():
@@ -144,7 +141,9 @@ def local_ray():
     """A Ray instance in this process, for the tests that make actors here."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # no idle workers started ahead: every actor here gets a worker process of its own anyway
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
     yield ray
     ray.shutdown()
 
@@ -195,7 +194,7 @@ def test_a_server_failing_its_health_check_in_its_actor_is_killed_and_restarted(
                                             r"\(killed\) after 1 restart\(s\)"):
             sup.wait_for(trainer, poll_s=0.02)
         assert asked[0] == "/health" and asked.count("/health_generate") == 2
-        assert server.poll() == -9 and first not in _processes(), "the check's SIGKILL did not reach the process"
+        assert server.poll() == -9 and first not in processes(), "the check's SIGKILL did not reach the process"
     finally:
         sup.stop_all(grace_s=1)
     log = (tmp_path / "logs" / "server0.log").read_text()
@@ -248,7 +247,7 @@ def test_a_worker_whose_actor_dies_while_it_starts_is_restarted_by_its_policy(lo
             time.sleep(0.02)
         assert made == ["dies", "lives"] and worker.poll() is None
         assert len(released) == 1 and released[0].startswith("lost its Ray actor while it started (")
-        assert _pids_running(marker) == [worker.pid], "the first actor's process outlived it"
+        assert pids_running(marker) == [worker.pid], "the first actor's process outlived it"
     finally:
         sup.stop_all(grace_s=1)
     log = (tmp_path / "logs" / "worker0.log").read_text()
@@ -267,14 +266,14 @@ def test_a_worker_that_can_never_start_stops_the_job_after_its_restarts(local_ra
     try:
         sup.children.append(RayChild("worker0", [PY, "-c", "import time; time.sleep(600)"], make, sup.log_dir,
                                      dict(os.environ), local_log=True, expect_exit=True,
-                                     restart=Restart(2, released.append, backoff_s=0.05)))
+                                     restart=Restart(1, released.append, backoff_s=0.05)))
         deadline = time.monotonic() + 60
         with pytest.raises(JobFailed, match=r"^worker0 lost its Ray actor while it started \(.*\) "
-                                            r"after 2 restart\(s\)"):
+                                            r"after 1 restart\(s\)"):
             while time.monotonic() < deadline:
                 sup.check()
                 time.sleep(0.02)
-        assert made == ["dies"] * 3 and len(released) == 2
+        assert made == ["dies"] * 2 and len(released) == 1
     finally:
         sup.stop_all(grace_s=1)
     make, made = _actors(local_ray, dying=1)
@@ -310,104 +309,6 @@ def test_every_child_kind_is_what_the_supervisor_asks_of_a_child():
     assert not missing, f"RankGroup lacks {missing}"
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) of every live (not zombie) process."""
-    found = {}
-    for d in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:  # not a process, or it just ended
-            continue
-        fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
-        if fields[0] != "Z":
-            found[int(d.name)] = (int(fields[1]), fields[19])
-    return found
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """pid -> start time of every live descendant of ``root``."""
-    procs, out, todo = _processes(), {}, [root]
-    while todo:
-        parent = todo.pop()
-        for pid, (ppid, start) in procs.items():
-            if ppid == parent and pid not in out:
-                out[pid] = start
-                todo.append(pid)
-    return out
-
-
-def _pids_running(*args: str | pathlib.Path) -> list[int]:
-    """The processes whose command line holds each of ``args`` as an argument."""
-    pids = []
-    for d in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if all(str(arg).encode() in argv for arg in args):
-            pids.append(int(d.name))
-    return pids
-
-
-def _wait(what: str, ready, proc: subprocess.Popen, timeout_s: float = 240):
-    deadline = time.monotonic() + timeout_s
-    while not (found := ready()):
-        assert proc.poll() is None, f"the job ended ({proc.returncode}) while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.05)
-    return found
-
-
-def test_a_lost_worker_actor_is_replaced_and_a_dead_queue_stops_the_job_leaving_nothing(tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "faults"
-    config = run_dir / "config.yaml"
-    out = (tmp_path / "launcher.out").open("w+")
-    proc = subprocess.Popen(job_argv(tiny_model_dir, tmp_path, "faults", "deterministic", 1,
-                                     extra=("rollout.num_workers=1",), launcher="ray"),
-                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
-    try:
-        [worker] = _wait("a worker", lambda: _pids_running("areal_async.rollout.worker", config), proc)
-        actor = _processes()[worker][0]  # the Ray worker process that hosts worker0's actor
-        os.kill(actor, signal.SIGKILL)
-        [again] = _wait("a restarted worker", lambda: [p for p in _pids_running("areal_async.rollout.worker", config)
-                                                       if p != worker], proc)
-        assert _processes()[again][0] != actor, "the restarted worker runs in a new actor"
-        started = _descendants(proc.pid)
-        [queue] = _pids_running("areal_async.queue.server", config)
-        os.kill(queue, signal.SIGKILL)
-        rc = proc.wait(timeout=120)
-    finally:
-        output = stop_and_read(proc, out)
-    assert rc == 1, output[-4000:]
-    assert "worker0 lost its Ray actor" in output and "restart 1 of 3" in output, output[-4000:]
-    assert "job failed: queue was killed by SIGKILL" in output, output[-4000:]
-    assert "===== restart 1 of 3: worker0 lost its Ray actor" in (run_dir / "logs/worker0.log").read_text()
-    # a pid alive with the same start time is the same process, still running
-    alive = {pid for pid, (_, start) in _processes().items() if started.get(pid) == start}
-    assert len(started) >= 8 and not alive, f"left running: {alive} of {len(started)} processes the job started"
-
-
-def test_sigterm_stops_every_process_and_actor_and_exits_130(tiny_model_dir, tmp_path):
-    out = (tmp_path / "launcher.out").open("w+")
-    proc = subprocess.Popen(job_argv(tiny_model_dir, tmp_path, "stopped", "deterministic", 1,
-                                     extra=("rollout.num_workers=1",), launcher="ray"),
-                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait("the worker's start", lambda: "worker(s) started" in (tmp_path / "launcher.out").read_text(), proc)
-        started = _descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.seek(0)
-        output = out.read()
-    assert rc == 130 and "interrupted; stopping every process" in output, output[-4000:]
-    alive = {pid for pid, (_, start) in _processes().items() if started.get(pid) == start}
-    assert len(started) >= 8 and not alive, f"left running: {alive} of {len(started)} processes the job started"
-
-
 STANDIN_SGLANG = '''\
 """A stand-in for ``python -m sglang.launch_server`` (SGLang cannot run here): records its command
 line, then serves it with the embedded server, which takes every flag the launcher gives SGLang."""
@@ -421,7 +322,7 @@ runpy.run_module("areal_async.embedded.server", run_name="__main__", alter_sys=T
 def test_the_sglang_backend_runs_sglangs_command_line_in_each_servers_actor(tiny_model_dir, tmp_path):
     # inference.backend=sglang under launcher.ray: each server's actor runs `python -m
     # sglang.launch_server` with the flags launcher.local gives it (here answered by the stand-in),
-    # and the job trains through them (one trainer rank: the ranks' actors are tested above).
+    # and the job trains through them (one trainer rank: two ranks in two actors: test_launcher_ray_faults.py).
     standin = tmp_path / "standin"
     (standin / "sglang").mkdir(parents=True)
     (standin / "sglang" / "__init__.py").write_text("")

@@ -9,6 +9,9 @@
 - ``loop``: letting an event loop run every ready callback (``settle``).
 - ``jobs``: launching small end-to-end jobs through the launcher and reading what they leave.
 - ``chaos``: faults in a running job: its processes, waiting on it, what its servers and queue do.
+- ``procs``: this machine's processes (``/proc``): a job's descendants, which of them still run.
+- ``determinism``: the undisturbed determinism runs, run once per pytest run and shared by its
+  test processes, and the checks of a fault run against them.
 - ``episode_envs``: ``Env`` classes of multi-turn episodes with real tools, named by dotted path.
 - ``weight_groups``: the other ranks of a gloo weight-update group, at SGLang's store prefixes.
 - ``protocols``: checking a class against a seam's ``Protocol``, call for call.
