@@ -181,6 +181,7 @@ class EnvWorkflow:
         return ep.to_sample(0.0, correct, turn_rewards=rewards)
 
     def _report_full(self, ep: Episode, name: str, n: int) -> None:
+        """Print (throttled) that a first observation of ``n`` tokens left no room for a turn."""
         if self._full.due():
             print(f"[env] {name}.reset's first observation fills the context in episode {ep.name}: {n} tokens "
                   f"of inference.max_seq_len={ep.max_seq_len}, so the episode has no turn (counted in "
