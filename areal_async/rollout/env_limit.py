@@ -1,11 +1,14 @@
 """A wall-clock limit on each call into a user's environment (``rollout.env_timeout_s``).
 
-An ``async`` call past the limit is cancelled and raises ``EnvTimeout``; the worker fails with
-it. A call that blocks the event loop (a synchronous method, or a synchronous call inside an
-``async`` one) cannot be interrupted: a watchdog thread sees when it started and, once it is past
-the limit while holding the loop, prints the message to stderr and ends the process with status 1.
-Either way the launcher reports the worker's death with its last lines.
-"""
+An ``async`` call runs in a task of its own; past the limit it is cancelled and ``EnvTimeout`` is
+raised once it ends. A call that ignores its cancellation (a bare ``except:`` around an ``await``)
+gets ``GRACE_S`` more seconds, then ``EnvTimeout`` is raised without it: its task is cancelled
+again, and that time the call is closed (``GeneratorExit`` at its ``await``) instead of resumed, so
+neither the episode nor the event loop's shutdown waits for it. A call that blocks the event loop
+(a synchronous method, or a synchronous call inside an ``async`` one) cannot be interrupted: a
+watchdog thread sees when it started and, once it is past the limit while holding the loop,
+prints the message to stderr and ends the process with status 1. Either way the launcher reports
+the worker's death with its last lines."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 HOLD_S = 1.0  # an overdue call is ended once it has held the loop this long (or its limit, if less)
+GRACE_S = 1.0  # a cancelled call that has not ended this long after its limit is abandoned
+_IGNORED: list = []  # abandoned calls that ignored GeneratorExit too (one per such call, never resumed)
 
 
 class EnvTimeout(TimeoutError):
@@ -37,7 +42,8 @@ async def call_env(fn: Callable[..., Any], args: tuple, what: str, where: str, l
     """``fn(*args)``, awaited if it returns an awaitable, within ``limit_s`` seconds (0: no limit).
 
     Raises:
-        EnvTimeout: an awaitable not done within the limit (cancelled).
+        EnvTimeout: an awaitable not done within the limit (cancelled; abandoned if it ignores
+            the cancellation for ``GRACE_S`` seconds).
         What ``fn`` raises. A call that blocks the event loop past the limit ends the process.
     """
     if not limit_s:
@@ -47,19 +53,54 @@ async def call_env(fn: Callable[..., Any], args: tuple, what: str, where: str, l
     _WATCHDOG.watch(call)
     try:
         out = fn(*args)
-        call.inside_since = None
-        if not inspect.isawaitable(out):
-            return out
-        timeout = asyncio.timeout(max(0.0, call.start + limit_s - time.monotonic()))
-        try:
-            async with timeout:
-                return await _marked(out, call)
-        except TimeoutError:
-            if not timeout.expired():  # the call's own TimeoutError
-                raise
-            raise EnvTimeout(overrun_message(what, where, limit_s, time.monotonic() - call.start)) from None
-    finally:
+    except BaseException:
         _WATCHDOG.unwatch(call)
+        raise
+    call.inside_since = None
+    if not inspect.isawaitable(out):
+        _WATCHDOG.unwatch(call)
+        return out
+    return await _limited(out, call)
+
+
+async def _limited(out, call: _Call) -> Any:
+    """``await out`` in a task of its own, watched until it ends. Past the limit the task is
+    cancelled; past ``GRACE_S`` more, cancelled again (``_marked`` then closes the call) and left.
+
+    Raises:
+        EnvTimeout: past the limit, whether the call ended in the grace or not.
+    """
+    task = asyncio.ensure_future(_drive(out, call))
+    task.add_done_callback(_retrieved)
+    task.add_done_callback(lambda _: _WATCHDOG.unwatch(call))
+    expired = False
+    try:
+        await asyncio.wait([task], timeout=max(0.0, call.start + call.limit_s - time.monotonic()))
+        if not task.done():
+            expired = True
+            task.cancel()
+            await asyncio.wait([task], timeout=GRACE_S)
+    finally:
+        if not task.done():  # it ignored the cancellation (or the caller was cancelled): cancel it again
+            task.cancel()
+    if not expired:
+        return task.result()
+    message = overrun_message(call.what, call.where, call.limit_s, time.monotonic() - call.start)
+    if not task.done():
+        message += (f"; it ignored its cancellation for {GRACE_S:g} s (an except that catches "
+                    f"asyncio.CancelledError and goes on: a bare except, or except BaseException) and was "
+                    f"abandoned; let CancelledError propagate")
+    raise EnvTimeout(message)
+
+
+async def _drive(out, call: _Call) -> Any:
+    return await _marked(out, call)
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Marks a task's exception as retrieved (an abandoned call's, or one raised after its limit)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _Call:
@@ -83,13 +124,22 @@ class _Call:
 
 @types.coroutine
 def _marked(awaitable, call: _Call):
-    """``await awaitable``, with ``call.inside_since`` set while the loop's thread runs it."""
+    """``await awaitable``, with ``call.inside_since`` set while the loop's thread runs it. A
+    cancellation is passed on to it; one after a cancellation it went on from closes it instead
+    (``GeneratorExit`` at its ``await``) and is raised here, so that it cannot outlive its task."""
     it = awaitable.__await__()
-    value, error = None, None
+    value, error, ignored = None, None, False
     while True:
         call.inside_since = time.monotonic()
         try:
+            if error is not None and ignored:
+                try:
+                    it.close()
+                except RuntimeError:  # "coroutine ignored GeneratorExit": it cannot be ended; kept, not
+                    _IGNORED.append(awaitable)  # collected, where a second close would print the error
+                raise error
             yielded = it.send(value) if error is None else it.throw(error)
+            ignored = ignored or error is not None
         except StopIteration as stop:
             return stop.value
         finally:

@@ -155,7 +155,8 @@ class Episode:
     def to_sample(self, reward: float, correct: bool, reward_error: bool = False,
                   turn_rewards: Sequence[float] | None = None) -> Sample:
         """The ``Sample`` of this episode. A single sequence of one sampled turn and no other
-        tokens is a plain response: no loss mask, turns or stats on the wire. A sequence's tokens
+        tokens is a plain response: no loss mask, turns or stats on the wire (stats only when it
+        was truncated, so that ``rollout/truncated`` counts it). A sequence's tokens
         after its last sampled token (an observation that no turn followed) are left out; a
         sequence with no sampled token is kept whole.
 
@@ -171,7 +172,8 @@ class Episode:
             raise ValueError(f"episode {self.name}: {len(turn_rewards)} turn rewards for "
                              f"{len(self.turns)} model turns")
         finish = self.turns[-1].finish_reason if self.turns else "stop"
-        stats = None if plain else EpisodeStats(turns=len(self.turns), **self.stats)
+        bare = plain and not self.stats["truncated"]
+        stats = None if bare else EpisodeStats(turns=len(self.turns), **self.stats)
         with_turns = turn_rewards is not None
         return Sample(
             index=self.index, seed=self.seed, output_ids=Array.of(first.output_ids, "int32"),

@@ -32,6 +32,7 @@ class RecordingEndpoint:
 
     def __init__(self, episode: Episode, temperature: float, top_p: float):
         self.episode, self.temperature, self.top_p = episode, temperature, top_p
+        self.refusals = 0  # calls answered 400 for a limit: max_turns, max_episode_tokens, the context
         self._busy = False
 
     @contextlib.asynccontextmanager
@@ -64,6 +65,7 @@ class RecordingEndpoint:
         ep, messages = self.episode, body["messages"]
         if len(ep.turns) >= ep.max_turns:  # refused before anything is recorded
             ep.stats["truncated"] = True
+            self.refusals += 1
             return _error(400, f"episode {ep.name} made its max_turns={ep.max_turns} calls (rollout.max_turns)")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
@@ -76,6 +78,7 @@ class RecordingEndpoint:
         try:
             turn = await ep.generate(stop=stop, max_new_tokens=limit, record_text=lambda text: _trim(text, stop))
         except EpisodeTruncated as exc:
+            self.refusals += 1
             return _error(400, str(exc))
         content = _trim(turn.text, stop)
         return httpx.Response(200, json={

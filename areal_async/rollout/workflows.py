@@ -17,12 +17,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
 
-from areal_async.rollout.env_errors import EnvErrors, EnvFailed, OnEnvError
+from areal_async.rollout import observations
+from areal_async.rollout.env_errors import EnvErrors, EnvFailed, OnEnvError, Throttle
 from areal_async.rollout.env_limit import EnvTimeout, call_env
 from areal_async.rollout.episode import Episode, EpisodeTruncated
 from areal_async.types import Sample
@@ -63,7 +65,8 @@ class Env(Protocol):
     """A token-level environment, one instance per episode (``rollout.workflow`` names its class,
     called with no arguments). Either method may be ``async``. Observations: a list of chat
     messages (rendered by the chat template after the model's turn), a list of token ids (appended
-    verbatim) or ``None`` (nothing). ``stop``, if present: stop strings of every model turn."""
+    verbatim) or ``None`` (nothing; ``observations.py``). ``stop``, if present: a stop string or a
+    list of them, for every model turn."""
 
     def reset(self, item: EpisodeItem, seed: int) -> list[dict[str, Any]] | list[int] | None:
         """The first observation; ``None``: the item's messages (the group's prompt)."""
@@ -120,39 +123,45 @@ class EnvWorkflow:
     """Episodes of an ``Env`` class: reset, then model turn and ``step`` until ``done`` or a
     limit. Rewards are per turn (``Sample.turn_rewards``; the episode's own reward is 0);
     ``correct``: the last info's, else whether the rewards sum above 0. ``env_timeout_s``: each
-    ``reset``/``step`` call's wall-clock limit (0: none; ``env_limit.call_env``).
-    ``on_env_error``: ``zero`` ends an episode whose call failed there (a failed ``reset``: no
-    turn; a failed ``step``: that turn's reward 0), ``correct`` False (``env_errors.py``).
-    ``vocab_size``: observation ids must be below it (0: ``len(tokenizer)``).
+    call's wall-clock limit, the constructor's, ``reset``'s and each ``step``'s (0: none;
+    ``env_limit.call_env``). ``on_env_error``: ``zero`` ends an episode whose call failed there (a
+    failed constructor or ``reset``: no turn; a failed ``step``: that turn's reward 0), ``correct``
+    False (``env_errors.py``). ``vocab_size``: observation ids must be below it (0:
+    ``len(tokenizer)``). A first observation that fills ``max_seq_len`` leaves the episode with no
+    turn; that is printed (the first, then at most one a minute).
 
-    Raises (from a call): under ``on_env_error: raise``, what ``reset``/``step`` raise, with the
-    episode and turn named, and ``EnvTimeout`` for an ``async`` call past the limit (a synchronous
-    one ends the process); under either, ``TypeError``/``ValueError`` for a malformed step
-    result, a reward that is no finite number or an observation id outside the vocabulary.
+    Raises (from a call): under ``on_env_error: raise``, what the constructor, ``reset`` or
+    ``step`` raise, with the episode and turn named, and ``EnvTimeout`` for an ``async`` call past
+    the limit (a synchronous one ends the process); under either, ``TypeError``/``ValueError`` for
+    a ``stop`` that is no string or list of strings, a malformed step result or observation
+    (``observations.py``), or a reward that is no finite number.
     """
 
     def __init__(self, env_class: Callable[[], Env], env_timeout_s: float = 0.0, on_env_error: OnEnvError = "raise",
                  vocab_size: int = 0):
         self.env_class, self.env_timeout_s, self.vocab_size = env_class, env_timeout_s, vocab_size
         self.errors = EnvErrors(on_env_error)
+        self._full = Throttle()  # first observations that filled the context
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
-        env = self.env_class()
         name, where = _name(self.env_class), f"episode {ep.name}"
         vocab = self._vocab(ep)
         try:
+            env = await self._call(ep, self.env_class, (), f"{name}.__init__", where)
             first = await self._call(ep, env.reset, (item, ep.seed), f"{name}.reset", where)
         except EnvFailed:
             ep.start()  # no turn: an empty episode
             return ep.to_sample(0.0, False, turn_rewards=[])
-        conv = ep.start(*_observation(first, vocab, f"{name}.reset", where))
-        stop = list(getattr(env, "stop", ()) or ())
+        conv = ep.start(*observations.first(first, vocab, f"{name}.reset", where))
+        stop = _stop_strings(getattr(env, "stop", None), name)
         rewards: list[float] = []
         info: dict = {}
         while True:
             try:
                 turn = await ep.generate(stop=stop)
             except EpisodeTruncated:
+                if not ep.turns and ep.max_seq_len and len(conv.ids) >= ep.max_seq_len:
+                    self._report_full(ep, name, len(conv.ids))
                 break
             action = Action(turn.text, turn.ids, turn.finish_reason, turn.index, turn.seed)
             at = f"{where}, turn {turn.index}"
@@ -167,9 +176,17 @@ class EnvWorkflow:
             ep.stats["tool_errors"] += int(info.get("tool_errors", 0))
             if done:
                 break
-            _extend(conv, observation, vocab, f"{name}.step", at)
+            observations.extend(conv, observation, vocab, f"{name}.step", at)
         correct = not ep.stats["env_error"] and (bool(info["correct"]) if "correct" in info else sum(rewards) > 0)
         return ep.to_sample(0.0, correct, turn_rewards=rewards)
+
+    def _report_full(self, ep: Episode, name: str, n: int) -> None:
+        """Print (throttled) that a first observation of ``n`` tokens left no room for a turn."""
+        if self._full.due():
+            print(f"[env] {name}.reset's first observation fills the context in episode {ep.name}: {n} tokens "
+                  f"of inference.max_seq_len={ep.max_seq_len}, so the episode has no turn (counted in "
+                  f"rollout/truncated); shorten the observation or raise inference.max_seq_len; "
+                  f"{self._full.count} so far in this worker, at most one printed a minute", flush=True)
 
     def _vocab(self, ep: Episode) -> Callable[[], int]:
         """The bound of observation ids, asked only of ids (``len`` of a slow tokenizer builds its
@@ -190,9 +207,11 @@ class OpenAIWorkflow:
     """Episodes of ``async def run(item, client)``: ``client`` is an ``openai.AsyncOpenAI`` whose
     ``chat.completions.create`` is recorded (``openai_endpoint.py``). ``run`` returns the episode's
     reward (a number) or per-turn rewards (``{turn: reward}``, turns counted from 0 in call order;
-    missing turns 0); ``correct``: whether the rewards sum above 0. A call past ``max_turns`` or
-    ``max_episode_tokens`` is answered 400 and marks the episode truncated; if ``run`` then raises,
-    the episode ends there with reward 0. ``env_timeout_s``: the whole ``run``'s wall-clock limit
+    missing turns 0; a reward: any finite real, numpy and 0-d torch scalars too, not a bool);
+    ``correct``: whether the rewards sum above 0. A call past ``max_turns``, ``max_episode_tokens``
+    or the context is refused (answered 400) and marks the episode truncated; if ``run`` raises
+    after a refusal, the episode ends there with reward 0. Any other exception is ``run``'s
+    failure (``on_env_error``), also after a turn that a limit cut short (answered 200). ``env_timeout_s``: the whole ``run``'s wall-clock limit
     (0: none). ``on_env_error``: ``zero`` ends an episode whose ``run`` raised or timed out with
     reward 0, ``correct`` False (``env_errors.py``).
 
@@ -218,7 +237,7 @@ class OpenAIWorkflow:
             except EnvTimeout as exc:
                 self.errors.fail(exc, _name(self.fn), where, ep.stats)
             except Exception as exc:
-                if not ep.stats["truncated"]:
+                if not endpoint.refusals:
                     self.errors.fail(exc, _name(self.fn), where, ep.stats)
                 result = 0.0  # a call past a limit was refused and the agent gave up: reward 0
         except EnvFailed:
@@ -226,17 +245,25 @@ class OpenAIWorkflow:
         if not ep.conversations:
             ep.start()  # no call: an empty episode
         if isinstance(result, dict):
-            bad = [k for k in result if not isinstance(k, int) or not 0 <= k < len(ep.turns)]
-            if bad:
-                raise TypeError(f"{_name(self.fn)} returned rewards for turns {bad} in {where}, which made "
-                                f"{len(ep.turns)} calls (turns 0..{len(ep.turns) - 1})")
-            per_turn = [_reward(result.get(t, 0.0), _name(self.fn), f"{where}, turn {t}") for t in range(len(ep.turns))]
-            return ep.to_sample(0.0, sum(per_turn) > 0, turn_rewards=per_turn)
-        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            return self._per_turn(ep, result, where)
+        try:
             reward = _reward(result, _name(self.fn), where)
-            return ep.to_sample(reward, reward > 0)
-        raise TypeError(f"{_name(self.fn)} returned {type(result).__name__} in {where}; return the "
-                        f"episode's reward (a number) or {{turn: reward}}")
+        except TypeError:
+            raise TypeError(f"{_name(self.fn)} returned {result!r:.100} ({type(result).__name__}) in {where}; "
+                            f"return the episode's reward (a number) or {{turn: reward}}") from None
+        return ep.to_sample(reward, reward > 0)
+
+    def _per_turn(self, ep: Episode, result: dict, where: str) -> Sample:
+        """The sample of ``{turn: reward}`` (an int turn of the episode's, bool refused)."""
+        bad = [k for k in result
+               if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 0 <= k < len(ep.turns)]
+        if bad:
+            raise TypeError(f"{_name(self.fn)} returned rewards for turns {bad} in {where}, which made "
+                            f"{len(ep.turns)} calls (turns 0..{len(ep.turns) - 1}); key each reward by its "
+                            f"turn, an int")
+        rewards = {int(k): v for k, v in result.items()}
+        per_turn = [_reward(rewards.get(t, 0.0), _name(self.fn), f"{where}, turn {t}") for t in range(len(ep.turns))]
+        return ep.to_sample(0.0, sum(per_turn) > 0, turn_rewards=per_turn)
 
 
 def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0,
@@ -299,47 +326,20 @@ def _step_result(out, source: str, where: str) -> tuple[Any, Any, bool, dict]:
                         f"(observation, reward, done, info) with info a dict") from None
 
 
-def _observation(obs, vocab: Callable[[], int], source: str,
-                 where: str) -> tuple[list[dict] | None, Sequence[int] | None]:
-    """``Episode.start``'s arguments for an observation (ids checked by ``_ids``)."""
-    if obs is None:
-        return None, None
-    if _is_ids(obs):
-        return None, _ids(obs, vocab, source, where)
-    return list(obs), None
-
-
-def _extend(conv, obs, vocab: Callable[[], int], source: str, where: str) -> None:
-    if obs is None:
-        conv.add_messages([])
-    elif _is_ids(obs):
-        conv.add_ids(_ids(obs, vocab, source, where))
-    else:
-        conv.add_messages(list(obs))
-
-
-def _ids(obs, vocab_size: Callable[[], int], source: str, where: str) -> list[int]:
-    """An observation's token ids, each in ``[0, vocab)``, ``vocab = vocab_size()``.
-
-    ``vocab`` is the model's embedding rows (its config's ``vocab_size``) where known, else
-    ``len(tokenizer)``: the embedding is often padded past the tokenizer (Qwen2.5: 151936 rows,
-    151665 tokens), and the engine and the trainer accept any id below its rows; an id past them
-    would reach the engine and fail there (on a GPU, a device-side assert that names nothing).
+def _stop_strings(stop, name: str) -> list[str]:
+    """An ``Env``'s ``stop``: ``None`` (none), a string, or a list or tuple of strings.
 
     Raises:
-        ValueError: an id outside ``[0, vocab)``, naming ``source``, ``where``, the id and the range.
+        TypeError: another value, naming the env class and the fix.
     """
-    ids, vocab = [int(t) for t in obs], vocab_size()
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ValueError(f"{source} gave the observation token id {bad} in {where}, outside the vocabulary "
-                         f"[0, {vocab}); give ids of the model's tokenizer (tokenizer.encode), or chat messages")
-    return ids
-
-
-def _is_ids(obs) -> bool:
-    return isinstance(obs, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in obs) \
-        and len(obs) > 0
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop):
+        return list(stop)
+    raise TypeError(f"{name}.stop is {stop!r:.100} ({type(stop).__name__}); give a stop string or a list of them, "
+                    f"e.g. stop = ['</answer>']")
 
 
 def _name(obj) -> str:

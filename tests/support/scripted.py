@@ -1,6 +1,7 @@
 """A generation client that answers from a script: turn t of every episode gets ``replies[t]``,
 encoded with the tokenizer (the engine's ids; an end-of-turn token appended when the reply does
-not end on one of the request's stop strings), log-probs -0.5 and version ``version``."""
+not end on one of the request's stop strings), log-probs -0.5 and version ``version``; cut to the
+request's ``max_new_tokens`` (then finish reason ``length``)."""
 
 from __future__ import annotations
 
@@ -21,22 +22,25 @@ class ScriptedClient:
         stopped = any(text.endswith(s) for s in sampling.get("stop", []))
         if not stopped:
             ids.append(self.tokenizer.eos_token_id)
+        finish = "length" if len(ids) > sampling["max_new_tokens"] else "stop"
         ids = ids[:sampling["max_new_tokens"]]
         self.calls.append((rid, list(input_ids), dict(sampling)))
-        return GenResult(ids, [-0.5] * len(ids), [self.version] * len(ids), "stop", prompt_tokens=len(input_ids))
+        return GenResult(ids, [-0.5] * len(ids), [self.version] * len(ids), finish, prompt_tokens=len(input_ids))
 
 
 QUESTION = [{"role": "user", "content": "What is 12 times 7?"}]
 
 
-def scripted_episode(tok, replies=("a", "b", "c"), max_turns: int = 4):
-    """Episode g0-s2 (seed 9) of ``QUESTION`` whose turns a ``ScriptedClient`` answers with ``replies``."""
+def scripted_episode(tok, replies=("a", "b", "c"), max_turns: int = 4, **limits):
+    """Episode g0-s2 (seed 9) of ``QUESTION`` whose turns a ``ScriptedClient`` answers with ``replies``;
+    ``limits``: ``Episode``'s ``max_episode_tokens``, ``max_seq_len``."""
     from areal_async.rollout.episode import Episode
 
     prompt = tok(tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True),
                  add_special_tokens=False)["input_ids"]
     return Episode(ScriptedClient(tok, list(replies)), tok, tok.decode, 0, 2, 9, prompt, QUESTION,
-                   {"stop_token_ids": [tok.eos_token_id]}, server=0, max_new_tokens=16, max_turns=max_turns)
+                   {"stop_token_ids": [tok.eos_token_id]}, server=0, max_new_tokens=16, max_turns=max_turns,
+                   **limits)
 
 
 def run_workflow(workflow, ep, bound_s: float = 5.0):
@@ -48,3 +52,19 @@ def run_workflow(workflow, ep, bound_s: float = 5.0):
     sample = asyncio.run(asyncio.wait_for(workflow(ep, EpisodeItem(QUESTION, "84")), bound_s))
     sample.check()
     return sample
+
+
+def run_in_loop(workflow, ep, bound_s: float = 5.0):
+    """``run_workflow``'s sample, or its exception, with the loop's tasks left at its end."""
+    import asyncio
+
+    from areal_async.rollout.workflows import EpisodeItem
+
+    async def main():
+        try:
+            return await asyncio.wait_for(workflow(ep, EpisodeItem(QUESTION, "84")), bound_s), []
+        except Exception as exc:
+            await asyncio.sleep(0.05)  # the tasks cancelled by it end
+            return exc, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    return asyncio.run(main())
