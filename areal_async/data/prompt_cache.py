@@ -14,6 +14,7 @@ Not cached: a tokenizer not loaded from a local directory, or a template that re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import os
@@ -26,6 +27,7 @@ from areal_async.file_lock import file_lock
 
 FORMAT = 1
 KEPT_ENTRIES = 64  # the most recently used entries kept; older ones are removed on a write
+HASHED_BYTES = 64 << 20  # a larger file of the tokenizer's directory is keyed by size and mtime
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 CLOCK_MARKERS = ("strftime", "now(")  # a template that renders today's date
 LIBRARIES = ("transformers", "tokenizers", "jinja2")
@@ -66,7 +68,9 @@ def cache_key(task, tokenizer) -> str | None:
     for path in sorted(directory.iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
             part(path.name.encode())
-            part(hashlib.sha256(path.read_bytes()).digest())
+            stat = path.stat()
+            big = stat.st_size > HASHED_BYTES  # not a tokenizer file: its size and time stand for it
+            part(f"{stat.st_size} {stat.st_mtime_ns}".encode() if big else hashlib.sha256(path.read_bytes()).digest())
     try:
         part(msgspec.json.encode([task.messages(i) for i in range(len(task))]))
     except (TypeError, msgspec.EncodeError):
@@ -104,9 +108,10 @@ def _read(path: pathlib.Path, key: str, task, tokenizer) -> tuple[list | None, s
     try:
         with np.load(path, allow_pickle=False) as entry:
             stored_key, flat, offsets = bytes(entry["key"]).decode(), entry["ids"], entry["offsets"]
-        os.utime(path)  # recently used: kept by _prune
     except (OSError, ValueError, KeyError, EOFError):
         return None, "miss"
+    with contextlib.suppress(OSError):
+        os.utime(path)  # recently used: kept by _prune (a read-only cache is still read)
     n = len(task)
     if stored_key != key or len(offsets) != n + 1 or flat.dtype != np.int32:
         return None, "stale"
