@@ -83,6 +83,14 @@ def test_any_input_changing_misses_the_cache(tiny_model_dir, tmp_path, change):
     assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
 
 
+def test_a_token_added_to_the_loaded_tokenizer_misses_the_cache(tiny_model_dir, tmp_path):
+    tok = load_tokenizer(tiny_model_dir)
+    before = ids(PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path))
+    tok.add_tokens(["clips"])
+    ps = PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path)
+    assert ps.cache_status == "miss" and ids(ps) == ids(PromptSet(task(), tok, 400, seed=0)) != before
+
+
 def test_a_library_version_is_part_of_the_key(tiny_model_dir, tmp_path, monkeypatch):
     tok = load_tokenizer(tiny_model_dir)
     before = prompt_cache.cache_key(task(), tok)

@@ -4,8 +4,9 @@ prompt again on each start (~2 CPU-s for GSM8K's training split).
 An entry holds the token ids of every item (before the ``max_prompt_len`` filter, which
 ``PromptSet`` applies after reading) under the sha256 of all they depend on: every item's chat
 turns (``task.messages``: the data, few-shot demonstrations, system turn, instruction), the
-tokenizer's class, chat template and directory files (weights aside), the versions of
-transformers, tokenizers and jinja2, and ``FORMAT`` (raise it when ``tokenize_all`` changes).
+tokenizer's class, chat template, special and added tokens and directory files (weights aside),
+the versions of transformers, tokenizers and jinja2, and ``FORMAT`` (raise it when
+``tokenize_all`` changes).
 Entries are written whole (a temporary file renamed into place) under a lock, so processes that
 start together tokenise once. A read is checked: the stored key, and three items (first, middle,
 last) tokenised again must equal what is stored; else the entry is rebuilt (status ``stale``).
@@ -65,6 +66,10 @@ def cache_key(task, tokenizer) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             part(f"{lib} -".encode())
     part(msgspec.json.encode(template))
+    try:  # set on the loaded tokenizer (a template may write its special tokens)
+        part(msgspec.json.encode([getattr(tokenizer, "special_tokens_map", {}), tokenizer.get_added_vocab()]))
+    except (AttributeError, TypeError, msgspec.EncodeError):
+        return None
     for path in sorted(directory.iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
             part(path.name.encode())
