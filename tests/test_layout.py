@@ -5,6 +5,8 @@
 - The embedded engine (``embedded/engine/``) does not import the server around it.
 - No import circle among product modules; no product file over 600 lines.
 - No test module imports another test module (shared helpers live in ``tests/support/``).
+- A process's start imports no module only some of its paths use (``LAZY``: checkpoints, reports,
+  Ray, wandb, ...): no module its entry point imports at top level, transitively, imports one there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT = ("areal_async", "launcher")
 MAX_LINES = 600
+ENTRY_POINTS = ("areal_async.embedded.server", "areal_async.trainer.main", "areal_async.rollout.worker",
+                "areal_async.queue.server", "launcher.local", "launcher.torchrun")
+LAZY = ("torch.distributed.checkpoint", "matplotlib", "jinja2", "pyarrow", "datasets", "pandas", "ray", "wandb")
 
 
 def _module(path: pathlib.Path) -> str:
@@ -22,12 +27,26 @@ def _module(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """Every module ``path`` imports, absolute, wherever the statement is (top level or in a function)."""
+def _top_level(tree: ast.AST):
+    """The nodes run when the module is imported: not in a function, nor under ``if TYPE_CHECKING``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in [child, *_top_level(child)])
+            continue
+        yield node
+        yield from _top_level(node)
+
+
+def _imports(path: pathlib.Path, top_level: bool = False) -> set[str]:
+    """Every module ``path`` imports, absolute, wherever the statement is (top level or in a
+    function); ``top_level``: only the statements run when it is imported."""
     name = _module(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in (_top_level(tree) if top_level else ast.walk(tree)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -96,3 +115,19 @@ def test_no_test_module_imports_another():
     offenders = [f"{_module(p)} imports {m}" for p in sorted((REPO / "tests").glob("*.py"))
                  for m in _imports(p) if m in tests and m != _module(p)]
     assert not offenders, offenders
+
+
+def test_a_process_start_imports_no_module_only_some_paths_use():
+    files = {_module(p): p for p in _product_files()}
+    offenders, seen, todo = [], set(), list(ENTRY_POINTS)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in files:
+            continue
+        seen.add(name)
+        for m in _imports(files[name], top_level=True):
+            if any(m == lazy or m.startswith(lazy + ".") for lazy in LAZY):
+                offenders.append(f"{name} imports {m}")
+            parts = m.split(".")
+            todo += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]  # a package's __init__ runs too
+    assert len(seen) > 60 and not offenders, offenders

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from areal_async.data.prompt_cache import cached_token_ids
 from areal_async.data.task import Task
 
 
@@ -41,13 +42,15 @@ class PromptSet:
         tokenizer: an HF tokenizer with a chat template.
         max_prompt_len: longest prompt kept, in tokens (``>= 1``).
         seed: run seed of the group → prompt permutation (``>= 0``).
+        cache_dir: where tokenised prompt sets are cached (``prompt_cache.cache_dir_of``);
+            ``None``: not cached. ``cache_status`` says how the ids were had (``off``, ``hit``, ``miss``, ``stale``).
 
     Raises:
         ValueError: ``max_prompt_len < 1``, a negative seed, or no prompt fits (names the
             longest/shortest lengths and the setting to change).
     """
 
-    def __init__(self, task: Task, tokenizer, max_prompt_len: int, seed: int):
+    def __init__(self, task: Task, tokenizer, max_prompt_len: int, seed: int, cache_dir=None):
         if max_prompt_len < 1 or seed < 0:
             raise ValueError(f"PromptSet needs max_prompt_len >= 1 and seed >= 0, got "
                              f"{max_prompt_len}, {seed}")
@@ -55,10 +58,7 @@ class PromptSet:
         self.tokenizer = tokenizer
         self.max_prompt_len = max_prompt_len
         self.seed = seed
-        texts = [tokenizer.apply_chat_template(task.messages(i), tokenize=False,
-                                               add_generation_prompt=True)
-                 for i in range(len(task))]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        ids, self.cache_status = cached_token_ids(task, tokenizer, cache_dir)
         lengths = [len(x) for x in ids]
         self._kept = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
         self._item = getattr(task, "item", None)  # test doubles implement only messages and gold

@@ -124,6 +124,7 @@ class GenerationWorker:
 
 async def main(cfg: Config, worker_id: int) -> None:
     from areal_async.data import load_task
+    from areal_async.data.prompt_cache import cache_dir_of
     from areal_async.inference.client import InferenceClient, job_lora_path
     from areal_async.model.source import load_tokenizer, model_vocab_size, resolve_model_path
     from areal_async.queue.client import QueueClient
@@ -132,7 +133,7 @@ async def main(cfg: Config, worker_id: int) -> None:
     model_path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(model_path)
     prompts = PromptSet(load_task(cfg.data, "train"), tokenizer, cfg.data.max_prompt_len,
-                        cfg.seed)
+                        cfg.seed, cache_dir_of(cfg))
     print(f"{tag} {prompts.summary()}", flush=True)
     inf = cfg.inference
     urls = inf.urls()

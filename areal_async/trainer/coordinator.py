@@ -129,6 +129,7 @@ class Coordinator:
         first evaluation (``Evaluations.first``) and open ``trajectories.jsonl``; ``stack`` closes
         what was opened."""
         from areal_async.data import load_task
+        from areal_async.data.prompt_cache import cache_dir_of
         from areal_async.data.prompts import PromptSet
         from areal_async.inference.client import InferenceClient, job_lora_path
         from areal_async.metrics import MetricsLogger
@@ -156,7 +157,7 @@ class Coordinator:
         stack.callback(logger.close)
         rewards = stack.enter_context(RewardPool(cfg.reward))
         prompts = PromptSet(load_task(cfg.data, "test"), load_tokenizer(cfg.model.path), cfg.data.max_prompt_len,
-                            cfg.seed)
+                            cfg.seed, cache_dir_of(cfg))
         if prompts.num_filtered:  # the workers print the training split's line
             print(f"[trainer] test split: {prompts.summary()}", flush=True)
         evals = Evaluations(cfg, run_dir, client, prompts, rewards, logger)

@@ -17,8 +17,6 @@ import shutil
 import msgspec
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
 
 from areal_async.atomic_dir import old_dir, publish, staging_dir
 from areal_async.types import Trajectory
@@ -43,6 +41,8 @@ def save_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
         elapsed_s: the run's training wall time so far, seconds (``perf/elapsed_s``; a resumed
             run continues from it).
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # ~1 CPU-s
+
     no_update_yet = not optimizer.state
     optim = get_optimizer_state_dict(policy, optimizer,
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -122,6 +122,8 @@ def load_training_state(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     gets the new one from its first step, where the saved optimizer's rate would hold the old one
     for a step.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     base_lrs = list(scheduler.base_lrs)  # this run's (trainer.lr): the saved state holds the old run's
     state = torch.load(pathlib.Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
     set_optimizer_state_dict(policy, optimizer, optim_state_dict=state["optimizer"],
