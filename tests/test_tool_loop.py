@@ -24,14 +24,14 @@ def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def run(tok, workflow, replies, max_turns=4, answer="84"):
+def run(tok, workflow, replies, max_turns=4, answer="84", question=QUESTION):
     client = ScriptedClient(tok, replies)
-    prompt = tok(tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True),
+    prompt = tok(tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True),
                  add_special_tokens=False)["input_ids"]
-    ep = Episode(client, tok, lambda ids: tok.decode(ids, skip_special_tokens=True), 0, 0, 9, prompt, QUESTION,
+    ep = Episode(client, tok, lambda ids: tok.decode(ids, skip_special_tokens=True), 0, 0, 9, prompt, question,
                  {"temperature": 1.0, "stop_token_ids": [tok.eos_token_id]}, server=0, max_new_tokens=64,
                  max_turns=max_turns)
-    sample = asyncio.run(workflow(ep, EpisodeItem(QUESTION, answer)))
+    sample = asyncio.run(workflow(ep, EpisodeItem(question, answer)))
     sample.check()
     return ep, sample, client.calls
 
@@ -95,6 +95,15 @@ def test_the_calculator_env_example_calls_the_tool_and_ends_on_an_answer(tok):
     [segment] = sample.segments  # its system prompt makes its own prompt: the episode lives in a segment
     assert sample.output_ids.tolist() == [] and "You can call a tool" in tok.decode(segment.prompt_ids.tolist())
     assert "<result>\n84\n</result>" in tok.decode(segment.output_ids.tolist())
+
+
+def test_the_calculator_env_example_keeps_a_prompt_that_states_the_tools_rules(tok):
+    question = [{"role": "system", "content": ToolSet(["calculator"]).system_prompt() + "\nBox the answer."},
+                *QUESTION]  # as data.task=calc writes it
+    ep, sample, calls = run(tok, load_workflow("examples.workflows.calculator_env:CalculatorEnv", 1.0, 1.0),
+                            ["<calculator>12*7</calculator>", "It is \\boxed{84}."], question=question)
+    assert sample.segments == [] and sample.correct, "the group's prompt, shared by the group, once"
+    assert calls[0][1] == ep.prompt_ids and tok.decode(ep.prompt_ids).count("You can call a tool") == 1
 
 
 def test_the_retry_agent_example_gets_feedback_and_a_reward_on_the_right_turn(tok):

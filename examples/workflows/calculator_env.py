@@ -22,7 +22,10 @@ class CalculatorEnv:
 
     def reset(self, item, seed):
         self.answer = item.answer
-        system = {"role": "system", "content": TOOLS.system_prompt()}
+        rules = TOOLS.system_prompt()
+        if item.messages and item.messages[0]["role"] == "system" and rules in item.messages[0]["content"]:
+            return None  # the prompt states the tool's rules already (data.task=calc): the group's prompt
+        system = {"role": "system", "content": rules}
         return [system, *item.messages]  # the first observation: the prompt, with the tool's rules
 
     async def step(self, action):
