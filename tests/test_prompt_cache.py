@@ -116,3 +116,37 @@ def test_a_bad_entry_is_rebuilt_and_a_clock_template_not_cached(tiny_model_dir, 
     assert PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path).cache_status == "miss"
     tok.chat_template = "{{ strftime_now('%d %b %Y') }}" + tok.chat_template
     assert PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path).cache_status == "off"
+
+
+def test_a_tokenizer_changed_after_loading_misses_the_cache(tiny_model_dir, tmp_path):
+    from tokenizers.normalizers import Lowercase
+
+    tok = load_tokenizer(tiny_model_dir)
+    before = ids(PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path))
+    tok.backend_tokenizer.normalizer = Lowercase()  # the files are as they were
+    ps = PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path)
+    assert ps.cache_status == "miss" and ids(ps) == ids(PromptSet(task(), tok, 400, seed=0)) != before
+
+
+def test_a_torn_entry_is_a_miss_and_an_unreadable_file_turns_the_cache_off(tiny_model_dir, tmp_path):
+    tok = load_tokenizer(tiny_model_dir)
+    PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path / "c")
+    (entry,) = (tmp_path / "c").glob("*.npz")
+    entry.write_bytes(entry.read_bytes()[:-100])  # zipfile.BadZipFile when read
+    torn = PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path / "c")
+    assert torn.cache_status == "miss" and ids(torn) == ids(PromptSet(task(), tok, 400, seed=0))
+    d = tokenizer_copy(tiny_model_dir, tmp_path / "tok")
+    (d / "notes.txt").symlink_to("/proc/self/mem")  # a file whose read fails (EIO); loading never reads it
+    assert PromptSet(task(), load_tokenizer(d), 400, seed=0, cache_dir=tmp_path / "c").cache_status == "off"
+
+
+def test_a_cache_that_cannot_take_the_entry_leaves_no_file(tiny_model_dir, tmp_path, monkeypatch):
+    tok = load_tokenizer(tiny_model_dir)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prompt_cache.np, "savez_compressed", full)
+    ps = PromptSet(task(), tok, 400, seed=0, cache_dir=tmp_path)
+    assert ps.cache_status == "unwritable" and ids(ps) == ids(PromptSet(task(), tok, 400, seed=0))
+    assert [p.name for p in tmp_path.iterdir()] == []

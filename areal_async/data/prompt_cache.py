@@ -4,12 +4,13 @@ prompt again on each start (~2 CPU-s for GSM8K's training split).
 An entry holds the token ids of every item (before the ``max_prompt_len`` filter, which
 ``PromptSet`` applies after reading) under the sha256 of all they depend on: every item's chat
 turns (``task.messages``: the data, few-shot demonstrations, system turn, instruction), the
-tokenizer's class, chat template, special and added tokens and directory files (weights aside),
-the versions of transformers, tokenizers and jinja2, and ``FORMAT`` (raise it when
-``tokenize_all`` changes).
-Entries are written whole (a temporary file renamed into place) under a lock, so processes that
-start together tokenise once. A read is checked: the stored key, and three items (first, middle,
-last) tokenised again must equal what is stored; else the entry is rebuilt (status ``stale``).
+tokenizer as loaded (its class, serialised pipeline, chat template, special and added tokens and
+loading arguments) and its directory's files (weights aside), the versions of transformers,
+tokenizers and jinja2, and ``FORMAT`` (raise it when ``tokenize_all`` changes).
+Entries are written whole (compressed, synced, then renamed into place) under a lock, so processes
+that start together tokenise once; an entry that cannot be read is a miss. A read is checked: the
+stored key, and three items (first, middle, last) tokenised again must equal what is stored; else
+the entry is rebuilt (status ``stale``).
 Not cached: a tokenizer not loaded from a local directory, or a template that reads the clock.
 """
 
@@ -26,12 +27,12 @@ import numpy as np
 
 from areal_async.file_lock import file_lock
 
-FORMAT = 1
+FORMAT = 2
 KEPT_ENTRIES = 64  # the most recently used entries kept; older ones are removed on a write
-HASHED_BYTES = 64 << 20  # a larger file of the tokenizer's directory is keyed by size and mtime
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 CLOCK_MARKERS = ("strftime", "now(")  # a template that renders today's date
 LIBRARIES = ("transformers", "tokenizers", "jinja2")
+WHERE_KWARGS = {"name_or_path", "vocab_file", "merges_file", "tokenizer_file", "is_local", "local_files_only"}
 
 
 def cache_dir_of(cfg) -> pathlib.Path:
@@ -66,16 +67,21 @@ def cache_key(task, tokenizer) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             part(f"{lib} -".encode())
     part(msgspec.json.encode(template))
-    try:  # set on the loaded tokenizer (a template may write its special tokens)
-        part(msgspec.json.encode([getattr(tokenizer, "special_tokens_map", {}), tokenizer.get_added_vocab()]))
+    try:  # the loaded tokenizer as it is (changed after loading too: its pipeline, special and added tokens)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        part(backend.to_str().encode() if backend is not None else b"-")
+        kwargs = {k: v for k, v in getattr(tokenizer, "init_kwargs", {}).items() if k not in WHERE_KWARGS}
+        part(msgspec.json.encode([getattr(tokenizer, "special_tokens_map", {}), tokenizer.get_added_vocab(),
+                                  kwargs], enc_hook=repr))
     except (AttributeError, TypeError, msgspec.EncodeError):
         return None
-    for path in sorted(directory.iterdir()):
-        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
-            part(path.name.encode())
-            stat = path.stat()
-            big = stat.st_size > HASHED_BYTES  # not a tokenizer file: its size and time stand for it
-            part(f"{stat.st_size} {stat.st_mtime_ns}".encode() if big else hashlib.sha256(path.read_bytes()).digest())
+    try:
+        for path in sorted(directory.iterdir()):
+            if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
+                part(path.name.encode())
+                part(hashlib.sha256(path.read_bytes()).digest())
+    except OSError:  # a file that cannot be read (loading the tokenizer may not need it): not cached
+        return None
     try:
         part(msgspec.json.encode([task.messages(i) for i in range(len(task))]))
     except (TypeError, msgspec.EncodeError):
@@ -86,9 +92,9 @@ def cache_key(task, tokenizer) -> str | None:
 def cached_token_ids(task, tokenizer, cache_dir: str | pathlib.Path | None) -> tuple[list, str]:
     """Token ids of every item of ``task`` (as ``tokenize_all``) and how they were had: ``off``
     (no ``cache_dir``, or not cacheable), ``hit``, ``miss`` (tokenised and stored) or ``stale``
-    (an entry under the same key failed its check; tokenised and stored again). A cache that
-    cannot be written is skipped."""
-    key = cache_key(task, tokenizer) if cache_dir is not None else None
+    (an entry under the same key failed its check; tokenised and stored again) or ``unwritable``
+    (tokenised; the cache directory could not take the entry)."""
+    key = cache_key(task, tokenizer) if cache_dir not in (None, "") else None
     if key is None:
         return tokenize_all(task, tokenizer), "off"
     directory = pathlib.Path(cache_dir).expanduser()
@@ -105,6 +111,7 @@ def cached_token_ids(task, tokenizer, cache_dir: str | pathlib.Path | None) -> t
                 _write(path, key, ids)
     except OSError:
         ids = ids if ids is not None else tokenize_all(task, tokenizer)
+        status = status if status == "hit" else "unwritable"
     return ids, status
 
 
@@ -113,12 +120,13 @@ def _read(path: pathlib.Path, key: str, task, tokenizer) -> tuple[list | None, s
     try:
         with np.load(path, allow_pickle=False) as entry:
             stored_key, flat, offsets = bytes(entry["key"]).decode(), entry["ids"], entry["offsets"]
-    except (OSError, ValueError, KeyError, EOFError):
+    except Exception:  # absent, truncated, corrupt (zipfile.BadZipFile, a bad CRC): tokenised anew
         return None, "miss"
     with contextlib.suppress(OSError):
         os.utime(path)  # recently used: kept by _prune (a read-only cache is still read)
     n = len(task)
-    if stored_key != key or len(offsets) != n + 1 or flat.dtype != np.int32:
+    if (stored_key != key or len(offsets) != n + 1 or flat.dtype != np.int32 or offsets.dtype != np.int64
+            or (n and (offsets[0] != 0 or offsets[-1] != len(flat) or np.any(np.diff(offsets) < 0)))):
         return None, "stale"
     ids = [flat[offsets[i]:offsets[i + 1]] for i in range(n)]
     probe = sorted({0, n // 2, n - 1}) if n else []
@@ -134,9 +142,15 @@ def _write(path: pathlib.Path, key: str, ids: list) -> None:
     if flat.size and (flat.min() < 0 or flat.max() >= 2**31):
         return  # not int32 ids: PromptSet stores int32, so such a set is never cached
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, key=np.frombuffer(key.encode(), dtype=np.uint8), ids=flat.astype(np.int32), offsets=offsets)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, key=np.frombuffer(key.encode(), dtype=np.uint8), ids=flat.astype(np.int32),
+                                offsets=offsets)
+            f.flush()
+            os.fsync(f.fileno())  # whole on disk before it is named: a crash leaves no torn entry
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     _prune(path.parent)
 
 
