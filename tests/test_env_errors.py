@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from areal_async.algo.advantages import group_advantages
 from areal_async.config import AlgoConfig, load_config
 from areal_async.model.source import model_vocab_size
 from areal_async.rollout.env_errors import EnvErrors, EnvFailed
@@ -20,7 +21,7 @@ from areal_async.rollout.env_limit import EnvTimeout
 from areal_async.rollout.workflows import EnvWorkflow, OpenAIWorkflow
 from areal_async.trainer.plan import build_sequences
 from areal_async.trainer.report import batch_metrics
-from areal_async.types import EpisodeStats, Trajectory
+from areal_async.types import Array, EpisodeStats, Sample, Trajectory
 from tests.support.episodes import group0
 from tests.support.scripted import run_workflow, scripted_episode
 
@@ -161,11 +162,32 @@ def test_an_episode_the_env_ended_stays_in_its_group_and_trains_no_token():
     seqs = build_sequences([msgspec.structs.replace(group, samples=[group.samples[0], failed])], AlgoConfig())
     kept = build_sequences([group], AlgoConfig())
     assert not seqs[1].loss_mask.any() and kept[1].loss_mask.any()
-    assert torch.equal(seqs[0].advantages, kept[0].advantages), "its return still counts in the group"
-    assert seqs[0].advantages[seqs[0].loss_mask].gt(0).all()
+    assert not seqs[1].advantages.any() and kept[0].advantages[kept[0].loss_mask].gt(0).all()
+    assert not seqs[0].advantages.any(), "alone in its group: nothing to compare its return with"
     metrics = batch_metrics([Trajectory(group_id=0, prompt_ids=group.prompt_ids, samples=[failed], data_index=0)],
                             0, 1.0)
     assert metrics["rollout/env_errors"] == 1.0 and batch_metrics([group], 0, 1.0)["rollout/env_errors"] == 0.0
+
+
+def _group(g: int, rewards: list[float], failed: int | None = None) -> Trajectory:
+    samples = [Sample(index=i, seed=i, output_ids=Array.of([7, 8], "int32"), behav_logprobs=Array.of([-1.0, -1.0], "float32"),
+                      versions=Array.of([0, 0], "int32"), finish_reason="stop", reward=r,
+                      stats=EpisodeStats(env_error=True) if i == failed else None) for i, r in enumerate(rewards)]
+    return Trajectory(group_id=g, prompt_ids=Array.of([1, 2], "int32"), samples=samples, data_index=g)
+
+
+@pytest.mark.parametrize("batch_norm", [False, True])
+def test_a_failed_episodes_return_enters_no_statistics(batch_norm):
+    first = lambda seqs: [float(q.advantages[q.loss_mask][0]) if q.loss_mask.any() else 0.0 for q in seqs]
+    got = first(build_sequences([_group(0, [5.0, -5.0, 0.0, 1.0], failed=2), _group(1, [2.0, 0.0, 1.0, 3.0])],
+                                AlgoConfig(batch_norm=batch_norm)))
+    if not batch_norm:  # group 0 normalised over its three other samples; group 1 as it is alone
+        kept = group_advantages(torch.tensor([5.0, -5.0, 1.0]), 3).tolist()
+        alone = first(build_sequences([_group(1, [2.0, 0.0, 1.0, 3.0])], AlgoConfig()))
+        assert got == pytest.approx([*kept[:2], 0.0, kept[2], *alone], abs=0, rel=0)
+    else:  # the batch's statistics over the seven others: mean 0, std 1 among them
+        others = torch.tensor(got[:2] + got[3:])
+        assert got[2] == 0.0 and abs(others.mean()) < 1e-6 and abs(others.std(unbiased=False) - 1) < 1e-4
 
 
 def test_env_error_is_off_the_wire_unless_set():

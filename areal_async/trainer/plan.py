@@ -145,8 +145,9 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
     the episode reward and a loss token also gets its turn's ``turn_advantages`` (not
     batch-normalised; the episode's turns in order: the first sequence's, then each segment's).
     Without per-turn rewards the advantages are exactly the single-response ones. An episode the
-    environment ended (``EpisodeStats.env_error``) counts in its group's statistics with its
-    return but has no loss token: nothing of it is trained, nor counted in the loss's denominator.
+    environment ended (``EpisodeStats.env_error``) has advantage 0 and no loss token (nothing of
+    it is trained, nor counted in the loss's denominator), and its return enters no statistics: its
+    group's other samples are normalised as a group of their own, and ``batch_norm`` leaves it out.
 
     Raises:
         ValueError: groups of different sizes (advantages are normalised per group), or a sample
@@ -165,16 +166,23 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
             raise ValueError(f"group {traj.group_id}: {e}") from None
     summed = algo.turn_rewards == "sum"
     rewards = torch.tensor([s.episode_return() if summed else s.reward for _, s in samples], dtype=torch.float32)
+    failed = {j for j, (_, s) in enumerate(samples) if s.stats is not None and s.stats.env_error}
     adv = group_advantages(rewards, group_size, std_norm=algo.std_norm)
+    for g in sorted({j // group_size for j in failed}):  # the group's other samples, as a group of their own
+        kept = [j for j in range(g * group_size, (g + 1) * group_size) if j not in failed]
+        adv[g * group_size : (g + 1) * group_size] = 0.0
+        if kept:
+            adv[kept] = group_advantages(rewards[kept], len(kept), std_norm=algo.std_norm)
     if algo.batch_norm:
-        adv = batch_normalize(adv)
-    to_go = {} if summed else _turn_advantages(samples, group_size)
+        adv = batch_normalize(adv, torch.tensor([j not in failed for j in range(len(samples))])) if failed \
+            else batch_normalize(adv)
+    to_go = {} if summed else _turn_advantages(samples, group_size, failed)
     out = []
     for j, ((traj, s), a) in enumerate(zip(samples, adv.tolist())):
         turns = iter(to_go.get(j, ()))
         for prompt_ids, seq in [(traj.prompt_ids, s)] + [(seg.prompt_ids, seg) for seg in s.segments]:
             out.append(_sequence(traj.group_id, prompt_ids.tolist(), seq, a, turns if j in to_go else None, j,
-                                 trained=not (s.stats is not None and s.stats.env_error)))
+                                 trained=j not in failed))
     return out
 
 
@@ -202,9 +210,11 @@ def _sequence(group_id: int, prompt: list[int], seq: Sample | Segment, a: float,
                       torch.where(mask, versions, -1))
 
 
-def _turn_advantages(samples: list[tuple[Trajectory, Sample]], group_size: int) -> dict[int, list[float]]:
-    """``turn_advantages`` of the samples with per-turn rewards: sample index → one per turn."""
-    with_turns = [j for j, (_, s) in enumerate(samples) if s.turn_rewards is not None]
+def _turn_advantages(samples: list[tuple[Trajectory, Sample]], group_size: int,
+                     failed: set[int] = frozenset()) -> dict[int, list[float]]:
+    """``turn_advantages`` of the samples with per-turn rewards, but those ``failed``: sample
+    index → one per turn."""
+    with_turns = [j for j, (_, s) in enumerate(samples) if s.turn_rewards is not None and j not in failed]
     if not with_turns:
         return {}
     rewards = [torch.from_numpy(samples[j][1].turn_rewards.numpy().astype("float32")) for j in with_turns]
