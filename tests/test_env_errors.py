@@ -190,6 +190,18 @@ def test_a_failed_episodes_return_enters_no_statistics(batch_norm):
         assert got[2] == 0.0 and abs(others.mean()) < 1e-6 and abs(others.std(unbiased=False) - 1) < 1e-4
 
 
+def test_a_failed_episodes_turn_rewards_enter_no_statistics():
+    group = group0()
+    failed = msgspec.structs.replace(group.samples[0], index=2, reward=-9.0, turn_rewards=Array.of([40.0, -7.0], "float32"),
+                                     stats=EpisodeStats(turns=2, env_error=True))
+    three = msgspec.structs.replace(group, samples=[*group.samples, failed])
+    for mode in ("reward_to_go", "sum"):
+        got = build_sequences([three], AlgoConfig(turn_rewards=mode))
+        want = build_sequences([group], AlgoConfig(turn_rewards=mode))
+        assert all(torch.equal(g.advantages, w.advantages) for g, w in zip(got[:2], want)), mode
+        assert not got[2].advantages.any() and not got[2].loss_mask.any()
+
+
 def test_env_error_is_off_the_wire_unless_set():
     assert msgspec.msgpack.encode(EpisodeStats(turns=2)) == msgspec.msgpack.encode({"turns": 2})
     wire = msgspec.msgpack.encode(EpisodeStats(turns=2, env_error=True))
