@@ -176,13 +176,14 @@ class RolloutConfig(_Cfg):
     tool_timeout_s: PosFloat = 5.0  # a tool call's wall-clock limit; over it: an error observation
     max_turns: PosInt = 8  # model turns of an episode at most; more: truncated
     max_episode_tokens: NonNegInt = 0  # tokens after a sequence's prompt at most (0: max_new_tokens per turn only)
-    # the wall-clock limit of an Env's reset/step call and of a whole run(item, client); over it the
-    # worker fails naming the env, episode and turn, or on_env_error: zero ends the episode (a
-    # synchronous call that blocks is ended with its process). 0: no limit
+    # the wall-clock limit of each call of an Env (constructor, reset, step) and of a whole
+    # run(item, client), its model calls included; over it the worker fails naming the env,
+    # episode and turn, or on_env_error: zero ends the episode (a synchronous call that blocks is
+    # ended with its process). 0: no limit
     env_timeout_s: NonNegFloat = 600.0
-    # an exception or timeout of an Env's reset/step or of run(item, client): raise fails the worker;
-    # zero ends that episode there with reward 0, counted in rollout/env_errors, its tokens not
-    # trained (docs/workflows.md)
+    # an exception or timeout of an Env's constructor, reset or step, or of run(item, client): raise
+    # fails the worker; zero ends that episode there with reward 0, counted in rollout/env_errors,
+    # its tokens not trained and its return in no group's statistics (docs/workflows.md)
     on_env_error: Literal["raise", "zero"] = "raise"
     cpus: str = ""  # CPUs every worker is pinned to, e.g. "0-1"; "": not pinned (launcher.local only)
 

@@ -42,7 +42,7 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
         later_prompt_tokens, later_cached_tokens: prompt tokens of turns after the first, and of
             those the ones the server's prefix cache served.
         env_error: the environment failed and ended the episode (``rollout.on_env_error: zero``);
-            its sequences are not trained (docs/workflows.md).
+            its sequences are not trained and its return enters no statistics (``trainer/plan.py``).
     """
 
     turns: int = 1

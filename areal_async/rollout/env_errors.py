@@ -4,8 +4,8 @@ A failure is an exception or an ``EnvTimeout`` out of an ``Env``'s constructor, 
 ``step``, or out of an agent's ``run(item, client)`` (except after a call refused for a limit).
 ``raise`` (the default) fails the worker with it. ``zero`` marks the episode
 (``EpisodeStats.env_error``), prints the failure and lets the workflow end the episode there with
-reward 0; the trainer keeps the episode in its group but trains none of its tokens
-(``trainer/plan.py``). What the environment *returns* is not a failure but a contract: a reward that
+reward 0; the trainer keeps the episode in its group but trains none of its tokens, and its
+return enters no statistics (``trainer/plan.py``). What the environment *returns* is not a failure but a contract: a reward that
 is no finite number, a malformed observation or one with an id outside the vocabulary
 (``observations.py``) fails the worker under either setting. Printing (``Throttle``): the first
 failure of a worker, then at most one per ``every_s`` seconds (each says how many there were so

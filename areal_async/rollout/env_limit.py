@@ -117,7 +117,7 @@ class _Call:
         hold = min(self.limit_s, HOLD_S)
         if now < due:
             return due
-        if since is None:  # being cancelled, or awaiting; asyncio's timeout ends it
+        if since is None:  # awaiting, or being cancelled: _limited cancels it, then abandons it
             return now + hold
         return None if now - since >= hold else since + hold
 
