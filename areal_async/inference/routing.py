@@ -37,7 +37,7 @@ class NoServerLeft(ConnectionError):
 
 
 # How the embedded server's error message for a dead engine begins (``embedded/engine/engine.py``,
-# ``Engine.run``; pinned by tests/test_server.py); read here over HTTP only, as the layout rules ask.
+# ``Engine.run``; pinned by tests/test_server_health.py); read here over HTTP only, as the layout rules ask.
 ENGINE_FAILED = "inference engine failed"
 
 

@@ -2,7 +2,8 @@
 ``Api`` helper that talks to it), or as a ``python -m areal_async.embedded.server`` subprocess.
 
 Both serve the tiny fp32 models on the CPU. ``running`` yields the engine too, so a test can step
-it or read its state; a subprocess is what a signal or a SIGKILL is sent to.
+it or read its state; a subprocess is what a signal or a SIGKILL is sent to. ``JOIN`` and ``BUCKET``:
+well-formed bodies of its weight endpoints, for tests that spoil one field or name a group.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import torch
 from areal_async.embedded.http_server import InferenceServer, serve
 from areal_async.embedded.loading import load_engine
 from areal_async.devices import free_port
+
+# /init_weights_update_group (rank 1 of 1: refused before any connection) and one
+# /update_weights_from_distributed bucket of the tiny models' final norm
+JOIN = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 1, "backend": "gloo"}
+BUCKET = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}
 
 
 @contextlib.asynccontextmanager
