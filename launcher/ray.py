@@ -73,6 +73,7 @@ class RayChild:
         holds the cause): that is no death but a launch that cannot work."""
         self.actor = self._make_actor()
         self.pid, self._offset, self._rc, self.actor_error = None, 0, None, None
+        self.remote_log: str | None = None  # the log's path on the actor's node, once started
         self._reset_health()
         if not self._local_log:  # this node's copy, filled by _pump
             self._copy = open(self.log_path, log_mode, buffering=1)
@@ -80,7 +81,7 @@ class RayChild:
         try:
             if self._before_start is not None:
                 self._before_start(self.actor)
-            self.pid, _ = ray.get(self.actor.start.remote(self.name, self.argv, os.getcwd(), log_dir, self.env,
+            self.pid, self.remote_log = ray.get(self.actor.start.remote(self.name, self.argv, os.getcwd(), log_dir, self.env,
                                                           not self._local_log, self.expect_exit, log_header))
         except RayActorError as exc:  # its process, if started, died with it (PR_SET_PDEATHSIG)
             self.actor_error = f"lost its Ray actor while it started ({str(exc).strip().splitlines()[0]})"
@@ -173,7 +174,8 @@ class RayChild:
             ray.get(self.actor.stop.remote(grace_s), timeout=grace_s + _STOP_RPC_S)
         with contextlib.suppress(RayActorError, GetTimeoutError):
             if not self._local_log:
-                self._pump()
+                self._pump()  # its last lines; then its node's copy goes (kept if this failed)
+                ray.get(self.actor.discard_log.remote(), timeout=_STOP_RPC_S)
         ray.kill(self.actor)
         self._sweep()
         if not self._local_log:

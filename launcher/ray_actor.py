@@ -9,7 +9,8 @@ child's life to: if the actor is killed, its subprocess is killed with it).
 
 The log is written on the actor's node. On the launcher's node that is ``RUN_DIR/logs/<name>.log``
 itself; an actor on another node writes to a node-local directory and the launcher pulls the new
-text (``read_log``) into ``RUN_DIR/logs/<name>.log`` on its own node.
+text (``read_log``) into ``RUN_DIR/logs/<name>.log`` on its own node, and deletes the node-local
+directory once the process is stopped and its last lines are pulled (``discard_log``).
 
 The rank-0 trainer actor also hosts the ranks' rendezvous store (``host_store``), as torchrun's
 agent does: a ``TCPStore`` listening on ``MASTER_ADDR`` only (``areal_async/tcp_store.py``), which
@@ -21,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import pathlib
+import shutil
 import tempfile
 
 from launcher.supervisor import Child
@@ -33,6 +35,7 @@ class ProcessActor:
     def __init__(self) -> None:
         self.child: Child | None = None
         self.store = None
+        self.own_log_dir: str | None = None  # the node-local log directory ``start`` made, until discarded
 
     def node(self) -> tuple[str, str]:
         """(this node's Ray id, its IP address)."""
@@ -65,12 +68,20 @@ class ProcessActor:
         gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        log_dir = log_dir or tempfile.mkdtemp(prefix=f"areal-async-{name}-")
+        if log_dir is None:
+            log_dir = self.own_log_dir = tempfile.mkdtemp(prefix=f"areal-async-{name}-")
         pathlib.Path(log_dir).mkdir(parents=True, exist_ok=True)
         os.chdir(cwd)  # this actor runs this one process only: its working directory is the child's
         self.child = Child(name, argv, pathlib.Path(log_dir), env, expect_exit=expect_exit,
                            log_header=log_header)
         return self.child.proc.pid, str(self.child.log_path)
+
+    def discard_log(self) -> None:
+        """Delete the log directory ``start`` made (``log_dir`` ``None``), once the launcher holds its
+        lines; a directory given to ``start`` is kept."""
+        if self.own_log_dir is not None:
+            shutil.rmtree(self.own_log_dir, ignore_errors=True)
+            self.own_log_dir = None
 
     def poll(self) -> int | None:
         """The process's exit status (negative: killed by that signal), ``None`` while it runs."""

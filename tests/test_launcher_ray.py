@@ -161,9 +161,12 @@ def test_the_log_of_an_actor_on_another_node_is_copied_to_the_launchers(local_ra
         time.sleep(0.05)
     assert child.poll() == 0
     theirs = ray.get(child.actor.read_log.remote(0))[0]
+    node_dir = pathlib.Path(child.remote_log).parent
+    assert node_dir != tmp_path and node_dir.is_dir()
     child.stop(1.0)
     ours = (tmp_path / "echoer.log").read_text()
     assert ours == theirs and ours.splitlines()[1:] == ["one", "two"] and ours.startswith("$ ")
+    assert not node_dir.exists(), f"the actor's node-local log directory {node_dir} outlived the job"
     assert capsys.readouterr().out == "one\ntwo\n"
 
 
