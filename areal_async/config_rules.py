@@ -89,6 +89,10 @@ def check_config(cfg) -> None:
         raise ValueError(f"algo.kl_coef={cfg.algo.kl_coef}: a KL penalty needs a reference model, which this "
                          f"trainer does not keep; set algo.kl_coef=0")
     a = cfg.algo
+    if a.ppo_minibatches > cfg.queue.batch_size:
+        raise ValueError(f"algo.ppo_minibatches={a.ppo_minibatches} is more than queue.batch_size="
+                         f"{cfg.queue.batch_size}: each minibatch holds whole groups of a step's batch; lower "
+                         f"algo.ppo_minibatches to {cfg.queue.batch_size} or fewer, or raise queue.batch_size")
     for low, high in (("mis_seq_ratio_low", "mis_seq_ratio_high"), ("icepop_ratio_low", "icepop_ratio_high")):
         if getattr(a, low) >= getattr(a, high):
             raise ValueError(f"algo.{low}={getattr(a, low)} must be below algo.{high}={getattr(a, high)}: "

@@ -164,6 +164,8 @@ def test_shipped_configs_pass_the_checks_before_start(tmp_path, tiny_model_dir, 
     (["trainer.compile=true", "mode=deterministic"], "trainer.compile=true"),
     (["trainer.lr=.inf"], "trainer.lr=inf: must be a finite number"),
     (["reward.correct=.nan"], "reward.correct=nan: must be a finite number"),
+    # found by the trainer at its first step, after the servers had started
+    (["algo.ppo_minibatches=4", "queue.batch_size=2"], "algo.ppo_minibatches=4 is more than queue.batch_size=2"),
 ])
 def test_trainer_settings_it_cannot_run_fail_at_load(overrides, words):
     with pytest.raises(ValueError, match=re.escape(words)):
