@@ -386,6 +386,16 @@ def test_run_directories_are_grouped_by_a_config_key(tmp_path, capsys):
     assert "--group-by trainer.lrr: no run's config.yaml has it" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("key, column", [("seed", "seed"), ("queue.max_staleness", "eta"),
+                                         ("algo.objective", "objective"), ("rollout.interrupt_on_update", "interrupt")])
+def test_a_group_by_key_the_report_reads_already_is_named(tmp_path, capsys, key, column):
+    # --group-by seed ended in a TypeError (the seed column given twice to one row)
+    a = _write_run(tmp_path / "a", _timed([2.0, 2.0]), eta=0)
+    b = _write_run(tmp_path / "b", _timed([1.0, 1.0]), eta=2, seed=2)
+    assert main([str(a), str(b), "--out", str(tmp_path / "o"), "--group-by", key]) == 2
+    assert f"--group-by {key}: every run's {key} is read already, as the column {column}" in capsys.readouterr().err
+
+
 def test_time_to_threshold_reached_and_not(tmp_path):
     # correct per step: a 0.2, 0.2, 0.4, 0.6, 0.8 (rows at 12, 14, 16, 18, 20 s);
     # b 0.2 throughout. Window 2: a's trailing means (from step 1) 0.2, 0.3, 0.5, 0.7; b's 0.2.

@@ -31,6 +31,9 @@ from areal_async.report.summary import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAU
 # constant, long or said otherwise: stated above the table, or "not reached" in the threshold columns
 HTML_HIDDEN = ("threshold_metric", "threshold", "window", "threshold_reached", "run_dir")
 NOT_REACHED = ("threshold_step", "wall_s_to_threshold")
+# config keys every run's row has already, as these columns: not a --group-by key
+OWN_KEYS = {"queue.max_staleness": "eta", "algo.objective": "objective", "rollout.interrupt_on_update": "interrupt",
+            "seed": "seed"}
 POINT_COLUMNS = {"seeds": "runs of the grid point with metrics (its seeds)",
                  "reached": "runs that reached the threshold, of those with enough steps for its window"}
 
@@ -218,7 +221,8 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
 
     Raises:
         ReportInputError: a path that is neither a run nor a study directory; a study directory
-            with other paths; several runs without ``out``; a run without metrics.
+            with other paths; several runs without ``out``; a run without metrics; a ``group_by``
+            key the report reads already (``OWN_KEYS``).
     """
     for path in paths:
         if not path.is_dir() or not (is_study_dir(path) or is_run_dir(path)):
@@ -235,6 +239,10 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
             raise ReportInputError(f"--group-by {' '.join(group_by)}: a study's report is grouped by its own "
                                    f"--grid keys; give --group-by with run directories only")
         return write_study_report(studies[0], out, **kwargs)
+    for key in group_by:
+        if key in OWN_KEYS:
+            raise ReportInputError(f"--group-by {key}: every run's {key} is read already, as the column "
+                                   f"{OWN_KEYS[key]}; leave it out of --group-by")
     if out is None and len(paths) > 1:
         raise ReportInputError(f"{len(paths)} run directories and no --out: give --out DIR for their report")
     cells = [run_cell(p, group_by) for p in paths]
