@@ -386,6 +386,12 @@ def test_run_directories_are_grouped_by_a_config_key(tmp_path, capsys):
     assert "--group-by trainer.lrr: no run's config.yaml has it" in capsys.readouterr().err
 
 
+
+def test_a_run_directory_given_twice_is_named(tmp_path, capsys):
+    # a/ and a given together (overlapping globs) counted as two runs: two seeds of one grid point
+    a = _write_run(tmp_path / "a", _timed([2.0, 2.0]), eta=0)
+    assert main([str(a), str(tmp_path / "a" / ".." / "a"), "--out", str(tmp_path / "o")]) == 2
+    assert f"is given twice (also as {a}): its run would count as two seeds" in capsys.readouterr().err
 @pytest.mark.parametrize("key, column", [("seed", "seed"), ("queue.max_staleness", "eta"),
                                          ("algo.objective", "objective"), ("rollout.interrupt_on_update", "interrupt")])
 def test_a_group_by_key_the_report_reads_already_is_named(tmp_path, capsys, key, column):

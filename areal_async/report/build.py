@@ -220,7 +220,7 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
     run's ``config.yaml``).
 
     Raises:
-        ReportInputError: a path that is neither a run nor a study directory; a study directory
+        ReportInputError: a path that is neither a run nor a study directory, or given twice; a study directory
             with other paths; several runs without ``out``; a run without metrics; a ``group_by``
             key the report reads already (``OWN_KEYS``).
     """
@@ -230,6 +230,12 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
                 "holds neither study.json nor metrics.jsonl / config.yaml"
             raise ReportInputError(f"{path} {what}: give a run directory (runs/<name>, with metrics.jsonl) or a "
                                    f"study directory (runs/<study>, with study.json)")
+    seen: dict[pathlib.Path, pathlib.Path] = {}
+    for path in paths:
+        first = seen.setdefault(path.resolve(), path)
+        if first is not path:
+            raise ReportInputError(f"{path} is given twice (also as {first}): its run would count as two seeds; "
+                                   f"give each run directory once")
     studies = [p for p in paths if is_study_dir(p)]
     if studies:
         if len(paths) > 1:
