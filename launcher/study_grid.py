@@ -3,7 +3,7 @@
 ``--grid trainer.lr=1e-6,1e-5`` is one axis. Its key is checked against the config schema and
 each value parsed as the key's type by the config's own loading (``load_config``: an unknown key
 names the closest valid one, a bad value the rule); values are split at commas outside brackets
-(``--grid trainer.adam_betas=[0.9,0.99],[0.9,0.999]``). An axis's values are stored typed, as
+and quotes (``--grid trainer.adam_betas=[0.9,0.99],[0.9,0.999]``, ``--grid KEY='"a, b",c'``). An axis's values are stored typed, as
 JSON builtins (``1e-6`` and ``0.000001`` are one value, given twice). A grid point is one value of
 each axis, ``{key: value}``, in the order the axes were given.
 
@@ -44,14 +44,28 @@ class Axis:
 
 
 def split_values(text: str) -> list[str]:
-    """``"1,[2,3],x"`` → ``["1", "[2,3]", "x"]``: commas inside brackets or braces do not split."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += ch in "[{"
-        depth -= ch in "]}"
-        if ch == "," and depth == 0:
-            items.append(text[start:i].strip())
-            start = i + 1
+    """``"1,[2,3],x"`` → ``["1", "[2,3]", "x"]``: commas inside brackets, braces or a YAML-quoted
+    string (``"a, b"``, ``'a, b'``: a quote that opens a value or a flow item) do not split."""
+    items, depth, start, quote, prev, i = [], 0, 0, "", ",", 0
+    while i < len(text):
+        ch = text[i]
+        if quote == '"' and ch == "\\":
+            i += 1  # an escaped character
+        elif quote and ch == quote:
+            if quote == "'" and text[i + 1:i + 2] == "'":
+                i += 1  # '' is a quote inside a single-quoted string
+            else:
+                quote = ""
+        elif not quote and ch in "\"'" and prev in ",[{:":
+            quote = ch
+        elif not quote:
+            depth = max(depth + (ch in "[{") - (ch in "]}"), 0)
+            if ch == "," and depth == 0:
+                items.append(text[start:i].strip())
+                start = i + 1
+        if not ch.isspace():
+            prev = ch
+        i += 1
     return items + [text[start:].strip()]
 
 

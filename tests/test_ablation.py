@@ -342,3 +342,18 @@ def test_a_grid_is_part_of_a_studys_identity_and_resumes(tmp_path, monkeypatch, 
     path.write_text(json.dumps(old))
     assert main(plain) == 0 and json.loads(path.read_text())["grid"] == []
     assert [c["name"] for c in json.loads(path.read_text())["cells"]] == ["eta0-naive-s1"]
+
+
+def test_grid_values_split_at_commas_outside_brackets_and_quotes(tmp_path, monkeypatch, capsys):
+    # a quoted comma split a value: '"a, b",c' was the values '"a' and 'b"' (a YAML error), and a
+    # bracket in quotes ('"[",z') kept every comma after it from splitting
+    from launcher.study_grid import split_values
+
+    assert split_values("""1,[2,3],{k: "x,y"},"a, b",'it''s, ok',"q\\",",it's,x],y""") == [
+        "1", "[2,3]", '{k: "x,y"}', '"a, b"', "'it''s, ok'", '"q\\","', "it's", "x]", "y"]
+    started = _record_jobs(monkeypatch)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "q",
+                 "--grid", 'logging.wandb_project="a, b","[",c']) == 0
+    study = json.loads((tmp_path / "q" / "study.json").read_text())
+    assert study["grid"] == [{"key": "logging.wandb_project", "values": ["a, b", "[", "c"]}]
+    assert len(started) == 3
