@@ -220,6 +220,14 @@ def test_a_truncated_last_line_is_skipped_and_noted(tmp_path):
     assert [r["step"] for r in run.train] == [0, 1, 2, 3, 4, 5] and "the last line (13) is incomplete" in run.notes[0]
 
 
+def test_a_null_time_metric_is_a_missing_one(tmp_path):
+    # a row holding perf/step_s or perf/elapsed_s as null (JSON of None) ended the report in a TypeError
+    rows = [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 10.0, **{"perf/elapsed_s": 2.0 * k + 2}) for k in range(4)]
+    rows[1]["perf/step_s"] = rows[2]["perf/elapsed_s"] = None
+    run = read_run(_write_run(tmp_path / "a", rows))
+    assert (run.resumes, run.wall_s) == (0, 8.0)
+    row = _csv(report_paths([tmp_path / "a"], None).csv)[0]
+    assert (row["steps"], row["step_s"]) == ("4", "2.0")
 def test_the_script_runs_as_a_script(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "report.py"), str(tmp_path / "nothing")],
                           capture_output=True, text=True, cwd=tmp_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 
 import yaml
@@ -54,6 +55,13 @@ def is_eval_row(row: dict) -> bool:
     """An evaluation row: every key besides ``step`` and ``time`` is an ``eval/*`` key."""
     keys = [k for k in row if k not in ("step", "time")]
     return bool(keys) and all(k.startswith("eval/") for k in keys)
+
+
+def number(row: dict, key: str) -> float | None:
+    """``row[key]`` as a float, ``None`` where it is missing, not a number (``null``) or not finite."""
+    value = row.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def metrics_path(run_dir: pathlib.Path) -> pathlib.Path:
@@ -116,17 +124,17 @@ def read_run(run_dir: pathlib.Path, resume_gap_s: float = RESUME_GAP_S) -> RunMe
     for prev, k in zip(steps, steps[1:]):
         (p0, r0), (p1, r1) = train[prev], train[k]
         certain = any(p0 < q <= p1 for q in later_job)
-        if "perf/elapsed_s" in r0 and "perf/elapsed_s" in r1:
-            excess = r1["time"] - r0["time"] - (float(r1["perf/elapsed_s"]) - float(r0["perf/elapsed_s"]))
+        if number(r0, "perf/elapsed_s") is not None and number(r1, "perf/elapsed_s") is not None:
+            excess = r1["time"] - r0["time"] - (number(r1, "perf/elapsed_s") - number(r0, "perf/elapsed_s"))
             found = excess > ELAPSED_SLACK_S
         else:
-            excess = r1["time"] - r0["time"] - float(r1.get("perf/step_s", 0.0))
+            excess = r1["time"] - r0["time"] - (number(r1, "perf/step_s") or 0.0)
             found = excess > resume_gap_s
         if excess > 0 and (certain or found):
             gaps.append((r0["time"], excess))
 
     first = train[steps[0]][1] if steps else None
-    start = min([r["time"] for r in rows] + ([first["time"] - float(first.get("perf/step_s", 0.0))] if first else []))
+    start = min([r["time"] for r in rows] + ([first["time"] - (number(first, "perf/step_s") or 0.0)] if first else []))
 
     def clock(t: float) -> float:
         # a row inside a gap (e.g. a resumed job's first evaluation) is placed at the gap's start
