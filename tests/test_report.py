@@ -228,6 +228,8 @@ def test_a_null_time_metric_is_a_missing_one(tmp_path):
     assert (run.resumes, run.wall_s) == (0, 8.0)
     row = _csv(report_paths([tmp_path / "a"], None).csv)[0]
     assert (row["steps"], row["step_s"]) == ("4", "2.0")
+
+
 def test_the_script_runs_as_a_script(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "report.py"), str(tmp_path / "nothing")],
                           capture_output=True, text=True, cwd=tmp_path)
@@ -400,6 +402,8 @@ def test_a_run_directory_given_twice_is_named(tmp_path, capsys):
     a = _write_run(tmp_path / "a", _timed([2.0, 2.0]), eta=0)
     assert main([str(a), str(tmp_path / "a" / ".." / "a"), "--out", str(tmp_path / "o")]) == 2
     assert f"is given twice (also as {a}): its run would count as two seeds" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("key, column", [("seed", "seed"), ("queue.max_staleness", "eta"),
                                          ("algo.objective", "objective"), ("rollout.interrupt_on_update", "interrupt")])
 def test_a_group_by_key_the_report_reads_already_is_named(tmp_path, capsys, key, column):
