@@ -404,6 +404,24 @@ def test_a_run_directory_given_twice_is_named(tmp_path, capsys):
     assert f"is given twice (also as {a}): its run would count as two seeds" in capsys.readouterr().err
 
 
+def test_runs_of_one_point_and_seed_that_differ_in_another_key_are_named(tmp_path, capsys):
+    # without --group-by, η = 0 runs at two learning rates were one grid point: averaged as two
+    # seeds, and one was the other's η = 0 twin (speedup_vs_sync 2.0 at η = 0, not 1)
+    a = _write_run(tmp_path / "a", _timed([2.0, 2.0]), eta=0)
+    b = _write_run(tmp_path / "b", _timed([1.0, 1.0]), eta=0)
+    for run, lr, port in ((a, "1.0e-05", 1), (b, "0.001", 2)):
+        with (run / "config.yaml").open("a") as f:
+            f.write(f"name: {run.name}\ntrainer:\n  lr: {lr}\n  master_port: {port}\n")
+    out = str(tmp_path / "o")
+    assert main([str(a), str(b), "--out", out]) == 2
+    assert (f"{a} and {b} have one η, objective, interruption, seed and --group-by values but their config.yaml "
+            f"differ in trainer.lr: the report would mix them; give --group-by trainer.lr") in capsys.readouterr().err
+    assert main([str(a), str(b), "--out", out, "--group-by", "trainer.lr"]) == 0
+    assert [r["speedup_vs_sync"] for r in _csv(tmp_path / "o" / "summary.csv")] == ["1.0", "1.0"]
+    (b / "config.yaml").write_text((a / "config.yaml").read_text().replace("master_port: 1", "master_port: 2"))
+    assert main([str(a), str(b), "--out", out]) == 0  # the same setting run twice: names and ports differ
+
+
 @pytest.mark.parametrize("key, column", [("seed", "seed"), ("queue.max_staleness", "eta"),
                                          ("algo.objective", "objective"), ("rollout.interrupt_on_update", "interrupt")])
 def test_a_group_by_key_the_report_reads_already_is_named(tmp_path, capsys, key, column):

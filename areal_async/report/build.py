@@ -24,7 +24,8 @@ import jinja2
 import markupsafe
 
 from areal_async.report import plots
-from areal_async.report.runs import RESUME_GAP_S, ReportInputError, RunMetrics, read_cell_config, read_run
+from areal_async.report.runs import (RESUME_GAP_S, ReportInputError, RunMetrics, config_differences, read_cell_config,
+                                     read_run)
 from areal_async.report.summary import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_WINDOW, POINT_MEANS, Cell,
                                         Threshold, add_speedups, by_grid_point, columns, summarize, write_csv)
 
@@ -222,7 +223,8 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
     Raises:
         ReportInputError: a path that is neither a run nor a study directory, or given twice; a study directory
             with other paths; several runs without ``out``; a run without metrics; a ``group_by``
-            key the report reads already (``OWN_KEYS``).
+            key the report reads already (``OWN_KEYS``); two runs that differ only in a config key
+            outside ``group_by`` (``check_distinct``).
     """
     for path in paths:
         if not path.is_dir() or not (is_study_dir(path) or is_run_dir(path)):
@@ -256,8 +258,26 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
         if all(c.grid[key] is None for c in cells):
             raise ReportInputError(f"--group-by {key}: no run's config.yaml has it; give a dotted config key, e.g. "
                                    f"--group-by trainer.lr")
+    check_distinct(cells)
     title = f"Runs {', '.join(c.name for c in cells)}" if len(cells) <= 4 else f"{len(cells)} runs"
     return write_report(cells, out or paths[0], title=title, strict=True, **kwargs)
+
+
+def check_distinct(cells: list[Cell]) -> None:
+    """Raise ``ReportInputError`` for two runs of one grid point and seed whose ``config.yaml``
+    differ (``runs.config_differences``): the report would average them and take either as the
+    other's η = 0 twin; the message names the keys to give as ``--group-by``."""
+    seen: dict[str, Cell] = {}
+    for cell in cells:
+        point = json.dumps([cell.eta, cell.objective, cell.interrupt, cell.seed, sorted(cell.grid.items())],
+                           default=str)
+        other = seen.setdefault(point, cell)
+        differ = config_differences(other.run_dir, cell.run_dir) if other is not cell else []
+        if differ:
+            raise ReportInputError(f"{other.run_dir} and {cell.run_dir} have one η, objective, interruption, seed "
+                                   f"and --group-by values but their config.yaml differ in {', '.join(differ[:6])}: "
+                                   f"the report would mix them; give --group-by {differ[0]} (repeatable) for each "
+                                   f"key that tells them apart, or leave one out")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,12 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 
 import yaml
 
+# where runs of one setting differ: their names, directories, logging, and where each ran (ports, hosts, devices)
+PLACEMENT = re.compile(r"^(name|run_root|logging)(\.|$)|(port|host|device|cpus|gpus|node)$")
 RESUME_GAP_S = 60.0  # an interval this much longer than its step's perf/step_s is a stop and restart
 ELAPSED_SLACK_S = 1.0  # clock differences up to this between two rows of one job are timing noise
 
@@ -175,3 +178,26 @@ def read_cell_config(run_dir: pathlib.Path, group_by: list[str] = ()) -> dict:
             "objective": objective,
             "interrupt": {True: "on", False: "off"}.get(interrupt) if isinstance(interrupt, bool) else None,
             "seed": cfg.get("seed"), "grid": {key: dotted(cfg, key) for key in group_by}}
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(a: pathlib.Path, b: pathlib.Path) -> list[str]:
+    """The dotted keys both ``config.yaml`` of run directories ``a`` and ``b`` hold with different
+    values, ``PLACEMENT`` keys left out; ``[]`` where either file is missing or unreadable."""
+    try:
+        ca, cb = (yaml.safe_load((pathlib.Path(d) / "config.yaml").read_text()) for d in (a, b))
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(ca, dict) or not isinstance(cb, dict):
+        return []
+    ca, cb = _flat(ca), _flat(cb)
+    return [k for k in ca if k in cb and not PLACEMENT.search(k) and ca[k] != cb[k]]
