@@ -25,7 +25,7 @@ from areal_async.file_lock import file_lock
 from areal_async.progress import progress_mode
 from launcher.jobs import Job, local_argv, run_jobs
 from launcher.local import interrupt_on_signals
-from launcher.study_grid import Axis, name_suffix, parse_grid, point_overrides, point_tags, points
+from launcher.study_grid import Axis, fit_name, name_suffix, parse_grid, point_overrides, point_tags, points
 
 OBJECTIVES = typing.get_args(Objective)  # the values of algo.objective
 # set by the study for each cell: an override of one of these would make the cells not a grid
@@ -41,10 +41,10 @@ IDENTITY_DEFAULTS = {"interrupts": ["on"], "grid": []}  # of a study.json writte
 def cell_name(eta: int, objective: str, seed: int, interrupt: str = "on", point: dict | None = None,
               axes: list[Axis] = ()) -> str:
     """``eta<η>-<objective>-s<seed>``, with ``-nointerrupt`` only off the default, then the grid
-    point's ``-<key><value>`` per ``--grid`` axis (``study_grid.name_suffix``): the names of
-    studies without these axes stay."""
-    return (f"eta{eta}-{objective}-s{seed}" + ("" if INTERRUPTS[interrupt] else "-nointerrupt")
-            + (name_suffix(point, list(axes)) if axes else ""))
+    point's ``-<key><value>`` per ``--grid`` axis (``study_grid.name_suffix``, cut by
+    ``study_grid.fit_name``): the names of studies without these axes stay."""
+    name = f"eta{eta}-{objective}-s{seed}" + ("" if INTERRUPTS[interrupt] else "-nointerrupt")
+    return fit_name(name + name_suffix(point, list(axes)), point) if axes else name
 
 
 def parse_ints(flag: str, text: str, what: str) -> list[int]:

@@ -11,7 +11,8 @@ A cell's name adds ``-<short><value>`` per axis (``-lr1e-06-max_new_tokens256``)
 key's last part, or the whole dotted key where two axes share a last part; the value in the
 portable file-name set ``[A-Za-z0-9._-]`` (floats by ``repr``, booleans ``true``/``false``), each
 run of other characters replaced by ``_`` (none at the ends), and a 6-hex digest of the value
-added where that makes two values of an axis alike or the text is over ``VALUE_CHARS``.
+added where that makes two values of an axis alike or the text is over ``VALUE_CHARS``. A name
+over ``NAME_CHARS`` (``fit_name``) is cut and ends with a digest of the whole grid point.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import msgspec
 from areal_async.config import load_config
 
 VALUE_CHARS = 40  # longer value texts are cut to 32 characters and a digest
+NAME_CHARS = 240  # a cell's name cut to this: it and its console file <name>.out fit a file name (255 bytes)
 TAG_CHARS = 64  # wandb refuses a longer tag (wandb.init raises), so a long value's tag is cut
 
 
@@ -187,3 +189,9 @@ def name_suffix(point: dict, axes: list[Axis]) -> str:
     """``"-lr1e-06-max_new_tokens256"`` for a point of ``axes``; ``""`` without axes."""
     short = short_keys([a.key for a in axes])
     return "".join(f"-{short[a.key]}{value_texts(a)[a.values.index(point[a.key])]}" for a in axes)
+
+
+def fit_name(name: str, point: dict) -> str:
+    """``name``, or where it is over ``NAME_CHARS``, its first ``NAME_CHARS - 7`` characters and
+    ``-<6-hex digest of point>``."""
+    return name if len(name) <= NAME_CHARS else f"{name[:NAME_CHARS - 7]}-{_digest(point)}"

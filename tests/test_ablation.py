@@ -357,3 +357,19 @@ def test_grid_values_split_at_commas_outside_brackets_and_quotes(tmp_path, monke
     study = json.loads((tmp_path / "q" / "study.json").read_text())
     assert study["grid"] == [{"key": "logging.wandb_project", "values": ["a, b", "[", "c"]}]
     assert len(started) == 3
+
+
+def test_a_long_grid_name_is_cut_to_fit_a_file_name(tmp_path, monkeypatch):
+    # six long values made a cell name over 255 characters: the study ended in an OSError
+    # (File name too long) while it looked at the cell's directory
+    from launcher.study_grid import NAME_CHARS
+
+    started = _record_jobs(monkeypatch)
+    long = "x" * 45
+    keys = ["logging.wandb_project", "model.cache_dir", "inference.host", "reward.fn", "queue.host",
+            "trainer.weight_sync_host"]
+    grid = [flag for k in keys for flag in ("--grid", f"{k}={long}a,{long}b" if k == keys[0] else f"{k}={long}")]
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "n", *grid]) == 0
+    names = [c["name"] for c in json.loads((tmp_path / "n" / "study.json").read_text())["cells"]]
+    assert list(started) == names and len(set(names)) == 2
+    assert all(len(n) == NAME_CHARS and n.startswith("eta0-naive-s1-wandb_project") for n in names)
