@@ -147,7 +147,7 @@ def open_study(root: pathlib.Path, study: dict) -> dict:
     identity. Raises ``ValueError`` naming both grids and the fix if it has another."""
     path = root / "study.json"
     if path.exists():
-        old = json.loads(path.read_text())
+        old = read_study(path)
         differ = [k for k in IDENTITY if old.get(k, IDENTITY_DEFAULTS.get(k)) != study[k]]
         if differ:  # the config path and the overrides compare as given (order and spelling count)
             raise ValueError(f"study '{study['name']}' in {root} differs in {', '.join(differ)}: it was run with "
@@ -160,6 +160,21 @@ def open_study(root: pathlib.Path, study: dict) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     write_study(root, study)
     return study
+
+
+def read_study(path: pathlib.Path) -> dict:
+    """An existing ``study.json``; raises ``ValueError`` naming it and the fix where it is not
+    JSON or lacks a key of the study's identity or its cells."""
+    try:
+        old = json.loads(path.read_text())
+        lacks = [k for k in (*IDENTITY, "cells") if k not in IDENTITY_DEFAULTS and k not in old]
+        if lacks or not all(isinstance(c, dict) and "name" in c for c in old["cells"]):
+            raise ValueError(f"no {', '.join(lacks) or 'name in each of its cells'}")
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path} is not a study record ({exc}); python -m launcher.ablation writes it: move it "
+                         f"away to start the record again (finished cells are found by their run directories "
+                         f"and skipped), or give another --name") from None
+    return old
 
 
 def write_study(root: pathlib.Path, study: dict) -> None:

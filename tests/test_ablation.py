@@ -373,3 +373,17 @@ def test_a_long_grid_name_is_cut_to_fit_a_file_name(tmp_path, monkeypatch):
     names = [c["name"] for c in json.loads((tmp_path / "n" / "study.json").read_text())["cells"]]
     assert list(started) == names and len(set(names)) == 2
     assert all(len(n) == NAME_CHARS and n.startswith("eta0-naive-s1-wandb_project") for n in names)
+
+
+@pytest.mark.parametrize("text, words", [('{"name": "c"', "(Expecting ',' delimiter"),
+                                         ('{"name": "c"}', "(no config, overrides, etas, objectives, seeds, cells)"),
+                                         ('{"config": 1, "overrides": [], "etas": [0], "objectives": [], "seeds": [1], '
+                                          '"cells": [1]}', "(no name in each of its cells)")])
+def test_a_study_json_that_is_not_a_record_is_named(tmp_path, capsys, monkeypatch, text, words):
+    # it was a bare JSON error naming no file, or a KeyError traceback
+    monkeypatch.setattr(launcher.ablation, "run_jobs", lambda *a, **k: pytest.fail("a cell was started"))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "study.json").write_text(text)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--name", "c"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'c' / 'study.json'} is not a study record {words}" in err and "move it away" in err, err
