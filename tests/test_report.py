@@ -488,3 +488,26 @@ def test_the_html_table_scrolls_in_its_box_with_the_cell_column_in_view(tmp_path
     # a column blank in every row is left out (summary.csv keeps it)
     assert ">tool_<wbr>calls_<wbr>mean<" not in table and ">interrupt<" in table
     assert "tool_calls_mean" in (a / "summary.csv").read_text()
+
+
+def test_many_grid_points_keep_their_figures_readable(tmp_path):
+    # 16 grid points: the staleness histogram's legends, inside its axes, squeezed them to nothing
+    # (matplotlib: "constrained_layout not applied because axes sizes collapsed to zero") and
+    # the series past the tenth repeated the first ten's colours
+    import itertools
+    import warnings
+
+    root = tmp_path / "many"
+    root.mkdir()
+    keys = {"trainer.lr": [1e-05, 3e-05], "rollout.max_new_tokens": [16, 32], "algo.ppo_minibatches": [1, 2],
+            "trainer.weight_decay": [0.0, 0.1]}
+    cells = [(f"eta0-naive-s1-{i}", 0, 1, dict(zip(keys, combo)))
+             for i, combo in enumerate(itertools.product(*keys.values()))]
+    _grid_study(root, cells, [{"key": k, "values": v} for k, v in keys.items()])
+    for name, *_ in cells:
+        _write_run(root / name, _timed([2.0, 1.0]), eta=0, decoupled=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        write_study_report(root)
+    assert not [w for w in caught if "collapsed" in str(w.message)], [str(w.message) for w in caught]
+    assert len(set(plots.palette(16))) == 16 and len(set(plots.palette(30))) == 30
