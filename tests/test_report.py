@@ -394,6 +394,10 @@ def test_run_directories_are_grouped_by_a_config_key(tmp_path, capsys):
                                                                                    ("b", "", "")]
     assert main([str(a), str(b), "--out", str(tmp_path / "o"), "--group-by", "trainer.lrr"]) == 2
     assert "--group-by trainer.lrr: no run's config.yaml has it" in capsys.readouterr().err
+    # a section was a column of Python dict texts
+    assert main([str(a), str(b), "--out", str(tmp_path / "o"), "--group-by", "trainer"]) == 2
+    assert "--group-by trainer: it is a section of the config; group by one of its keys, --group-by trainer.NAME" \
+        in capsys.readouterr().err
 
 
 

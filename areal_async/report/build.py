@@ -223,7 +223,7 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
     Raises:
         ReportInputError: a path that is neither a run nor a study directory, or given twice; a study directory
             with other paths; several runs without ``out``; a run without metrics; a ``group_by``
-            key the report reads already (``OWN_KEYS``); two runs that differ only in a config key
+            key the report reads already (``OWN_KEYS``) or that is a config section; two runs that differ only in a config key
             outside ``group_by`` (``check_distinct``).
     """
     for path in paths:
@@ -258,6 +258,9 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
         if all(c.grid[key] is None for c in cells):
             raise ReportInputError(f"--group-by {key}: no run's config.yaml has it; give a dotted config key, e.g. "
                                    f"--group-by trainer.lr")
+        if any(isinstance(c.grid[key], dict) for c in cells):
+            raise ReportInputError(f"--group-by {key}: it is a section of the config; group by one of its keys, "
+                                   f"--group-by {key}.NAME")
     check_distinct(cells)
     title = f"Runs {', '.join(c.name for c in cells)}" if len(cells) <= 4 else f"{len(cells)} runs"
     return write_report(cells, out or paths[0], title=title, strict=True, **kwargs)
