@@ -18,6 +18,7 @@ import json
 import pathlib
 import sys
 import time
+import traceback
 import typing
 
 from areal_async.config import Objective, load_config
@@ -331,6 +332,11 @@ def write_report(root: pathlib.Path) -> None:
         files = write_study_report(root)
     except (ReportInputError, OSError) as exc:
         print(f"[ablation] no report: {exc}", file=sys.stderr, flush=True)
+        return
+    except Exception:  # a fault of the report: said with its traceback; the cells' outcome stands
+        traceback.print_exc()
+        print(f"[ablation] no report: the report failed (above); write it again with python tools/report.py {root}",
+              file=sys.stderr, flush=True)
         return
     print(f"[ablation] report: {files.html} (table: {files.csv})", flush=True)
 

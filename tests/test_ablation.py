@@ -387,3 +387,18 @@ def test_a_study_json_that_is_not_a_record_is_named(tmp_path, capsys, monkeypatc
     assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--name", "c"]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'c' / 'study.json'} is not a study record {words}" in err and "move it away" in err, err
+
+
+def test_a_report_that_fails_leaves_the_studys_exit_status(tmp_path, monkeypatch, capsys):
+    # a fault inside the report (a TypeError) ended the study in a traceback, exit status 1 as if a cell failed
+    import areal_async.report
+
+    def broken(root):
+        raise TypeError("a fault")
+
+    _record_jobs(monkeypatch)
+    monkeypatch.setattr(areal_async.report, "write_study_report", broken)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "f"]) == 0
+    err = capsys.readouterr().err
+    assert "TypeError: a fault" in err and "[ablation] no report: the report failed (above); write it again with " \
+        f"python tools/report.py {tmp_path / 'f'}" in err, err
