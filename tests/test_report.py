@@ -481,6 +481,9 @@ def test_the_html_table_scrolls_in_its_box_with_the_cell_column_in_view(tmp_path
     assert "max-width: 1200px" in style and ".scroll { overflow-x: auto; max-width: 100%; }" in style
     assert "table.summary .key { position: sticky; left: 0;" in style
     assert "table.summary th { background: #f2f2f2; white-space: normal; max-width: 7em;" in style
+    # a long path or key outside the table wraps (a study's overrides, a missing cell's reason, the column list)
+    assert "p, li, figcaption { overflow-wrap: anywhere; }" in style
+    assert "dt { font-family: monospace; float: left; clear: left; width: 15em; overflow-wrap: anywhere; }" in style
     table = html[html.index('<div class="scroll">\n<table class="summary">'):html.index("</table>")]
     assert '<th class="key" title="cell name (study) or run directory name">cell</th>' in table
     assert "<th title=\"mean over steps of perf/step_s\">step_<wbr>s</th>" in table
