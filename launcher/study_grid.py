@@ -3,9 +3,9 @@
 ``--grid trainer.lr=1e-6,1e-5`` is one axis. Its key is checked against the config schema and
 each value parsed as the key's type by the config's own loading (``load_config``: an unknown key
 names the closest valid one, a bad value the rule); values are split at commas outside brackets
-and quotes (``--grid trainer.adam_betas=[0.9,0.99],[0.9,0.999]``, ``--grid KEY='"a, b",c'``). An axis's values are stored typed, as
-JSON builtins (``1e-6`` and ``0.000001`` are one value, given twice). A grid point is one value of
-each axis, ``{key: value}``, in the order the axes were given.
+and quotes (``--grid trainer.adam_betas=[0.9,0.99],[0.9,0.999]``, ``--grid KEY='"a, b",c'``). An
+axis's values are stored typed, as JSON builtins (``1e-6`` and ``0.000001`` are one value, given
+twice). A grid point is one value of each axis, ``{key: value}``, in the order the axes were given.
 
 A cell's name adds ``-<short><value>`` per axis (``-lr1e-06-max_new_tokens256``): ``short`` is the
 key's last part, or the whole dotted key where two axes share a last part; the value in the

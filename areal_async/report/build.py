@@ -223,8 +223,8 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
     Raises:
         ReportInputError: a path that is neither a run nor a study directory, or given twice; a study directory
             with other paths; several runs without ``out``; a run without metrics; a ``group_by``
-            key the report reads already (``OWN_KEYS``) or that is a config section; two runs that differ only in a config key
-            outside ``group_by`` (``check_distinct``).
+            key the report reads already (``OWN_KEYS``) or that is a config section; two runs that
+            differ only in a config key outside ``group_by`` (``check_distinct``).
     """
     for path in paths:
         if not path.is_dir() or not (is_study_dir(path) or is_run_dir(path)):
