@@ -422,8 +422,10 @@ def test_runs_of_one_point_and_seed_that_differ_in_another_key_are_named(tmp_pat
             f"differ in trainer.lr: the report would mix them; give --group-by trainer.lr") in capsys.readouterr().err
     assert main([str(a), str(b), "--out", out, "--group-by", "trainer.lr"]) == 0
     assert [r["speedup_vs_sync"] for r in _csv(tmp_path / "o" / "summary.csv")] == ["1.0", "1.0"]
-    (b / "config.yaml").write_text((a / "config.yaml").read_text().replace("master_port: 1", "master_port: 2"))
-    assert main([str(a), str(b), "--out", out]) == 0  # the same setting run twice: names and ports differ
+    text = (a / "config.yaml").read_text()
+    (a / "config.yaml").write_text(text.replace("master_port: 1", "master_port: 1\n  resume: false"))
+    (b / "config.yaml").write_text(text.replace("master_port: 1", "master_port: 2\n  resume: true"))
+    assert main([str(a), str(b), "--out", out]) == 0  # one setting run twice: names, ports, resumed or not differ
 
 
 @pytest.mark.parametrize("key, column", [("seed", "seed"), ("queue.max_staleness", "eta"),

@@ -16,8 +16,9 @@ import re
 
 import yaml
 
-# where runs of one setting differ: their names, directories, logging, and where each ran (ports, hosts, devices)
-PLACEMENT = re.compile(r"^(name|run_root|logging)(\.|$)|(port|host|device|cpus|gpus|node)$")
+# where runs of one setting differ: their names, directories, logging, where each ran (ports, hosts, devices)
+# and whether the job was a resumed one (trainer.resume)
+PER_RUN = re.compile(r"^(name|run_root|logging)(\.|$)|(port|host|device|cpus|gpus|node|resume)$")
 RESUME_GAP_S = 60.0  # an interval this much longer than its step's perf/step_s is a stop and restart
 ELAPSED_SLACK_S = 1.0  # clock differences up to this between two rows of one job are timing noise
 
@@ -192,7 +193,7 @@ def _flat(cfg: dict, prefix: str = "") -> dict:
 
 def config_differences(a: pathlib.Path, b: pathlib.Path) -> list[str]:
     """The dotted keys both ``config.yaml`` of run directories ``a`` and ``b`` hold with different
-    values, ``PLACEMENT`` keys left out; ``[]`` where either file is missing or unreadable."""
+    values, ``PER_RUN`` keys left out; ``[]`` where either file is missing or unreadable."""
     try:
         ca, cb = (yaml.safe_load((pathlib.Path(d) / "config.yaml").read_text()) for d in (a, b))
     except (OSError, yaml.YAMLError):
@@ -200,4 +201,4 @@ def config_differences(a: pathlib.Path, b: pathlib.Path) -> list[str]:
     if not isinstance(ca, dict) or not isinstance(cb, dict):
         return []
     ca, cb = _flat(ca), _flat(cb)
-    return [k for k in ca if k in cb and not PLACEMENT.search(k) and ca[k] != cb[k]]
+    return [k for k in ca if k in cb and not PER_RUN.search(k) and ca[k] != cb[k]]
