@@ -18,6 +18,7 @@ import json
 import pathlib
 import sys
 import time
+import traceback
 import typing
 
 from areal_async.config import Objective, load_config
@@ -25,7 +26,7 @@ from areal_async.file_lock import file_lock
 from areal_async.progress import progress_mode
 from launcher.jobs import Job, local_argv, run_jobs
 from launcher.local import interrupt_on_signals
-from launcher.study_grid import Axis, name_suffix, parse_grid, point_overrides, point_tags, points
+from launcher.study_grid import Axis, fit_name, name_suffix, parse_grid, point_overrides, point_tags, points
 
 OBJECTIVES = typing.get_args(Objective)  # the values of algo.objective
 # set by the study for each cell: an override of one of these would make the cells not a grid
@@ -41,10 +42,10 @@ IDENTITY_DEFAULTS = {"interrupts": ["on"], "grid": []}  # of a study.json writte
 def cell_name(eta: int, objective: str, seed: int, interrupt: str = "on", point: dict | None = None,
               axes: list[Axis] = ()) -> str:
     """``eta<η>-<objective>-s<seed>``, with ``-nointerrupt`` only off the default, then the grid
-    point's ``-<key><value>`` per ``--grid`` axis (``study_grid.name_suffix``): the names of
-    studies without these axes stay."""
-    return (f"eta{eta}-{objective}-s{seed}" + ("" if INTERRUPTS[interrupt] else "-nointerrupt")
-            + (name_suffix(point, list(axes)) if axes else ""))
+    point's ``-<key><value>`` per ``--grid`` axis (``study_grid.name_suffix``, cut by
+    ``study_grid.fit_name``): the names of studies without these axes stay."""
+    name = f"eta{eta}-{objective}-s{seed}" + ("" if INTERRUPTS[interrupt] else "-nointerrupt")
+    return fit_name(name + name_suffix(point, list(axes)), point) if axes else name
 
 
 def parse_ints(flag: str, text: str, what: str) -> list[int]:
@@ -147,7 +148,7 @@ def open_study(root: pathlib.Path, study: dict) -> dict:
     identity. Raises ``ValueError`` naming both grids and the fix if it has another."""
     path = root / "study.json"
     if path.exists():
-        old = json.loads(path.read_text())
+        old = read_study(path)
         differ = [k for k in IDENTITY if old.get(k, IDENTITY_DEFAULTS.get(k)) != study[k]]
         if differ:  # the config path and the overrides compare as given (order and spelling count)
             raise ValueError(f"study '{study['name']}' in {root} differs in {', '.join(differ)}: it was run with "
@@ -160,6 +161,21 @@ def open_study(root: pathlib.Path, study: dict) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     write_study(root, study)
     return study
+
+
+def read_study(path: pathlib.Path) -> dict:
+    """An existing ``study.json``; raises ``ValueError`` naming it and the fix where it is not
+    JSON or lacks a key of the study's identity or its cells."""
+    try:
+        old = json.loads(path.read_text())
+        lacks = [k for k in (*IDENTITY, "cells") if k not in IDENTITY_DEFAULTS and k not in old]
+        if lacks or not all(isinstance(c, dict) and "name" in c for c in old["cells"]):
+            raise ValueError(f"no {', '.join(lacks) or 'name in each of its cells'}")
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path} is not a study record ({exc}); python -m launcher.ablation writes it: move it "
+                         f"away to start the record again (finished cells are found by their run directories "
+                         f"and skipped), or give another --name") from None
+    return old
 
 
 def write_study(root: pathlib.Path, study: dict) -> None:
@@ -316,6 +332,11 @@ def write_report(root: pathlib.Path) -> None:
         files = write_study_report(root)
     except (ReportInputError, OSError) as exc:
         print(f"[ablation] no report: {exc}", file=sys.stderr, flush=True)
+        return
+    except Exception:  # a fault of the report: said with its traceback; the cells' outcome stands
+        traceback.print_exc()
+        print(f"[ablation] no report: the report failed (above); write it again with python tools/report.py {root}",
+              file=sys.stderr, flush=True)
         return
     print(f"[ablation] report: {files.html} (table: {files.csv})", flush=True)
 

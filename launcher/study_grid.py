@@ -3,15 +3,16 @@
 ``--grid trainer.lr=1e-6,1e-5`` is one axis. Its key is checked against the config schema and
 each value parsed as the key's type by the config's own loading (``load_config``: an unknown key
 names the closest valid one, a bad value the rule); values are split at commas outside brackets
-(``--grid trainer.adam_betas=[0.9,0.99],[0.9,0.999]``). An axis's values are stored typed, as
-JSON builtins (``1e-6`` and ``0.000001`` are one value, given twice). A grid point is one value of
-each axis, ``{key: value}``, in the order the axes were given.
+and quotes (``--grid trainer.adam_betas=[0.9,0.99],[0.9,0.999]``, ``--grid KEY='"a, b",c'``). An
+axis's values are stored typed, as JSON builtins (``1e-6`` and ``0.000001`` are one value, given
+twice). A grid point is one value of each axis, ``{key: value}``, in the order the axes were given.
 
 A cell's name adds ``-<short><value>`` per axis (``-lr1e-06-max_new_tokens256``): ``short`` is the
 key's last part, or the whole dotted key where two axes share a last part; the value in the
 portable file-name set ``[A-Za-z0-9._-]`` (floats by ``repr``, booleans ``true``/``false``), each
 run of other characters replaced by ``_`` (none at the ends), and a 6-hex digest of the value
-added where that makes two values of an axis alike or the text is over ``VALUE_CHARS``.
+added where that makes two values of an axis alike or the text is over ``VALUE_CHARS``. A name
+over ``NAME_CHARS`` (``fit_name``) is cut and ends with a digest of the whole grid point.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import msgspec
 from areal_async.config import load_config
 
 VALUE_CHARS = 40  # longer value texts are cut to 32 characters and a digest
+NAME_CHARS = 240  # a cell's name cut to this: it and its console file <name>.out fit a file name (255 bytes)
 TAG_CHARS = 64  # wandb refuses a longer tag (wandb.init raises), so a long value's tag is cut
 
 
@@ -44,14 +46,28 @@ class Axis:
 
 
 def split_values(text: str) -> list[str]:
-    """``"1,[2,3],x"`` → ``["1", "[2,3]", "x"]``: commas inside brackets or braces do not split."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += ch in "[{"
-        depth -= ch in "]}"
-        if ch == "," and depth == 0:
-            items.append(text[start:i].strip())
-            start = i + 1
+    """``"1,[2,3],x"`` → ``["1", "[2,3]", "x"]``: commas inside brackets, braces or a YAML-quoted
+    string (``"a, b"``, ``'a, b'``: a quote that opens a value or a flow item) do not split."""
+    items, depth, start, quote, prev, i = [], 0, 0, "", ",", 0
+    while i < len(text):
+        ch = text[i]
+        if quote == '"' and ch == "\\":
+            i += 1  # an escaped character
+        elif quote and ch == quote:
+            if quote == "'" and text[i + 1:i + 2] == "'":
+                i += 1  # '' is a quote inside a single-quoted string
+            else:
+                quote = ""
+        elif not quote and ch in "\"'" and prev in ",[{:":
+            quote = ch
+        elif not quote:
+            depth = max(depth + (ch in "[{") - (ch in "]}"), 0)
+            if ch == "," and depth == 0:
+                items.append(text[start:i].strip())
+                start = i + 1
+        if not ch.isspace():
+            prev = ch
+        i += 1
     return items + [text[start:].strip()]
 
 
@@ -173,3 +189,9 @@ def name_suffix(point: dict, axes: list[Axis]) -> str:
     """``"-lr1e-06-max_new_tokens256"`` for a point of ``axes``; ``""`` without axes."""
     short = short_keys([a.key for a in axes])
     return "".join(f"-{short[a.key]}{value_texts(a)[a.values.index(point[a.key])]}" for a in axes)
+
+
+def fit_name(name: str, point: dict) -> str:
+    """``name``, or where it is over ``NAME_CHARS``, its first ``NAME_CHARS - 7`` characters and
+    ``-<6-hex digest of point>``."""
+    return name if len(name) <= NAME_CHARS else f"{name[:NAME_CHARS - 7]}-{_digest(point)}"

@@ -342,3 +342,63 @@ def test_a_grid_is_part_of_a_studys_identity_and_resumes(tmp_path, monkeypatch, 
     path.write_text(json.dumps(old))
     assert main(plain) == 0 and json.loads(path.read_text())["grid"] == []
     assert [c["name"] for c in json.loads(path.read_text())["cells"]] == ["eta0-naive-s1"]
+
+
+def test_grid_values_split_at_commas_outside_brackets_and_quotes(tmp_path, monkeypatch, capsys):
+    # a quoted comma split a value: '"a, b",c' was the values '"a' and 'b"' (a YAML error), and a
+    # bracket in quotes ('"[",z') kept every comma after it from splitting
+    from launcher.study_grid import split_values
+
+    assert split_values("""1,[2,3],{k: "x,y"},"a, b",'it''s, ok',"q\\",",it's,x],y""") == [
+        "1", "[2,3]", '{k: "x,y"}', '"a, b"', "'it''s, ok'", '"q\\","', "it's", "x]", "y"]
+    started = _record_jobs(monkeypatch)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "q",
+                 "--grid", 'logging.wandb_project="a, b","[",c']) == 0
+    study = json.loads((tmp_path / "q" / "study.json").read_text())
+    assert study["grid"] == [{"key": "logging.wandb_project", "values": ["a, b", "[", "c"]}]
+    assert len(started) == 3
+
+
+def test_a_long_grid_name_is_cut_to_fit_a_file_name(tmp_path, monkeypatch):
+    # six long values made a cell name over 255 characters: the study ended in an OSError
+    # (File name too long) while it looked at the cell's directory
+    from launcher.study_grid import NAME_CHARS
+
+    started = _record_jobs(monkeypatch)
+    long = "x" * 45
+    keys = ["logging.wandb_project", "model.cache_dir", "inference.host", "reward.fn", "queue.host",
+            "trainer.weight_sync_host"]
+    grid = [flag for k in keys for flag in ("--grid", f"{k}={long}a,{long}b" if k == keys[0] else f"{k}={long}")]
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "n", *grid]) == 0
+    names = [c["name"] for c in json.loads((tmp_path / "n" / "study.json").read_text())["cells"]]
+    assert list(started) == names and len(set(names)) == 2
+    assert all(len(n) == NAME_CHARS and n.startswith("eta0-naive-s1-wandb_project") for n in names)
+
+
+@pytest.mark.parametrize("text, words", [('{"name": "c"', "(Expecting ',' delimiter"),
+                                         ('{"name": "c"}', "(no config, overrides, etas, objectives, seeds, cells)"),
+                                         ('{"config": 1, "overrides": [], "etas": [0], "objectives": [], "seeds": [1], '
+                                          '"cells": [1]}', "(no name in each of its cells)")])
+def test_a_study_json_that_is_not_a_record_is_named(tmp_path, capsys, monkeypatch, text, words):
+    # it was a bare JSON error naming no file, or a KeyError traceback
+    monkeypatch.setattr(launcher.ablation, "run_jobs", lambda *a, **k: pytest.fail("a cell was started"))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "study.json").write_text(text)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--name", "c"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'c' / 'study.json'} is not a study record {words}" in err and "move it away" in err, err
+
+
+def test_a_report_that_fails_leaves_the_studys_exit_status(tmp_path, monkeypatch, capsys):
+    # a fault inside the report (a TypeError) ended the study in a traceback, exit status 1 as if a cell failed
+    import areal_async.report
+
+    def broken(root):
+        raise TypeError("a fault")
+
+    _record_jobs(monkeypatch)
+    monkeypatch.setattr(areal_async.report, "write_study_report", broken)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "f"]) == 0
+    err = capsys.readouterr().err
+    assert "TypeError: a fault" in err and "[ablation] no report: the report failed (above); write it again with " \
+        f"python tools/report.py {tmp_path / 'f'}" in err, err

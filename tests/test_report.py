@@ -220,6 +220,16 @@ def test_a_truncated_last_line_is_skipped_and_noted(tmp_path):
     assert [r["step"] for r in run.train] == [0, 1, 2, 3, 4, 5] and "the last line (13) is incomplete" in run.notes[0]
 
 
+def test_a_null_time_metric_is_a_missing_one(tmp_path):
+    # a row holding perf/step_s or perf/elapsed_s as null (JSON of None) ended the report in a TypeError
+    rows = [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 10.0, **{"perf/elapsed_s": 2.0 * k + 2}) for k in range(4)]
+    rows[1]["perf/step_s"] = rows[2]["perf/elapsed_s"] = None
+    run = read_run(_write_run(tmp_path / "a", rows))
+    assert (run.resumes, run.wall_s) == (0, 8.0)
+    row = _csv(report_paths([tmp_path / "a"], None).csv)[0]
+    assert (row["steps"], row["step_s"]) == ("4", "2.0")
+
+
 def test_the_script_runs_as_a_script(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "report.py"), str(tmp_path / "nothing")],
                           capture_output=True, text=True, cwd=tmp_path)
@@ -384,6 +394,48 @@ def test_run_directories_are_grouped_by_a_config_key(tmp_path, capsys):
                                                                                    ("b", "", "")]
     assert main([str(a), str(b), "--out", str(tmp_path / "o"), "--group-by", "trainer.lrr"]) == 2
     assert "--group-by trainer.lrr: no run's config.yaml has it" in capsys.readouterr().err
+    # a section was a column of Python dict texts
+    assert main([str(a), str(b), "--out", str(tmp_path / "o"), "--group-by", "trainer"]) == 2
+    assert "--group-by trainer: it is a section of the config; group by one of its keys, --group-by trainer.NAME" \
+        in capsys.readouterr().err
+
+
+
+def test_a_run_directory_given_twice_is_named(tmp_path, capsys):
+    # a/ and a given together (overlapping globs) counted as two runs: two seeds of one grid point
+    a = _write_run(tmp_path / "a", _timed([2.0, 2.0]), eta=0)
+    assert main([str(a), str(tmp_path / "a" / ".." / "a"), "--out", str(tmp_path / "o")]) == 2
+    assert f"is given twice (also as {a}): its run would count as two seeds" in capsys.readouterr().err
+
+
+def test_runs_of_one_point_and_seed_that_differ_in_another_key_are_named(tmp_path, capsys):
+    # without --group-by, η = 0 runs at two learning rates were one grid point: averaged as two
+    # seeds, and one was the other's η = 0 twin (speedup_vs_sync 2.0 at η = 0, not 1)
+    a = _write_run(tmp_path / "a", _timed([2.0, 2.0]), eta=0)
+    b = _write_run(tmp_path / "b", _timed([1.0, 1.0]), eta=0)
+    for run, lr, port in ((a, "1.0e-05", 1), (b, "0.001", 2)):
+        with (run / "config.yaml").open("a") as f:
+            f.write(f"name: {run.name}\ntrainer:\n  lr: {lr}\n  master_port: {port}\n")
+    out = str(tmp_path / "o")
+    assert main([str(a), str(b), "--out", out]) == 2
+    assert (f"{a} and {b} have one η, objective, interruption, seed and --group-by values but their config.yaml "
+            f"differ in trainer.lr: the report would mix them; give --group-by trainer.lr") in capsys.readouterr().err
+    assert main([str(a), str(b), "--out", out, "--group-by", "trainer.lr"]) == 0
+    assert [r["speedup_vs_sync"] for r in _csv(tmp_path / "o" / "summary.csv")] == ["1.0", "1.0"]
+    text = (a / "config.yaml").read_text()
+    (a / "config.yaml").write_text(text.replace("master_port: 1", "master_port: 1\n  resume: false"))
+    (b / "config.yaml").write_text(text.replace("master_port: 1", "master_port: 2\n  resume: true"))
+    assert main([str(a), str(b), "--out", out]) == 0  # one setting run twice: names, ports, resumed or not differ
+
+
+@pytest.mark.parametrize("key, column", [("seed", "seed"), ("queue.max_staleness", "eta"),
+                                         ("algo.objective", "objective"), ("rollout.interrupt_on_update", "interrupt")])
+def test_a_group_by_key_the_report_reads_already_is_named(tmp_path, capsys, key, column):
+    # --group-by seed ended in a TypeError (the seed column given twice to one row)
+    a = _write_run(tmp_path / "a", _timed([2.0, 2.0]), eta=0)
+    b = _write_run(tmp_path / "b", _timed([1.0, 1.0]), eta=2, seed=2)
+    assert main([str(a), str(b), "--out", str(tmp_path / "o"), "--group-by", key]) == 2
+    assert f"--group-by {key}: every run's {key} is read already, as the column {column}" in capsys.readouterr().err
 
 
 def test_time_to_threshold_reached_and_not(tmp_path):
@@ -431,6 +483,9 @@ def test_the_html_table_scrolls_in_its_box_with_the_cell_column_in_view(tmp_path
     assert "max-width: 1200px" in style and ".scroll { overflow-x: auto; max-width: 100%; }" in style
     assert "table.summary .key { position: sticky; left: 0;" in style
     assert "table.summary th { background: #f2f2f2; white-space: normal; max-width: 7em;" in style
+    # a long path or key outside the table wraps (a study's overrides, a missing cell's reason, the column list)
+    assert "p, li, figcaption { overflow-wrap: anywhere; }" in style
+    assert "dt { font-family: monospace; float: left; clear: left; width: 15em; overflow-wrap: anywhere; }" in style
     table = html[html.index('<div class="scroll">\n<table class="summary">'):html.index("</table>")]
     assert '<th class="key" title="cell name (study) or run directory name">cell</th>' in table
     assert "<th title=\"mean over steps of perf/step_s\">step_<wbr>s</th>" in table
@@ -442,3 +497,26 @@ def test_the_html_table_scrolls_in_its_box_with_the_cell_column_in_view(tmp_path
     # a column blank in every row is left out (summary.csv keeps it)
     assert ">tool_<wbr>calls_<wbr>mean<" not in table and ">interrupt<" in table
     assert "tool_calls_mean" in (a / "summary.csv").read_text()
+
+
+def test_many_grid_points_keep_their_figures_readable(tmp_path):
+    # 16 grid points: the staleness histogram's legends, inside its axes, squeezed them to nothing
+    # (matplotlib: "constrained_layout not applied because axes sizes collapsed to zero") and
+    # the series past the tenth repeated the first ten's colours
+    import itertools
+    import warnings
+
+    root = tmp_path / "many"
+    root.mkdir()
+    keys = {"trainer.lr": [1e-05, 3e-05], "rollout.max_new_tokens": [16, 32], "algo.ppo_minibatches": [1, 2],
+            "trainer.weight_decay": [0.0, 0.1]}
+    cells = [(f"eta0-naive-s1-{i}", 0, 1, dict(zip(keys, combo)))
+             for i, combo in enumerate(itertools.product(*keys.values()))]
+    _grid_study(root, cells, [{"key": k, "values": v} for k, v in keys.items()])
+    for name, *_ in cells:
+        _write_run(root / name, _timed([2.0, 1.0]), eta=0, decoupled=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        write_study_report(root)
+    assert not [w for w in caught if "collapsed" in str(w.message)], [str(w.message) for w in caught]
+    assert len(set(plots.palette(16))) == 16 and len(set(plots.palette(30))) == 30

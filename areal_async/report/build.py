@@ -24,13 +24,17 @@ import jinja2
 import markupsafe
 
 from areal_async.report import plots
-from areal_async.report.runs import RESUME_GAP_S, ReportInputError, RunMetrics, read_cell_config, read_run
+from areal_async.report.runs import (RESUME_GAP_S, ReportInputError, RunMetrics, config_differences, read_cell_config,
+                                     read_run)
 from areal_async.report.summary import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_WINDOW, POINT_MEANS, Cell,
                                         Threshold, add_speedups, by_grid_point, columns, summarize, write_csv)
 
 # constant, long or said otherwise: stated above the table, or "not reached" in the threshold columns
 HTML_HIDDEN = ("threshold_metric", "threshold", "window", "threshold_reached", "run_dir")
 NOT_REACHED = ("threshold_step", "wall_s_to_threshold")
+# config keys every run's row has already, as these columns: not a --group-by key
+OWN_KEYS = {"queue.max_staleness": "eta", "algo.objective": "objective", "rollout.interrupt_on_update": "interrupt",
+            "seed": "seed"}
 POINT_COLUMNS = {"seeds": "runs of the grid point with metrics (its seeds)",
                  "reached": "runs that reached the threshold, of those with enough steps for its window"}
 
@@ -217,8 +221,10 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
     run's ``config.yaml``).
 
     Raises:
-        ReportInputError: a path that is neither a run nor a study directory; a study directory
-            with other paths; several runs without ``out``; a run without metrics.
+        ReportInputError: a path that is neither a run nor a study directory, or given twice; a study directory
+            with other paths; several runs without ``out``; a run without metrics; a ``group_by``
+            key the report reads already (``OWN_KEYS``) or that is a config section; two runs that
+            differ only in a config key outside ``group_by`` (``check_distinct``).
     """
     for path in paths:
         if not path.is_dir() or not (is_study_dir(path) or is_run_dir(path)):
@@ -226,6 +232,12 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
                 "holds neither study.json nor metrics.jsonl / config.yaml"
             raise ReportInputError(f"{path} {what}: give a run directory (runs/<name>, with metrics.jsonl) or a "
                                    f"study directory (runs/<study>, with study.json)")
+    seen: dict[pathlib.Path, pathlib.Path] = {}
+    for path in paths:
+        first = seen.setdefault(path.resolve(), path)
+        if first is not path:
+            raise ReportInputError(f"{path} is given twice (also as {first}): its run would count as two seeds; "
+                                   f"give each run directory once")
     studies = [p for p in paths if is_study_dir(p)]
     if studies:
         if len(paths) > 1:
@@ -235,6 +247,10 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
             raise ReportInputError(f"--group-by {' '.join(group_by)}: a study's report is grouped by its own "
                                    f"--grid keys; give --group-by with run directories only")
         return write_study_report(studies[0], out, **kwargs)
+    for key in group_by:
+        if key in OWN_KEYS:
+            raise ReportInputError(f"--group-by {key}: every run's {key} is read already, as the column "
+                                   f"{OWN_KEYS[key]}; leave it out of --group-by")
     if out is None and len(paths) > 1:
         raise ReportInputError(f"{len(paths)} run directories and no --out: give --out DIR for their report")
     cells = [run_cell(p, group_by) for p in paths]
@@ -242,8 +258,29 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
         if all(c.grid[key] is None for c in cells):
             raise ReportInputError(f"--group-by {key}: no run's config.yaml has it; give a dotted config key, e.g. "
                                    f"--group-by trainer.lr")
+        if any(isinstance(c.grid[key], dict) for c in cells):
+            raise ReportInputError(f"--group-by {key}: it is a section of the config; group by one of its keys, "
+                                   f"--group-by {key}.NAME")
+    check_distinct(cells)
     title = f"Runs {', '.join(c.name for c in cells)}" if len(cells) <= 4 else f"{len(cells)} runs"
     return write_report(cells, out or paths[0], title=title, strict=True, **kwargs)
+
+
+def check_distinct(cells: list[Cell]) -> None:
+    """Raise ``ReportInputError`` for two runs of one grid point and seed whose ``config.yaml``
+    differ (``runs.config_differences``): the report would average them and take either as the
+    other's η = 0 twin; the message names the keys to give as ``--group-by``."""
+    seen: dict[str, Cell] = {}
+    for cell in cells:
+        point = json.dumps([cell.eta, cell.objective, cell.interrupt, cell.seed, sorted(cell.grid.items())],
+                           default=str)
+        other = seen.setdefault(point, cell)
+        differ = config_differences(other.run_dir, cell.run_dir) if other is not cell else []
+        if differ:
+            raise ReportInputError(f"{other.run_dir} and {cell.run_dir} have one η, objective, interruption, seed "
+                                   f"and --group-by values but their config.yaml differ in {', '.join(differ[:6])}: "
+                                   f"the report would mix them; give --group-by {differ[0]} (repeatable) for each "
+                                   f"key that tells them apart, or leave one out")
 
 
 def main(argv: list[str] | None = None) -> int:

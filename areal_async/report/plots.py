@@ -221,7 +221,8 @@ def _by_eta(rows: list[dict], columns: tuple[str, ...]) -> Figure | None:
                    key=lambda k: (grids.index(k[2]), k[0] not in STYLES, k[0], k[1] != "on", k[1] or ""))
     # a line's colour: its objective when interruption differs, its (grid point, objective) when grid points do
     hues = list(dict.fromkeys((g, o) if len(grids) > 1 else o for o, _, g in lines))
-    fig = Figure(layout="constrained", figsize=(4.2 * len(columns), 4.2))
+    below = legend_inches(len(lines), 2) if len(lines) > 4 else 0.0  # the legend's room: the axes keep theirs
+    fig = Figure(layout="constrained", figsize=(4.2 * len(columns), 4.2 + below))
     axes = fig.subplots(1, len(columns))
     drew = False
     for ax, column in zip(axes, columns):
@@ -240,7 +241,7 @@ def _by_eta(rows: list[dict], columns: tuple[str, ...]) -> Figure | None:
             off = interrupt == "off" and bool(note)
             # when interruption differs, an objective keeps one colour and off is told by marker and alpha
             hue = hues.index((grid, objective) if len(grids) > 1 else objective)
-            style = {"color": f"C{hue % 10}"} if len(values) > 1 or len(grids) > 1 else {}
+            style = {"color": palette(len(hues))[hue]} if len(values) > 1 or len(grids) > 1 else {}
             if off:
                 style["alpha"] = OFF["alpha"]
             point = ", ".join(f"{k}={json.dumps(v)}" for k, v in json.loads(grid).items()) if len(grids) > 1 else ""
@@ -317,9 +318,12 @@ def staleness_histograms(groups: list[Group]) -> Panel | None:
     if not pooled:
         return None
     keys = sorted(pooled, key=lambda k: (isinstance(k, str), k if isinstance(k, int) else 0, str(k)))
+    names = sorted({name for series in pooled.values() for name in series})
+    colors = dict(zip(names, palette(len(names))))  # a series keeps its colour across the η panels
     cols = min(len(keys), 4)
     nrows = -(-len(keys) // cols)
-    fig = Figure(layout="constrained", figsize=(3.6 * cols, 3.0 * nrows))
+    below = legend_inches(len(names), 1) if len(names) > 6 else 0.0  # one legend under the axes, which it would hide
+    fig = Figure(layout="constrained", figsize=(3.6 * cols, 3.0 * nrows + below))
     axes = fig.subplots(nrows, cols, squeeze=False)
     for ax, key in zip(axes.flat, keys):
         series = pooled[key]
@@ -327,12 +331,17 @@ def staleness_histograms(groups: list[Group]) -> Panel | None:
         width = 0.8 / len(series)
         for i, (name, values) in enumerate(sorted(series.items())):
             counts, _ = np.histogram(values, bins=edges)
-            ax.bar(edges[:-1] + 0.5 - 0.4 + width * (i + 0.5), counts / len(values), width=width, label=name)
+            ax.bar(edges[:-1] + 0.5 - 0.4 + width * (i + 0.5), counts / len(values), width=width, label=name,
+                   color=colors[name])
         ax.set_title(f"η = {key}" if isinstance(key, int) else str(key), fontsize=10)
         ax.set_xticks(range(len(edges) - 1))
         ax.set_xlabel("staleness (steps)")
         ax.set_ylabel("fraction of samples")
-        ax.legend(fontsize=7)
+        if not below:
+            ax.legend(fontsize=7)
+    if below:
+        handles = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels())}
+        fig.legend([handles[n] for n in names], names, loc="outside lower center", ncols=1, fontsize=7)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     return Panel("Staleness histograms per η", "Fraction of trained samples by staleness = step − version that "
@@ -355,10 +364,25 @@ def episodes(groups: list[Group]) -> Panel | None:
     return _per_step_grid(groups, present, "Episodes vs step") if multi and present else None
 
 
+def palette(n: int) -> list[tuple]:
+    """``n`` colours, each distinct: tab10's, tab20's for up to 20, else ``n`` spread over turbo."""
+    if n <= 10:
+        return list(matplotlib.colormaps["tab10"].colors[:n])
+    if n <= 20:
+        return list(matplotlib.colormaps["tab20"].colors[:n])
+    return [matplotlib.colormaps["turbo"](i / (n - 1)) for i in range(n)]
+
+
+def legend_inches(entries: int, ncols: int) -> float:
+    """The height a figure legend of ``entries`` in ``ncols`` columns (font size 7–8) takes, in inches."""
+    return 0.2 * -(-entries // ncols) + 0.2
+
+
 def _per_step_grid(groups: list[Group], present: list[tuple[str, str]], title: str) -> Panel:
     cols = min(len(present), 3)
     nrows = -(-len(present) // cols)
-    fig = Figure(layout="constrained", figsize=(4.4 * cols, 3.3 * nrows))
+    below = legend_inches(len(groups), 3) if len(groups) > 6 else 0.0  # the legend's room: the axes keep theirs
+    fig = Figure(layout="constrained", figsize=(4.4 * cols, 3.3 * nrows + below))
     axes = fig.subplots(nrows, cols, squeeze=False)
     colors = _colors(groups)
     for ax, (key, meaning) in zip(axes.flat, present):

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
+import re
 
 import yaml
 
+# where runs of one setting differ: their names, directories, logging, where each ran (ports, hosts, devices)
+# and whether the job was a resumed one (trainer.resume)
+PER_RUN = re.compile(r"^(name|run_root|logging)(\.|$)|(port|host|device|cpus|gpus|node|resume)$")
 RESUME_GAP_S = 60.0  # an interval this much longer than its step's perf/step_s is a stop and restart
 ELAPSED_SLACK_S = 1.0  # clock differences up to this between two rows of one job are timing noise
 
@@ -54,6 +59,13 @@ def is_eval_row(row: dict) -> bool:
     """An evaluation row: every key besides ``step`` and ``time`` is an ``eval/*`` key."""
     keys = [k for k in row if k not in ("step", "time")]
     return bool(keys) and all(k.startswith("eval/") for k in keys)
+
+
+def number(row: dict, key: str) -> float | None:
+    """``row[key]`` as a float, ``None`` where it is missing, not a number (``null``) or not finite."""
+    value = row.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def metrics_path(run_dir: pathlib.Path) -> pathlib.Path:
@@ -116,17 +128,17 @@ def read_run(run_dir: pathlib.Path, resume_gap_s: float = RESUME_GAP_S) -> RunMe
     for prev, k in zip(steps, steps[1:]):
         (p0, r0), (p1, r1) = train[prev], train[k]
         certain = any(p0 < q <= p1 for q in later_job)
-        if "perf/elapsed_s" in r0 and "perf/elapsed_s" in r1:
-            excess = r1["time"] - r0["time"] - (float(r1["perf/elapsed_s"]) - float(r0["perf/elapsed_s"]))
+        if number(r0, "perf/elapsed_s") is not None and number(r1, "perf/elapsed_s") is not None:
+            excess = r1["time"] - r0["time"] - (number(r1, "perf/elapsed_s") - number(r0, "perf/elapsed_s"))
             found = excess > ELAPSED_SLACK_S
         else:
-            excess = r1["time"] - r0["time"] - float(r1.get("perf/step_s", 0.0))
+            excess = r1["time"] - r0["time"] - (number(r1, "perf/step_s") or 0.0)
             found = excess > resume_gap_s
         if excess > 0 and (certain or found):
             gaps.append((r0["time"], excess))
 
     first = train[steps[0]][1] if steps else None
-    start = min([r["time"] for r in rows] + ([first["time"] - float(first.get("perf/step_s", 0.0))] if first else []))
+    start = min([r["time"] for r in rows] + ([first["time"] - (number(first, "perf/step_s") or 0.0)] if first else []))
 
     def clock(t: float) -> float:
         # a row inside a gap (e.g. a resumed job's first evaluation) is placed at the gap's start
@@ -167,3 +179,26 @@ def read_cell_config(run_dir: pathlib.Path, group_by: list[str] = ()) -> dict:
             "objective": objective,
             "interrupt": {True: "on", False: "off"}.get(interrupt) if isinstance(interrupt, bool) else None,
             "seed": cfg.get("seed"), "grid": {key: dotted(cfg, key) for key in group_by}}
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(a: pathlib.Path, b: pathlib.Path) -> list[str]:
+    """The dotted keys both ``config.yaml`` of run directories ``a`` and ``b`` hold with different
+    values, ``PER_RUN`` keys left out; ``[]`` where either file is missing or unreadable."""
+    try:
+        ca, cb = (yaml.safe_load((pathlib.Path(d) / "config.yaml").read_text()) for d in (a, b))
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(ca, dict) or not isinstance(cb, dict):
+        return []
+    ca, cb = _flat(ca), _flat(cb)
+    return [k for k in ca if k in cb and not PER_RUN.search(k) and ca[k] != cb[k]]
