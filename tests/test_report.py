@@ -102,7 +102,9 @@ def _csv(path):
 
 def test_summary_csv_numbers(tmp_path):
     a = _write_run(tmp_path / "a", resumed_rows())
-    b = _write_run(tmp_path / "b", [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 10.0, **{"rollout/multi_version_frac": f})
+    b = _write_run(tmp_path / "b", [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 10.0, **{"rollout/multi_version_frac": f,
+                                                                              "rollout/no_eos_ratio": k / 2,
+                                                                              "rollout/response_len": 10.0 * 2 ** k})
                                     for k, f in ((0, 0.0), (1, 0.5), (2, 0.25))], eta=0, decoupled=False, seed=7)
     files = report_paths([a, b], tmp_path / "out", threshold=0.6, window=2)
     rows = _csv(files.csv)
@@ -125,6 +127,9 @@ def test_summary_csv_numbers(tmp_path):
     assert ra["multi_version_frac_mean"] == "" and float(rb["multi_version_frac_mean"]) == 0.25
     assert rb["threshold_step"] == "" and rb["wall_s_to_threshold"] == ""  # 0.5 < 0.6 throughout
     assert rb["eval_pass1_final"] == "" and rb["resumes"] == "0"
+    # the last 2 steps' truncation and length: (0.5 + 1) / 2, (20 + 40) / 2; blank when not logged
+    assert float(rb["no_eos_last"]) == 0.75 and float(rb["response_len_last"]) == 30.0
+    assert ra["no_eos_last"] == "" and ra["response_len_last"] == ""
     assert float(rb["wall_s"]) == 6.0  # step 0 starts at 10 - 2, the last row is at 14
 
 

@@ -115,7 +115,7 @@ def point_table(rows: list[dict], grid_keys: list[str]) -> dict | None:
         return None
     described = columns(grid_keys)
     keys = ["eta", "objective", *(["interrupt"] if len({p["interrupt"] for p in points}) > 1 else []), *grid_keys]
-    names = [*keys, "seeds", *POINT_MEANS[:4], "reached", *POINT_MEANS[4:]]
+    names = [*keys, "seeds", *POINT_MEANS[:-2], "reached", *POINT_MEANS[-2:]]  # "reached" before the time to it
     about = {**described, **POINT_COLUMNS}
     return {"columns": [{"header": header_html(c), "description": about[c] + (" (mean over the grid point's runs)" if
                                                                                c in POINT_MEANS else "")}

@@ -46,6 +46,9 @@ COLUMNS: dict[str, str] = {
                        "that run or its step_s)",
     "reward_last": "mean rollout/reward over the last `window` steps",
     "correct_last": "mean rollout/correct over the last `window` steps",
+    "no_eos_last": "mean rollout/no_eos_ratio over the last `window` steps: the share of samples cut at "
+                   "max_new_tokens without an end of sequence (the truncation rate; 1 - it: the completion rate)",
+    "response_len_last": "mean rollout/response_len over the last `window` steps (tokens)",
     "threshold_metric": "the metric of the time to threshold (--metric, default rollout/correct)",
     "threshold": "the threshold as given: a value (--threshold 0.5) or 'start+D' (D above the run's start: the "
                  "metric's mean over its first `window` steps)",
@@ -192,7 +195,8 @@ def add_speedups(rows: list[dict]) -> None:
         row["speedup_vs_sync"] = base / row["step_s"] if base and row["step_s"] else None
 
 
-POINT_MEANS = ("step_s", "speedup_vs_sync", "correct_last", "eval_pass1_final", "threshold_step", "wall_s_to_threshold")
+POINT_MEANS = ("step_s", "speedup_vs_sync", "correct_last", "reward_last", "no_eos_last", "eval_pass1_final",
+               "threshold_step", "wall_s_to_threshold")
 
 
 def by_grid_point(rows: list[dict], grid_keys: list[str]) -> list[dict]:
@@ -238,6 +242,8 @@ def summarize(cell: Cell, run: RunMetrics | None, threshold: Threshold) -> dict:
     row["tokens_per_wall_s"] = sum(tokens) / run.wall_s if tokens and run.wall_s > 0 else None
     row["reward_last"] = mean([v for _, v in run.values("rollout/reward")][-window:])
     row["correct_last"] = mean([v for _, v in run.values("rollout/correct")][-window:])
+    row["no_eos_last"] = mean([v for _, v in run.values("rollout/no_eos_ratio")][-window:])
+    row["response_len_last"] = mean([v for _, v in run.values("rollout/response_len")][-window:])
     target, hit = first_crossing(run, threshold)
     row.update(threshold_value=target, threshold_reached=None if target is None else hit is not None)
     if hit is not None:
