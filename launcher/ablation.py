@@ -285,7 +285,7 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, axes: list[Axi
         f" × {grid_text(study['grid'])}" if study["grid"] else "")
     progress = StudyProgress(study["name"], len(grid), skipped, bar=progress_mode() == "bar")
     progress.say(f"[ablation] study '{study['name']}' in {root}: {shape} = {len(grid)} cells, {skipped} "
-                 f"finished before, {len(jobs)} to run, {args.parallel} at a time")
+                 f"finished before, {len(jobs)} to run, {max(1, min(args.parallel, len(jobs)))} at a time")
     failed: list[Job] = []
 
     def started(job: Job) -> None:

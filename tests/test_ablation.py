@@ -82,7 +82,7 @@ def test_a_tiny_study_runs_reports_a_failed_cell_and_resumes(tmp_path, tiny_mode
     monkeypatch.setattr(launcher.ablation, "cell_overrides", real)
     assert main(_study(tmp_path, tiny_model_dir)) == 0
     out, _ = capsys.readouterr()
-    assert "1 finished before, 1 to run" in out and "eta2-naive-s1: started (new)" in out, out
+    assert "1 finished before, 1 to run, 1 at a time" in out and "eta2-naive-s1: started (new)" in out, out
     assert [c["state"] for c in json.loads((root / "study.json").read_text())["cells"]] == ["finished"] * 2
     _check_report(root, names)
     assert main(_study(tmp_path, tiny_model_dir)) == 0

@@ -467,6 +467,10 @@ def test_time_to_threshold_reached_and_not(tmp_path):
     # fewer steps than the window: no threshold value, neither reached nor not
     row = _csv(report_paths([b], tmp_path / "p", window=9).csv)[0]
     assert (row["threshold_value"], row["threshold_reached"], row["threshold_step"]) == ("", "", "")
+    # a metric no run logs (a typo) is named in the report, not left as silently blank columns
+    assert "no run logs" not in html
+    report_paths([a, b], tmp_path / "q", metric="rollout/corect", threshold=0.5)
+    assert "no run logs rollout/corect, so the time to threshold is blank" in (tmp_path / "q" / "report.html").read_text()
 
 
 def test_threshold_options_are_checked(tmp_path, capsys):

@@ -188,6 +188,9 @@ def write_report(cells: list[Cell], out: pathlib.Path, *, title: str, study: dic
             notes += run.notes
         rows.append(summarize(cell, run, rule))
     add_speedups(rows)
+    if read and not any(rule.metric in r for _, run in read for r in run.train):
+        notes.append(f"no run logs {rule.metric}, so the time to threshold is blank: give --metric a key of "
+                     f"metrics.jsonl's training rows, e.g. {DEFAULT_METRIC}")
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "summary.csv", rows, grid_keys)
