@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,6 +39,16 @@ def test_prompts_have_the_lengths_drawn(bench, tmp_path):
         assert (row["response_min"], row["response_max"], row["answer"]) == (5, 7, "0")
     with pytest.raises(ValueError, match="chat template alone"):
         bench.write_prompts(path, tok, 1, (2, 3), (5, 7))
+
+
+def test_the_engine_holds_fewer_requests_on_an_80_gb_gpu(bench, tmp_path):
+    # 128 running requests of 2,048 positions at 8b (38.5 GiB of KV) beside the LoRA trainer ran out
+    # of memory on an H100's 79.2 GiB; the H200 has ~140 GiB
+    assert [bench.max_running(g) for g in (139.8, 120.0, 79.2, None)] == [128, 128, 64, 128]
+    args = SimpleNamespace(shape="8b", device="cuda", prompt_len=(512, 1024), response_len=(256, 1024), groups=32,
+                           samples=8, steps=2, max_running=64)
+    cfg = bench.job_config(args, tmp_path, tmp_path / "model", tmp_path / "p.jsonl")
+    assert cfg["inference"]["max_running_requests"] == 64 and cfg["inference"]["max_seq_len"] == 2048
 
 
 def _run_dir(tmp_path, lora: dict | None, rewards=(0.2, 0.7)):

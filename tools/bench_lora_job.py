@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python tools/bench_lora_job.py [--shape 8b] [--device cuda] [--steps 20]
         [--groups 32 --samples 8] [--prompt-len 512,1024] [--response-len 256,1024]
-        [--budget-s 500] [--json FILE] [override ...]       # e.g. trainer.lora.rank=32
+        [--max-running N] [--budget-s 500] [--json FILE] [override ...]   # e.g. trainer.lora.rank=32
 
     # the CPU check of the whole path (tiny shape, full fine-tuning, about a minute on 2 cores):
     PYTHONPATH=. python tools/bench_lora_job.py --shape tiny --device cpu --steps 2
@@ -142,6 +142,25 @@ def write_prompts(path: pathlib.Path, tokenizer, rows: int, prompt_len: tuple[in
     return lengths
 
 
+def max_running(device_gib: float | None) -> int:
+    """The engine's running requests on a GPU of ``device_gib`` (``None``: unknown): 128 from 120 GiB
+    on (an H200's 141 GB), else 64 (at 8b, 18 GiB fewer KV rows than 128: engine and trainer then fit
+    80 GB)."""
+    return 128 if device_gib is None or device_gib >= 120 else 64
+
+
+def device_gib() -> float | None:
+    """GPU 0's total memory in GiB from ``nvidia-smi``; ``None`` without it."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                         capture_output=True, text=True, timeout=30).stdout.split()
+    return float(out[0]) / 1024 if out else None
+
+
 def job_config(args, work: pathlib.Path, model_dir: pathlib.Path, data: pathlib.Path) -> dict:
     """The job's config (the YAML the launcher is given); overrides go on top of it."""
     cuda = args.device.startswith("cuda")
@@ -154,7 +173,7 @@ def job_config(args, work: pathlib.Path, model_dir: pathlib.Path, data: pathlib.
                  "max_prompt_len": p_hi},
         "inference": {"backend": "embedded", "num_servers": 1, "device": "cuda:0" if cuda else "cpu",
                       # 8b: (128 + 1 + 8 prefix rows) × 2048 positions × 144 KiB = 38.5 GiB of KV
-                      "max_running_requests": min(batch, 128) if cuda else batch,
+                      "max_running_requests": min(batch, args.max_running) if cuda else batch,
                       "max_seq_len": p_hi + r_hi},
         "rollout": {"num_workers": 1, "n_samples": args.samples, "max_new_tokens": r_hi, "temperature": 1.0,
                     "max_groups_in_flight": args.groups},
@@ -305,6 +324,8 @@ def main() -> None:
                     help="MIN,MAX sampled tokens; default 256,1024 (cpu: 32,128)")
     ap.add_argument("--model-dir", default="", help="default: /tmp/qwen3-SHAPE-random")
     ap.add_argument("--work-dir", default="/tmp/bench_lora_job")
+    ap.add_argument("--max-running", type=int, default=0,
+                    help="the engine's running requests on a GPU; default by its memory: 128 from 120 GiB, else 64")
     ap.add_argument("--budget-s", type=float, default=500.0, help="stop the job this long after the script's start")
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     ap.add_argument("--json", default="")
@@ -329,6 +350,11 @@ def main() -> None:
     if args.shape not in SHAPES:
         ap.error(f"--shape {args.shape}: choose among {' '.join(SHAPES)}")
 
+    if args.device.startswith("cuda") and not args.max_running:
+        gib = device_gib()
+        args.max_running = max_running(gib)
+        print(f"--max-running {args.max_running} (GPU memory {'unknown' if gib is None else f'{gib:.0f} GiB'})",
+              flush=True)
     work = pathlib.Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = pathlib.Path(args.model_dir or f"/tmp/qwen3-{args.shape}-random")
