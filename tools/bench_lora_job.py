@@ -164,7 +164,7 @@ def device_gib() -> float | None:
 def job_config(args, work: pathlib.Path, model_dir: pathlib.Path, data: pathlib.Path) -> dict:
     """The job's config (the YAML the launcher is given); overrides go on top of it."""
     cuda = args.device.startswith("cuda")
-    (p_lo, p_hi), (r_lo, r_hi) = args.prompt_len, args.response_len
+    p_hi, (r_lo, r_hi) = args.prompt_len[1], args.response_len
     batch = args.groups * args.samples
     cfg = {
         "name": f"bench_lora_job_{args.shape}", "seed": 1, "mode": "throughput", "run_root": str(work / "runs"),
