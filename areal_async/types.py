@@ -187,6 +187,10 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         parts += [seg.versions.numpy()[seg.sampled()] for seg in self.segments]
         return np.concatenate(parts).astype(np.int32, copy=False)
 
+    def env_failed(self) -> bool:
+        """Its environment failed and ended it (``EpisodeStats.env_error``): not trained."""
+        return self.stats is not None and self.stats.env_error
+
     def episode_return(self) -> float:
         """``reward`` plus the sum of ``turn_rewards`` (float64): the episode's return R_i."""
         turns = self.turn_rewards

@@ -166,7 +166,7 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
             raise ValueError(f"group {traj.group_id}: {e}") from None
     summed = algo.turn_rewards == "sum"
     rewards = torch.tensor([s.episode_return() if summed else s.reward for _, s in samples], dtype=torch.float32)
-    failed = {j for j, (_, s) in enumerate(samples) if s.stats is not None and s.stats.env_error}
+    failed = {j for j, (_, s) in enumerate(samples) if s.env_failed()}
     adv = group_advantages(rewards, group_size, std_norm=algo.std_norm)
     for g in sorted({j // group_size for j in failed}):  # the group's other samples, as a group of their own
         kept = [j for j in range(g * group_size, (g + 1) * group_size) if j not in failed]

@@ -57,7 +57,7 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
         "rollout/response_len": sum(lengths) / n,
         "rollout/no_eos_ratio": sum(s.finish_reason != "stop" for _, s in samples) / n,
         "rollout/reward_errors": float(sum(s.reward_error for _, s in samples)),
-        "rollout/env_errors": float(sum(s.stats is not None and s.stats.env_error for _, s in samples)),
+        "rollout/env_errors": float(sum(s.env_failed() for _, s in samples)),
         "rollout/tokens_per_s": sum(lengths) / max(step_s, 1e-9),
         "rollout/multi_version_frac": sum(len(set(v)) > 1 for v in versions) / n,
         "staleness/mean": sum(staleness) / n,
