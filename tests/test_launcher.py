@@ -165,6 +165,8 @@ def test_ctrl_c_leaves_a_clean_trainer_log(tmp_path, tiny_model_dir):
     trainer = (tmp_path / "c" / "logs" / "trainer.log").read_text()
     assert "Traceback" not in trainer and "death signal" not in trainer, trainer[-3000:]
     assert trainer.endswith("[trainer] stopped by SIGTERM; ranks shut down\n"), trainer[-3000:]
+    # torchrun's agent kept its directories in the run's logs, not in a /tmp/torchelastic_* of its own
+    assert list((tmp_path / "c" / "logs" / "torchrun").glob("*/attempt_0")), "no torchrun log directory in the run"
 
 
 def test_a_resumed_job_appends_to_the_logs_after_a_separator_line(tmp_path, monkeypatch):
