@@ -247,7 +247,9 @@ def run_study(args: argparse.Namespace) -> int:
     total = cfg.trainer.total_steps
     grid = [(e, o, s, i, p) for s in seeds for p in points(axes) for e in etas for o in objectives
             for i in interrupts]
-    study = {"name": name, "config": args.config, "overrides": list(args.overrides), "total_steps": total,
+    varied = any(a.key == "trainer.total_steps" for a in axes)  # then no one step count is every cell's
+    study = {"name": name, "config": args.config, "overrides": list(args.overrides),
+             "total_steps": None if varied else total,
              "etas": etas, "objectives": objectives, "seeds": seeds, "interrupts": interrupts,
              "grid": [a.record() for a in axes],
              "cells": [{"name": cell_name(e, o, s, i, p, axes), "eta": e, "objective": o, "seed": s, "interrupt": i,
