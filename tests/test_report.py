@@ -483,6 +483,14 @@ def test_threshold_options_are_checked(tmp_path, capsys):
     assert main([str(a), "--metric", "rollout/reward", "--threshold", "4"]) == 0  # not a fraction: any value
 
 
+def test_the_threshold_column_is_the_text_as_given(tmp_path):
+    # --threshold 0.50 was written as 0.5, against the column's "the threshold as given"
+    a = _write_run(tmp_path / "a", resumed_rows())
+    for given in ("0.50", "start+0.10"):
+        assert main([str(a), "--threshold", given, "--out", str(tmp_path / given)]) == 0
+        assert _csv(tmp_path / given / "summary.csv")[0]["threshold"] == given
+
+
 def test_the_html_table_scrolls_in_its_box_with_the_cell_column_in_view(tmp_path):
     a = _write_run(tmp_path / "a", [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 60367.25, **{"train/behav_kl": -0.000123456})
                                     for k in range(2)])
