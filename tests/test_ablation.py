@@ -248,6 +248,10 @@ def test_the_interruption_axis_is_part_of_a_studys_identity(tmp_path, monkeypatc
     (["--grid", "seed=1,2"], "--grid seed=1,2: the study sets seed for each cell"),
     (["--grid", "algo.objective=tis,mis"], "the study sets algo.objective for each cell"),
     (["--grid", "run_root=a,b"], "the study sets run_root for each cell"),
+    # the config's hint for the removed key names algo.objective, which a study sets itself
+    (["--grid", "algo.decoupled=true,false"], "--grid algo.decoupled=true,false: config key 'algo.decoupled' is "
+                                              "gone: give --objectives instead (decoupled: true → --objectives decoupled"),
+    (["algo.decoupled=false"], "override algo.decoupled=false: config key 'algo.decoupled' is gone: give --objectives"),
     (["--grid", "trainer.lr=1e-6,1e-5", "trainer.lr=1e-5"], "trainer.lr is also set by the override trainer.lr=...; "
                                                              "a key is either varied (--grid) or fixed"),
     (["--grid", "trainer.lr=1e-6", "--grid", "trainer.lr=1e-5"], "--grid trainer.lr=1e-5: trainer.lr is given in two "
