@@ -523,6 +523,8 @@ def test_many_grid_points_keep_their_figures_readable(tmp_path):
     import itertools
     import warnings
 
+    from matplotlib.figure import Figure
+
     root = tmp_path / "many"
     root.mkdir()
     keys = {"trainer.lr": [1e-05, 3e-05], "rollout.max_new_tokens": [16, 32], "algo.ppo_minibatches": [1, 2],
@@ -537,3 +539,9 @@ def test_many_grid_points_keep_their_figures_readable(tmp_path):
         write_study_report(root)
     assert not [w for w in caught if "collapsed" in str(w.message)], [str(w.message) for w in caught]
     assert len(set(plots.palette(16))) == 16 and len(set(plots.palette(30))) == 30
+    # the per-step figures' markers repeat past 10 grid points, where η 0's colour did too
+    _, cells_ = study_cells(root)
+    groups = plots.groups_of([(c, read_run(c.run_dir)) for c in cells_])
+    ax = Figure().subplots()
+    assert plots._draw(ax, groups, plots._colors(groups), "perf/step_s", "step")
+    assert len({(line.get_color(), line.get_marker()) for line in ax.lines}) == len(groups) == 16
