@@ -35,6 +35,9 @@ GRID_KEYS = ("name", "queue.max_staleness", "algo.objective", "seed", "rollout.i
 INTERRUPTS = {"on": True, "off": False}  # --interrupt → rollout.interrupt_on_update
 SETS_ITSELF = ("(η: --etas, objective: --objectives, seed: --seeds, interruption: --interrupt, study name: "
                "--name, run_root: an override for every cell)")
+# a removed key → the study flag that replaces it (the config's own hint names algo.objective, which a study sets)
+REPLACED = {"algo.decoupled": "--objectives instead (decoupled: true → --objectives decoupled, false → "
+                              "--objectives naive, both: --objectives decoupled,naive)"}
 IDENTITY = ("config", "overrides", "etas", "objectives", "seeds", "interrupts", "grid")
 IDENTITY_DEFAULTS = {"interrupts": ["on"], "grid": []}  # of a study.json written before the key existed
 
@@ -231,6 +234,9 @@ def run_study(args: argparse.Namespace) -> int:
     etas = parse_ints("--etas", args.etas, "η")
     objectives = parse_objectives(args.objectives)
     interrupts = parse_interrupts(args.interrupt)
+    for flag, text in [*(("override", o) for o in args.overrides), *(("--grid", g) for g in args.grid)]:
+        if (key := text.partition("=")[0].strip()) in REPLACED:
+            raise ValueError(f"{flag} {text}: config key '{key}' is gone: give {REPLACED[key]}")
     cfg = load_config(args.config, args.overrides)  # a bad override fails here, before any cell
     seeds = parse_ints("--seeds", args.seeds, "seed") if args.seeds else [cfg.seed]
     given = {o.partition("=")[0].strip() for o in args.overrides}
@@ -247,7 +253,9 @@ def run_study(args: argparse.Namespace) -> int:
     total = cfg.trainer.total_steps
     grid = [(e, o, s, i, p) for s in seeds for p in points(axes) for e in etas for o in objectives
             for i in interrupts]
-    study = {"name": name, "config": args.config, "overrides": list(args.overrides), "total_steps": total,
+    varied = any(a.key == "trainer.total_steps" for a in axes)  # then no one step count is every cell's
+    study = {"name": name, "config": args.config, "overrides": list(args.overrides),
+             "total_steps": None if varied else total,
              "etas": etas, "objectives": objectives, "seeds": seeds, "interrupts": interrupts,
              "grid": [a.record() for a in axes],
              "cells": [{"name": cell_name(e, o, s, i, p, axes), "eta": e, "objective": o, "seed": s, "interrupt": i,

@@ -182,6 +182,16 @@ def test_a_grid_over_total_steps_judges_each_cell_by_its_own_steps(tmp_path, mon
     assert "2 finished before, 0 to run" in capsys.readouterr().out and not started
 
 
+def test_a_grid_over_total_steps_records_no_one_step_count(tmp_path, monkeypatch, capsys):
+    # study.json recorded the config's 50 as the step count of every cell, run for 2 and 3 steps
+    _record_jobs(monkeypatch)
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "--objectives", "naive", "--name", "t",
+                 "--grid", "trainer.total_steps=2,3"]) == 0
+    study = json.loads((tmp_path / "t" / "study.json").read_text())
+    assert study["total_steps"] is None
+    assert [c["grid"] for c in study["cells"]] == [{"trainer.total_steps": 2}, {"trainer.total_steps": 3}]
+
+
 def test_the_interruption_axis_names_only_its_non_default_cells(tmp_path, monkeypatch, capsys):
     started = {}
 
@@ -238,6 +248,10 @@ def test_the_interruption_axis_is_part_of_a_studys_identity(tmp_path, monkeypatc
     (["--grid", "seed=1,2"], "--grid seed=1,2: the study sets seed for each cell"),
     (["--grid", "algo.objective=tis,mis"], "the study sets algo.objective for each cell"),
     (["--grid", "run_root=a,b"], "the study sets run_root for each cell"),
+    # the config's hint for the removed key names algo.objective, which a study sets itself
+    (["--grid", "algo.decoupled=true,false"], "--grid algo.decoupled=true,false: config key 'algo.decoupled' is "
+                                              "gone: give --objectives instead (decoupled: true → --objectives decoupled"),
+    (["algo.decoupled=false"], "override algo.decoupled=false: config key 'algo.decoupled' is gone: give --objectives"),
     (["--grid", "trainer.lr=1e-6,1e-5", "trainer.lr=1e-5"], "trainer.lr is also set by the override trainer.lr=...; "
                                                              "a key is either varied (--grid) or fixed"),
     (["--grid", "trainer.lr=1e-6", "--grid", "trainer.lr=1e-5"], "--grid trainer.lr=1e-5: trainer.lr is given in two "

@@ -483,6 +483,14 @@ def test_threshold_options_are_checked(tmp_path, capsys):
     assert main([str(a), "--metric", "rollout/reward", "--threshold", "4"]) == 0  # not a fraction: any value
 
 
+def test_the_threshold_column_is_the_text_as_given(tmp_path):
+    # --threshold 0.50 was written as 0.5, against the column's "the threshold as given"
+    a = _write_run(tmp_path / "a", resumed_rows())
+    for given in ("0.50", "start+0.10"):
+        assert main([str(a), "--threshold", given, "--out", str(tmp_path / given)]) == 0
+        assert _csv(tmp_path / given / "summary.csv")[0]["threshold"] == given
+
+
 def test_the_html_table_scrolls_in_its_box_with_the_cell_column_in_view(tmp_path):
     a = _write_run(tmp_path / "a", [_train(k, 10.0 + 2 * k, 0.5, 0.0, 0.0, 60367.25, **{"train/behav_kl": -0.000123456})
                                     for k in range(2)])
@@ -515,6 +523,8 @@ def test_many_grid_points_keep_their_figures_readable(tmp_path):
     import itertools
     import warnings
 
+    from matplotlib.figure import Figure
+
     root = tmp_path / "many"
     root.mkdir()
     keys = {"trainer.lr": [1e-05, 3e-05], "rollout.max_new_tokens": [16, 32], "algo.ppo_minibatches": [1, 2],
@@ -529,3 +539,9 @@ def test_many_grid_points_keep_their_figures_readable(tmp_path):
         write_study_report(root)
     assert not [w for w in caught if "collapsed" in str(w.message)], [str(w.message) for w in caught]
     assert len(set(plots.palette(16))) == 16 and len(set(plots.palette(30))) == 30
+    # the per-step figures' markers repeat past 10 grid points, where η 0's colour did too
+    _, cells_ = study_cells(root)
+    groups = plots.groups_of([(c, read_run(c.run_dir)) for c in cells_])
+    ax = Figure().subplots()
+    assert plots._draw(ax, groups, plots._colors(groups), "perf/step_s", "step")
+    assert len({(line.get_color(), line.get_marker()) for line in ax.lines}) == len(groups) == 16

@@ -104,6 +104,9 @@ def by_point(groups: list[Group]) -> list[list[Group]]:
 
 
 def _colors(groups: list[Group]) -> dict[str, tuple]:
+    """A colour per label: its η's, or each its own where markers would repeat (past ``GRID_MARKERS``)."""
+    if len({g.point for g in groups}) > len(GRID_MARKERS):
+        return dict(zip([g.label for g in groups], palette(len(groups))))
     etas = sorted({g.eta for g in groups if g.eta is not None})
     cmap = matplotlib.colormaps["viridis"]
     by_eta = {e: cmap(0.85 * i / max(len(etas) - 1, 1)) for i, e in enumerate(etas)}

@@ -125,6 +125,7 @@ class Threshold:
     value: float = DEFAULT_THRESHOLD
     relative: bool = False
     window: int = DEFAULT_WINDOW
+    given: str = dataclasses.field(default="", compare=False)  # the text parsed, e.g. "0.50"
 
     @classmethod
     def parse(cls, text, metric: str = DEFAULT_METRIC, window: int = DEFAULT_WINDOW) -> Threshold:
@@ -145,11 +146,11 @@ class Threshold:
         if metric == "rollout/correct" and not relative and not 0.0 <= value <= 1.0:
             raise ValueError(f"threshold {spec}: rollout/correct is a fraction; give a threshold in [0, 1], "
                              f"e.g. --threshold 0.5")
-        return cls(metric, value, relative, window)
+        return cls(metric, value, relative, window, spec)
 
     def text(self) -> str:
-        """``"0.5"`` or ``"start+0.1"``: as it would be given."""
-        return f"{START if self.relative else ''}{self.value:.10g}"
+        """``"0.50"`` or ``"start+0.1"``: the text as given (else as it would be given)."""
+        return self.given or f"{START if self.relative else ''}{self.value:.10g}"
 
 
 def mean(values: list[float]) -> float | None:
