@@ -349,7 +349,7 @@ def run_job(cfg: Config, sup: Supervisor) -> None:
         [PY, "-m", "launcher.torchrun", "--nproc-per-node", str(cfg.trainer.nproc),
          "--master-port", str(cfg.trainer.master_port),
          # its agent's directories (a rank's error.json): the run's, not a /tmp/torchelastic_* left per job
-         "--log-dir", str(sup.log_dir / "torchrun"), "-m", "areal_async.trainer.main",
+         "--log-dir", str(cfg.run_dir / "logs" / "torchrun"), "-m", "areal_async.trainer.main",
          "--config", config_path],
         env={**placed.trainer.env,
              # its output reaches this terminal through a pipe: tell it whether bars can be drawn
