@@ -187,6 +187,9 @@ def write_study(root: pathlib.Path, study: dict) -> None:
     tmp.replace(root / "study.json")
 
 
+OOM_MARKS = ("CUDA out of memory", "OutOfMemoryError")  # torch's words for a device allocation that failed
+
+
 def error_line(job: Job) -> str:
     """The launcher's own error line of a failed cell (``[launcher] error: ...`` / ``job failed``),
     else its last line."""
@@ -325,6 +328,11 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, axes: list[Axi
         tail = "\n".join(f"    {line}" for line in job.last_lines(12))
         print(f"[ablation] failed cell {job.name} ({job.exit_text()}); last lines of {job.out}:\n{tail}",
               file=sys.stderr, flush=True)
+    out_of_memory = [job.name for job in failed if any(m in line for line in job.last_lines(400) for m in OOM_MARKS)]
+    if out_of_memory and args.parallel > 1:
+        print(f"[ablation] {len(out_of_memory)} failed cell(s) ran out of device memory with up to {args.parallel} "
+              f"side by side ({', '.join(out_of_memory)}): run the same command with a smaller --parallel to run "
+              f"them again (finished cells are skipped)", file=sys.stderr, flush=True)
     done = sum(c["state"] == "finished" for c in study["cells"])
     print(f"[ablation] {done}/{len(grid)} cells finished, {len(failed)} failed; study in {root}", flush=True)
     write_report(root)

@@ -416,3 +416,27 @@ def test_a_report_that_fails_leaves_the_studys_exit_status(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert "TypeError: a fault" in err and "[ablation] no report: the report failed (above); write it again with " \
         f"python tools/report.py {tmp_path / 'f'}" in err, err
+
+
+def test_cells_that_ran_out_of_device_memory_side_by_side_are_named_with_the_fix(tmp_path, monkeypatch, capsys):
+    # sixteen cells on one 80 GB GPU: thirteen died of CUDA out-of-memory and the study said only "failed"
+    lasts = ("  [trainer] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 38.00 MiB",
+             "[launcher] error: something else")
+
+    def fail_all(jobs, *args, **kwargs):
+        for job, last in zip(jobs, lasts):
+            kwargs["on_start"](job)
+            job.out.parent.mkdir(parents=True, exist_ok=True)
+            job.out.write_text(f"===== now $ {' '.join(job.argv)} =====\n{last}\n[launcher] job failed: exit 1\n")
+            job.returncode = 1
+            kwargs["on_end"](job)
+        return False
+
+    monkeypatch.setattr(launcher.ablation, "run_jobs", fail_all)
+    study = [CONFIG, f"run_root={tmp_path}", "--etas", "0,1", "--objectives", "naive", "--name", "m"]
+    assert main([*study, "--parallel", "2"]) == 1
+    err = capsys.readouterr().err
+    assert ("1 failed cell(s) ran out of device memory with up to 2 side by side (eta0-naive-s1): run the same "
+            "command with a smaller --parallel") in err, err
+    assert main([*study, "--parallel", "1"]) == 1  # one at a time: no smaller --parallel to give
+    assert "ran out of device memory" not in capsys.readouterr().err
