@@ -51,6 +51,14 @@ def multi_eos_model_dir(tiny_model_dir, tmp_path) -> pathlib.Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tok(tiny_model_dir):
+    """The tiny model's tokenizer (ChatML template); read only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
 @pytest.fixture
 def one_torch_thread():
     """Run the test with one intra-op thread (the servers' setting on a shared CPU)."""

@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from areal_async.rollout import env_limit
 from areal_async.rollout.env_limit import EnvTimeout
@@ -19,11 +18,6 @@ from areal_async.rollout.workflows import EnvWorkflow, OpenAIWorkflow, ToolLoop
 from areal_async.trainer.report import episode_metrics
 from areal_async.types import Array, Trajectory
 from tests.support.scripted import run_in_loop, run_workflow, scripted_episode
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def env(first=None, later=None, stop=None, turns: int = 1):

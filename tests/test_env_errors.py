@@ -11,7 +11,6 @@ import re
 import msgspec
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from areal_async.algo.advantages import group_advantages
 from areal_async.config import AlgoConfig, load_config
@@ -24,11 +23,6 @@ from areal_async.trainer.report import batch_metrics
 from areal_async.types import Array, EpisodeStats, Sample, Trajectory
 from tests.support.episodes import group0
 from tests.support.scripted import run_workflow, scripted_episode
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 class StepFails:

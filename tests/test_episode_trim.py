@@ -4,16 +4,8 @@ of the sample; a sequence with no sampled token is kept whole. Against a scripte
 
 from __future__ import annotations
 
-import pytest
-from transformers import AutoTokenizer
-
 from areal_async.rollout.workflows import EnvWorkflow
 from tests.support.scripted import run_workflow, scripted_episode
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 class NeverDone:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from transformers import AutoTokenizer
 
 from areal_async.config import RewardConfig
 from areal_async.reward.pool import RewardPool
@@ -17,11 +16,6 @@ from areal_async.tools import ToolSet
 from tests.support.scripted import ScriptedClient
 
 QUESTION = [{"role": "user", "content": "What is 12 times 7?"}]
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def run(tok, workflow, replies, max_turns=4, answer="84", question=QUESTION):
