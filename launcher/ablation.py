@@ -324,11 +324,14 @@ def _run_cells(args, study: dict, root: pathlib.Path, grid: list, axes: list[Axi
               file=sys.stderr, flush=True)
         return 130
     progress.close()
+    out_of_memory = []
     for job in failed:
-        tail = "\n".join(f"    {line}" for line in job.last_lines(12))
+        lines = job.last_lines(400)  # read once: its tail is shown, all of them are searched for out-of-memory
+        tail = "\n".join(f"    {line}" for line in lines[-12:])
         print(f"[ablation] failed cell {job.name} ({job.exit_text()}); last lines of {job.out}:\n{tail}",
               file=sys.stderr, flush=True)
-    out_of_memory = [job.name for job in failed if any(m in line for line in job.last_lines(400) for m in OOM_MARKS)]
+        if any(m in line for line in lines for m in OOM_MARKS):
+            out_of_memory.append(job.name)
     if out_of_memory and args.parallel > 1:
         print(f"[ablation] {len(out_of_memory)} failed cell(s) ran out of device memory with up to {args.parallel} "
               f"side by side ({', '.join(out_of_memory)}): run the same command with a smaller --parallel to run "
