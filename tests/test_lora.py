@@ -250,9 +250,13 @@ def test_lora_dropout_drops_only_in_gradient_passes(tiny_model_dir):
 
 def _run_rank(rank: int, world: int, rendezvous: str, model_dir: str, out_path: str, parallel: str,
               dtype: str) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
     from areal_async.trainer.lora import adapter_parameters, adapter_state_dict
+
+    faulthandler.enable()  # a crash in a rank prints its Python stack to the test's output
     from areal_async.trainer.policy import build_policy, full_state_dict, trainable_parameters
     from areal_async.trainer.step import train_step
 
@@ -271,6 +275,7 @@ def _run_rank(rank: int, world: int, rendezvous: str, model_dir: str, out_path: 
         merged = full_state_dict(policy)
         if rank == 0:
             torch.save({"adapters": adapters, "names": names, "merged": merged, "metrics": metrics}, out_path)
+        dist.barrier()  # no rank tears the group down while another still uses it, as trainer/main.py does
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()

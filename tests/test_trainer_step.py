@@ -26,11 +26,14 @@ from tests.support.batches import make_trajectories, shared_prefix_trajectories
 
 def _run_rank(rank: int, world: int, rendezvous: str, model_dir: str, out_path: str, parallel: str,
               device_type: str = "cpu", dtype: str = "float32", all_equal: bool = False) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
     from areal_async.trainer.policy import build_policy, full_state_dict, hf_model
     from areal_async.trainer.step import train_step
 
+    faulthandler.enable()  # a crash in a rank prints its Python stack to the test's output
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if device_type == "cuda":
@@ -52,6 +55,7 @@ def _run_rank(rank: int, world: int, rendezvous: str, model_dir: str, out_path: 
         state = full_state_dict(policy)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, out_path)
+        dist.barrier()  # no rank tears the group down while another still uses it, as trainer/main.py does
     finally:
         dist.destroy_process_group()
     # leave without interpreter finalization, as trainer/main.py does: a destroyed gloo group's
