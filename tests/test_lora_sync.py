@@ -355,10 +355,11 @@ def test_on_cuda_the_merged_adapter_is_what_the_cuda_graphs_serve(tiny_qwen3_dir
     """bf16 on CUDA, CUDA graphs on: the adapter server's greedy tokens and log-probs equal those of a
     fresh server whose full weights are the adapter server's merged ones, bit for bit, and differ
     from the base model's (a graph still reading the old weights would serve the base)."""
+    import aiohttp
+
     from areal_async.embedded.http_server import InferenceServer, serve
     from areal_async.embedded.loading import load_engine
     from areal_async.trainer.checkpoint import hf_metadata_files, write_hf_directory
-    import aiohttp
     from tests.support.servers import Api
 
     policy = peft_policy(tiny_qwen3_dir)
@@ -380,6 +381,8 @@ def test_on_cuda_the_merged_adapter_is_what_the_cuda_graphs_serve(tiny_qwen3_dir
     assert engine.forward.graphs is not None
     base, merged = asyncio.run(outputs(engine, tok, True))
     assert merged[0] != base[0]
+    kept = engine.adapter.base  # the base weights the merge starts from: on the host, not a second copy on the card
+    assert len(kept) == 14 and all(t.device.type == "cpu" and t.is_pinned() for t in kept.values())
     weights = {n: t.detach().cpu() for n, t in engine.forward.model.named_parameters()}
     full = write_hf_directory(tmp_path / "full", weights, hf_metadata_files(str(tiny_qwen3_dir), torch.bfloat16))
     engine2, tok2 = load_engine(str(full), "bfloat16", "cuda", 4, 256)
