@@ -24,7 +24,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from areal_async.config_hints import RENAMED, choices, finite_rule, given, is_non_finite, lookup, null_hint, quote_hint
+from areal_async.config_hints import (RENAMED, choices, finite_rule, given, is_non_finite, lookup, null_hint,
+                                      quote_hint, renamed_hint)
 from areal_async.config_rules import LORA_COMPILE_RULE, SEED_MAX, check_config  # noqa: F401 (re-exported)
 
 
@@ -445,7 +446,7 @@ def _check_keys(node_type: type, data: dict, where: str) -> None:
     fields = {f.name: f for f in msgspec.structs.fields(node_type)}
     for key, value in data.items():
         if f"{where}{key}" in RENAMED:
-            raise ValueError(f"config key '{where}{key}' is gone: {RENAMED[f'{where}{key}']}")
+            raise ValueError(f"config key '{where}{key}' is gone: {renamed_hint(f'{where}{key}')}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.0)
             hint = f"; did you mean '{where}{close[0]}'?" if close else ""

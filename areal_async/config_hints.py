@@ -1,6 +1,6 @@
 """The hints in a config error: what was given, the choices of a ``Literal``, how to quote a number
 for a ``str`` key, what to give instead of YAML null, the rule for a non-finite float, what
-replaced a renamed key (``RENAMED``).
+replaced a renamed key (``RENAMED``, ``renamed_hint``).
 
 Pure functions of the raw config ``data`` (nested dicts, as read from YAML and the overrides), a
 dotted ``key`` and the root config type; ``config.load_config`` and ``config.from_dict`` build
@@ -53,11 +53,22 @@ def quote_hint(data: dict, key: str, msg: str) -> str:
             f"{key.rpartition('.')[2]}: \"{text}\" in the YAML file")
 
 
-# a key that was replaced → what to give instead (refused with this hint, never read as the new key)
-RENAMED = {
-    "algo.decoupled": "give algo.objective instead (decoupled: true → algo.objective=decoupled, "
-                      "decoupled: false → algo.objective=naive)",
+# a key that was replaced → (the key that replaced it, {old value: new value}); refused with
+# ``renamed_hint``, never read as the new key
+RENAMED: dict[str, tuple[str, dict]] = {
+    "algo.decoupled": ("algo.objective", {True: "decoupled", False: "naive"}),
 }
+
+
+def renamed_hint(key: str, flag: str = "") -> str:
+    """What to give instead of the replaced dotted ``key`` (a key of ``RENAMED``), as an override of
+    the key that replaced it, or as ``flag`` (a command-line flag that sets that key) if given."""
+    new, values = RENAMED[key]
+    short = key.rpartition(".")[2]
+    given = (lambda v: f"{flag} {v}") if flag else (lambda v: f"{new}={v}")
+    pairs = ", ".join(f"{short}: {json.dumps(old)} → {given(value)}" for old, value in values.items())
+    both = f", both: {flag} {','.join(map(str, values.values()))}" if flag and len(values) > 1 else ""
+    return f"give {flag or new} instead ({pairs}{both})"
 
 MISSING = object()
 

@@ -22,6 +22,7 @@ import traceback
 import typing
 
 from areal_async.config import Objective, load_config
+from areal_async.config_hints import RENAMED, renamed_hint
 from areal_async.file_lock import file_lock
 from areal_async.progress import progress_mode
 from launcher.jobs import Job, local_argv, run_jobs
@@ -35,9 +36,8 @@ GRID_KEYS = ("name", "queue.max_staleness", "algo.objective", "seed", "rollout.i
 INTERRUPTS = {"on": True, "off": False}  # --interrupt → rollout.interrupt_on_update
 SETS_ITSELF = ("(η: --etas, objective: --objectives, seed: --seeds, interruption: --interrupt, study name: "
                "--name, run_root: an override for every cell)")
-# a removed key → the study flag that replaces it (the config's own hint names algo.objective, which a study sets)
-REPLACED = {"algo.decoupled": "--objectives instead (decoupled: true → --objectives decoupled, false → "
-                              "--objectives naive, both: --objectives decoupled,naive)"}
+# a config key the study sets → its flag: what replaces a removed key (config_hints.RENAMED) that maps to it
+FLAGS = {"algo.objective": "--objectives", "queue.max_staleness": "--etas", "seed": "--seeds"}
 IDENTITY = ("config", "overrides", "etas", "objectives", "seeds", "interrupts", "grid")
 IDENTITY_DEFAULTS = {"interrupts": ["on"], "grid": []}  # of a study.json written before the key existed
 
@@ -238,8 +238,9 @@ def run_study(args: argparse.Namespace) -> int:
     objectives = parse_objectives(args.objectives)
     interrupts = parse_interrupts(args.interrupt)
     for flag, text in [*(("override", o) for o in args.overrides), *(("--grid", g) for g in args.grid)]:
-        if (key := text.partition("=")[0].strip()) in REPLACED:
-            raise ValueError(f"{flag} {text}: config key '{key}' is gone: give {REPLACED[key]}")
+        if (key := text.partition("=")[0].strip()) in RENAMED:
+            raise ValueError(f"{flag} {text}: config key '{key}' is gone: "
+                             f"{renamed_hint(key, FLAGS.get(RENAMED[key][0], ''))}")
     cfg = load_config(args.config, args.overrides)  # a bad override fails here, before any cell
     seeds = parse_ints("--seeds", args.seeds, "seed") if args.seeds else [cfg.seed]
     given = {o.partition("=")[0].strip() for o in args.overrides}

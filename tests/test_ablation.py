@@ -440,3 +440,15 @@ def test_cells_that_ran_out_of_device_memory_side_by_side_are_named_with_the_fix
             "command with a smaller --parallel") in err, err
     assert main([*study, "--parallel", "1"]) == 1  # one at a time: no smaller --parallel to give
     assert "ran out of device memory" not in capsys.readouterr().err
+
+
+def test_a_removed_key_is_refused_as_the_config_refuses_it(tmp_path, capsys, monkeypatch):
+    # the study refused only the removed keys it listed itself, not those of config_hints.RENAMED:
+    # a key removed later reached load_config and lost the study's flag and the override it came in
+    import areal_async.config_hints as hints
+
+    monkeypatch.setitem(hints.RENAMED, "queue.staleness", ("queue.max_staleness", {"low": 1, "high": 8}))
+    monkeypatch.setattr(launcher.ablation, "run_jobs", lambda *a, **k: pytest.fail("a cell was started"))
+    assert main([CONFIG, f"run_root={tmp_path}", "--etas", "0", "queue.staleness=low"]) == 2
+    assert ("override queue.staleness=low: config key 'queue.staleness' is gone: give --etas instead (staleness: "
+            "\"low\" → --etas 1, staleness: \"high\" → --etas 8, both: --etas 1,8)") in capsys.readouterr().err
