@@ -24,8 +24,8 @@ import jinja2
 import markupsafe
 
 from areal_async.report import plots
-from areal_async.report.runs import (RESUME_GAP_S, ReportInputError, RunMetrics, config_differences, read_cell_config,
-                                     read_run)
+from areal_async.report.runs import (RESUME_GAP_S, ReportInputError, RunMetrics, cell_config, config_differences,
+                                     read_config, read_run)
 from areal_async.report.summary import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_WINDOW, POINT_MEANS, Cell,
                                         Threshold, add_speedups, by_grid_point, columns, summarize, write_csv)
 
@@ -74,8 +74,10 @@ def study_cells(root: pathlib.Path) -> tuple[dict, list[Cell]]:
     return study, cells
 
 
-def run_cell(run_dir: pathlib.Path, group_by: list[str] = ()) -> Cell:
-    cfg = read_cell_config(run_dir, group_by)
+def run_cell(run_dir: pathlib.Path, group_by: list[str] = (), config: dict | None = None) -> Cell:
+    """The cell of a run directory given alone; ``config``: its ``config.yaml`` if read already
+    (``runs.read_config``), else it is read here."""
+    cfg = cell_config(config if config is not None else read_config(run_dir), group_by)
     return Cell(run_dir.name or str(run_dir), run_dir, eta=cfg["eta"], objective=cfg["objective"],
                 interrupt=cfg["interrupt"], seed=cfg["seed"], grid=cfg["grid"])
 
@@ -256,7 +258,8 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
                                    f"{OWN_KEYS[key]}; leave it out of --group-by")
     if out is None and len(paths) > 1:
         raise ReportInputError(f"{len(paths)} run directories and no --out: give --out DIR for their report")
-    cells = [run_cell(p, group_by) for p in paths]
+    configs = {p: read_config(p) for p in paths}  # each read once: for its cell and for check_distinct
+    cells = [run_cell(p, group_by, configs[p]) for p in paths]
     for key in group_by:
         if all(c.grid[key] is None for c in cells):
             raise ReportInputError(f"--group-by {key}: no run's config.yaml has it; give a dotted config key, e.g. "
@@ -264,21 +267,22 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
         if any(isinstance(c.grid[key], dict) for c in cells):
             raise ReportInputError(f"--group-by {key}: it is a section of the config; group by one of its keys, "
                                    f"--group-by {key}.NAME")
-    check_distinct(cells)
+    check_distinct(cells, [configs[p] for p in paths])
     title = f"Runs {', '.join(c.name for c in cells)}" if len(cells) <= 4 else f"{len(cells)} runs"
     return write_report(cells, out or paths[0], title=title, strict=True, **kwargs)
 
 
-def check_distinct(cells: list[Cell]) -> None:
+def check_distinct(cells: list[Cell], configs: list[dict | None]) -> None:
     """Raise ``ReportInputError`` for two runs of one grid point and seed whose ``config.yaml``
-    differ (``runs.config_differences``): the report would average them and take either as the
-    other's η = 0 twin; the message names the keys to give as ``--group-by``."""
-    seen: dict[str, Cell] = {}
-    for cell in cells:
+    (``configs``, one per cell, as ``runs.read_config`` gives it) differ (``runs.config_differences``):
+    the report would average them and take either as the other's η = 0 twin; the message names
+    the keys to give as ``--group-by``."""
+    seen: dict[str, tuple[Cell, dict | None]] = {}
+    for cell, config in zip(cells, configs):
         point = json.dumps([cell.eta, cell.objective, cell.interrupt, cell.seed, sorted(cell.grid.items())],
                            default=str)
-        other = seen.setdefault(point, cell)
-        differ = config_differences(other.run_dir, cell.run_dir) if other is not cell else []
+        other, first = seen.setdefault(point, (cell, config))
+        differ = config_differences(first, config) if other is not cell else []
         if differ:
             raise ReportInputError(f"{other.run_dir} and {cell.run_dir} have one η, objective, interruption, seed "
                                    f"and --group-by values but their config.yaml differ in {', '.join(differ[:6])}: "

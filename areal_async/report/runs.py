@@ -2,7 +2,7 @@
 
 ``read_run`` returns each step once (the last occurrence in ``metrics.jsonl`` wins, training and
 evaluation rows apart), in step order, each row with ``clock_s``: seconds since the run's start,
-resume downtime left out. ``read_cell_config`` reads the grid values from ``config.yaml``.
+resume downtime left out. ``read_config`` reads a run's ``config.yaml``, ``cell_config`` its grid values.
 The rows, the clock and resume gaps: docs/dashboards.md#how-a-run-is-read.
 """
 
@@ -157,20 +157,32 @@ def dotted(cfg: dict, key: str):
     return cfg
 
 
+def read_config(run_dir: pathlib.Path) -> dict | None:
+    """``run_dir/config.yaml`` as a dict; ``None`` where it is missing, unreadable or not a mapping."""
+    try:
+        cfg = yaml.safe_load((pathlib.Path(run_dir) / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return cfg if isinstance(cfg, dict) else {} if cfg is None else None
+
+
 def read_cell_config(run_dir: pathlib.Path, group_by: list[str] = ()) -> dict:
-    """``eta``, ``objective``, ``interrupt``, ``seed`` from ``run_dir/config.yaml``, and ``grid``:
-    ``{key: value}`` of each dotted key of ``group_by`` (``None`` where missing).
+    """``cell_config`` of ``run_dir/config.yaml``."""
+    return cell_config(read_config(run_dir), group_by)
+
+
+def cell_config(cfg: dict | None, group_by: list[str] = ()) -> dict:
+    """``eta``, ``objective``, ``interrupt``, ``seed`` of a run's config (``read_config``), and
+    ``grid``: ``{key: value}`` of each dotted key of ``group_by`` (``None`` where missing).
 
     ``queue.max_staleness``; ``algo.objective`` (a run written before it replaced the boolean
     ``algo.decoupled``: true → ``"decoupled"``, false → ``"naive"``);
     ``rollout.interrupt_on_update`` → ``"on"``/``"off"`` (a config without the key, written before
-    the switch existed, → ``"on"``, its default and the only behaviour then); ``seed``. A missing
-    or unreadable file gives ``None`` for all four, a missing key (or a non-boolean switch)
-    ``None`` for its value.
+    the switch existed, → ``"on"``, its default and the only behaviour then); ``seed``. No config
+    (``None``) gives ``None`` for all four, a missing key (or a non-boolean switch) ``None`` for
+    its value.
     """
-    try:
-        cfg = yaml.safe_load((pathlib.Path(run_dir) / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
+    if cfg is None:
         return {**dict.fromkeys(("eta", "objective", "interrupt", "seed")), "grid": dict.fromkeys(group_by)}
     algo = cfg.get("algo") or {}
     objective = algo.get("objective", {True: "decoupled", False: "naive"}.get(algo.get("decoupled")))
@@ -191,14 +203,10 @@ def _flat(cfg: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_differences(a: pathlib.Path, b: pathlib.Path) -> list[str]:
-    """The dotted keys both ``config.yaml`` of run directories ``a`` and ``b`` hold with different
-    values, ``PER_RUN`` keys left out; ``[]`` where either file is missing or unreadable."""
-    try:
-        ca, cb = (yaml.safe_load((pathlib.Path(d) / "config.yaml").read_text()) for d in (a, b))
-    except (OSError, yaml.YAMLError):
+def config_differences(a: dict | None, b: dict | None) -> list[str]:
+    """The dotted keys both configs ``a`` and ``b`` of two runs (``read_config``) hold with
+    different values, ``PER_RUN`` keys left out; ``[]`` where either is ``None``."""
+    if a is None or b is None:
         return []
-    if not isinstance(ca, dict) or not isinstance(cb, dict):
-        return []
-    ca, cb = _flat(ca), _flat(cb)
+    ca, cb = _flat(a), _flat(b)
     return [k for k in ca if k in cb and not PER_RUN.search(k) and ca[k] != cb[k]]
