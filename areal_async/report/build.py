@@ -23,9 +23,10 @@ import sys
 import jinja2
 import markupsafe
 
+from areal_async.config_hints import RENAMED
 from areal_async.report import plots
 from areal_async.report.runs import (RESUME_GAP_S, ReportInputError, RunMetrics, cell_config, config_differences,
-                                     read_config, read_run)
+                                     lacks, read_config, read_run)
 from areal_async.report.summary import (DEFAULT_METRIC, DEFAULT_THRESHOLD, DEFAULT_WINDOW, POINT_MEANS, Cell,
                                         Threshold, add_speedups, by_grid_point, columns, summarize, write_csv)
 
@@ -274,20 +275,26 @@ def report_paths(paths: list[pathlib.Path], out: pathlib.Path | None, group_by: 
 
 def check_distinct(cells: list[Cell], configs: list[dict | None]) -> None:
     """Raise ``ReportInputError`` for two runs of one grid point and seed whose ``config.yaml``
-    (``configs``, one per cell, as ``runs.read_config`` gives it) differ (``runs.config_differences``):
-    the report would average them and take either as the other's η = 0 twin; the message names
-    the keys to give as ``--group-by``."""
+    (``configs``, one per cell, as ``runs.read_config`` gives it) differ (``runs.config_differences``;
+    a key one lacks counts): the report would average them and take either as the other's η = 0
+    twin; the message names the keys to give as ``--group-by``. The point's own keys (``OWN_KEYS``,
+    the keys they replaced, the ``--group-by`` keys) are compared as the cells' values."""
     seen: dict[str, tuple[Cell, dict | None]] = {}
+    own = {*OWN_KEYS, *(old for old, (new, _) in RENAMED.items() if new in OWN_KEYS)}
     for cell, config in zip(cells, configs):
         point = json.dumps([cell.eta, cell.objective, cell.interrupt, cell.seed, sorted(cell.grid.items())],
                            default=str)
         other, first = seen.setdefault(point, (cell, config))
-        differ = config_differences(first, config) if other is not cell else []
+        differ = config_differences(first, config, {*own, *cell.grid}) if other is not cell else []
         if differ:
+            named = [f"{k} (not in {(other if lacks(first, k) else cell).run_dir / 'config.yaml'})"
+                     if lacks(first, k) or lacks(config, k) else k for k in differ[:6]]
+            model = ("; model.path counts as the same only where both runs' are one built-in model in their "
+                     "model.cache_dir" if "model.path" in differ[:6] else "")
             raise ReportInputError(f"{other.run_dir} and {cell.run_dir} have one η, objective, interruption, seed "
-                                   f"and --group-by values but their config.yaml differ in {', '.join(differ[:6])}: "
-                                   f"the report would mix them; give --group-by {differ[0]} (repeatable) for each "
-                                   f"key that tells them apart, or leave one out")
+                                   f"and --group-by values but their config.yaml differ in {', '.join(named)}"
+                                   f"{model}: the report would mix them; give --group-by {differ[0]} (repeatable) "
+                                   f"for each key that tells them apart, or leave one out")
 
 
 def main(argv: list[str] | None = None) -> int:

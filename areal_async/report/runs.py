@@ -12,9 +12,14 @@ import dataclasses
 import json
 import math
 import pathlib
+import posixpath
 import re
+import typing
 
 import yaml
+
+from areal_async.config import ModelConfig
+from areal_async.model.source import BUILTIN_MODELS
 
 # where runs of one setting differ: their names, directories, logging, where each ran (ports, hosts, devices)
 # and whether the job was a resumed one (trainer.resume)
@@ -203,10 +208,44 @@ def _flat(cfg: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_differences(a: dict | None, b: dict | None) -> list[str]:
-    """The dotted keys both configs ``a`` and ``b`` of two runs (``read_config``) hold with
-    different values, ``PER_RUN`` keys left out; ``[]`` where either is ``None``."""
+def builtin_model(cfg: dict) -> str | None:
+    """The built-in model (a name of ``BUILTIN_MODELS``) a run's config trains, ``None`` for any
+    other: ``model.path`` is its name, or ``<model.cache_dir>/<name>``, where the launcher puts it;
+    a ``~`` or relative ``model.cache_dir`` matches under any directory (the home or working
+    directory of the machine the run was on). A directory of that name elsewhere is not one."""
+    path, cache = dotted(cfg, "model.path"), dotted(cfg, "model.cache_dir")
+    if not isinstance(path, str):
+        return None
+    if path in BUILTIN_MODELS:
+        return path
+    where = pathlib.PurePosixPath(posixpath.normpath(path))
+    if where.name not in BUILTIN_MODELS:
+        return None
+    cache = pathlib.PurePosixPath(posixpath.normpath(cache if isinstance(cache, str) else ModelConfig().cache_dir))
+    parts = cache.parts[1:] if cache.parts and cache.parts[0].startswith("~") else cache.parts
+    under = where.parent.parts
+    if cache.is_absolute():
+        return where.name if under == parts else None
+    return where.name if not parts or under[-len(parts):] == parts else None
+
+
+def config_differences(a: dict | None, b: dict | None, same: typing.Collection[str] = ()) -> list[str]:
+    """The dotted keys whose values differ in configs ``a`` and ``b`` of two runs (``read_config``),
+    a key that one holds and the other lacks included; ``[]`` where either is ``None``. Left out:
+    ``PER_RUN`` keys, those of ``same`` (compared otherwise), and ``model.path`` and
+    ``model.cache_dir`` where both runs train the same built-in model (``builtin_model``): then
+    they are only where it lies on each machine."""
     if a is None or b is None:
         return []
     ca, cb = _flat(a), _flat(b)
-    return [k for k in ca if k in cb and not PER_RUN.search(k) and ca[k] != cb[k]]
+    model = builtin_model(a)
+    if model is not None and model == builtin_model(b):
+        same = {*same, "model.path", "model.cache_dir"}
+    keys = [*ca, *(k for k in cb if k not in ca)]
+    return [k for k in keys if not PER_RUN.search(k) and k not in same
+            and (k not in ca or k not in cb or ca[k] != cb[k])]
+
+
+def lacks(cfg: dict, key: str) -> bool:
+    """Whether a run's config holds no dotted ``key`` (a key absent, not one set to null)."""
+    return key not in _flat(cfg)
