@@ -12,6 +12,8 @@ from collections import defaultdict
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.textpath import TextToPath
 
 from areal_async.report.runs import RunMetrics
 from areal_async.report.summary import Cell, Threshold
@@ -19,6 +21,7 @@ from areal_async.report.summary import Cell, Threshold
 STYLES = {"decoupled": "-", "naive": "--"}
 OFF = {"marker": "x", "alpha": 0.6}  # how a group without interruption is drawn, when both occur
 NOTES = {"off": "no interruption", None: "interruption unknown"}  # label notes when interruption differs
+AXES_IN = 0.8  # the share of a subplot's width its axes take (the rest: tick labels and the y label)
 GRID_MARKERS = ("o", "s", "^", "v", "D", "P", "*", "<", ">", "h")  # a grid point's marker, when there are several
 DIAGNOSTICS = [("train/importance_weight", "mean w = π_prox/π_behav after the cap"),
                ("train/behav_kl", "mean log π_prox − log π_behav (naive: θ − behav)"),
@@ -185,10 +188,10 @@ def learning_curves(groups: list[Group], xaxis: str, rule: Threshold) -> Panel |
             drew |= _draw(ax, point, colors, key, xaxis, window)
             ax.set_ylabel(f"{key} ({window}-step trailing mean)")
             if len(points) > 1:
-                ax.set_title(point[0].grid_text, fontsize=9)
+                ax.set_title(wrap_label(point[0].grid_text, AXES_IN * 12 / 2, 9), fontsize=9)
             if key == rule.metric and not rule.relative:
                 ax.axhline(rule.value, color="grey", lw=0.8, ls=":", label=f"threshold {rule.value:g}")
-        axes[1].legend(fontsize=8)
+        axes_legend(axes[1], AXES_IN * 12 / 2, 8)
     if not drew:
         return None
     what = "step" if xaxis == "step" else "wall time"
@@ -200,14 +203,19 @@ def learning_curves(groups: list[Group], xaxis: str, rule: Threshold) -> Panel |
 
 def eval_curves(groups: list[Group]) -> Panel | None:
     """Greedy ``eval/pass@1`` against the evaluated policy version."""
-    fig = Figure(layout="constrained", figsize=(6.5, 4.2))
+    inside = fits_in_axes([g.label for g in groups], AXES_IN * 6.5, 8, 6)
+    fig = Figure(layout="constrained", figsize=(6.5, 4.2 + (0.0 if inside else legend_inches(
+        [g.label for g in groups], 6.5 - 0.2, 8))))
     ax = fig.subplots()
     drew = _draw(ax, groups, _colors(groups), "eval/pass@1", "step", evals=True, marker="o")
     if not drew:
         return None
     ax.set_xlabel("policy version (training steps done)")
     ax.set_ylabel("eval/pass@1 (greedy)")
-    ax.legend(fontsize=8)
+    if inside:
+        axes_legend(ax, AXES_IN * 6.5, 8)
+    else:  # below the axes, which it would hide
+        figure_legend(fig, *ax.get_legend_handles_labels(), 8)
     return Panel("Evaluation pass@1 over training", "Greedy pass@1 on the test prompts at each evaluated "
                  "version; line: mean over seeds, band: min–max.", _png(fig))
 
@@ -224,7 +232,15 @@ def _by_eta(rows: list[dict], columns: tuple[str, ...]) -> Figure | None:
                    key=lambda k: (grids.index(k[2]), k[0] not in STYLES, k[0], k[1] != "on", k[1] or ""))
     # a line's colour: its objective when interruption differs, its (grid point, objective) when grid points do
     hues = list(dict.fromkeys((g, o) if len(grids) > 1 else o for o, _, g in lines))
-    below = legend_inches(len(lines), 2) if len(lines) > 4 else 0.0  # the legend's room: the axes keep theirs
+
+    def label(objective: str, interrupt: str | None, grid: str) -> str:
+        note = interruption_note(interrupt, values)
+        point = ", ".join(f"{k}={json.dumps(v)}" for k, v in json.loads(grid).items()) if len(grids) > 1 else ""
+        return objective + (f", {note}" if note else "") + (f", {point}" if point else "")
+
+    labels = [label(*line) for line in lines]
+    inside = fits_in_axes(labels, AXES_IN * 4.2, 8, 4)
+    below = 0.0 if inside else legend_inches(labels, 4.2 * len(columns) - 0.2, 8)  # the axes keep their room
     fig = Figure(layout="constrained", figsize=(4.2 * len(columns), 4.2 + below))
     axes = fig.subplots(1, len(columns))
     drew = False
@@ -247,19 +263,17 @@ def _by_eta(rows: list[dict], columns: tuple[str, ...]) -> Figure | None:
             style = {"color": palette(len(hues))[hue]} if len(values) > 1 or len(grids) > 1 else {}
             if off:
                 style["alpha"] = OFF["alpha"]
-            point = ", ".join(f"{k}={json.dumps(v)}" for k, v in json.loads(grid).items()) if len(grids) > 1 else ""
             ax.set_xticks(sorted({r["eta"] for r in rows}))
             ax.errorbar(etas, m, yerr=err, fmt=STYLES.get(objective, "-") + ("x" if off else "o"), capsize=3,
-                        label=objective + (f", {note}" if note else "") + (f", {point}" if point else ""), **style)
+                        label=label(objective, interrupt, grid), **style)
             drew = True
         ax.set_xlabel("η (max staleness)")
         ax.set_ylabel(column.replace("_", " "))
         ax.grid(alpha=0.3)
-        if ax.lines and len(lines) <= 4:
-            ax.legend(fontsize=8)
-    if drew and len(lines) > 4:  # one legend under the axes, which it would hide
-        handles, labels = next(ax for ax in axes if ax.lines).get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8)
+        if ax.lines and inside:
+            axes_legend(ax, AXES_IN * 4.2, 8)
+    if drew and not inside:  # one legend under the axes, which it would hide
+        figure_legend(fig, *next(ax for ax in axes if ax.lines).get_legend_handles_labels(), 8)
     return fig if drew else None
 
 
@@ -325,7 +339,8 @@ def staleness_histograms(groups: list[Group]) -> Panel | None:
     colors = dict(zip(names, palette(len(names))))  # a series keeps its colour across the η panels
     cols = min(len(keys), 4)
     nrows = -(-len(keys) // cols)
-    below = legend_inches(len(names), 1) if len(names) > 6 else 0.0  # one legend under the axes, which it would hide
+    inside = fits_in_axes(names, AXES_IN * 3.6, 7, 6)
+    below = 0.0 if inside else legend_inches(names, 3.6 * cols - 0.2, 7)  # below the axes, which it would hide
     fig = Figure(layout="constrained", figsize=(3.6 * cols, 3.0 * nrows + below))
     axes = fig.subplots(nrows, cols, squeeze=False)
     for ax, key in zip(axes.flat, keys):
@@ -340,11 +355,11 @@ def staleness_histograms(groups: list[Group]) -> Panel | None:
         ax.set_xticks(range(len(edges) - 1))
         ax.set_xlabel("staleness (steps)")
         ax.set_ylabel("fraction of samples")
-        if not below:
-            ax.legend(fontsize=7)
-    if below:
+        if inside:
+            axes_legend(ax, AXES_IN * 3.6, 7)
+    if not inside:
         handles = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels())}
-        fig.legend([handles[n] for n in names], names, loc="outside lower center", ncols=1, fontsize=7)
+        figure_legend(fig, [handles[n] for n in names], names, 7)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     return Panel("Staleness histograms per η", "Fraction of trained samples by staleness = step − version that "
@@ -376,26 +391,88 @@ def palette(n: int) -> list[tuple]:
     return [matplotlib.colormaps["turbo"](i / (n - 1)) for i in range(n)]
 
 
-def legend_inches(entries: int, ncols: int) -> float:
-    """The height a figure legend of ``entries`` in ``ncols`` columns (font size 7–8) takes, in inches."""
-    return 0.2 * -(-entries // ncols) + 0.2
+def text_inches(text: str, fontsize: float) -> float:
+    """The width of one line of ``text`` at ``fontsize`` points in the default font, in inches
+    (5 % over matplotlib's glyph advance: what the drawn text takes)."""
+    width, _, _ = TextToPath().get_text_width_height_descent(text, FontProperties(size=fontsize), ismath=False)
+    return 1.05 * width / 72
+
+
+def wrap_label(label: str, width_in: float, fontsize: float) -> str:
+    """``label`` in lines of at most ``width_in`` inches: broken after ``", "`` where it can, else
+    inside a part."""
+    lines: list[str] = []
+    for part in label.split(", "):
+        joined = f"{lines[-1]}, {part}" if lines else part
+        if lines and text_inches(joined, fontsize) <= width_in:
+            lines[-1] = joined
+            continue
+        if lines:
+            lines[-1] += ","
+        while len(part) > 1 and text_inches(part, fontsize) > width_in:
+            cut = 1
+            while cut < len(part) - 1 and text_inches(part[:cut + 1], fontsize) <= width_in:
+                cut += 1
+            lines.append(part[:cut])
+            part = part[cut:]
+        lines.append(part)
+    return "\n".join(lines)
+
+
+def legend_layout(labels: list[str], width_in: float, fontsize: float) -> tuple[list[str], int, float]:
+    """A legend across ``width_in`` inches: ``labels`` wrapped to fit it, the most columns their
+    widths leave room for, and the legend's height in inches (with its margin)."""
+    pt = fontsize / 72  # matplotlib's legend spacings are in font sizes
+    text_room = width_in - (2 * 0.4 + 2.0 + 0.8 + 0.5) * pt  # border pads, handle, its pad, slack
+    wrapped = [wrap_label(label, text_room, fontsize) for label in labels]
+    widest = max((text_inches(line, fontsize) for label in wrapped for line in label.split("\n")), default=0.0)
+    entry = widest + (2.0 + 0.8) * pt
+    ncols = max(1, min(len(labels), int((text_room + 2.0 * pt) // (entry + 2.0 * pt))))
+    rows = -(-len(labels) // ncols)
+    columns = [wrapped[i * rows:(i + 1) * rows] for i in range(ncols)]  # matplotlib fills column by column
+    lines = max(sum(label.count("\n") + 1 for label in column) for column in columns) if labels else 0
+    return wrapped, ncols, (lines * 1.25 + (rows - 1) * 0.5 + 2 * 0.4) * pt + 0.2
+
+
+def legend_inches(labels: list[str], width_in: float, fontsize: float) -> float:
+    """The height a figure legend of ``labels`` across ``width_in`` inches takes (``legend_layout``)."""
+    return legend_layout(labels, width_in, fontsize)[2]
+
+
+def figure_legend(fig, handles: list, labels: list[str], fontsize: float) -> None:
+    """One legend below the axes, its labels wrapped and its columns chosen to fit the figure's width."""
+    wrapped, ncols, _ = legend_layout(labels, fig.get_figwidth() - 0.2, fontsize)
+    fig.legend(handles, wrapped, loc="outside lower center", ncols=ncols, fontsize=fontsize)
+
+
+def axes_legend(ax, width_in: float, fontsize: float) -> None:
+    """The legend of ``ax`` (``width_in`` inches wide) inside it, each label wrapped to half its width."""
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, [wrap_label(label, width_in / 2, fontsize) for label in labels], fontsize=fontsize)
+
+
+def fits_in_axes(labels: list[str], width_in: float, fontsize: float, most: int) -> bool:
+    """Whether a legend of ``labels`` belongs inside axes ``width_in`` inches wide: at most ``most``
+    entries, each within half its width unwrapped; else it goes below them (``figure_legend``)."""
+    return len(labels) <= most and all(text_inches(label, fontsize) <= width_in / 2 for label in labels)
 
 
 def _per_step_grid(groups: list[Group], present: list[tuple[str, str]], title: str) -> Panel:
     cols = min(len(present), 3)
     nrows = -(-len(present) // cols)
-    below = legend_inches(len(groups), 3) if len(groups) > 6 else 0.0  # the legend's room: the axes keep theirs
+    labels = [g.label for g in groups]
+    inside = fits_in_axes(labels, AXES_IN * 4.4, 7, 6)
+    below = 0.0 if inside else legend_inches(labels, 4.4 * cols - 0.2, 7)  # the legend's room: the axes keep theirs
     fig = Figure(layout="constrained", figsize=(4.4 * cols, 3.3 * nrows + below))
     axes = fig.subplots(nrows, cols, squeeze=False)
     colors = _colors(groups)
     for ax, (key, meaning) in zip(axes.flat, present):
         _draw(ax, groups, colors, key, "step")
         ax.set_title(f"{key}\n{meaning}", fontsize=9)
-    if len(groups) <= 6:
-        axes.flat[0].legend(fontsize=7)
+    if inside:
+        axes_legend(axes.flat[0], AXES_IN * 4.4, 7)
     else:  # one legend under the axes, which it would hide
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=7)
+        figure_legend(fig, *axes.flat[0].get_legend_handles_labels(), 7)
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")
     return Panel(title, "Per step (no smoothing); line: mean over seeds, band: min–max.", _png(fig))
