@@ -7,7 +7,9 @@ unchanged) continues it: the new messages are rendered after the recorded ids
 history, reasoning stripped from an earlier turn) starts a new training sequence of the episode
 (``Episode.start``): never a corrupted one. Calls of one episode are made one at a time.
 Sampling follows the run (``rollout.temperature``, ``top_p``); a call that asks otherwise, or for
-``n > 1``, streaming or ``tools``, is answered 400 naming the field.
+``n > 1``, streaming or ``tools``, is answered 400 naming the field. A generation that fails (a
+server gone, its retries used up) is kept in ``failure``: the workflow raises it once ``run`` ends,
+whatever ``run`` made of it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class RecordingEndpoint:
     def __init__(self, episode: Episode, temperature: float, top_p: float):
         self.episode, self.temperature, self.top_p = episode, temperature, top_p
         self.refusals = 0  # calls answered 400 for a limit: max_turns, max_episode_tokens, the context
+        self.failure: Exception | None = None  # the first generation that failed, raised by the workflow
         self._busy = False
 
     @contextlib.asynccontextmanager
@@ -80,6 +83,9 @@ class RecordingEndpoint:
         except EpisodeTruncated as exc:
             self.refusals += 1
             return _error(400, str(exc))
+        except Exception as exc:  # the engine's failure, not the agent's: kept for the workflow to raise
+            self.failure = self.failure or exc
+            raise
         content = _trim(turn.text, stop)
         return httpx.Response(200, json={
             "id": f"chatcmpl-{ep.name}-t{turn.index}", "object": "chat.completion",

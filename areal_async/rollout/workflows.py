@@ -216,7 +216,9 @@ class OpenAIWorkflow:
     reward 0, ``correct`` False (``env_errors.py``).
 
     Raises (from a call): ``TypeError`` for another return value; under ``on_env_error: raise``,
-    what ``run`` raises, with the episode named, and ``EnvTimeout`` for a ``run`` past the limit.
+    what ``run`` raises, with the episode named, and ``EnvTimeout`` for a ``run`` past the limit;
+    under either, a generation's failure in one of ``run``'s calls (the client's error, as is),
+    also when ``run`` caught it.
     """
 
     def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float, env_timeout_s: float = 0.0,
@@ -237,11 +239,13 @@ class OpenAIWorkflow:
             except EnvTimeout as exc:
                 self.errors.fail(exc, _name(self.fn), where, ep.stats)
             except Exception as exc:
+                _raise_generation_failure(endpoint)
                 if not endpoint.refusals:
                     self.errors.fail(exc, _name(self.fn), where, ep.stats)
                 result = 0.0  # a call past a limit was refused and the agent gave up: reward 0
         except EnvFailed:
             result = 0.0
+        _raise_generation_failure(endpoint)  # also when run caught it and returned
         if not ep.conversations:
             ep.start()  # no call: an empty episode
         if isinstance(result, dict):
@@ -264,6 +268,14 @@ class OpenAIWorkflow:
         rewards = {int(k): v for k, v in result.items()}
         per_turn = [_reward(rewards.get(t, 0.0), _name(self.fn), f"{where}, turn {t}") for t in range(len(ep.turns))]
         return ep.to_sample(0.0, sum(per_turn) > 0, turn_rewards=per_turn)
+
+
+def _raise_generation_failure(endpoint) -> None:
+    """Raise the generation failure one of ``run``'s calls met (``RecordingEndpoint.failure``), if
+    any: the engine's failure fails the worker as in every workflow (its groups are replayed), under
+    either ``on_env_error``."""
+    if endpoint.failure is not None:
+        raise endpoint.failure
 
 
 def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0,
