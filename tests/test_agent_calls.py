@@ -43,3 +43,28 @@ def test_an_engine_failure_in_an_agents_call_fails_the_worker_as_it_does_in_any_
     # or a sample with the agent's reward for a turn that never came
     with pytest.raises(ServerError, match="server gone"):
         run_workflow(OpenAIWorkflow(run, 1.0, 1.0, on_env_error=on_env_error), dead_server_episode(tok))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"messages": ["What is 12 times 7?"]}, r"messages\[0\] is str 'What is 12 times 7\?', not a chat message"),
+    ({"messages": [{"content": "hi"}]}, r"messages\[0\] has no 'role'"),
+    ({"max_tokens": -3}, r"max_tokens=-3: give a whole number >= 1"),
+    ({"max_tokens": 0}, r"max_tokens=0: give a whole number >= 1"),
+    ({"max_completion_tokens": 2.5}, r"max_completion_tokens=2.5: give a whole number >= 1"),
+])
+def test_a_call_the_endpoint_cannot_answer_is_refused_naming_the_field(tok, kwargs, words):
+    # messages=["..."] failed inside the endpoint with "dictionary update sequence element #0 ...";
+    # max_tokens=-3 was counted as a limit the episode reached (truncated, reward 0, no error),
+    # and max_tokens=0 as no limit
+    seen = {}
+
+    async def run(item, client):
+        with pytest.raises(openai.BadRequestError, match=words):
+            await client.chat.completions.create(model="p", **{"messages": item.messages, **kwargs})
+        seen["refused"] = True
+        await client.chat.completions.create(model="p", messages=item.messages)
+        return 1.0
+
+    sample = run_workflow(OpenAIWorkflow(run, 1.0, 1.0), scripted_episode(tok))
+    assert seen["refused"] and sample.reward == 1.0 and sample.correct
+    assert not (sample.stats and sample.stats.truncated), "a refused call is no limit the episode reached"

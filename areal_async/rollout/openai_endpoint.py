@@ -7,9 +7,10 @@ unchanged) continues it: the new messages are rendered after the recorded ids
 history, reasoning stripped from an earlier turn) starts a new training sequence of the episode
 (``Episode.start``): never a corrupted one. Calls of one episode are made one at a time.
 Sampling follows the run (``rollout.temperature``, ``top_p``); a call that asks otherwise, or for
-``n > 1``, streaming or ``tools``, is answered 400 naming the field. A generation that fails (a
-server gone, its retries used up) is kept in ``failure``: the workflow raises it once ``run`` ends,
-whatever ``run`` made of it.
+``n > 1``, streaming or ``tools``, or whose messages are no chat messages or whose
+``max_tokens``/``max_completion_tokens`` is no whole number >= 1, is answered 400 naming the
+field. A generation that fails (a server gone, its retries used up) is kept in ``failure``: the
+workflow raises it once ``run`` ends, whatever ``run`` made of it.
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ class RecordingEndpoint:
     def _refused(self, body: dict) -> str | None:
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             return "messages must be a non-empty list of chat messages"
+        for k, m in enumerate(body["messages"]):
+            if not isinstance(m, dict):
+                return (f"messages[{k}] is {type(m).__name__} {m!r:.60}, not a chat message (an object with "
+                        f"'role' and 'content')")
+            if not isinstance(m.get("role"), str):
+                return f"messages[{k}] has no 'role' (a string: system, user, assistant, tool)"
+        for name in ("max_tokens", "max_completion_tokens"):
+            got = body.get(name)
+            if got is not None and (not isinstance(got, int) or isinstance(got, bool) or got < 1):
+                return (f"{name}={got!r}: give a whole number >= 1, or leave it out for the run's "
+                        f"rollout.max_new_tokens")
         checks = [("n", 1, body.get("n")), ("temperature", self.temperature, body.get("temperature")),
                   ("top_p", self.top_p, body.get("top_p"))]
         for name, want, got in checks:
