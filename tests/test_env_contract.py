@@ -192,3 +192,35 @@ def test_a_first_observation_that_fills_the_context_is_printed_once_a_minute(tok
     assert len(printed) == 1 and re.fullmatch(
         r"\[env\] .*ObsEnv\.reset's first observation fills the context in episode g0-s2: 40 tokens of "
         r"inference\.max_seq_len=32, .*raise inference\.max_seq_len; 1 so far in this worker.*", printed[0]), printed
+
+
+def step_env(result):
+    """An Env class whose every ``step`` returns ``result``."""
+
+    class StepEnv:
+        def reset(self, item, seed):
+            return None
+
+        def step(self, action):
+            return result
+
+    return StepEnv
+
+
+@pytest.mark.parametrize("result, words", [
+    ((None, 1.0, "False"), r"done 'False' \(str\)"),
+    ((None, 1.0, None), r"done None \(NoneType\)"),
+    ((None, 1.0, True, {"tool_calls": "two"}), r"info\['tool_calls'\] 'two' \(str\)"),
+    ((None, 1.0, True, {"tool_errors": 1.5}), r"info\['tool_errors'\] 1\.5 \(float\)"),
+])
+def test_a_mistyped_done_or_info_count_is_named_even_under_zero(tok, result, words):
+    # done="False" ended the episode (a non-empty string is true); a count that is no int failed with
+    # int()'s bare "invalid literal", naming neither the env nor the episode
+    with pytest.raises(TypeError, match=rf"StepEnv\.step returned {words} in episode g0-s2, turn 0;"):
+        run_workflow(EnvWorkflow(step_env(result), on_env_error="zero"), scripted_episode(tok))
+
+
+def test_done_may_be_a_numpy_bool_and_counts_numpy_ints(tok):
+    sample = run_workflow(EnvWorkflow(step_env((None, 1.0, np.bool_(True), {"tool_calls": np.int64(2)}))),
+                          scripted_episode(tok))
+    assert sample.stats.turns == 1 and sample.stats.tool_calls == 2

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
+import numpy as np
 
 from areal_async.rollout import observations
 from areal_async.rollout.env_errors import EnvErrors, EnvFailed, OnEnvError, Throttle
@@ -325,17 +326,28 @@ def _reward(value, source: str, where: str) -> float:
 
 
 def _step_result(out, source: str, where: str) -> tuple[Any, Any, bool, dict]:
-    """``(observation, reward, done, info)`` of what ``step`` returned.
+    """``(observation, reward, done, info)`` of what ``step`` returned; ``done`` a bool (a numpy
+    bool or an int 0 or 1 passes), ``info``'s ``tool_calls`` and ``tool_errors`` ints >= 0.
 
     Raises:
-        TypeError: fewer than 3 items, or an info that is no dict; naming ``source`` and ``where``.
+        TypeError: fewer than 3 items, an info that is no dict, another ``done`` or count; naming
+            ``source``, ``where`` and the value.
     """
     try:
         observation, reward, done, *rest = out
-        return observation, reward, done, dict(rest[0]) if rest and rest[0] else {}
+        info = dict(rest[0]) if rest and rest[0] else {}
     except (TypeError, ValueError):
         raise TypeError(f"{source} returned {out!r:.200} in {where}; return (observation, reward, done) or "
                         f"(observation, reward, done, info) with info a dict") from None
+    if not (isinstance(done, (bool, np.bool_)) or (isinstance(done, numbers.Integral) and done in (0, 1))):
+        raise TypeError(f"{source} returned done {done!r:.100} ({type(done).__name__}) in {where}; done is a "
+                        f"bool: True ends the episode")
+    for key in ("tool_calls", "tool_errors"):
+        count = info.get(key, 0)
+        if not isinstance(count, numbers.Integral) or count < 0:
+            raise TypeError(f"{source} returned info[{key!r}] {count!r:.100} ({type(count).__name__}) in {where}; "
+                            f"a count is an int >= 0")
+    return observation, reward, bool(done), info
 
 
 def _stop_strings(stop, name: str) -> list[str]:
