@@ -14,7 +14,7 @@ import pytest
 
 from areal_async.rollout import env_limit
 from areal_async.rollout.env_limit import EnvTimeout
-from areal_async.rollout.workflows import EnvWorkflow, OpenAIWorkflow, ToolLoop
+from areal_async.rollout.workflows import EnvWorkflow, OpenAIWorkflow, ToolLoop, load_workflow
 from areal_async.trainer.report import episode_metrics
 from areal_async.types import Array, Trajectory
 from tests.support.scripted import run_in_loop, run_workflow, scripted_episode
@@ -224,3 +224,37 @@ def test_done_may_be_a_numpy_bool_and_counts_numpy_ints(tok):
     sample = run_workflow(EnvWorkflow(step_env((None, 1.0, np.bool_(True), {"tool_calls": np.int64(2)}))),
                           scripted_episode(tok))
     assert sample.stats.turns == 1 and sample.stats.tool_calls == 2
+
+
+ENVS = """
+class NeedsArg:
+    def __init__(self, url): pass
+    def reset(self, item, seed): return None
+    def step(self, action): return None, 0.0, True
+class ResetNoSeed:
+    def reset(self, item): return None
+    def step(self, action): return None, 0.0, True
+class StepTwo:
+    def reset(self, item, seed): return None
+    def step(self, action, extra): return None, 0.0, True
+class Fine:
+    def __init__(self, url="http://sandbox"): pass
+    def reset(self, item, seed=0): return None
+    @staticmethod
+    def step(action): return None, 0.0, True
+"""
+
+
+@pytest.mark.parametrize("name, words", [
+    ("NeedsArg", r"NeedsArg\(\) fails: missing a required argument: 'url'; an Env class is called with no arguments"),
+    ("ResetNoSeed", r"ResetNoSeed\.reset\(item, seed\) fails: too many positional arguments"),
+    ("StepTwo", r"StepTwo\.step\(action\) fails: missing a required argument: 'extra'"),
+])
+def test_an_env_whose_methods_cannot_take_the_workflows_arguments_is_refused_at_load(tmp_path, monkeypatch, name,
+                                                                                    words):
+    # it failed in every episode: under on_env_error=zero each was zeroed as an env failure, without end
+    (tmp_path / "sig_envs.py").write_text(ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=rf"rollout\.workflow 'sig_envs:{name}': {words}"):
+        load_workflow(f"sig_envs:{name}", 1.0, 1.0, on_env_error="zero")
+    assert isinstance(load_workflow("sig_envs:Fine", 1.0, 1.0), EnvWorkflow)

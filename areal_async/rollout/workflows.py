@@ -14,6 +14,7 @@ shape. How to write one: docs/workflows.md.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -286,7 +287,8 @@ def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: fl
     ``env_timeout_s`` (0: none), ``on_env_error`` and ``vocab_size`` as theirs.
 
     Raises:
-        ValueError: not ``module:object``, not importable, or of neither shape (names the fix).
+        ValueError: not ``module:object``, not importable, of neither shape, or an ``Env`` whose
+            constructor, ``reset`` or ``step`` cannot take the workflow's arguments (names the fix).
     """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -298,11 +300,43 @@ def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: fl
         raise ValueError(f"rollout.workflow {spec!r} cannot be imported: {exc}; the module must be on "
                          f"PYTHONPATH (the run's working directory is)") from exc
     if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
+        _check_env_signatures(obj, spec)
         return EnvWorkflow(obj, env_timeout_s, on_env_error, vocab_size)
     if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
         return OpenAIWorkflow(obj, temperature, top_p, env_timeout_s, on_env_error)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
                      f"reset(item, seed) and step(action)) nor 'async def run(item, client)'")
+
+
+def _check_env_signatures(cls, spec: str) -> None:
+    """That ``cls()``, ``env.reset(item, seed)`` and ``env.step(action)`` bind (a signature
+    ``inspect`` cannot read passes).
+
+    Raises:
+        ValueError: naming ``spec``, the call and why it cannot bind.
+    """
+    calls = [(cls, (), f"{cls.__name__}()"),
+             (_method(cls, "reset"), ("item", "seed"), f"{cls.__name__}.reset(item, seed)"),
+             (_method(cls, "step"), ("action",), f"{cls.__name__}.step(action)")]
+    for fn, args, shown in calls:
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue
+        try:
+            signature.bind(*args)
+        except TypeError as exc:
+            raise ValueError(f"rollout.workflow {spec!r}: {shown} fails: {exc}; an Env class is called with no "
+                             f"arguments, one instance per episode, then reset(item, seed) and step(action) "
+                             f"(docs/workflows.md)") from None
+
+
+def _method(cls, name: str):
+    """``cls``'s method ``name`` as an instance would call it (bound to a stand-in ``self``)."""
+    raw = inspect.getattr_static(cls, name)
+    if isinstance(raw, (staticmethod, classmethod)):
+        return getattr(cls, name)
+    return functools.partial(raw, None) if inspect.isfunction(raw) else getattr(cls, name)
 
 
 def _reward(value, source: str, where: str) -> float:
