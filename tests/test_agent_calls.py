@@ -68,3 +68,22 @@ def test_a_call_the_endpoint_cannot_answer_is_refused_naming_the_field(tok, kwar
     sample = run_workflow(OpenAIWorkflow(run, 1.0, 1.0), scripted_episode(tok))
     assert seen["refused"] and sample.reward == 1.0 and sample.correct
     assert not (sample.stats and sample.stats.truncated), "a refused call is no limit the episode reached"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"presence_penalty": 0.5}, r"presence_penalty=0\.5: an episode samples as the run does"),
+    ({"frequency_penalty": -1.0}, r"frequency_penalty=-1\.0: an episode samples as the run does"),
+    ({"logit_bias": {"42": 5}}, r"logit_bias=\{'42': 5\}: an episode samples as the run does"),
+    ({"response_format": {"type": "json_object"}}, r"response_format=\{'type': 'json_object'\}: an episode"),
+])
+def test_a_call_that_would_sample_otherwise_is_refused_and_the_defaults_pass(tok, kwargs, words):
+    # they were ignored: the agent believed its tokens penalised, biased or constrained, and they were not
+    async def run(item, client):
+        with pytest.raises(openai.BadRequestError, match=words):
+            await client.chat.completions.create(model="p", messages=item.messages, **kwargs)
+        await client.chat.completions.create(model="p", messages=item.messages, presence_penalty=0,
+                                             frequency_penalty=0.0, logit_bias={},
+                                             response_format={"type": "text"})
+        return 1.0
+
+    assert run_workflow(OpenAIWorkflow(run, 1.0, 1.0), scripted_episode(tok)).stats is None

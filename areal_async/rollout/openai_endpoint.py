@@ -7,9 +7,9 @@ unchanged) continues it: the new messages are rendered after the recorded ids
 history, reasoning stripped from an earlier turn) starts a new training sequence of the episode
 (``Episode.start``): never a corrupted one. Calls of one episode are made one at a time.
 Sampling follows the run (``rollout.temperature``, ``top_p``); a call that asks otherwise, or for
-``n > 1``, streaming or ``tools``, or whose messages are no chat messages or whose
-``max_tokens``/``max_completion_tokens`` is no whole number >= 1, is answered 400 naming the
-field. A generation that fails (a server gone, its retries used up) is kept in ``failure``: the
+``n > 1``, a penalty, a logit bias, a response format, streaming or ``tools``, or whose messages
+are no chat messages or whose ``max_tokens``/``max_completion_tokens`` is no whole number >= 1, is
+answered 400 naming the field. A generation that fails (a server gone, its retries used up) is kept in ``failure``: the
 workflow raises it once ``run`` ends, whatever ``run`` made of it.
 """
 
@@ -118,6 +118,13 @@ class RecordingEndpoint:
             if got is not None and float(got) != float(want):
                 return (f"{name}={got}: an episode samples with the run's {name} ({want}), which the "
                         f"trainer's log-probs assume; leave {name} out or set rollout.{name}")
+        for name, default in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
+                              ("response_format", {"type": "text"})):
+            got = body.get(name)
+            if got is not None and got != default:
+                return (f"{name}={got!r:.80}: an episode samples as the run does (its log-probs are the "
+                        f"trainer's behaviour policy), so nothing may reshape the distribution; leave "
+                        f"{name} out")
         if body.get("stream"):
             return "stream=true: an episode's calls are answered whole; leave stream out"
         if body.get("tools"):
