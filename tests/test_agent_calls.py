@@ -87,3 +87,30 @@ def test_a_call_that_would_sample_otherwise_is_refused_and_the_defaults_pass(tok
         return 1.0
 
     assert run_workflow(OpenAIWorkflow(run, 1.0, 1.0), scripted_episode(tok)).stats is None
+
+
+STATING_AGENT = """
+import openai
+
+
+async def run(item, client):
+    await client.chat.completions.create(model="p", messages=item.messages, temperature=0.7, top_p=0.9)
+    try:
+        await client.chat.completions.create(model="p", messages=item.messages, temperature=0.5)
+    except openai.BadRequestError:
+        return 1.0  # another temperature stays refused
+    return 0.0
+"""
+
+
+def test_an_agent_that_states_the_runs_sampling_runs_in_the_greedy_evaluation_too(tok, tmp_path, monkeypatch):
+    # the evaluation's workflow samples at temperature 0 and refused the run's temperature=0.7 with a 400:
+    # an agent written as docs/workflows.md says trained, and each of its evaluation episodes raised
+    from areal_async.config import RolloutConfig
+    from areal_async.rollout.workflows import build_workflow
+
+    (tmp_path / "stating_agent.py").write_text(STATING_AGENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rollout = RolloutConfig(temperature=0.7, top_p=0.9, workflow="stating_agent:run")
+    for greedy in (True, False):
+        assert run_workflow(build_workflow(rollout, None, None, greedy=greedy), scripted_episode(tok)).reward == 1.0

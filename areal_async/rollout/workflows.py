@@ -215,7 +215,8 @@ class OpenAIWorkflow:
     after a refusal, the episode ends there with reward 0. Any other exception is ``run``'s
     failure (``on_env_error``), also after a turn that a limit cut short (answered 200). ``env_timeout_s``: the whole ``run``'s wall-clock limit
     (0: none). ``on_env_error``: ``zero`` ends an episode whose ``run`` raised or timed out with
-    reward 0, ``correct`` False (``env_errors.py``).
+    reward 0, ``correct`` False (``env_errors.py``). ``stated``: the run's ``(temperature, top_p)``,
+    which a call may state where ``temperature``/``top_p`` differ (a greedy evaluation).
 
     Raises (from a call): ``TypeError`` for another return value; under ``on_env_error: raise``,
     what ``run`` raises, with the episode named, and ``EnvTimeout`` for a ``run`` past the limit;
@@ -224,15 +225,16 @@ class OpenAIWorkflow:
     """
 
     def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float, env_timeout_s: float = 0.0,
-                 on_env_error: OnEnvError = "raise"):
+                 on_env_error: OnEnvError = "raise", stated: tuple[float, float] | None = None):
         self.fn, self.temperature, self.top_p, self.env_timeout_s = fn, temperature, top_p, env_timeout_s
+        self.stated = stated
         self.errors = EnvErrors(on_env_error)
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         from areal_async.rollout.openai_endpoint import RecordingEndpoint
 
         where = f"episode {ep.name}"
-        endpoint = RecordingEndpoint(ep, self.temperature, self.top_p)
+        endpoint = RecordingEndpoint(ep, self.temperature, self.top_p, self.stated)
         try:
             try:
                 async with endpoint.client() as client:
@@ -281,10 +283,11 @@ def _raise_generation_failure(endpoint) -> None:
 
 
 def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0,
-                  on_env_error: OnEnvError = "raise", vocab_size: int = 0) -> Workflow:
+                  on_env_error: OnEnvError = "raise", vocab_size: int = 0,
+                  stated: tuple[float, float] | None = None) -> Workflow:
     """The user's workflow named ``package.module:object``: a class with ``reset`` and ``step``
     (an ``Env``: ``EnvWorkflow``), or an ``async def run(item, client)`` (``OpenAIWorkflow``);
-    ``env_timeout_s`` (0: none), ``on_env_error`` and ``vocab_size`` as theirs.
+    ``env_timeout_s`` (0: none), ``on_env_error``, ``vocab_size`` and ``stated`` as theirs.
 
     Raises:
         ValueError: not ``module:object``, not importable, of neither shape, or an ``Env`` whose
@@ -303,7 +306,7 @@ def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: fl
         _check_env_signatures(obj, spec)
         return EnvWorkflow(obj, env_timeout_s, on_env_error, vocab_size)
     if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
-        return OpenAIWorkflow(obj, temperature, top_p, env_timeout_s, on_env_error)
+        return OpenAIWorkflow(obj, temperature, top_p, env_timeout_s, on_env_error, stated)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
                      f"reset(item, seed) and step(action)) nor 'async def run(item, client)'")
 
@@ -406,12 +409,13 @@ def _name(obj) -> str:
 
 def build_workflow(rollout, rewards, reward_fn, greedy: bool = False, vocab_size: int = 0) -> Workflow:
     """The run's workflow: ``rollout.workflow`` loaded (``load_workflow``), else a ``ToolLoop``
-    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0);
+    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0;
+    an agent's call may still state the run's temperature and top_p);
     ``vocab_size``: the model's embedding rows (0: unknown, ``len(tokenizer)``)."""
     if rollout.workflow:
         return load_workflow(rollout.workflow, 0.0 if greedy else rollout.temperature,
                              1.0 if greedy else rollout.top_p, rollout.env_timeout_s, rollout.on_env_error,
-                             vocab_size)
+                             vocab_size, stated=(rollout.temperature, rollout.top_p))
     tools = None
     if rollout.tools:
         from areal_async.tools import ToolSet
