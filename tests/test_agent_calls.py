@@ -51,9 +51,12 @@ def test_an_engine_failure_in_an_agents_call_fails_the_worker_as_it_does_in_any_
     ({"max_tokens": -3}, r"max_tokens=-3: give a whole number >= 1"),
     ({"max_tokens": 0}, r"max_tokens=0: give a whole number >= 1"),
     ({"max_completion_tokens": 2.5}, r"max_completion_tokens=2.5: give a whole number >= 1"),
+    ({"stop": 5}, r"stop=5: give a stop string or a list of them"),
+    ({"stop": ["</x>", ""]}, r"stop=\['</x>', ''\]: give a stop string or a list of them \(none empty\)"),
 ])
 def test_a_call_the_endpoint_cannot_answer_is_refused_naming_the_field(tok, kwargs, words):
-    # messages=["..."] failed inside the endpoint with "dictionary update sequence element #0 ...";
+    # messages=["..."] failed inside the endpoint with "dictionary update sequence element #0 ...", stop=5
+    # with "'int' object is not iterable";
     # max_tokens=-3 was counted as a limit the episode reached (truncated, reward 0, no error),
     # and max_tokens=0 as no limit
     seen = {}

@@ -6,12 +6,13 @@ unchanged) continues it: the new messages are rendered after the recorded ids
 (``Conversation.add_messages``) and the turn is sampled after them. Any other call (an edited
 history, reasoning stripped from an earlier turn) starts a new training sequence of the episode
 (``Episode.start``): never a corrupted one. Calls of one episode are made one at a time.
-Sampling follows the run (``rollout.temperature``, ``top_p``; an evaluation's calls, greedy, may state
-the run's values too); a call that asks otherwise, or for
-``n > 1``, a penalty, a logit bias, a response format, streaming or ``tools``, or whose messages
-are no chat messages or whose ``max_tokens``/``max_completion_tokens`` is no whole number >= 1, is
-answered 400 naming the field. A generation that fails (a server gone, its retries used up) is kept in ``failure``: the
-workflow raises it once ``run`` ends, whatever ``run`` made of it.
+Sampling follows the run (``rollout.temperature``, ``top_p``; an evaluation's calls, greedy, may
+state the run's values too); a call that asks otherwise, or for ``n > 1``, a penalty, a logit
+bias, a response format, streaming or ``tools``, or whose messages are no chat messages, whose
+``stop`` is no string or list of non-empty strings, or whose ``max_tokens``/``max_completion_tokens``
+is no whole number >= 1, is answered 400 naming the field. A generation that fails (a server gone,
+its retries used up) is kept in ``failure``: the workflow raises it once ``run`` ends, whatever
+``run`` made of it.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ class RecordingEndpoint:
                         f"'role' and 'content')")
             if not isinstance(m.get("role"), str):
                 return f"messages[{k}] has no 'role' (a string: system, user, assistant, tool)"
+        stop = body.get("stop")
+        if stop is not None and not (isinstance(stop, str) and stop) and not (
+                isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+            return f"stop={stop!r:.80}: give a stop string or a list of them (none empty), or leave stop out"
         for name in ("max_tokens", "max_completion_tokens"):
             got = body.get(name)
             if got is not None and (not isinstance(got, int) or isinstance(got, bool) or got < 1):
