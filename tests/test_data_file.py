@@ -211,3 +211,18 @@ def test_the_documented_example_loads_and_its_reward_reads_the_row(tmp_path, mon
     assert fn(response="\\boxed{16.1}", answer=train.gold(k), item=train.item(k).row) == 1.0
     assert fn(response="\\boxed{16.3}", answer=train.gold(k), item=train.item(k).row) == 0.0
     assert fn(response="\\boxed{16.3}", answer=train.gold(k), item={**train.item(k).row, "tolerance": 1}) == 1.0
+
+
+def test_when_no_row_fits_the_error_names_the_shortest_and_no_few_shot(tmp_path, tiny_model_dir):
+    # it said "raise data.max_prompt_len or lower data.few_shot", a key the file task refuses
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "long " * 300, "answer": "1"},
+                                              {"prompt": "long " * 100, "answer": "2"}])
+    with pytest.raises(ValueError, match=rf"no prompt of task 'file' fits data.max_prompt_len=64 tokens "
+                                         rf"\(prompt lengths \d+\.\.\d+, the shortest {path}:2\); raise "
+                                         rf"data.max_prompt_len \(and inference.max_seq_len\) or shorten the "
+                                         rf"prompts$") as caught:
+        PromptSet(file_task(path), tok, max_prompt_len=64, seed=0)
+    assert "few_shot" not in str(caught.value)

@@ -14,7 +14,7 @@ import pytest
 
 from areal_async.rollout import env_limit
 from areal_async.rollout.env_limit import EnvTimeout
-from areal_async.rollout.workflows import EnvWorkflow, OpenAIWorkflow, ToolLoop
+from areal_async.rollout.workflows import EnvWorkflow, OpenAIWorkflow, ToolLoop, load_workflow
 from areal_async.trainer.report import episode_metrics
 from areal_async.types import Array, Trajectory
 from tests.support.scripted import run_in_loop, run_workflow, scripted_episode
@@ -192,3 +192,69 @@ def test_a_first_observation_that_fills_the_context_is_printed_once_a_minute(tok
     assert len(printed) == 1 and re.fullmatch(
         r"\[env\] .*ObsEnv\.reset's first observation fills the context in episode g0-s2: 40 tokens of "
         r"inference\.max_seq_len=32, .*raise inference\.max_seq_len; 1 so far in this worker.*", printed[0]), printed
+
+
+def step_env(result):
+    """An Env class whose every ``step`` returns ``result``."""
+
+    class StepEnv:
+        def reset(self, item, seed):
+            return None
+
+        def step(self, action):
+            return result
+
+    return StepEnv
+
+
+@pytest.mark.parametrize("result, words", [
+    ((None, 1.0, "False"), r"done 'False' \(str\)"),
+    ((None, 1.0, None), r"done None \(NoneType\)"),
+    ((None, 1.0, True, {"tool_calls": "two"}), r"info\['tool_calls'\] 'two' \(str\)"),
+    ((None, 1.0, True, {"tool_errors": 1.5}), r"info\['tool_errors'\] 1\.5 \(float\)"),
+])
+def test_a_mistyped_done_or_info_count_is_named_even_under_zero(tok, result, words):
+    # done="False" ended the episode (a non-empty string is true); a count that is no int failed with
+    # int()'s bare "invalid literal", naming neither the env nor the episode
+    with pytest.raises(TypeError, match=rf"StepEnv\.step returned {words} in episode g0-s2, turn 0;"):
+        run_workflow(EnvWorkflow(step_env(result), on_env_error="zero"), scripted_episode(tok))
+
+
+def test_done_may_be_a_numpy_bool_and_counts_numpy_ints(tok):
+    sample = run_workflow(EnvWorkflow(step_env((None, 1.0, np.bool_(True), {"tool_calls": np.int64(2)}))),
+                          scripted_episode(tok))
+    assert sample.stats.turns == 1 and sample.stats.tool_calls == 2
+
+
+ENVS = """
+class NeedsArg:
+    def __init__(self, url): pass
+    def reset(self, item, seed): return None
+    def step(self, action): return None, 0.0, True
+class ResetNoSeed:
+    def reset(self, item): return None
+    def step(self, action): return None, 0.0, True
+class StepTwo:
+    def reset(self, item, seed): return None
+    def step(self, action, extra): return None, 0.0, True
+class Fine:
+    def __init__(self, url="http://sandbox"): pass
+    def reset(self, item, seed=0): return None
+    @staticmethod
+    def step(action): return None, 0.0, True
+"""
+
+
+@pytest.mark.parametrize("name, words", [
+    ("NeedsArg", r"NeedsArg\(\) fails: missing a required argument: 'url'; an Env class is called with no arguments"),
+    ("ResetNoSeed", r"ResetNoSeed\.reset\(item, seed\) fails: too many positional arguments"),
+    ("StepTwo", r"StepTwo\.step\(action\) fails: missing a required argument: 'extra'"),
+])
+def test_an_env_whose_methods_cannot_take_the_workflows_arguments_is_refused_at_load(tmp_path, monkeypatch, name,
+                                                                                    words):
+    # it failed in every episode: under on_env_error=zero each was zeroed as an env failure, without end
+    (tmp_path / "sig_envs.py").write_text(ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=rf"rollout\.workflow 'sig_envs:{name}': {words}"):
+        load_workflow(f"sig_envs:{name}", 1.0, 1.0, on_env_error="zero")
+    assert isinstance(load_workflow("sig_envs:Fine", 1.0, 1.0), EnvWorkflow)

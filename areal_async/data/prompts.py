@@ -68,10 +68,13 @@ class PromptSet:
         self.num_filtered = self.num_total - len(self._kept)
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
         if not self._kept:
+            shortest = min(range(len(lengths)), key=lengths.__getitem__, default=None)
+            named = f", the shortest {self._source(shortest)}" if shortest is not None else ""
+            fix = "shorten the prompts" if task.name == "file" else "lower data.few_shot"  # file: no demonstrations
             raise ValueError(
                 f"no prompt of task '{task.name}' fits data.max_prompt_len={max_prompt_len} "
-                f"tokens (prompt lengths {min(lengths, default=0)}..{max(lengths, default=0)}); "
-                f"raise data.max_prompt_len or lower data.few_shot"
+                f"tokens (prompt lengths {min(lengths, default=0)}..{max(lengths, default=0)}{named}); "
+                f"raise data.max_prompt_len (and inference.max_seq_len) or {fix}"
             )
 
     def __len__(self) -> int:

@@ -6,8 +6,13 @@ unchanged) continues it: the new messages are rendered after the recorded ids
 (``Conversation.add_messages``) and the turn is sampled after them. Any other call (an edited
 history, reasoning stripped from an earlier turn) starts a new training sequence of the episode
 (``Episode.start``): never a corrupted one. Calls of one episode are made one at a time.
-Sampling follows the run (``rollout.temperature``, ``top_p``); a call that asks otherwise, or for
-``n > 1``, streaming or ``tools``, is answered 400 naming the field.
+Sampling follows the run (``rollout.temperature``, ``top_p``; an evaluation's calls, greedy, may
+state the run's values too); a call that asks otherwise, or for ``n > 1``, a penalty, a logit
+bias, a response format, streaming or ``tools``, or whose messages are no chat messages, whose
+``stop`` is no string or list of non-empty strings, or whose ``max_tokens``/``max_completion_tokens``
+is no whole number >= 1, is answered 400 naming the field. A generation that fails (a server gone,
+its retries used up) is kept in ``failure``: the workflow raises it once ``run`` ends, whatever
+``run`` made of it.
 """
 
 from __future__ import annotations
@@ -27,12 +32,17 @@ class RecordingEndpoint:
 
     Args:
         episode: the episode every call belongs to.
-        temperature, top_p: the run's sampling parameters (a call may repeat them, not change them).
+        temperature, top_p: the episode's sampling parameters (a call may repeat them, not change them).
+        stated: the run's ``(temperature, top_p)``, which a call may state too where the episode samples
+            otherwise (a greedy evaluation); default the episode's.
     """
 
-    def __init__(self, episode: Episode, temperature: float, top_p: float):
+    def __init__(self, episode: Episode, temperature: float, top_p: float,
+                 stated: tuple[float, float] | None = None):
         self.episode, self.temperature, self.top_p = episode, temperature, top_p
+        self.stated = stated or (temperature, top_p)
         self.refusals = 0  # calls answered 400 for a limit: max_turns, max_episode_tokens, the context
+        self.failure: Exception | None = None  # the first generation that failed, raised by the workflow
         self._busy = False
 
     @contextlib.asynccontextmanager
@@ -80,6 +90,9 @@ class RecordingEndpoint:
         except EpisodeTruncated as exc:
             self.refusals += 1
             return _error(400, str(exc))
+        except Exception as exc:  # the engine's failure, not the agent's: kept for the workflow to raise
+            self.failure = self.failure or exc
+            raise
         content = _trim(turn.text, stop)
         return httpx.Response(200, json={
             "id": f"chatcmpl-{ep.name}-t{turn.index}", "object": "chat.completion",
@@ -94,12 +107,35 @@ class RecordingEndpoint:
     def _refused(self, body: dict) -> str | None:
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             return "messages must be a non-empty list of chat messages"
-        checks = [("n", 1, body.get("n")), ("temperature", self.temperature, body.get("temperature")),
-                  ("top_p", self.top_p, body.get("top_p"))]
-        for name, want, got in checks:
-            if got is not None and float(got) != float(want):
+        for k, m in enumerate(body["messages"]):
+            if not isinstance(m, dict):
+                return (f"messages[{k}] is {type(m).__name__} {m!r:.60}, not a chat message (an object with "
+                        f"'role' and 'content')")
+            if not isinstance(m.get("role"), str):
+                return f"messages[{k}] has no 'role' (a string: system, user, assistant, tool)"
+        stop = body.get("stop")
+        if stop is not None and not (isinstance(stop, str) and stop) and not (
+                isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+            return f"stop={stop!r:.80}: give a stop string or a list of them (none empty), or leave stop out"
+        for name in ("max_tokens", "max_completion_tokens"):
+            got = body.get(name)
+            if got is not None and (not isinstance(got, int) or isinstance(got, bool) or got < 1):
+                return (f"{name}={got!r}: give a whole number >= 1, or leave it out for the run's "
+                        f"rollout.max_new_tokens")
+        checks = [("n", 1, body.get("n"), 1),
+                  ("temperature", self.temperature, body.get("temperature"), self.stated[0]),
+                  ("top_p", self.top_p, body.get("top_p"), self.stated[1])]
+        for name, want, got, stated in checks:
+            if got is not None and float(got) not in (float(want), float(stated)):
                 return (f"{name}={got}: an episode samples with the run's {name} ({want}), which the "
                         f"trainer's log-probs assume; leave {name} out or set rollout.{name}")
+        for name, default in (("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
+                              ("response_format", {"type": "text"})):
+            got = body.get(name)
+            if got is not None and got != default:
+                return (f"{name}={got!r:.80}: an episode samples as the run does (its log-probs are the "
+                        f"trainer's behaviour policy), so nothing may reshape the distribution; leave "
+                        f"{name} out")
         if body.get("stream"):
             return "stream=true: an episode's calls are answered whole; leave stream out"
         if body.get("tools"):

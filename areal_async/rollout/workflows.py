@@ -14,6 +14,7 @@ shape. How to write one: docs/workflows.md.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
+import numpy as np
 
 from areal_async.rollout import observations
 from areal_async.rollout.env_errors import EnvErrors, EnvFailed, OnEnvError, Throttle
@@ -213,22 +215,26 @@ class OpenAIWorkflow:
     after a refusal, the episode ends there with reward 0. Any other exception is ``run``'s
     failure (``on_env_error``), also after a turn that a limit cut short (answered 200). ``env_timeout_s``: the whole ``run``'s wall-clock limit
     (0: none). ``on_env_error``: ``zero`` ends an episode whose ``run`` raised or timed out with
-    reward 0, ``correct`` False (``env_errors.py``).
+    reward 0, ``correct`` False (``env_errors.py``). ``stated``: the run's ``(temperature, top_p)``,
+    which a call may state where ``temperature``/``top_p`` differ (a greedy evaluation).
 
     Raises (from a call): ``TypeError`` for another return value; under ``on_env_error: raise``,
-    what ``run`` raises, with the episode named, and ``EnvTimeout`` for a ``run`` past the limit.
+    what ``run`` raises, with the episode named, and ``EnvTimeout`` for a ``run`` past the limit;
+    under either, a generation's failure in one of ``run``'s calls (the client's error, as is),
+    also when ``run`` caught it.
     """
 
     def __init__(self, fn: Callable[..., Any], temperature: float, top_p: float, env_timeout_s: float = 0.0,
-                 on_env_error: OnEnvError = "raise"):
+                 on_env_error: OnEnvError = "raise", stated: tuple[float, float] | None = None):
         self.fn, self.temperature, self.top_p, self.env_timeout_s = fn, temperature, top_p, env_timeout_s
+        self.stated = stated
         self.errors = EnvErrors(on_env_error)
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         from areal_async.rollout.openai_endpoint import RecordingEndpoint
 
         where = f"episode {ep.name}"
-        endpoint = RecordingEndpoint(ep, self.temperature, self.top_p)
+        endpoint = RecordingEndpoint(ep, self.temperature, self.top_p, self.stated)
         try:
             try:
                 async with endpoint.client() as client:
@@ -237,11 +243,13 @@ class OpenAIWorkflow:
             except EnvTimeout as exc:
                 self.errors.fail(exc, _name(self.fn), where, ep.stats)
             except Exception as exc:
+                _raise_generation_failure(endpoint)
                 if not endpoint.refusals:
                     self.errors.fail(exc, _name(self.fn), where, ep.stats)
                 result = 0.0  # a call past a limit was refused and the agent gave up: reward 0
         except EnvFailed:
             result = 0.0
+        _raise_generation_failure(endpoint)  # also when run caught it and returned
         if not ep.conversations:
             ep.start()  # no call: an empty episode
         if isinstance(result, dict):
@@ -266,14 +274,24 @@ class OpenAIWorkflow:
         return ep.to_sample(0.0, sum(per_turn) > 0, turn_rewards=per_turn)
 
 
+def _raise_generation_failure(endpoint) -> None:
+    """Raise the generation failure one of ``run``'s calls met (``RecordingEndpoint.failure``), if
+    any: the engine's failure fails the worker as in every workflow (its groups are replayed), under
+    either ``on_env_error``."""
+    if endpoint.failure is not None:
+        raise endpoint.failure
+
+
 def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: float = 0.0,
-                  on_env_error: OnEnvError = "raise", vocab_size: int = 0) -> Workflow:
+                  on_env_error: OnEnvError = "raise", vocab_size: int = 0,
+                  stated: tuple[float, float] | None = None) -> Workflow:
     """The user's workflow named ``package.module:object``: a class with ``reset`` and ``step``
     (an ``Env``: ``EnvWorkflow``), or an ``async def run(item, client)`` (``OpenAIWorkflow``);
-    ``env_timeout_s`` (0: none), ``on_env_error`` and ``vocab_size`` as theirs.
+    ``env_timeout_s`` (0: none), ``on_env_error``, ``vocab_size`` and ``stated`` as theirs.
 
     Raises:
-        ValueError: not ``module:object``, not importable, or of neither shape (names the fix).
+        ValueError: not ``module:object``, not importable, of neither shape, or an ``Env`` whose
+            constructor, ``reset`` or ``step`` cannot take the workflow's arguments (names the fix).
     """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -285,11 +303,43 @@ def load_workflow(spec: str, temperature: float, top_p: float, env_timeout_s: fl
         raise ValueError(f"rollout.workflow {spec!r} cannot be imported: {exc}; the module must be on "
                          f"PYTHONPATH (the run's working directory is)") from exc
     if inspect.isclass(obj) and callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)):
+        _check_env_signatures(obj, spec)
         return EnvWorkflow(obj, env_timeout_s, on_env_error, vocab_size)
     if inspect.iscoroutinefunction(obj) and len(inspect.signature(obj).parameters) == 2:
-        return OpenAIWorkflow(obj, temperature, top_p, env_timeout_s, on_env_error)
+        return OpenAIWorkflow(obj, temperature, top_p, env_timeout_s, on_env_error, stated)
     raise ValueError(f"rollout.workflow {spec!r} is {type(obj).__name__}, neither an Env class (methods "
                      f"reset(item, seed) and step(action)) nor 'async def run(item, client)'")
+
+
+def _check_env_signatures(cls, spec: str) -> None:
+    """That ``cls()``, ``env.reset(item, seed)`` and ``env.step(action)`` bind (a signature
+    ``inspect`` cannot read passes).
+
+    Raises:
+        ValueError: naming ``spec``, the call and why it cannot bind.
+    """
+    calls = [(cls, (), f"{cls.__name__}()"),
+             (_method(cls, "reset"), ("item", "seed"), f"{cls.__name__}.reset(item, seed)"),
+             (_method(cls, "step"), ("action",), f"{cls.__name__}.step(action)")]
+    for fn, args, shown in calls:
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue
+        try:
+            signature.bind(*args)
+        except TypeError as exc:
+            raise ValueError(f"rollout.workflow {spec!r}: {shown} fails: {exc}; an Env class is called with no "
+                             f"arguments, one instance per episode, then reset(item, seed) and step(action) "
+                             f"(docs/workflows.md)") from None
+
+
+def _method(cls, name: str):
+    """``cls``'s method ``name`` as an instance would call it (bound to a stand-in ``self``)."""
+    raw = inspect.getattr_static(cls, name)
+    if isinstance(raw, (staticmethod, classmethod)):
+        return getattr(cls, name)
+    return functools.partial(raw, None) if inspect.isfunction(raw) else getattr(cls, name)
 
 
 def _reward(value, source: str, where: str) -> float:
@@ -313,17 +363,28 @@ def _reward(value, source: str, where: str) -> float:
 
 
 def _step_result(out, source: str, where: str) -> tuple[Any, Any, bool, dict]:
-    """``(observation, reward, done, info)`` of what ``step`` returned.
+    """``(observation, reward, done, info)`` of what ``step`` returned; ``done`` a bool (a numpy
+    bool or an int 0 or 1 passes), ``info``'s ``tool_calls`` and ``tool_errors`` ints >= 0.
 
     Raises:
-        TypeError: fewer than 3 items, or an info that is no dict; naming ``source`` and ``where``.
+        TypeError: fewer than 3 items, an info that is no dict, another ``done`` or count; naming
+            ``source``, ``where`` and the value.
     """
     try:
         observation, reward, done, *rest = out
-        return observation, reward, done, dict(rest[0]) if rest and rest[0] else {}
+        info = dict(rest[0]) if rest and rest[0] else {}
     except (TypeError, ValueError):
         raise TypeError(f"{source} returned {out!r:.200} in {where}; return (observation, reward, done) or "
                         f"(observation, reward, done, info) with info a dict") from None
+    if not (isinstance(done, (bool, np.bool_)) or (isinstance(done, numbers.Integral) and done in (0, 1))):
+        raise TypeError(f"{source} returned done {done!r:.100} ({type(done).__name__}) in {where}; done is a "
+                        f"bool: True ends the episode")
+    for key in ("tool_calls", "tool_errors"):
+        count = info.get(key, 0)
+        if not isinstance(count, numbers.Integral) or count < 0:
+            raise TypeError(f"{source} returned info[{key!r}] {count!r:.100} ({type(count).__name__}) in {where}; "
+                            f"a count is an int >= 0")
+    return observation, reward, bool(done), info
 
 
 def _stop_strings(stop, name: str) -> list[str]:
@@ -348,12 +409,13 @@ def _name(obj) -> str:
 
 def build_workflow(rollout, rewards, reward_fn, greedy: bool = False, vocab_size: int = 0) -> Workflow:
     """The run's workflow: ``rollout.workflow`` loaded (``load_workflow``), else a ``ToolLoop``
-    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0);
+    over ``rollout.tools`` scored with ``reward_fn``. ``greedy``: for evaluations (temperature 0;
+    an agent's call may still state the run's temperature and top_p);
     ``vocab_size``: the model's embedding rows (0: unknown, ``len(tokenizer)``)."""
     if rollout.workflow:
         return load_workflow(rollout.workflow, 0.0 if greedy else rollout.temperature,
                              1.0 if greedy else rollout.top_p, rollout.env_timeout_s, rollout.on_env_error,
-                             vocab_size)
+                             vocab_size, stated=(rollout.temperature, rollout.top_p))
     tools = None
     if rollout.tools:
         from areal_async.tools import ToolSet
