@@ -22,6 +22,7 @@ import pathlib
 import torch
 
 from areal_async.atomic_dir import write_atomically
+from areal_async.config import ModelConfig
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE
@@ -46,6 +47,52 @@ def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: b
         raise ValueError(f"OUT_DIR {out_dir} is a file; give a directory path")
 
 
+def resolve_base(adapter_dir: pathlib.Path, base: str | None) -> pathlib.Path:
+    """The base model's HF directory: ``base`` (``--base``, a directory or a built-in name, as
+    ``model.path``) or, without it, the adapter config's ``base_model_name_or_path``.
+
+    Raises:
+        ValueError: no base given and none recorded, or one that is neither a directory with
+            ``config.json`` nor a built-in model name.
+    """
+    from areal_async.model.source import BUILTIN_MODELS, resolve_model_path
+
+    recorded = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    name = base or recorded
+    if not name:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} names no base model: give --base PATH")
+    if name not in BUILTIN_MODELS and not (pathlib.Path(name).expanduser() / "config.json").is_file():
+        where = "--base" if base else f"the base recorded in {adapter_dir / ADAPTER_CONFIG},"
+        raise ValueError(f"{where} {name!r} is neither an HF checkpoint directory (with config.json) nor a built-in "
+                         f"model name ({', '.join(sorted(BUILTIN_MODELS))}); give --base PATH, the model.path "
+                         f"the adapter was trained on")
+    return resolve_model_path(ModelConfig(path=name))
+
+
+def check_adapter_fits(adapter_dir: pathlib.Path, base: pathlib.Path) -> None:
+    """Check that every tensor of ``adapter_dir`` adapts a linear layer of ``base`` with its shape
+    (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``); the base is built on the meta device.
+
+    Raises:
+        ValueError: naming the first tensor that does not fit, the base, and the one recorded.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from areal_async.embedded.lora import check_adapter_tensors
+
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    try:
+        check_adapter_tensors(dict(lm.named_parameters()), shapes, config.get("r"))
+    except ValueError as exc:
+        raise ValueError(f"{adapter_dir} does not fit the base {base}: {exc}. It was trained on "
+                         f"{config.get('base_model_name_or_path')!r}; give --base PATH of that model") from None
+
+
 def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: str | None = None,
           dtype: torch.dtype = torch.float32, overwrite: bool = False) -> pathlib.Path:
     """Write the merged model of ``adapter_dir`` (on ``base``) into ``out_dir``; returns ``out_dir``.
@@ -53,7 +100,8 @@ def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: st
     Raises:
         FileNotFoundError: ``adapter_dir`` holds no adapter (a full fine-tuning checkpoint is a
             full HF directory already).
-        ValueError: no base given and none recorded, or an ``out_dir`` refused by ``check_out_dir``.
+        ValueError: a base that ``resolve_base`` refuses or the adapter does not fit
+            (``check_adapter_fits``), or an ``out_dir`` refused by ``check_out_dir``.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -65,9 +113,8 @@ def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: st
                                     f"(a run with trainer.lora.rank=0 checkpoints a full HF directory, "
                                     f"loadable as it is)")
     check_out_dir(adapter_dir, out_dir, overwrite)
-    base = base or json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} names no base model: give --base PATH")
+    base = resolve_base(adapter_dir, base)
+    check_adapter_fits(adapter_dir, base)
     info = json.loads((adapter_dir / LORA_BASE).read_text()) if (adapter_dir / LORA_BASE).is_file() else {}
     stored = dtype_from_name(info.get("base_dtype", "float32"), FLOAT_DTYPES, "base_dtype")
     lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

@@ -215,3 +215,51 @@ def test_a_resume_refuses_a_checkpoint_of_the_other_kind(tiny_model_dir, tmp_pat
     check_checkpoint_kind(tiny_model_dir, 0)  # a full HF directory
     with pytest.raises(ValueError, match="is a full fine-tuning checkpoint"):
         check_checkpoint_kind(tiny_model_dir, 4)
+
+
+def _adapter_of_a_wider_model(model_dir, out_dir):
+    """A peft adapter directory for ``model_dir``'s layers but with MLP tensors of a model whose
+    intermediate size is twice ``model_dir``'s (as if trained on another base)."""
+    from areal_async.config import LoraConfig
+    from areal_async.trainer.lora import initial_adapter, write_adapter_dir
+
+    tensors, config = initial_adapter(str(model_dir), LoraConfig(rank=4))
+    wide = {}
+    for name, t in tensors.items():
+        if ".mlp.down_proj.lora_A" in name or ".mlp.gate_proj.lora_B" in name or ".mlp.up_proj.lora_B" in name:
+            t = torch.cat([t, t], dim=1 if "lora_A" in name else 0)
+        wide[name] = t
+    out_dir.mkdir()
+    return write_adapter_dir(out_dir, wide, config, torch.float32)
+
+
+def test_merge_lora_refuses_a_base_the_adapter_does_not_fit(tiny_model_dir, tmp_path):
+    # an adapter merged onto another model used to end in peft's RuntimeError and a traceback
+    # listing every tensor's size mismatch
+    ckpt = _adapter_of_a_wider_model(tiny_model_dir, tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(ckpt), str(tmp_path / "out"),
+                           "--base", str(tiny_model_dir)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "does not fit the base" in proc.stderr and "down_proj" in proc.stderr and "--base" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_resolves_its_base_like_model_path(tiny_model_dir, tmp_path, monkeypatch):
+    # --base smollm2-135m-instruct (a model.path name) used to be looked up on the Hugging Face Hub,
+    # and a missing directory ended in the Hub's "Repo id must be in the form ..."
+    import launcher.merge_lora as merge_lora
+    from areal_async.model import source
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    from areal_async.config import LoraConfig
+    from areal_async.trainer.lora import initial_adapter, write_adapter_dir
+
+    write_adapter_dir(ckpt, *initial_adapter(str(tiny_model_dir), LoraConfig(rank=4)), torch.float32)
+    with pytest.raises(ValueError, match=r"--base '.*nowhere' is neither an HF checkpoint directory.*built-in"):
+        merge_lora.merge(ckpt, tmp_path / "out", base=str(tmp_path / "nowhere"))
+    fetched = []
+    monkeypatch.setattr(source, "_fetch_builtin", lambda name, cache: fetched.append(name) or tiny_model_dir)
+    merge_lora.merge(ckpt, tmp_path / "out", base="smollm2-135m-instruct")
+    assert fetched == ["smollm2-135m-instruct"] and (tmp_path / "out" / "model.safetensors").is_file()
