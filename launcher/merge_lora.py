@@ -25,7 +25,7 @@ from areal_async.atomic_dir import write_atomically
 from areal_async.config import ModelConfig
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.trainer.checkpoint import save_hf_checkpoint
-from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE
+from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE, check_adapter_fits
 
 
 def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool) -> None:
@@ -69,28 +69,23 @@ def resolve_base(adapter_dir: pathlib.Path, base: str | None) -> pathlib.Path:
     return resolve_model_path(ModelConfig(path=name))
 
 
-def check_adapter_fits(adapter_dir: pathlib.Path, base: pathlib.Path) -> None:
+def check_base_fits(adapter_dir: pathlib.Path, base: pathlib.Path) -> None:
     """Check that every tensor of ``adapter_dir`` adapts a linear layer of ``base`` with its shape
     (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``); the base is built on the meta device.
 
     Raises:
         ValueError: naming the first tensor that does not fit, the base, and the one recorded.
     """
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from areal_async.embedded.lora import check_adapter_tensors
-
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
     try:
-        check_adapter_tensors(dict(lm.named_parameters()), shapes, config.get("r"))
+        check_adapter_fits(adapter_dir, lm)
     except ValueError as exc:
+        trained_on = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
         raise ValueError(f"{adapter_dir} does not fit the base {base}: {exc}. It was trained on "
-                         f"{config.get('base_model_name_or_path')!r}; give --base PATH of that model") from None
+                         f"{trained_on!r}; give --base PATH of that model") from None
 
 
 def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: str | None = None,
@@ -101,7 +96,7 @@ def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: st
         FileNotFoundError: ``adapter_dir`` holds no adapter (a full fine-tuning checkpoint is a
             full HF directory already).
         ValueError: a base that ``resolve_base`` refuses or the adapter does not fit
-            (``check_adapter_fits``), or an ``out_dir`` refused by ``check_out_dir``.
+            (``check_base_fits``), or an ``out_dir`` refused by ``check_out_dir``.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -114,7 +109,7 @@ def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: st
                                     f"loadable as it is)")
     check_out_dir(adapter_dir, out_dir, overwrite)
     base = resolve_base(adapter_dir, base)
-    check_adapter_fits(adapter_dir, base)
+    check_base_fits(adapter_dir, base)
     info = json.loads((adapter_dir / LORA_BASE).read_text()) if (adapter_dir / LORA_BASE).is_file() else {}
     stored = dtype_from_name(info.get("base_dtype", "float32"), FLOAT_DTYPES, "base_dtype")
     lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

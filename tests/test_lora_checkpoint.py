@@ -9,6 +9,7 @@ CPU, same packing, so the same arithmetic); merged, the HF checkpoint's logits e
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -114,6 +115,46 @@ def test_a_resume_with_another_alpha_is_refused_before_anything_starts(tiny_mode
                                                          "trainer.lora.rank=4", "trainer.lora.alpha=16"])
     with pytest.raises(ValueError, match="trainer.lora.alpha=8.0 but this run has trainer.lora.alpha=16.0"):
         prepare_run(launch, overwrite=False, resume=True)
+
+
+def _wider_model(model_dir, out_dir):
+    """``model_dir``'s model with twice its MLP width (random weights, the same tokenizer)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.intermediate_size *= 2
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    for f in model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out_dir / f.name)
+    return out_dir
+
+
+def test_a_resume_on_another_base_is_refused_or_warned_before_anything_starts(tiny_model_dir, tmp_path):
+    # a resume with model.path changed used to pass the launch checks: an adapter that does not fit
+    # the new base failed only in the server's start-up traceback, one that fits was applied silently
+    from areal_async.trainer.learner import save_checkpoint
+    from areal_async.trainer.lora import check_lora_settings
+    from launcher.local import prepare_run
+
+    wide = _wider_model(tiny_model_dir, tmp_path / "wide")
+    cfg = _config(wide)
+    save_checkpoint(cfg, *_learner(cfg), tmp_path / "exp", 1, [])
+    ckpt = tmp_path / "exp" / "checkpoint"
+    assert check_lora_settings(str(wide), cfg.trainer.lora, ckpt) == ""
+    with pytest.raises(ValueError, match=rf"does not fit model.path={tiny_model_dir}.*down_proj.*trained on "
+                                         rf"{wide}.*Resume with model.path={wide}"):
+        check_lora_settings(str(tiny_model_dir), cfg.trainer.lora, ckpt)
+    launch = load_config("configs/quickstart_cpu.yaml", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
+                                                         "name=exp", "inference.num_servers=1", "trainer.total_steps=3",
+                                                         "trainer.lora.rank=4"])
+    with pytest.raises(ValueError, match="does not fit model.path"):
+        prepare_run(launch, overwrite=False, resume=True)
+    same_shapes = shutil.copytree(wide, tmp_path / "wide-copy")
+    warning = check_lora_settings(str(same_shapes), cfg.trainer.lora, ckpt)
+    assert f"trained on {wide}" in warning and f"model.path={same_shapes}" in warning, warning
 
 
 def test_merge_lora_refuses_an_out_dir_that_would_replace_data(tmp_path):

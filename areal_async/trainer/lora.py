@@ -215,21 +215,24 @@ def _meta_model(model_path: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
 
 
-def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | pathlib.Path | None = None) -> None:
+def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | pathlib.Path | None = None) -> str:
     """Check ``trainer.lora`` against the model at ``model_path`` (its config alone) before a job
     starts and, for ``--resume``, against the checkpoint ``ckpt_dir`` it continues: the adapted
     policy is ``base + (alpha / r) · B A`` on the target modules, so a resume that changed rank,
-    alpha or target modules would train one policy while the servers serve another
-    (``trainer.lora.dropout`` may change).
+    alpha, target modules or the base would train one policy while the servers serve another
+    (``trainer.lora.dropout`` may change). Returns a warning, or ``""``: the checkpoint was trained
+    on another ``model.path`` whose linear layers have the same shapes (a moved or another base).
 
     Raises:
-        ValueError: a target module that is no linear layer of the decoder blocks, or a setting
+        ValueError: a target module that is no linear layer of the decoder blocks, a setting
             that differs from the checkpoint's ``adapter_config.json`` (the message names both
-            values and the override that resumes it).
+            values and the override that resumes it), or a checkpoint adapter that does not fit
+            the linear layers of ``model_path`` (the message names the base it was trained on).
     """
-    targets = resolve_target_modules(_meta_model(model_path), cfg.target_modules)
+    lm = _meta_model(model_path)
+    targets = resolve_target_modules(lm, cfg.target_modules)
     if ckpt_dir is None:
-        return
+        return ""
     path = pathlib.Path(ckpt_dir) / ADAPTER_CONFIG
     saved = json.loads(path.read_text())
     have = {"trainer.lora.rank": saved.get("r"), "trainer.lora.alpha": float(saved.get("lora_alpha") or 0.0),
@@ -244,6 +247,36 @@ def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | path
                          + ", ".join(f"{key}={want[key]}" for key in changed)
                          + f"; the servers would serve another policy than the trainer trains. Resume with "
                            f"{fix}, or start a new run (another name=...) with the new settings")
+    trained_on = saved.get("base_model_name_or_path")
+    try:
+        check_adapter_fits(path.parent, lm)
+    except ValueError as exc:
+        raise ValueError(f"--resume: the checkpoint {path.parent} does not fit model.path={model_path} ({exc}); "
+                         f"it was trained on {trained_on}. Resume with model.path={trained_on}") from None
+    if trained_on and pathlib.Path(trained_on).resolve() != pathlib.Path(model_path).resolve():
+        return (f"--resume: the checkpoint {path.parent} was trained on {trained_on} but this run has "
+                f"model.path={model_path}, whose linear layers have the same shapes: its adapters are applied to "
+                f"this base; resume with model.path={trained_on} to continue the run's own policy")
+    return ""
+
+
+def check_adapter_fits(adapter_dir: str | pathlib.Path, lm: nn.Module) -> None:
+    """Check that every tensor of the peft adapter directory ``adapter_dir`` adapts a linear layer
+    of the HF model ``lm`` (meta tensors will do) with its shape: ``lora_A`` ``[r, in]``,
+    ``lora_B`` ``[out, r]``. Reads the tensors' shapes only.
+
+    Raises:
+        ValueError: naming the first tensor that does not fit and the shape it must have.
+    """
+    from safetensors import safe_open
+
+    from areal_async.embedded.lora import check_adapter_tensors
+
+    adapter_dir = pathlib.Path(adapter_dir)
+    r = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("r")
+    with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    check_adapter_tensors(dict(lm.named_parameters()), shapes, r)
 
 
 def _override(value) -> str:
