@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from areal_async.config import ALL_LINEAR
 from areal_async.config import LoraConfig as LoraSettings
 
 ADAPTER_NAME = "default"  # peft's adapter name inside the modules (dropped from the saved names)
@@ -38,7 +39,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 # the base's storage dtype during training (the merge rounds the base to it, as the trainer did)
 LORA_BASE = "lora_base.json"
-ALL_LINEAR = "all-linear"
 
 
 def _lm(policy: nn.Module) -> nn.Module:
@@ -84,6 +84,27 @@ def resolve_target_modules(lm: nn.Module, target: str | tuple[str, ...] | list[s
                          f"{'is no' if len(unknown) == 1 else 'are no'} linear layer of the decoder blocks of this "
                          f"model, whose linear layers are {found}; give some of those, or 'all-linear' for all")
     return list(dict.fromkeys(target))
+
+
+def check_rank(lm: nn.Module, targets: list[str], rank: int) -> None:
+    """Refuse a ``rank`` above ``min(in, out)`` of every targeted linear of the decoder blocks:
+    ``B A`` of such a layer has rank at most ``min(in, out)``, so the extra rows and columns only
+    cost memory (``rank`` 1e5 on SmolLM2-135M: 3e10 adapter parameters).
+
+    Raises:
+        ValueError: naming ``rank``, the largest useful one and the layer that gives it.
+    """
+    widths = {}
+    for name, module in lm.model.layers.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and leaf in targets:
+            widths[leaf] = max(widths.get(leaf, 0), min(module.in_features, module.out_features))
+    widest = max(widths, key=widths.get)
+    if rank > widths[widest]:
+        raise ValueError(f"trainer.lora.rank={rank} is above every targeted layer's width: the update B·A of a "
+                         f"layer has rank at most min(in, out), at most {widths[widest]} here ({widest}; "
+                         f"target_modules {targets}); give trainer.lora.rank={widths[widest]} or less "
+                         f"(8-64 is usual)")
 
 
 def _block_pattern(targets: list[str]) -> str:
@@ -134,13 +155,15 @@ def add_adapters(lm: nn.Module, cfg: LoraSettings, base_model_path: str, compute
     adapted layers.
 
     Raises:
-        ValueError: bad ``target_modules`` (see ``resolve_target_modules``), or ``adapter_dir``'s
+        ValueError: bad ``target_modules`` (see ``resolve_target_modules``), a rank refused by
+            ``check_rank``, or ``adapter_dir``'s
             tensors do not match the adapters.
     """
     from peft import inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
     targets = resolve_target_modules(lm, cfg.target_modules)
+    check_rank(lm, targets, cfg.rank)
     peft_cfg = make_peft_config(cfg, targets, base_model_path)
     peft_cfg.target_modules = _block_pattern(targets)
     inject_adapter_in_model(peft_cfg, lm, adapter_name=ADAPTER_NAME)
@@ -224,13 +247,15 @@ def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | path
     on another ``model.path`` whose linear layers have the same shapes (a moved or another base).
 
     Raises:
-        ValueError: a target module that is no linear layer of the decoder blocks, a setting
+        ValueError: a target module that is no linear layer of the decoder blocks, a rank above
+            their widths (``check_rank``), a setting
             that differs from the checkpoint's ``adapter_config.json`` (the message names both
             values and the override that resumes it), or a checkpoint adapter that does not fit
             the linear layers of ``model_path`` (the message names the base it was trained on).
     """
     lm = _meta_model(model_path)
     targets = resolve_target_modules(lm, cfg.target_modules)
+    check_rank(lm, targets, cfg.rank)
     if ckpt_dir is None:
         return ""
     path = pathlib.Path(ckpt_dir) / ADAPTER_CONFIG
