@@ -10,7 +10,8 @@ peft's ``merge_and_unload`` adds ``(alpha/r) · B A`` in fp32. ``OUT_DIR`` gets 
 ``--dtype`` (default float32, as a full fine-tuning checkpoint) with the base's config,
 generation config and tokenizer files (``checkpoint.save_hf_checkpoint``), written atomically;
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. ``OUT_DIR`` may not hold, or lie
-inside, ``ADAPTER_DIR``; an existing non-empty one is replaced only with ``--overwrite``. docs/lora.md.
+inside, ``ADAPTER_DIR`` or the base; an existing non-empty one is replaced only with
+``--overwrite``. docs/lora.md.
 """
 
 from __future__ import annotations
@@ -28,18 +29,24 @@ from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE, check_adapter_fits
 
 
-def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool) -> None:
-    """Refuse an ``out_dir`` whose replacement would lose data: ``adapter_dir`` itself, a directory
-    holding it (its run directory) or one inside it, or, without ``overwrite``, any non-empty one.
+def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool,
+                  base: pathlib.Path | None = None) -> None:
+    """Refuse an ``out_dir`` whose replacement would lose data: the ``base`` model's directory, a
+    directory holding it or one inside it (the adapter would lose its base), the same for
+    ``adapter_dir`` (its run directory), or, without ``overwrite``, any non-empty one.
 
     Raises:
         ValueError: naming ``out_dir`` and the fix.
     """
-    a, o = adapter_dir.resolve(), out_dir.resolve()
-    if o == a or o in a.parents or a in o.parents:
-        raise ValueError(f"OUT_DIR {out_dir} {'is' if o == a else 'holds' if o in a.parents else 'lies inside'} "
-                         f"the adapter directory {adapter_dir}: writing it would replace the checkpoint; "
-                         f"give a new directory outside it, e.g. {a.parent.parent / (a.parent.name + '-merged')}")
+    o = out_dir.resolve()
+    for what, d in (("the base model", base), ("the adapter directory", adapter_dir)):
+        if d is None:
+            continue
+        d = d.resolve()
+        if o == d or o in d.parents or d in o.parents:
+            raise ValueError(f"OUT_DIR {out_dir} {'is' if o == d else 'holds' if o in d.parents else 'lies inside'} "
+                             f"{what} {d}: writing it would replace it; give a new directory outside it, e.g. "
+                             f"{adapter_dir.resolve().parent.parent / (adapter_dir.resolve().parent.name + '-merged')}")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"OUT_DIR {out_dir} exists and is not empty; give a new directory, or pass "
                          f"--overwrite to replace it")
@@ -109,6 +116,7 @@ def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: st
                                     f"loadable as it is)")
     check_out_dir(adapter_dir, out_dir, overwrite)
     base = resolve_base(adapter_dir, base)
+    check_out_dir(adapter_dir, out_dir, overwrite, base)
     check_base_fits(adapter_dir, base)
     info = json.loads((adapter_dir / LORA_BASE).read_text()) if (adapter_dir / LORA_BASE).is_file() else {}
     stored = dtype_from_name(info.get("base_dtype", "float32"), FLOAT_DTYPES, "base_dtype")

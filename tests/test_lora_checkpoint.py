@@ -304,3 +304,24 @@ def test_merge_lora_resolves_its_base_like_model_path(tiny_model_dir, tmp_path, 
     monkeypatch.setattr(source, "_fetch_builtin", lambda name, cache: fetched.append(name) or tiny_model_dir)
     merge_lora.merge(ckpt, tmp_path / "out", base="smollm2-135m-instruct")
     assert fetched == ["smollm2-135m-instruct"] and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_merge_lora_never_replaces_its_base(tiny_model_dir, tmp_path):
+    # merge_lora ADAPTER BASE --overwrite used to replace the base with the merged model: the
+    # adapter's base was gone, and a resume or a second merge applied the adapter twice
+    from areal_async.config import LoraConfig
+    from areal_async.trainer.lora import initial_adapter, write_adapter_dir
+    from launcher.merge_lora import merge
+
+    base = shutil.copytree(tiny_model_dir, tmp_path / "models" / "base")
+    ckpt = tmp_path / "run" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    write_adapter_dir(ckpt, *initial_adapter(str(base), LoraConfig(rank=4)), torch.float32)
+    weights = (base / "model.safetensors").read_bytes()
+    for out, words in ((base, "is the base model"), (tmp_path / "models", "holds the base model"),
+                       (base / "merged", "lies inside the base model")):
+        with pytest.raises(ValueError, match=words):
+            merge(ckpt, out, overwrite=True)
+        with pytest.raises(ValueError, match=words):
+            merge(ckpt, out, base=str(base), overwrite=True)
+    assert (base / "model.safetensors").read_bytes() == weights
