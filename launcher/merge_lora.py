@@ -26,7 +26,7 @@ from areal_async.atomic_dir import write_atomically
 from areal_async.config import ModelConfig
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.trainer.checkpoint import save_hf_checkpoint
-from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE, check_adapter_fits
+from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE, check_adapter_fits, read_adapter_config
 
 
 def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool,
@@ -64,7 +64,7 @@ def resolve_base(adapter_dir: pathlib.Path, base: str | None) -> pathlib.Path:
     """
     from areal_async.model.source import BUILTIN_MODELS, resolve_model_path
 
-    recorded = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    recorded = read_adapter_config(adapter_dir).get("base_model_name_or_path")
     name = base or recorded
     if not name:
         raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} names no base model: give --base PATH")
@@ -90,7 +90,7 @@ def check_base_fits(adapter_dir: pathlib.Path, base: pathlib.Path) -> None:
     try:
         check_adapter_fits(adapter_dir, lm)
     except ValueError as exc:
-        trained_on = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        trained_on = read_adapter_config(adapter_dir).get("base_model_name_or_path")
         raise ValueError(f"{adapter_dir} does not fit the base {base}: {exc}. It was trained on "
                          f"{trained_on!r}; give --base PATH of that model") from None
 

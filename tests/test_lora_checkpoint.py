@@ -325,3 +325,24 @@ def test_merge_lora_never_replaces_its_base(tiny_model_dir, tmp_path):
         with pytest.raises(ValueError, match=words):
             merge(ckpt, out, base=str(base), overwrite=True)
     assert (base / "model.safetensors").read_bytes() == weights
+
+
+def test_merge_lora_names_an_unreadable_adapter_file(tiny_model_dir, tmp_path):
+    # a truncated adapter_model.safetensors ended in safetensors' traceback, a broken
+    # adapter_config.json in json's message without the file's name
+    from areal_async.config import LoraConfig
+    from areal_async.trainer.lora import initial_adapter, write_adapter_dir
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_adapter_dir(ckpt, *initial_adapter(str(tiny_model_dir), LoraConfig(rank=4)), torch.float32)
+    weights, config = ckpt / "adapter_model.safetensors", ckpt / "adapter_config.json"
+    good = config.read_text()
+    weights.write_bytes(weights.read_bytes()[:100])
+    config.write_text("{oops")
+    for broken in (config, weights):
+        proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(ckpt), str(tmp_path / "out")],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert f"{broken} is not readable" in proc.stderr, proc.stderr
+        config.write_text(good)

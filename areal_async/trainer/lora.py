@@ -259,7 +259,7 @@ def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | path
     if ckpt_dir is None:
         return ""
     path = pathlib.Path(ckpt_dir) / ADAPTER_CONFIG
-    saved = json.loads(path.read_text())
+    saved = read_adapter_config(ckpt_dir)
     have = {"trainer.lora.rank": saved.get("r"), "trainer.lora.alpha": float(saved.get("lora_alpha") or 0.0),
             "trainer.lora.target_modules": sorted(saved.get("target_modules") or [])}
     want = {"trainer.lora.rank": cfg.rank, "trainer.lora.alpha": lora_alpha(cfg),
@@ -285,22 +285,44 @@ def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | path
     return ""
 
 
+def read_adapter_config(adapter_dir: str | pathlib.Path) -> dict:
+    """``adapter_dir/adapter_config.json`` as a dict.
+
+    Raises:
+        ValueError: the file is missing or is no JSON object (naming it).
+    """
+    path = pathlib.Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not readable ({type(exc).__name__}: {exc}); the adapter directory is "
+                         f"damaged or incomplete") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not readable (no JSON object); the adapter directory is damaged")
+    return config
+
+
 def check_adapter_fits(adapter_dir: str | pathlib.Path, lm: nn.Module) -> None:
     """Check that every tensor of the peft adapter directory ``adapter_dir`` adapts a linear layer
     of the HF model ``lm`` (meta tensors will do) with its shape: ``lora_A`` ``[r, in]``,
     ``lora_B`` ``[out, r]``. Reads the tensors' shapes only.
 
     Raises:
-        ValueError: naming the first tensor that does not fit and the shape it must have.
+        ValueError: naming the first tensor that does not fit and the shape it must have, or a
+            file of ``adapter_dir`` that is not readable.
     """
     from safetensors import safe_open
 
     from areal_async.embedded.lora import check_adapter_tensors
 
     adapter_dir = pathlib.Path(adapter_dir)
-    r = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("r")
-    with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    r = read_adapter_config(adapter_dir).get("r")
+    try:
+        with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own SafetensorError (header, truncation)
+        raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS} is not readable ({type(exc).__name__}: {exc}); the "
+                         f"adapter directory is damaged or incomplete") from None
     check_adapter_tensors(dict(lm.named_parameters()), shapes, r)
 
 
