@@ -26,7 +26,8 @@ from areal_async.atomic_dir import write_atomically
 from areal_async.config import ModelConfig
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.trainer.checkpoint import save_hf_checkpoint
-from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE, check_adapter_fits, read_adapter_config
+from areal_async.trainer.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE, adapter_shapes, check_adapter_fits,
+                                      read_adapter_config)
 
 
 def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool,
@@ -85,6 +86,7 @@ def check_base_fits(adapter_dir: pathlib.Path, base: pathlib.Path) -> None:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    adapter_shapes(adapter_dir)  # a damaged file is named as such, not as another base
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
     try:

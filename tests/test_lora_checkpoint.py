@@ -329,9 +329,10 @@ def test_merge_lora_never_replaces_its_base(tiny_model_dir, tmp_path):
 
 def test_merge_lora_names_an_unreadable_adapter_file(tiny_model_dir, tmp_path):
     # a truncated adapter_model.safetensors ended in safetensors' traceback, a broken
-    # adapter_config.json in json's message without the file's name
+    # adapter_config.json in json's message without the file's name; --resume called a damaged
+    # checkpoint one that "does not fit model.path"
     from areal_async.config import LoraConfig
-    from areal_async.trainer.lora import initial_adapter, write_adapter_dir
+    from areal_async.trainer.lora import check_lora_settings, initial_adapter, write_adapter_dir
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -345,4 +346,6 @@ def test_merge_lora_names_an_unreadable_adapter_file(tiny_model_dir, tmp_path):
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert f"{broken} is not readable" in proc.stderr, proc.stderr
+        with pytest.raises(ValueError, match=rf"^{broken} is not readable"):  # --resume's check
+            check_lora_settings(str(tiny_model_dir), LoraConfig(rank=4), ckpt)
         config.write_text(good)

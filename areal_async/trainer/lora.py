@@ -273,6 +273,7 @@ def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | path
                          + f"; the servers would serve another policy than the trainer trains. Resume with "
                            f"{fix}, or start a new run (another name=...) with the new settings")
     trained_on = saved.get("base_model_name_or_path")
+    adapter_shapes(path.parent)  # a damaged file is named as such, not as another base
     try:
         check_adapter_fits(path.parent, lm)
     except ValueError as exc:
@@ -302,27 +303,37 @@ def read_adapter_config(adapter_dir: str | pathlib.Path) -> dict:
     return config
 
 
-def check_adapter_fits(adapter_dir: str | pathlib.Path, lm: nn.Module) -> None:
-    """Check that every tensor of the peft adapter directory ``adapter_dir`` adapts a linear layer
-    of the HF model ``lm`` (meta tensors will do) with its shape: ``lora_A`` ``[r, in]``,
-    ``lora_B`` ``[out, r]``. Reads the tensors' shapes only.
+def adapter_shapes(adapter_dir: str | pathlib.Path) -> tuple[int | None, dict[str, tuple[int, ...]]]:
+    """``(r, {peft name: shape})`` of the peft adapter directory ``adapter_dir``, from its
+    ``adapter_config.json`` and its safetensors header (no tensor is read).
 
     Raises:
-        ValueError: naming the first tensor that does not fit and the shape it must have, or a
-            file of ``adapter_dir`` that is not readable.
+        ValueError: a file of ``adapter_dir`` that is missing or not readable (naming it).
     """
     from safetensors import safe_open
-
-    from areal_async.embedded.lora import check_adapter_tensors
 
     adapter_dir = pathlib.Path(adapter_dir)
     r = read_adapter_config(adapter_dir).get("r")
     try:
         with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            return r, {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except Exception as exc:  # safetensors raises its own SafetensorError (header, truncation)
         raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS} is not readable ({type(exc).__name__}: {exc}); the "
                          f"adapter directory is damaged or incomplete") from None
+
+
+def check_adapter_fits(adapter_dir: str | pathlib.Path, lm: nn.Module) -> None:
+    """Check that every tensor of the peft adapter directory ``adapter_dir`` adapts a linear layer
+    of the HF model ``lm`` (meta tensors will do) with its shape: ``lora_A`` ``[r, in]``,
+    ``lora_B`` ``[out, r]``. Reads the tensors' shapes only (``adapter_shapes``, which raises
+    first for an unreadable file).
+
+    Raises:
+        ValueError: naming the first tensor that does not fit and the shape it must have.
+    """
+    from areal_async.embedded.lora import check_adapter_tensors
+
+    r, shapes = adapter_shapes(adapter_dir)
     check_adapter_tensors(dict(lm.named_parameters()), shapes, r)
 
 
