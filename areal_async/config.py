@@ -237,6 +237,9 @@ class AlgoConfig(_Cfg):
 
 
 
+ALL_LINEAR = "all-linear"  # trainer.lora.target_modules: every linear layer of the decoder blocks
+
+
 class LoraConfig(_Cfg):
     """LoRA adapters on the policy (``trainer.lora``; docs/lora.md). ``rank`` 0: off, full
     fine-tuning. On: the base model is frozen and stored in ``trainer.dtype``, and only the
@@ -256,9 +259,13 @@ class LoraConfig(_Cfg):
 
     def __post_init__(self):
         t = self.target_modules
-        if isinstance(t, str) and t != "all-linear":
+        if isinstance(t, str) and t != ALL_LINEAR:
             raise ValueError(f"trainer.lora.target_modules={t!r}: give 'all-linear' (every linear layer of the "
                              f"decoder blocks) or a list of module names, e.g. trainer.lora.target_modules=[q_proj,v_proj]")
+        if not isinstance(t, str) and ALL_LINEAR in t:
+            raise ValueError(f"trainer.lora.target_modules={list(t)}: 'all-linear' stands alone, not in a list: give "
+                             f"trainer.lora.target_modules=all-linear (every linear layer of the decoder blocks) or a "
+                             f"list of module names, e.g. [q_proj,v_proj]")
         if not isinstance(t, str) and (not t or not all(t)):
             raise ValueError(f"trainer.lora.target_modules={list(t)}: give a non-empty list of module names "
                              f"(e.g. [q_proj,v_proj]) or 'all-linear'")

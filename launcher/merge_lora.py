@@ -10,7 +10,8 @@ peft's ``merge_and_unload`` adds ``(alpha/r) · B A`` in fp32. ``OUT_DIR`` gets 
 ``--dtype`` (default float32, as a full fine-tuning checkpoint) with the base's config,
 generation config and tokenizer files (``checkpoint.save_hf_checkpoint``), written atomically;
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. ``OUT_DIR`` may not hold, or lie
-inside, ``ADAPTER_DIR``; an existing non-empty one is replaced only with ``--overwrite``. docs/lora.md.
+inside, ``ADAPTER_DIR`` or the base; an existing non-empty one is replaced only with
+``--overwrite``. docs/lora.md.
 """
 
 from __future__ import annotations
@@ -22,28 +23,78 @@ import pathlib
 import torch
 
 from areal_async.atomic_dir import write_atomically
+from areal_async.config import ModelConfig
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.trainer.checkpoint import save_hf_checkpoint
-from areal_async.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE
+from areal_async.trainer.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE, adapter_shapes, check_adapter_fits,
+                                      read_adapter_config)
 
 
-def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool) -> None:
-    """Refuse an ``out_dir`` whose replacement would lose data: ``adapter_dir`` itself, a directory
-    holding it (its run directory) or one inside it, or, without ``overwrite``, any non-empty one.
+def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool,
+                  base: pathlib.Path | None = None) -> None:
+    """Refuse an ``out_dir`` whose replacement would lose data: the ``base`` model's directory, a
+    directory holding it or one inside it (the adapter would lose its base), the same for
+    ``adapter_dir`` (its run directory), or, without ``overwrite``, any non-empty one.
 
     Raises:
         ValueError: naming ``out_dir`` and the fix.
     """
-    a, o = adapter_dir.resolve(), out_dir.resolve()
-    if o == a or o in a.parents or a in o.parents:
-        raise ValueError(f"OUT_DIR {out_dir} {'is' if o == a else 'holds' if o in a.parents else 'lies inside'} "
-                         f"the adapter directory {adapter_dir}: writing it would replace the checkpoint; "
-                         f"give a new directory outside it, e.g. {a.parent.parent / (a.parent.name + '-merged')}")
+    o = out_dir.resolve()
+    for what, d in (("the base model", base), ("the adapter directory", adapter_dir)):
+        if d is None:
+            continue
+        d = d.resolve()
+        if o == d or o in d.parents or d in o.parents:
+            raise ValueError(f"OUT_DIR {out_dir} {'is' if o == d else 'holds' if o in d.parents else 'lies inside'} "
+                             f"{what} {d}: writing it would replace it; give a new directory outside it, e.g. "
+                             f"{adapter_dir.resolve().parent.parent / (adapter_dir.resolve().parent.name + '-merged')}")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"OUT_DIR {out_dir} exists and is not empty; give a new directory, or pass "
                          f"--overwrite to replace it")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"OUT_DIR {out_dir} is a file; give a directory path")
+
+
+def resolve_base(adapter_dir: pathlib.Path, base: str | None) -> pathlib.Path:
+    """The base model's HF directory: ``base`` (``--base``, a directory or a built-in name, as
+    ``model.path``) or, without it, the adapter config's ``base_model_name_or_path``.
+
+    Raises:
+        ValueError: no base given and none recorded, or one that is neither a directory with
+            ``config.json`` nor a built-in model name.
+    """
+    from areal_async.model.source import BUILTIN_MODELS, resolve_model_path
+
+    recorded = read_adapter_config(adapter_dir).get("base_model_name_or_path")
+    name = base or recorded
+    if not name:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} names no base model: give --base PATH")
+    if name not in BUILTIN_MODELS and not (pathlib.Path(name).expanduser() / "config.json").is_file():
+        where = "--base" if base else f"the base recorded in {adapter_dir / ADAPTER_CONFIG},"
+        raise ValueError(f"{where} {name!r} is neither an HF checkpoint directory (with config.json) nor a built-in "
+                         f"model name ({', '.join(sorted(BUILTIN_MODELS))}); give --base PATH, the model.path "
+                         f"the adapter was trained on")
+    return resolve_model_path(ModelConfig(path=name))
+
+
+def check_base_fits(adapter_dir: pathlib.Path, base: pathlib.Path) -> None:
+    """Check that every tensor of ``adapter_dir`` adapts a linear layer of ``base`` with its shape
+    (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``); the base is built on the meta device.
+
+    Raises:
+        ValueError: naming the first tensor that does not fit, the base, and the one recorded.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    adapter_shapes(adapter_dir)  # a damaged file is named as such, not as another base
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    try:
+        check_adapter_fits(adapter_dir, lm)
+    except ValueError as exc:
+        trained_on = read_adapter_config(adapter_dir).get("base_model_name_or_path")
+        raise ValueError(f"{adapter_dir} does not fit the base {base}: {exc}. It was trained on "
+                         f"{trained_on!r}; give --base PATH of that model") from None
 
 
 def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: str | None = None,
@@ -53,7 +104,8 @@ def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: st
     Raises:
         FileNotFoundError: ``adapter_dir`` holds no adapter (a full fine-tuning checkpoint is a
             full HF directory already).
-        ValueError: no base given and none recorded, or an ``out_dir`` refused by ``check_out_dir``.
+        ValueError: a base that ``resolve_base`` refuses or the adapter does not fit
+            (``check_base_fits``), or an ``out_dir`` refused by ``check_out_dir``.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -65,9 +117,9 @@ def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: st
                                     f"(a run with trainer.lora.rank=0 checkpoints a full HF directory, "
                                     f"loadable as it is)")
     check_out_dir(adapter_dir, out_dir, overwrite)
-    base = base or json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} names no base model: give --base PATH")
+    base = resolve_base(adapter_dir, base)
+    check_out_dir(adapter_dir, out_dir, overwrite, base)
+    check_base_fits(adapter_dir, base)
     info = json.loads((adapter_dir / LORA_BASE).read_text()) if (adapter_dir / LORA_BASE).is_file() else {}
     stored = dtype_from_name(info.get("base_dtype", "float32"), FLOAT_DTYPES, "base_dtype")
     lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

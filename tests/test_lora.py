@@ -175,6 +175,30 @@ def test_a_bad_target_module_names_the_linear_layers_found(tiny_model_dir):
         _policy(tiny_model_dir, target_modules=("lm_head",))
 
 
+def test_all_linear_in_a_list_is_refused_naming_the_fix():
+    # target_modules=[all-linear] used to pass the config and fail at launch with "['all-linear'] is
+    # no linear layer ...; give some of those, or 'all-linear' for all"
+    from areal_async.config import load_config
+
+    for given in ("[all-linear]", "[all-linear,q_proj]"):
+        with pytest.raises(ValueError, match=r"'all-linear' stands alone.*trainer.lora.target_modules=all-linear"):
+            load_config(None, ["trainer.lora.rank=4", f"trainer.lora.target_modules={given}"])
+
+
+def test_a_rank_above_every_targeted_layer_s_width_is_refused(tiny_model_dir):
+    # trainer.lora.rank=100000 on SmolLM2-135M used to pass every check: 3e10 adapter parameters
+    # (122 GB in fp32) before AdamW, where B·A cannot have a rank above 576 (its hidden size)
+    from areal_async.trainer.lora import check_lora_settings
+
+    check_lora_settings(str(tiny_model_dir), LoraConfig(rank=64))  # hidden 64: q_proj is 64 × 64
+    with pytest.raises(ValueError, match=r"trainer.lora.rank=65 .* at most 64 .*trainer.lora.rank=64 or less"):
+        check_lora_settings(str(tiny_model_dir), LoraConfig(rank=65))
+    with pytest.raises(ValueError, match=r"trainer.lora.rank=33 .* at most 32 "):  # k_proj: 64 -> 2 KV heads × 16
+        check_lora_settings(str(tiny_model_dir), LoraConfig(rank=33, target_modules=("k_proj",)))
+    with pytest.raises(ValueError, match=r"trainer.lora.rank=100000"):
+        _policy(tiny_model_dir, rank=100000)
+
+
 def test_lora_with_compile_is_refused(tiny_model_dir):
     from areal_async.config import load_config
 

@@ -9,6 +9,7 @@ CPU, same packing, so the same arithmetic); merged, the HF checkpoint's logits e
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -116,6 +117,46 @@ def test_a_resume_with_another_alpha_is_refused_before_anything_starts(tiny_mode
         prepare_run(launch, overwrite=False, resume=True)
 
 
+def _wider_model(model_dir, out_dir):
+    """``model_dir``'s model with twice its MLP width (random weights, the same tokenizer)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.intermediate_size *= 2
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    for f in model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out_dir / f.name)
+    return out_dir
+
+
+def test_a_resume_on_another_base_is_refused_or_warned_before_anything_starts(tiny_model_dir, tmp_path):
+    # a resume with model.path changed used to pass the launch checks: an adapter that does not fit
+    # the new base failed only in the server's start-up traceback, one that fits was applied silently
+    from areal_async.trainer.learner import save_checkpoint
+    from areal_async.trainer.lora import check_lora_settings
+    from launcher.local import prepare_run
+
+    wide = _wider_model(tiny_model_dir, tmp_path / "wide")
+    cfg = _config(wide)
+    save_checkpoint(cfg, *_learner(cfg), tmp_path / "exp", 1, [])
+    ckpt = tmp_path / "exp" / "checkpoint"
+    assert check_lora_settings(str(wide), cfg.trainer.lora, ckpt) == ""
+    with pytest.raises(ValueError, match=rf"does not fit model.path={tiny_model_dir}.*down_proj.*trained on "
+                                         rf"{wide}.*Resume with model.path={wide}"):
+        check_lora_settings(str(tiny_model_dir), cfg.trainer.lora, ckpt)
+    launch = load_config("configs/quickstart_cpu.yaml", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
+                                                         "name=exp", "inference.num_servers=1", "trainer.total_steps=3",
+                                                         "trainer.lora.rank=4"])
+    with pytest.raises(ValueError, match="does not fit model.path"):
+        prepare_run(launch, overwrite=False, resume=True)
+    same_shapes = shutil.copytree(wide, tmp_path / "wide-copy")
+    warning = check_lora_settings(str(same_shapes), cfg.trainer.lora, ckpt)
+    assert f"trained on {wide}" in warning and f"model.path={same_shapes}" in warning, warning
+
+
 def test_merge_lora_refuses_an_out_dir_that_would_replace_data(tmp_path):
     # merge_lora RUN/checkpoint RUN used to replace the whole run directory with the merged model
     run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoint"
@@ -215,3 +256,96 @@ def test_a_resume_refuses_a_checkpoint_of_the_other_kind(tiny_model_dir, tmp_pat
     check_checkpoint_kind(tiny_model_dir, 0)  # a full HF directory
     with pytest.raises(ValueError, match="is a full fine-tuning checkpoint"):
         check_checkpoint_kind(tiny_model_dir, 4)
+
+
+def _adapter_of_a_wider_model(model_dir, out_dir):
+    """A peft adapter directory for ``model_dir``'s layers but with MLP tensors of a model whose
+    intermediate size is twice ``model_dir``'s (as if trained on another base)."""
+    from areal_async.config import LoraConfig
+    from areal_async.trainer.lora import initial_adapter, write_adapter_dir
+
+    tensors, config = initial_adapter(str(model_dir), LoraConfig(rank=4))
+    wide = {}
+    for name, t in tensors.items():
+        if ".mlp.down_proj.lora_A" in name or ".mlp.gate_proj.lora_B" in name or ".mlp.up_proj.lora_B" in name:
+            t = torch.cat([t, t], dim=1 if "lora_A" in name else 0)
+        wide[name] = t
+    out_dir.mkdir()
+    return write_adapter_dir(out_dir, wide, config, torch.float32)
+
+
+def test_merge_lora_refuses_a_base_the_adapter_does_not_fit(tiny_model_dir, tmp_path):
+    # an adapter merged onto another model used to end in peft's RuntimeError and a traceback
+    # listing every tensor's size mismatch
+    ckpt = _adapter_of_a_wider_model(tiny_model_dir, tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(ckpt), str(tmp_path / "out"),
+                           "--base", str(tiny_model_dir)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "does not fit the base" in proc.stderr and "down_proj" in proc.stderr and "--base" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_resolves_its_base_like_model_path(tiny_model_dir, tmp_path, monkeypatch):
+    # --base smollm2-135m-instruct (a model.path name) used to be looked up on the Hugging Face Hub,
+    # and a missing directory ended in the Hub's "Repo id must be in the form ..."
+    import launcher.merge_lora as merge_lora
+    from areal_async.model import source
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    from areal_async.config import LoraConfig
+    from areal_async.trainer.lora import initial_adapter, write_adapter_dir
+
+    write_adapter_dir(ckpt, *initial_adapter(str(tiny_model_dir), LoraConfig(rank=4)), torch.float32)
+    with pytest.raises(ValueError, match=r"--base '.*nowhere' is neither an HF checkpoint directory.*built-in"):
+        merge_lora.merge(ckpt, tmp_path / "out", base=str(tmp_path / "nowhere"))
+    fetched = []
+    monkeypatch.setattr(source, "_fetch_builtin", lambda name, cache: fetched.append(name) or tiny_model_dir)
+    merge_lora.merge(ckpt, tmp_path / "out", base="smollm2-135m-instruct")
+    assert fetched == ["smollm2-135m-instruct"] and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_merge_lora_never_replaces_its_base(tiny_model_dir, tmp_path):
+    # merge_lora ADAPTER BASE --overwrite used to replace the base with the merged model: the
+    # adapter's base was gone, and a resume or a second merge applied the adapter twice
+    from areal_async.config import LoraConfig
+    from areal_async.trainer.lora import initial_adapter, write_adapter_dir
+    from launcher.merge_lora import merge
+
+    base = shutil.copytree(tiny_model_dir, tmp_path / "models" / "base")
+    ckpt = tmp_path / "run" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    write_adapter_dir(ckpt, *initial_adapter(str(base), LoraConfig(rank=4)), torch.float32)
+    weights = (base / "model.safetensors").read_bytes()
+    for out, words in ((base, "is the base model"), (tmp_path / "models", "holds the base model"),
+                       (base / "merged", "lies inside the base model")):
+        with pytest.raises(ValueError, match=words):
+            merge(ckpt, out, overwrite=True)
+        with pytest.raises(ValueError, match=words):
+            merge(ckpt, out, base=str(base), overwrite=True)
+    assert (base / "model.safetensors").read_bytes() == weights
+
+
+def test_merge_lora_names_an_unreadable_adapter_file(tiny_model_dir, tmp_path):
+    # a truncated adapter_model.safetensors ended in safetensors' traceback, a broken
+    # adapter_config.json in json's message without the file's name; --resume called a damaged
+    # checkpoint one that "does not fit model.path"
+    from areal_async.config import LoraConfig
+    from areal_async.trainer.lora import check_lora_settings, initial_adapter, write_adapter_dir
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_adapter_dir(ckpt, *initial_adapter(str(tiny_model_dir), LoraConfig(rank=4)), torch.float32)
+    weights, config = ckpt / "adapter_model.safetensors", ckpt / "adapter_config.json"
+    good = config.read_text()
+    weights.write_bytes(weights.read_bytes()[:100])
+    config.write_text("{oops")
+    for broken in (config, weights):
+        proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(ckpt), str(tmp_path / "out")],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert f"{broken} is not readable" in proc.stderr, proc.stderr
+        with pytest.raises(ValueError, match=rf"^{broken} is not readable"):  # --resume's check
+            check_lora_settings(str(tiny_model_dir), LoraConfig(rank=4), ckpt)
+        config.write_text(good)

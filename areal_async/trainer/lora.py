@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from areal_async.config import ALL_LINEAR
 from areal_async.config import LoraConfig as LoraSettings
 
 ADAPTER_NAME = "default"  # peft's adapter name inside the modules (dropped from the saved names)
@@ -38,7 +39,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 # the base's storage dtype during training (the merge rounds the base to it, as the trainer did)
 LORA_BASE = "lora_base.json"
-ALL_LINEAR = "all-linear"
 
 
 def _lm(policy: nn.Module) -> nn.Module:
@@ -84,6 +84,27 @@ def resolve_target_modules(lm: nn.Module, target: str | tuple[str, ...] | list[s
                          f"{'is no' if len(unknown) == 1 else 'are no'} linear layer of the decoder blocks of this "
                          f"model, whose linear layers are {found}; give some of those, or 'all-linear' for all")
     return list(dict.fromkeys(target))
+
+
+def check_rank(lm: nn.Module, targets: list[str], rank: int) -> None:
+    """Refuse a ``rank`` above ``min(in, out)`` of every targeted linear of the decoder blocks:
+    ``B A`` of such a layer has rank at most ``min(in, out)``, so the extra rows and columns only
+    cost memory (``rank`` 1e5 on SmolLM2-135M: 3e10 adapter parameters).
+
+    Raises:
+        ValueError: naming ``rank``, the largest useful one and the layer that gives it.
+    """
+    widths = {}
+    for name, module in lm.model.layers.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and leaf in targets:
+            widths[leaf] = max(widths.get(leaf, 0), min(module.in_features, module.out_features))
+    widest = max(widths, key=widths.get)
+    if rank > widths[widest]:
+        raise ValueError(f"trainer.lora.rank={rank} is above every targeted layer's width: the update B·A of a "
+                         f"layer has rank at most min(in, out), at most {widths[widest]} here ({widest}; "
+                         f"target_modules {targets}); give trainer.lora.rank={widths[widest]} or less "
+                         f"(8-64 is usual)")
 
 
 def _block_pattern(targets: list[str]) -> str:
@@ -134,13 +155,15 @@ def add_adapters(lm: nn.Module, cfg: LoraSettings, base_model_path: str, compute
     adapted layers.
 
     Raises:
-        ValueError: bad ``target_modules`` (see ``resolve_target_modules``), or ``adapter_dir``'s
+        ValueError: bad ``target_modules`` (see ``resolve_target_modules``), a rank refused by
+            ``check_rank``, or ``adapter_dir``'s
             tensors do not match the adapters.
     """
     from peft import inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
     targets = resolve_target_modules(lm, cfg.target_modules)
+    check_rank(lm, targets, cfg.rank)
     peft_cfg = make_peft_config(cfg, targets, base_model_path)
     peft_cfg.target_modules = _block_pattern(targets)
     inject_adapter_in_model(peft_cfg, lm, adapter_name=ADAPTER_NAME)
@@ -215,23 +238,28 @@ def _meta_model(model_path: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
 
 
-def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | pathlib.Path | None = None) -> None:
+def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | pathlib.Path | None = None) -> str:
     """Check ``trainer.lora`` against the model at ``model_path`` (its config alone) before a job
     starts and, for ``--resume``, against the checkpoint ``ckpt_dir`` it continues: the adapted
     policy is ``base + (alpha / r) · B A`` on the target modules, so a resume that changed rank,
-    alpha or target modules would train one policy while the servers serve another
-    (``trainer.lora.dropout`` may change).
+    alpha, target modules or the base would train one policy while the servers serve another
+    (``trainer.lora.dropout`` may change). Returns a warning, or ``""``: the checkpoint was trained
+    on another ``model.path`` whose linear layers have the same shapes (a moved or another base).
 
     Raises:
-        ValueError: a target module that is no linear layer of the decoder blocks, or a setting
+        ValueError: a target module that is no linear layer of the decoder blocks, a rank above
+            their widths (``check_rank``), a setting
             that differs from the checkpoint's ``adapter_config.json`` (the message names both
-            values and the override that resumes it).
+            values and the override that resumes it), or a checkpoint adapter that does not fit
+            the linear layers of ``model_path`` (the message names the base it was trained on).
     """
-    targets = resolve_target_modules(_meta_model(model_path), cfg.target_modules)
+    lm = _meta_model(model_path)
+    targets = resolve_target_modules(lm, cfg.target_modules)
+    check_rank(lm, targets, cfg.rank)
     if ckpt_dir is None:
-        return
+        return ""
     path = pathlib.Path(ckpt_dir) / ADAPTER_CONFIG
-    saved = json.loads(path.read_text())
+    saved = read_adapter_config(ckpt_dir)
     have = {"trainer.lora.rank": saved.get("r"), "trainer.lora.alpha": float(saved.get("lora_alpha") or 0.0),
             "trainer.lora.target_modules": sorted(saved.get("target_modules") or [])}
     want = {"trainer.lora.rank": cfg.rank, "trainer.lora.alpha": lora_alpha(cfg),
@@ -244,6 +272,69 @@ def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | path
                          + ", ".join(f"{key}={want[key]}" for key in changed)
                          + f"; the servers would serve another policy than the trainer trains. Resume with "
                            f"{fix}, or start a new run (another name=...) with the new settings")
+    trained_on = saved.get("base_model_name_or_path")
+    adapter_shapes(path.parent)  # a damaged file is named as such, not as another base
+    try:
+        check_adapter_fits(path.parent, lm)
+    except ValueError as exc:
+        raise ValueError(f"--resume: the checkpoint {path.parent} does not fit model.path={model_path} ({exc}); "
+                         f"it was trained on {trained_on}. Resume with model.path={trained_on}") from None
+    if trained_on and pathlib.Path(trained_on).resolve() != pathlib.Path(model_path).resolve():
+        return (f"--resume: the checkpoint {path.parent} was trained on {trained_on} but this run has "
+                f"model.path={model_path}, whose linear layers have the same shapes: its adapters are applied to "
+                f"this base; resume with model.path={trained_on} to continue the run's own policy")
+    return ""
+
+
+def read_adapter_config(adapter_dir: str | pathlib.Path) -> dict:
+    """``adapter_dir/adapter_config.json`` as a dict.
+
+    Raises:
+        ValueError: the file is missing or is no JSON object (naming it).
+    """
+    path = pathlib.Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not readable ({type(exc).__name__}: {exc}); the adapter directory is "
+                         f"damaged or incomplete") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not readable (no JSON object); the adapter directory is damaged")
+    return config
+
+
+def adapter_shapes(adapter_dir: str | pathlib.Path) -> tuple[int | None, dict[str, tuple[int, ...]]]:
+    """``(r, {peft name: shape})`` of the peft adapter directory ``adapter_dir``, from its
+    ``adapter_config.json`` and its safetensors header (no tensor is read).
+
+    Raises:
+        ValueError: a file of ``adapter_dir`` that is missing or not readable (naming it).
+    """
+    from safetensors import safe_open
+
+    adapter_dir = pathlib.Path(adapter_dir)
+    r = read_adapter_config(adapter_dir).get("r")
+    try:
+        with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:
+            return r, {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own SafetensorError (header, truncation)
+        raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS} is not readable ({type(exc).__name__}: {exc}); the "
+                         f"adapter directory is damaged or incomplete") from None
+
+
+def check_adapter_fits(adapter_dir: str | pathlib.Path, lm: nn.Module) -> None:
+    """Check that every tensor of the peft adapter directory ``adapter_dir`` adapts a linear layer
+    of the HF model ``lm`` (meta tensors will do) with its shape: ``lora_A`` ``[r, in]``,
+    ``lora_B`` ``[out, r]``. Reads the tensors' shapes only (``adapter_shapes``, which raises
+    first for an unreadable file).
+
+    Raises:
+        ValueError: naming the first tensor that does not fit and the shape it must have.
+    """
+    from areal_async.embedded.lora import check_adapter_tensors
+
+    r, shapes = adapter_shapes(adapter_dir)
+    check_adapter_tensors(dict(lm.named_parameters()), shapes, r)
 
 
 def _override(value) -> str:
