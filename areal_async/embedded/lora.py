@@ -19,13 +19,10 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import re
 
 import torch
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
+from ..lora_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_TENSOR as _NAME, check_adapter_tensors  # noqa: F401
 
 
 def adapter_scale(config: dict) -> float:
@@ -58,29 +55,6 @@ def adapter_scale(config: dict) -> float:
         raise ValueError(f"adapter config sets {', '.join(f'{k}={config.get(k)!r}' for k in bad)}; this server "
                          f"merges plain LoRA only (no DoRA, biases, modules_to_save or per-module patterns)")
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-
-
-def check_adapter_tensors(named: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], r: int) -> None:
-    """Raise ``ValueError`` unless every name is a peft LoRA tensor of a 2-D, untied weight of
-    the model, with the shape that weight and ``r`` give (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``)."""
-    for name, shape in shapes.items():
-        found = _NAME.fullmatch(name)
-        if found is None:
-            raise ValueError(f"'{name}' is not a peft LoRA tensor name (expected "
-                             f"'base_model.model.<module>.lora_A.weight' or '...lora_B.weight')")
-        weight = f"{found['module']}.weight"
-        live = named.get(weight)
-        if live is None or live.dim() != 2:
-            raise ValueError(f"adapter tensor '{name}' targets '{found['module']}', which is not a linear layer of "
-                             f"this model (no 2-D weight '{weight}')")
-        if any(other is live for key, other in named.items() if key != weight):
-            raise ValueError(f"adapter tensor '{name}' targets '{weight}', a weight tied to another one (merging "
-                             f"would change both); leave tied modules out of target_modules")
-        out_features, in_features = live.shape
-        want = (r, in_features) if found["ab"] == "A" else (out_features, r)
-        if tuple(shape) != want:
-            raise ValueError(f"adapter tensor '{name}' has shape {list(shape)}; with r={r} and '{weight}' of shape "
-                             f"{list(live.shape)} it must be {list(want)}")
 
 
 def read_adapter_dir(path: pathlib.Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -32,11 +32,10 @@ from torch import Tensor, nn
 
 from areal_async.config import ALL_LINEAR
 from areal_async.config import LoraConfig as LoraSettings
+from areal_async.lora_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter_tensors
 
 ADAPTER_NAME = "default"  # peft's adapter name inside the modules (dropped from the saved names)
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the HF model's names
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 # the base's storage dtype during training (the merge rounds the base to it, as the trainer did)
 LORA_BASE = "lora_base.json"
 
@@ -331,8 +330,6 @@ def check_adapter_fits(adapter_dir: str | pathlib.Path, lm: nn.Module) -> None:
     Raises:
         ValueError: naming the first tensor that does not fit and the shape it must have.
     """
-    from areal_async.embedded.lora import check_adapter_tensors
-
     r, shapes = adapter_shapes(adapter_dir)
     check_adapter_tensors(dict(lm.named_parameters()), shapes, r)
 
