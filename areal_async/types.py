@@ -191,6 +191,11 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         """Its environment failed and ended it (``EpisodeStats.env_error``): not trained."""
         return self.stats is not None and self.stats.env_error
 
+    def scored(self) -> bool:
+        """Its return enters the statistics (``rollout/reward``, ``rollout/correct``, the group's
+        baseline, ``algo.batch_norm``): its environment did not end it."""
+        return not self.env_failed()
+
     def episode_return(self) -> float:
         """``reward`` plus the sum of ``turn_rewards`` (float64): the episode's return R_i."""
         turns = self.turn_rewards
