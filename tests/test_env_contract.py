@@ -15,7 +15,7 @@ import pytest
 from areal_async.rollout import env_limit
 from areal_async.rollout.env_limit import EnvTimeout
 from areal_async.rollout.workflows import EnvWorkflow, OpenAIWorkflow, ToolLoop, load_workflow
-from areal_async.trainer.report import episode_metrics
+from areal_async.trainer.report import batch_metrics, episode_metrics
 from areal_async.types import Array, Trajectory
 from tests.support.scripted import run_in_loop, run_workflow, scripted_episode
 
@@ -184,14 +184,19 @@ def test_a_single_turn_cut_by_max_episode_tokens_is_counted_truncated(tok):
 
 def test_a_first_observation_that_fills_the_context_is_printed_once_a_minute(tok, capsys):
     # 0-turn episodes, trained on nothing, and nothing said why
+    # and its return 0 entered its group's mean and std: an empty episode, like an agent's with no call
     workflow = EnvWorkflow(env(first=[5] * 40))
     for _ in range(2):
         sample = run_workflow(workflow, scripted_episode(tok, max_seq_len=32))
         assert sample.stats.turns == 0 and sample.stats.truncated
+        assert sample.empty() and not sample.scored() and not sample.correct
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 1 and re.fullmatch(
         r"\[env\] .*ObsEnv\.reset's first observation fills the context in episode g0-s2: 40 tokens of "
-        r"inference\.max_seq_len=32, .*raise inference\.max_seq_len; 1 so far in this worker.*", printed[0]), printed
+        r"inference\.max_seq_len=32, .*rollout/truncated and rollout/empty_episodes.*raise inference\.max_seq_len; "
+        r"1 so far in this worker.*", printed[0]), printed
+    trajs = [Trajectory(group_id=0, prompt_ids=Array.of([1, 2], "int32"), samples=[sample], data_index=0)]
+    assert batch_metrics(trajs, 0, 1.0)["rollout/empty_episodes"] == 1.0
 
 
 def step_env(result):

@@ -38,7 +38,8 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
 
     ``rollout/reward`` is the mean episode return, the reward plus the sum of the turn
     rewards (what ``algo.turn_rewards = "sum"`` trains on); ``correct`` the verifier's accept rate;
-    both over the scored episodes only (``Sample.scored``: not those the environment ended), and
+    both over the scored episodes only (``Sample.scored``: not those the environment ended, nor
+    ``rollout/empty_episodes``, those with no model turn), and
     left out of the row when the batch has none (no number stands for them: the console line,
     the study's report and wandb skip a missing key);
     ``response_len`` mean sampled tokens per sample (all its sequences); ``no_eos_ratio`` the
@@ -62,6 +63,7 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
         "rollout/no_eos_ratio": sum(s.finish_reason != "stop" for _, s in samples) / n,
         "rollout/reward_errors": float(sum(s.reward_error for _, s in samples)),
         "rollout/env_errors": float(sum(s.env_failed() for _, s in samples)),
+        "rollout/empty_episodes": float(sum(s.empty() for _, s in samples)),
         "rollout/tokens_per_s": sum(lengths) / max(step_s, 1e-9),
         "rollout/multi_version_frac": sum(len(set(v)) > 1 for v in versions) / n,
         "staleness/mean": sum(staleness) / n,
