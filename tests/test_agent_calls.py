@@ -4,6 +4,7 @@ and a call the endpoint cannot answer is refused naming the field."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import msgspec
@@ -163,3 +164,35 @@ def test_an_agent_that_makes_no_model_call_is_an_empty_episode_that_enters_no_st
     m = batch_metrics([group], step=0, step_s=1.0)
     assert m["rollout/reward"] == 0.0 and m["rollout/correct"] == 0.5 and m["rollout/empty_episodes"] == 1.0
     assert batch_metrics([alone], step=0, step_s=1.0)["rollout/empty_episodes"] == 0.0
+
+
+def test_logprobs_are_the_turns_sampled_tokens_in_openais_shape_and_top_logprobs_is_refused(tok):
+    # logprobs=True was answered with logprobs null, and top_logprobs=2 with nothing, without a word
+    from openai.types.chat import ChatCompletion
+
+    seen = {}
+
+    async def run(item, client):
+        raw = await client.chat.completions.with_raw_response.create(model="p", messages=item.messages,
+                                                                     logprobs=True)
+        seen["body"] = json.loads(raw.text)
+        for kwargs, words in [({"top_logprobs": 2}, r"top_logprobs=2: .*the sampled token's log-prob only"),
+                              ({"top_logprobs": -1}, r"top_logprobs=-1: give a whole number >= 0"),
+                              ({"logprobs": "yes"}, r"logprobs='yes': give true or false")]:
+            with pytest.raises(openai.BadRequestError, match=words):
+                await client.chat.completions.create(model="p", messages=item.messages, **{"logprobs": True, **kwargs})
+        seen["zero"] = await client.chat.completions.create(model="p", messages=item.messages, logprobs=True,
+                                                            top_logprobs=0)
+        seen["plain"] = await client.chat.completions.create(model="p", messages=item.messages)
+        return 1.0
+
+    ep = scripted_episode(tok, replies=["12 times 7 is 84.", "84", "84"])
+    run_workflow(OpenAIWorkflow(run, 1.0, 1.0), ep)
+    reply = ChatCompletion.model_validate(seen["body"])  # the openai package's types, checked
+    content, turn = reply.choices[0].logprobs.content, ep.turns[0]
+    assert [c.logprob for c in content] == turn.logprobs == [-0.5] * len(turn.ids), "one per sampled token"
+    assert [c.token for c in content] == [tok.decode([t]) for t in turn.ids] and turn.ids[-1] == tok.eos_token_id
+    assert b"".join(bytes(c.bytes) for c in content) == tok.decode(turn.ids).encode()
+    assert all(c.top_logprobs == [] for c in content) and reply.choices[0].message.content == turn.text
+    assert [c.logprob for c in seen["zero"].choices[0].logprobs.content] == [-0.5] * len(ep.turns[1].ids)
+    assert seen["plain"].choices[0].logprobs is None and len(ep.turns) == 3
