@@ -42,7 +42,8 @@ class EpisodeStats(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
         later_prompt_tokens, later_cached_tokens: prompt tokens of turns after the first, and of
             those the ones the server's prefix cache served.
         env_error: the environment failed and ended the episode (``rollout.on_env_error: zero``);
-            its sequences are not trained and its return enters no statistics (``trainer/plan.py``).
+            its sequences are not trained and its return enters no statistics (``trainer/plan.py``),
+            nor does an episode's with ``turns`` 0 (``Sample.empty``).
     """
 
     turns: int = 1
@@ -190,6 +191,17 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     def env_failed(self) -> bool:
         """Its environment failed and ended it (``EpisodeStats.env_error``): not trained."""
         return self.stats is not None and self.stats.env_error
+
+    def empty(self) -> bool:
+        """An episode with no model turn (``EpisodeStats.turns`` 0: an agent that made no call, a
+        first observation that filled the context) that its environment did not end: nothing of it
+        is trained, and its reward says nothing about the policy."""
+        return self.stats is not None and self.stats.turns == 0 and not self.stats.env_error
+
+    def scored(self) -> bool:
+        """Its return enters the statistics (``rollout/reward``, ``rollout/correct``, the group's
+        baseline, ``algo.batch_norm``): its environment did not end it and it is not ``empty``."""
+        return not self.env_failed() and not self.empty()
 
     def episode_return(self) -> float:
         """``reward`` plus the sum of ``turn_rewards`` (float64): the episode's return R_i."""

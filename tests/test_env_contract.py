@@ -15,7 +15,7 @@ import pytest
 from areal_async.rollout import env_limit
 from areal_async.rollout.env_limit import EnvTimeout
 from areal_async.rollout.workflows import EnvWorkflow, OpenAIWorkflow, ToolLoop, load_workflow
-from areal_async.trainer.report import episode_metrics
+from areal_async.trainer.report import batch_metrics, episode_metrics
 from areal_async.types import Array, Trajectory
 from tests.support.scripted import run_in_loop, run_workflow, scripted_episode
 
@@ -50,6 +50,15 @@ def test_a_stop_string_is_one_stop_and_another_stop_is_refused_naming_the_class(
     ("reset", "You are in a maze.", None, TypeError, r"the observation str 'You are in a maze\.' in episode g0-s2;"),
     ("step", None, np.zeros((2, 2), dtype=np.int64), TypeError, r"the observation ndarray .* in episode g0-s2, turn 0;"),
     ("step", None, [{"content": "no role"}], TypeError, r"the observation list .* in episode g0-s2, turn 0;"),
+    ("step", None, [{"role": "user"}], TypeError, r"the message 0 \{'role': 'user'\} in episode g0-s2, turn 0; a chat"),
+    ("step", None, [{"role": "user", "content": "ok"}, {"role": "user", "content": None}], TypeError,
+     r"the message 1 \{'role': 'user', 'content': None\} in episode g0-s2, turn 0; a chat message has"),
+    ("reset", [{"role": "user", "content": 42}], None, TypeError,
+     r"the message 0 \{'role': 'user', 'content': 42\} in episode g0-s2; a chat message has"),
+    ("step", None, [{"role": "user", "content": ["a"]}], TypeError, r"the message 0 .*'content': \['a'\]\} in "),
+    ("step", None, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], TypeError,
+     r"the message 0 .*'image_url'.* in episode g0-s2, turn 0; a chat message has a string 'role' and a 'content'"),
+    ("step", None, [{"role": 1, "content": "x"}], TypeError, r"the message 0 \{'role': 1, 'content': 'x'\} in "),
 ])
 def test_a_malformed_observation_names_the_method_episode_and_value_even_under_zero(tok, method, first, later,
                                                                                    kind, words):
@@ -68,6 +77,15 @@ def test_numpy_token_ids_are_ids_and_an_empty_step_observation_is_none(tok):
     empty = run_workflow(EnvWorkflow(env(None, [], turns=2)), scripted_episode(tok))
     none = run_workflow(EnvWorkflow(env(None, None, turns=2)), scripted_episode(tok))
     assert empty.output_ids == none.output_ids
+
+
+def test_an_observations_text_parts_are_its_content_joined(tok):
+    # the template rendered the list as its Python repr, "[{'type': 'text', ...}]", into the episode
+    parts = [{"role": "user", "content": [{"type": "text", "text": "try "}, {"type": "text", "text": "again"}]}]
+    joined = run_workflow(EnvWorkflow(env(None, parts, turns=2)), scripted_episode(tok))
+    text = run_workflow(EnvWorkflow(env(None, [{"role": "user", "content": "try again"}], turns=2)),
+                        scripted_episode(tok))
+    assert joined.output_ids == text.output_ids and "try again" in tok.decode(joined.output_ids.tolist())
 
 
 class InitFails:
@@ -184,14 +202,19 @@ def test_a_single_turn_cut_by_max_episode_tokens_is_counted_truncated(tok):
 
 def test_a_first_observation_that_fills_the_context_is_printed_once_a_minute(tok, capsys):
     # 0-turn episodes, trained on nothing, and nothing said why
+    # and its return 0 entered its group's mean and std: an empty episode, like an agent's with no call
     workflow = EnvWorkflow(env(first=[5] * 40))
     for _ in range(2):
         sample = run_workflow(workflow, scripted_episode(tok, max_seq_len=32))
         assert sample.stats.turns == 0 and sample.stats.truncated
+        assert sample.empty() and not sample.scored() and not sample.correct
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 1 and re.fullmatch(
         r"\[env\] .*ObsEnv\.reset's first observation fills the context in episode g0-s2: 40 tokens of "
-        r"inference\.max_seq_len=32, .*raise inference\.max_seq_len; 1 so far in this worker.*", printed[0]), printed
+        r"inference\.max_seq_len=32, .*rollout/truncated and rollout/empty_episodes.*raise inference\.max_seq_len; "
+        r"1 so far in this worker.*", printed[0]), printed
+    trajs = [Trajectory(group_id=0, prompt_ids=Array.of([1, 2], "int32"), samples=[sample], data_index=0)]
+    assert batch_metrics(trajs, 0, 1.0)["rollout/empty_episodes"] == 1.0
 
 
 def step_env(result):

@@ -163,18 +163,27 @@ def test_an_episode_the_env_ended_stays_in_its_group_and_trains_no_token():
     assert metrics["rollout/env_errors"] == 1.0 and batch_metrics([group], 0, 1.0)["rollout/env_errors"] == 0.0
 
 
-def _group(g: int, rewards: list[float], failed: int | None = None) -> Trajectory:
-    samples = [Sample(index=i, seed=i, output_ids=Array.of([7, 8], "int32"), behav_logprobs=Array.of([-1.0, -1.0], "float32"),
-                      versions=Array.of([0, 0], "int32"), finish_reason="stop", reward=r,
-                      stats=EpisodeStats(env_error=True) if i == failed else None) for i, r in enumerate(rewards)]
+def _group(g: int, rewards: list[float], failed: int | None = None, empty: bool = False) -> Trajectory:
+    """Group ``g`` of two-token samples; sample ``failed``: ended by its environment, or (``empty``)
+    an episode with no model turn."""
+    def sample(i: int, r: float) -> Sample:
+        n = 0 if empty and i == failed else 2
+        stats = (EpisodeStats(turns=0) if empty else EpisodeStats(env_error=True)) if i == failed else None
+        return Sample(index=i, seed=i, output_ids=Array.of([7, 8][:n], "int32"),
+                      behav_logprobs=Array.of([-1.0, -1.0][:n], "float32"), versions=Array.of([0, 0][:n], "int32"),
+                      finish_reason="stop", reward=r, stats=stats)
+
+    samples = [sample(i, r) for i, r in enumerate(rewards)]
     return Trajectory(group_id=g, prompt_ids=Array.of([1, 2], "int32"), samples=samples, data_index=g)
 
 
+@pytest.mark.parametrize("empty", [False, True])
 @pytest.mark.parametrize("batch_norm", [False, True])
-def test_a_failed_episodes_return_enters_no_statistics(batch_norm):
+def test_a_failed_or_empty_episodes_return_enters_no_statistics(batch_norm, empty):
+    # an empty episode (no model turn: an agent that made no call) moved its group's mean and std
     first = lambda seqs: [float(q.advantages[q.loss_mask][0]) if q.loss_mask.any() else 0.0 for q in seqs]
-    got = first(build_sequences([_group(0, [5.0, -5.0, 0.0, 1.0], failed=2), _group(1, [2.0, 0.0, 1.0, 3.0])],
-                                AlgoConfig(batch_norm=batch_norm)))
+    got = first(build_sequences([_group(0, [5.0, -5.0, 0.0, 1.0], failed=2, empty=empty),
+                                 _group(1, [2.0, 0.0, 1.0, 3.0])], AlgoConfig(batch_norm=batch_norm)))
     if not batch_norm:  # group 0 normalised over its three other samples; group 1 as it is alone
         kept = group_advantages(torch.tensor([5.0, -5.0, 1.0]), 3).tolist()
         alone = first(build_sequences([_group(1, [2.0, 0.0, 1.0, 3.0])], AlgoConfig()))

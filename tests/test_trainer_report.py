@@ -5,9 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import msgspec
+
+from areal_async.metrics import format_line
 from areal_async.trainer.report import Timer, batch_metrics, perf_metrics
 from areal_async.config import Config, check_config, load_config
-from areal_async.types import Array, Sample, Trajectory
+from areal_async.types import Array, EpisodeStats, Sample, Trajectory
 
 
 def _sample(i, versions, reward, finish="stop", correct=False):
@@ -49,6 +52,23 @@ def test_multi_version_frac_counts_samples_whose_tokens_span_versions():
     one_version = [Trajectory(group_id=0, prompt_ids=Array.of([1], "int32"), data_index=0,
                               samples=[_sample(0, [2, 2], 0.0), _sample(1, [3], 0.0)])]
     assert batch_metrics(one_version, step=3, step_s=1.0)["rollout/multi_version_frac"] == 0.0
+
+
+def test_reward_and_correct_average_over_the_scored_episodes_only():
+    # an episode its environment ended kept the turn rewards it earned before the failure, and they
+    # moved rollout/reward and rollout/correct: (5 - 5 + 9) / 3 = 3.0, 2 of 3 correct
+    failed = msgspec.structs.replace(_sample(2, [0], 0.0, correct=True), turn_rewards=Array.of([9.0], "float32"),
+                                     stats=EpisodeStats(env_error=True))
+    group = Trajectory(group_id=0, prompt_ids=Array.of([1], "int32"), data_index=0,
+                       samples=[_sample(0, [0], 5.0, correct=True), _sample(1, [0], -5.0), failed])
+    m = batch_metrics([group], step=0, step_s=1.0)
+    assert m["rollout/reward"] == 0.0 and m["rollout/correct"] == 0.5
+    assert m["rollout/env_errors"] == 1.0 and m["rollout/response_len"] == 1.0, "the other metrics count it"
+    # every episode ended by its environment: no return to average, so neither is logged (not a 0)
+    only = msgspec.structs.replace(group, samples=[failed])
+    m = batch_metrics([only], step=0, step_s=1.0)
+    assert "rollout/reward" not in m and "rollout/correct" not in m and m["rollout/env_errors"] == 1.0
+    assert "reward" not in format_line(0, 1, m) and "correct" not in format_line(0, 1, m)
 
 
 def test_timer_and_perf_metrics():

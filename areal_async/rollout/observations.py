@@ -2,9 +2,11 @@
 the episode: ``None``, a list of chat messages (dicts with ``role``), or token ids (a non-empty
 list or tuple of ints or numpy integers, or a 1-d numpy integer array; each below the vocabulary).
 From ``step`` an empty list is no new message (as ``None``); from ``reset`` it is refused (the
-item's messages are ``None``). Anything else is a programming error: ``TypeError``/``ValueError``
-naming the method, the episode and turn, the value and the accepted forms, under any
-``rollout.on_env_error``.
+item's messages are ``None``). A message has a string ``role`` and a ``content`` that is a string
+or a non-empty list of text parts (``{"type": "text", "text": str}``), joined into one string before
+the chat template renders it (a template may write the list as its repr, or drop it). Anything
+else is a programming error: ``TypeError``/``ValueError`` naming the method, the episode and turn,
+the value and the accepted forms, under any ``rollout.on_env_error``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-ACCEPTED = ("None, a list of chat messages (dicts with 'role' and 'content'), or a non-empty list of "
+ACCEPTED = ("None, a list of chat messages (dicts with a string 'role' and 'content'), or a non-empty list of "
             "token ids (ints)")
 
 
@@ -58,10 +60,29 @@ def _parse(obs, source: str, where: str) -> tuple[list[int] | None, list[dict] |
         if all(_is_id(t) for t in obs):
             return [int(t) for t in obs], None
         if all(isinstance(m, dict) and "role" in m for m in obs):
-            return None, [dict(m) for m in obs]
+            return None, [_message(m, k, source, where) for k, m in enumerate(obs)]
     shown = f"{type(obs).__name__} {' '.join(repr(obs).split()):.120}"
     raise TypeError(f"{source} returned the observation {shown} in {where}; an observation is {ACCEPTED} "
                     f"(a numpy integer array passes too)")
+
+
+def _message(m: dict, k: int, source: str, where: str) -> dict:
+    """Message ``k`` of an observation, text parts joined.
+
+    Raises:
+        TypeError: a ``role`` that is no string, or no ``content`` that is a string or a non-empty
+            list of text parts; naming ``source``, ``where`` and the message.
+    """
+    content = m.get("content")
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(m["role"], str) or not isinstance(content, str):
+        shown = " ".join(repr(m).split())
+        raise TypeError(f"{source} returned the message {k} {shown:.160} in {where}; a chat message has a string "
+                        f"'role' and a 'content' that is a string (or a list of text parts, "
+                        f"{{'type': 'text', 'text': ...}}, joined)")
+    return {**m, "content": content}
 
 
 def _is_id(t) -> bool:

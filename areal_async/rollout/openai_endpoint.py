@@ -10,7 +10,11 @@ Sampling follows the run (``rollout.temperature``, ``top_p``; an evaluation's ca
 state the run's values too); a call that asks otherwise, or for ``n > 1``, a penalty, a logit
 bias, a response format, streaming or ``tools``, or whose messages are no chat messages, whose
 ``stop`` is no string or list of non-empty strings, or whose ``max_tokens``/``max_completion_tokens``
-is no whole number >= 1, is answered 400 naming the field. A generation that fails (a server gone,
+is no whole number >= 1, is answered 400 naming the field. ``logprobs=true`` returns each sampled
+token of the turn with its behaviour log-prob (the numbers the trainer's record holds, the
+end-of-turn token and a stop string's tokens included) in OpenAI's chat shape
+(``token_logprobs.LogprobRenderer.chat``); ``top_logprobs`` above 0 is refused (the engine returns
+the sampled token's log-prob only). A generation that fails (a server gone,
 its retries used up) is kept in ``failure``: the workflow raises it once ``run`` ends, whatever
 ``run`` made of it.
 """
@@ -23,6 +27,7 @@ import json
 import httpx
 
 from areal_async.rollout.episode import Episode, EpisodeTruncated
+from areal_async.token_logprobs import LogprobRenderer
 
 BASE_URL = "http://episode.invalid/v1"
 
@@ -44,6 +49,7 @@ class RecordingEndpoint:
         self.refusals = 0  # calls answered 400 for a limit: max_turns, max_episode_tokens, the context
         self.failure: Exception | None = None  # the first generation that failed, raised by the workflow
         self._busy = False
+        self._render: LogprobRenderer | None = None
 
     @contextlib.asynccontextmanager
     async def client(self):
@@ -94,11 +100,15 @@ class RecordingEndpoint:
             self.failure = self.failure or exc
             raise
         content = _trim(turn.text, stop)
+        logprobs = None
+        if body.get("logprobs"):
+            self._render = self._render or LogprobRenderer(ep.tokenizer)
+            logprobs = self._render.chat(turn.ids, turn.logprobs)
         return httpx.Response(200, json={
             "id": f"chatcmpl-{ep.name}-t{turn.index}", "object": "chat.completion",
             "created": 0, "model": body.get("model") or "policy",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "finish_reason": turn.finish_reason, "logprobs": None}],
+                         "finish_reason": turn.finish_reason, "logprobs": logprobs}],
             "usage": {"prompt_tokens": len(ep.conversation.ids) - len(turn.ids),
                       "completion_tokens": len(turn.ids),
                       "total_tokens": len(ep.conversation.ids)},
@@ -122,6 +132,15 @@ class RecordingEndpoint:
             if got is not None and (not isinstance(got, int) or isinstance(got, bool) or got < 1):
                 return (f"{name}={got!r}: give a whole number >= 1, or leave it out for the run's "
                         f"rollout.max_new_tokens")
+        logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            return f"logprobs={logprobs!r:.60}: give true or false (true: each sampled token's log-prob)"
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
+            return f"top_logprobs={top!r:.60}: give a whole number >= 0, or leave top_logprobs out"
+        if top:
+            return (f"top_logprobs={top}: the engine returns the sampled token's log-prob only, not the {top} most "
+                    f"likely tokens at each position; send 0 or leave top_logprobs out (each token's entry then "
+                    f"has top_logprobs [])")
         checks = [("n", 1, body.get("n"), 1),
                   ("temperature", self.temperature, body.get("temperature"), self.stated[0]),
                   ("top_p", self.top_p, body.get("top_p"), self.stated[1])]

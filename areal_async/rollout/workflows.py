@@ -186,8 +186,9 @@ class EnvWorkflow:
         """Print (throttled) that a first observation of ``n`` tokens left no room for a turn."""
         if self._full.due():
             print(f"[env] {name}.reset's first observation fills the context in episode {ep.name}: {n} tokens "
-                  f"of inference.max_seq_len={ep.max_seq_len}, so the episode has no turn (counted in "
-                  f"rollout/truncated); shorten the observation or raise inference.max_seq_len; "
+                  f"of inference.max_seq_len={ep.max_seq_len}, so the episode has no turn (an empty episode, its "
+                  f"return in no statistics; counted in rollout/truncated and rollout/empty_episodes); shorten "
+                  f"the observation or raise inference.max_seq_len; "
                   f"{self._full.count} so far in this worker, at most one printed a minute", flush=True)
 
     def _vocab(self, ep: Episode) -> Callable[[], int]:
@@ -210,7 +211,8 @@ class OpenAIWorkflow:
     ``chat.completions.create`` is recorded (``openai_endpoint.py``). ``run`` returns the episode's
     reward (a number) or per-turn rewards (``{turn: reward}``, turns counted from 0 in call order;
     missing turns 0; a reward: any finite real, numpy and 0-d torch scalars too, not a bool);
-    ``correct``: whether the rewards sum above 0. A call past ``max_turns``, ``max_episode_tokens``
+    ``correct``: whether the rewards sum above 0 and a model turn was made. An episode with no model
+    turn (``Sample.empty``) is printed (the first, then at most one a minute). A call past ``max_turns``, ``max_episode_tokens``
     or the context is refused (answered 400) and marks the episode truncated; if ``run`` raises
     after a refusal, the episode ends there with reward 0. Any other exception is ``run``'s
     failure (``on_env_error``), also after a turn that a limit cut short (answered 200). ``env_timeout_s``: the whole ``run``'s wall-clock limit
@@ -229,6 +231,7 @@ class OpenAIWorkflow:
         self.fn, self.temperature, self.top_p, self.env_timeout_s = fn, temperature, top_p, env_timeout_s
         self.stated = stated
         self.errors = EnvErrors(on_env_error)
+        self._empty = Throttle()  # episodes with no model turn
 
     async def __call__(self, ep: Episode, item: EpisodeItem) -> Sample:
         from areal_async.rollout.openai_endpoint import RecordingEndpoint
@@ -252,14 +255,28 @@ class OpenAIWorkflow:
         _raise_generation_failure(endpoint)  # also when run caught it and returned
         if not ep.conversations:
             ep.start()  # no call: an empty episode
-        if isinstance(result, dict):
-            return self._per_turn(ep, result, where)
+        sample = self._per_turn(ep, result, where) if isinstance(result, dict) else self._total(ep, result, where)
+        if sample.empty():
+            self._report_empty(ep, endpoint.refusals, sample.episode_return())
+        return sample
+
+    def _total(self, ep: Episode, result, where: str) -> Sample:
+        """The sample of a reward for the whole episode (``correct``: above 0, and a model turn made)."""
         try:
             reward = _reward(result, _name(self.fn), where)
         except TypeError:
             raise TypeError(f"{_name(self.fn)} returned {result!r:.100} ({type(result).__name__}) in {where}; "
                             f"return the episode's reward (a number) or {{turn: reward}}") from None
-        return ep.to_sample(reward, reward > 0)
+        return ep.to_sample(reward, reward > 0 and bool(ep.turns))
+
+    def _report_empty(self, ep: Episode, refusals: int, reward: float) -> None:
+        """Print (throttled) that ``run`` ended an episode with no model turn and this reward."""
+        if self._empty.due():
+            why = "each of its calls was refused for a limit" if refusals else "it made no call"
+            print(f"[agent] {_name(self.fn)} ended episode {ep.name} with no model turn ({why}) and the reward "
+                  f"{reward:g}: an empty episode, not trained, its return in no statistics (counted in "
+                  f"rollout/empty_episodes); {self._empty.count} so far in this worker, at most one printed a "
+                  f"minute", flush=True)
 
     def _per_turn(self, ep: Episode, result: dict, where: str) -> Sample:
         """The sample of ``{turn: reward}`` (an int turn of the episode's, bool refused)."""

@@ -148,6 +148,7 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
     environment ended (``EpisodeStats.env_error``) has advantage 0 and no loss token (nothing of
     it is trained, nor counted in the loss's denominator), and its return enters no statistics: its
     group's other samples are normalised as a group of their own, and ``batch_norm`` leaves it out.
+    So does an empty episode (no model turn, ``Sample.empty``), which has no token to train.
 
     Raises:
         ValueError: groups of different sizes (advantages are normalised per group), or a sample
@@ -166,23 +167,23 @@ def build_sequences(trajs: list[Trajectory], algo: AlgoConfig) -> list[SeqTensor
             raise ValueError(f"group {traj.group_id}: {e}") from None
     summed = algo.turn_rewards == "sum"
     rewards = torch.tensor([s.episode_return() if summed else s.reward for _, s in samples], dtype=torch.float32)
-    failed = {j for j, (_, s) in enumerate(samples) if s.env_failed()}
+    left_out = {j for j, (_, s) in enumerate(samples) if not s.scored()}  # env-ended or empty episodes
     adv = group_advantages(rewards, group_size, std_norm=algo.std_norm)
-    for g in sorted({j // group_size for j in failed}):  # the group's other samples, as a group of their own
-        kept = [j for j in range(g * group_size, (g + 1) * group_size) if j not in failed]
+    for g in sorted({j // group_size for j in left_out}):  # the group's other samples, as a group of their own
+        kept = [j for j in range(g * group_size, (g + 1) * group_size) if j not in left_out]
         adv[g * group_size : (g + 1) * group_size] = 0.0
         if kept:
             adv[kept] = group_advantages(rewards[kept], len(kept), std_norm=algo.std_norm)
     if algo.batch_norm:
-        adv = batch_normalize(adv, torch.tensor([j not in failed for j in range(len(samples))])) if failed \
+        adv = batch_normalize(adv, torch.tensor([j not in left_out for j in range(len(samples))])) if left_out \
             else batch_normalize(adv)
-    to_go = {} if summed else _turn_advantages(samples, group_size, failed)
+    to_go = {} if summed else _turn_advantages(samples, group_size, left_out)
     out = []
     for j, ((traj, s), a) in enumerate(zip(samples, adv.tolist())):
         turns = iter(to_go.get(j, ()))
         for prompt_ids, seq in [(traj.prompt_ids, s)] + [(seg.prompt_ids, seg) for seg in s.segments]:
             out.append(_sequence(traj.group_id, prompt_ids.tolist(), seq, a, turns if j in to_go else None, j,
-                                 trained=j not in failed))
+                                 trained=j not in left_out))
     return out
 
 
@@ -211,10 +212,10 @@ def _sequence(group_id: int, prompt: list[int], seq: Sample | Segment, a: float,
 
 
 def _turn_advantages(samples: list[tuple[Trajectory, Sample]], group_size: int,
-                     failed: set[int] = frozenset()) -> dict[int, list[float]]:
-    """``turn_advantages`` of the samples with per-turn rewards, but those ``failed``: sample
+                     left_out: set[int] = frozenset()) -> dict[int, list[float]]:
+    """``turn_advantages`` of the samples with per-turn rewards, but those ``left_out``: sample
     index → one per turn."""
-    with_turns = [j for j, (_, s) in enumerate(samples) if s.turn_rewards is not None and j not in failed]
+    with_turns = [j for j, (_, s) in enumerate(samples) if s.turn_rewards is not None and j not in left_out]
     if not with_turns:
         return {}
     rewards = [torch.from_numpy(samples[j][1].turn_rewards.numpy().astype("float32")) for j in with_turns]

@@ -38,6 +38,10 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
 
     ``rollout/reward`` is the mean episode return, the reward plus the sum of the turn
     rewards (what ``algo.turn_rewards = "sum"`` trains on); ``correct`` the verifier's accept rate;
+    both over the scored episodes only (``Sample.scored``: not those the environment ended, nor
+    ``rollout/empty_episodes``, those with no model turn), and
+    left out of the row when the batch has none (no number stands for them: the console line,
+    the study's report and wandb skip a missing key);
     ``response_len`` mean sampled tokens per sample (all its sequences); ``no_eos_ratio`` the
     fraction of samples that did not end with a stop token; ``tokens_per_s`` the batch's sampled
     tokens over the step's wall time (in steady state, the generation rate that kept up with
@@ -51,13 +55,15 @@ def batch_metrics(trajs: list[Trajectory], step: int, step_s: float) -> dict:
     versions = [s.sampled_versions().tolist() for _, s in samples]  # sampled tokens of every sequence
     lengths = [len(v) for v in versions]  # sampled tokens (a response: all)
     staleness = [step - sample_version(t, s) for t, s in samples]
-    return {
-        "rollout/reward": sum(s.episode_return() for _, s in samples) / n,
-        "rollout/correct": sum(s.correct for _, s in samples) / n,
+    scored = [s for _, s in samples if s.scored()]
+    returns = {"rollout/reward": sum(s.episode_return() for s in scored) / len(scored),
+               "rollout/correct": sum(s.correct for s in scored) / len(scored)} if scored else {}
+    return returns | {
         "rollout/response_len": sum(lengths) / n,
         "rollout/no_eos_ratio": sum(s.finish_reason != "stop" for _, s in samples) / n,
         "rollout/reward_errors": float(sum(s.reward_error for _, s in samples)),
         "rollout/env_errors": float(sum(s.env_failed() for _, s in samples)),
+        "rollout/empty_episodes": float(sum(s.empty() for _, s in samples)),
         "rollout/tokens_per_s": sum(lengths) / max(step_s, 1e-9),
         "rollout/multi_version_frac": sum(len(set(v)) > 1 for v in versions) / n,
         "staleness/mean": sum(staleness) / n,
