@@ -6,6 +6,8 @@ unchanged) continues it: the new messages are rendered after the recorded ids
 (``Conversation.add_messages``) and the turn is sampled after them. Any other call (an edited
 history, reasoning stripped from an earlier turn) starts a new training sequence of the episode
 (``Episode.start``): never a corrupted one. Calls of one episode are made one at a time.
+``model_clock`` times them (``env_limit.ModelClock``): the time with a call in flight does not
+count against ``rollout.env_timeout_s``.
 Sampling follows the run (``rollout.temperature``, ``top_p``; an evaluation's calls, greedy, may
 state the run's values too); a call that asks otherwise, or for ``n > 1``, a penalty, a logit
 bias, a response format, streaming or ``tools``, or whose messages are no chat messages, whose
@@ -26,6 +28,7 @@ import json
 
 import httpx
 
+from areal_async.rollout.env_limit import ModelClock
 from areal_async.rollout.episode import Episode, EpisodeTruncated
 from areal_async.token_logprobs import LogprobRenderer
 
@@ -48,7 +51,7 @@ class RecordingEndpoint:
         self.stated = stated or (temperature, top_p)
         self.refusals = 0  # calls answered 400 for a limit: max_turns, max_episode_tokens, the context
         self.failure: Exception | None = None  # the first generation that failed, raised by the workflow
-        self._busy = False
+        self.model_clock = ModelClock()  # the seconds with a call in flight, which run's limit does not count
         self._render: LogprobRenderer | None = None
 
     @contextlib.asynccontextmanager
@@ -65,14 +68,11 @@ class RecordingEndpoint:
         if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
             return _error(404, f"{request.method} {request.url.path}: an episode's client answers only "
                                f"POST /v1/chat/completions")
-        if self._busy:
+        if self.model_clock.in_flight:
             return _error(400, "a call of this episode is in flight: make an episode's calls one at a time "
                                "(await each), so that its turns have one order")
-        self._busy = True
-        try:
+        with self.model_clock.call():
             return await self._complete(json.loads(request.content or b"{}"))
-        finally:
-            self._busy = False
 
     async def _complete(self, body: dict) -> httpx.Response:
         problem = self._refused(body)

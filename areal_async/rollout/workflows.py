@@ -215,8 +215,9 @@ class OpenAIWorkflow:
     turn (``Sample.empty``) is printed (the first, then at most one a minute). A call past ``max_turns``, ``max_episode_tokens``
     or the context is refused (answered 400) and marks the episode truncated; if ``run`` raises
     after a refusal, the episode ends there with reward 0. Any other exception is ``run``'s
-    failure (``on_env_error``), also after a turn that a limit cut short (answered 200). ``env_timeout_s``: the whole ``run``'s wall-clock limit
-    (0: none). ``on_env_error``: ``zero`` ends an episode whose ``run`` raised or timed out with
+    failure (``on_env_error``), also after a turn that a limit cut short (answered 200).
+    ``env_timeout_s``: the limit of the whole ``run``'s own time, the wall time less that with one
+    of its model calls in flight (0: none). ``on_env_error``: ``zero`` ends an episode whose ``run`` raised or timed out with
     reward 0, ``correct`` False (``env_errors.py``). ``stated``: the run's ``(temperature, top_p)``,
     which a call may state where ``temperature``/``top_p`` differ (a greedy evaluation).
 
@@ -242,7 +243,7 @@ class OpenAIWorkflow:
             try:
                 async with endpoint.client() as client:
                     result = await call_env(self.fn, (item, client), f"{_name(self.fn)}(item, client)", where,
-                                            self.env_timeout_s)
+                                            self.env_timeout_s, endpoint.model_clock)
             except EnvTimeout as exc:
                 self.errors.fail(exc, _name(self.fn), where, ep.stats)
             except Exception as exc:
