@@ -178,9 +178,9 @@ class RolloutConfig(_Cfg):
     max_turns: PosInt = 8  # model turns of an episode at most; more: truncated
     max_episode_tokens: NonNegInt = 0  # tokens after a sequence's prompt at most (0: max_new_tokens per turn only)
     # the wall-clock limit of each call of an Env (constructor, reset, step) and of a whole
-    # run(item, client), its model calls included; over it the worker fails naming the env,
-    # episode and turn, or on_env_error: zero ends the episode (a synchronous call that blocks is
-    # ended with its process). 0: no limit
+    # run(item, client)'s own time (the time with one of its model calls in flight does not
+    # count); over it the worker fails naming the env, episode and turn, or on_env_error: zero
+    # ends the episode (a synchronous call that blocks is ended with its process). 0: no limit
     env_timeout_s: NonNegFloat = 600.0
     # an exception or timeout of an Env's constructor, reset or step, or of run(item, client): raise
     # fails the worker; zero ends that episode there with reward 0, counted in rollout/env_errors,
