@@ -2,10 +2,11 @@
 
     python -m launcher.merge_lora ADAPTER_DIR OUT_DIR [--base PATH] [--dtype float32|bfloat16] [--overwrite]
 
-``ADAPTER_DIR``: a LoRA run's ``RUN_DIR/checkpoint`` (or any peft adapter directory:
-``adapter_config.json`` + ``adapter_model.safetensors``). The base is ``--base`` or the adapter
-config's ``base_model_name_or_path`` (the run's ``model.path``); it is rounded to the dtype the
-trainer stored it in (``lora_base.json``, e.g. bfloat16), as the trained adapters saw it, then
+``ADAPTER_DIR``: a LoRA run's ``RUN_DIR/checkpoint``, a disk weight sync's ``RUN_DIR/adapters/vN``
+(or any peft adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors``). The base
+is ``--base`` or the adapter config's ``base_model_name_or_path`` (the run's ``model.path``); it is
+rounded to the dtype ``lora_base.json`` records (e.g. bfloat16; float32 without one): the trainer's
+for a checkpoint, as the trained adapters saw it, the servers' for ``adapters/vN``, as served; then
 peft's ``merge_and_unload`` adds ``(alpha/r) · B A`` in fp32. ``OUT_DIR`` gets the weights in
 ``--dtype`` (default float32, as a full fine-tuning checkpoint) with the base's config,
 generation config and tokenizer files (``checkpoint.save_hf_checkpoint``), written atomically;

@@ -399,8 +399,8 @@ def write_adapter_dir(out_dir: str | pathlib.Path, tensors: dict[str, Tensor], c
                       stored_dtype: torch.dtype | None = None) -> pathlib.Path:
     """Write a peft adapter directory into the existing ``out_dir``: ``adapter_model.safetensors``
     (``tensors``, peft names), ``adapter_config.json`` (``config``, JSON-ready) and, with
-    ``stored_dtype`` (a checkpoint), ``lora_base.json`` (the base's dtype during training, which
-    ``launcher.merge_lora`` rounds the base to)."""
+    ``stored_dtype``, ``lora_base.json`` (the base's dtype: during training for a checkpoint, on
+    the servers for a disk sync's ``adapters/vN``), which ``launcher.merge_lora`` rounds the base to."""
     from safetensors.torch import save_file
 
     out_dir = pathlib.Path(out_dir)
