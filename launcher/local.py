@@ -256,7 +256,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
     if cfg.trainer.lora.rank:  # target modules, and a resume's settings, checked before anything starts
         from areal_async.trainer.lora import check_lora_settings
 
-        if warning := check_lora_settings(model_path, cfg.trainer.lora, run_dir / "checkpoint" if resume else None):
+        if warning := check_lora_settings(model_path, cfg.trainer.lora, run_dir / "checkpoint" if resume else None,
+                                          cfg.trainer.dtype):
             print(f"[launcher] warning: {warning}", file=sys.stderr, flush=True)
     if replace:
         shutil.rmtree(run_dir)

@@ -117,6 +117,30 @@ def test_a_resume_with_another_alpha_is_refused_before_anything_starts(tiny_mode
         prepare_run(launch, overwrite=False, resume=True)
 
 
+def test_a_resume_with_another_trainer_dtype_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    # a resume with trainer.dtype changed used to run: the adapters, trained against the base
+    # rounded to the checkpoint's dtype (lora_base.json), went on training on another base
+    from areal_async.trainer.learner import save_checkpoint
+    from areal_async.trainer.lora import check_lora_settings
+    from launcher.local import prepare_run
+
+    cfg = _config(tiny_model_dir, "trainer.dtype=float32")
+    save_checkpoint(cfg, *_learner(cfg), tmp_path / "exp", 1, [])
+    ckpt = tmp_path / "exp" / "checkpoint"
+    assert json.loads((ckpt / "lora_base.json").read_text())["base_dtype"] == "float32"
+    launch = load_config("configs/quickstart_cpu.yaml", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
+                                                         "name=exp", "inference.num_servers=1", "trainer.total_steps=3",
+                                                         "trainer.lora.rank=4", "trainer.dtype=bfloat16"])
+    with pytest.raises(ValueError, match=r"trained with trainer.dtype=float32 \(its lora_base.json\) but this run "
+                                         r"has trainer.dtype=bfloat16.*Resume with trainer.dtype=float32, "):
+        prepare_run(launch, overwrite=False, resume=True)
+    assert check_lora_settings(str(tiny_model_dir), cfg.trainer.lora, ckpt, "float32") == ""
+    with pytest.raises(ValueError, match=r"Resume with trainer.dtype=float32, or start a new run"):
+        check_lora_settings(str(tiny_model_dir), cfg.trainer.lora, ckpt, "bfloat16")
+    (ckpt / "lora_base.json").unlink()  # a checkpoint written before lora_base.json: not checked
+    assert check_lora_settings(str(tiny_model_dir), cfg.trainer.lora, ckpt, "bfloat16") == ""
+
+
 def _wider_model(model_dir, out_dir):
     """``model_dir``'s model with twice its MLP width (random weights, the same tokenizer)."""
     import shutil
