@@ -157,6 +157,21 @@ def lora_off_warning(cfg: Config) -> str:
             f"trainer.lr={cfg.trainer.lr:g}; set trainer.lora.rank=N (e.g. 8) to train adapters")
 
 
+LORA_MIN_LR = 5e-5  # below it LoRA learned less than full fine-tuning in docs/lora.md#learning-parity
+
+
+def lora_lr_warning(cfg: Config) -> str:
+    """What a LoRA job (``trainer.lora.rank > 0``) at ``trainer.lr`` below ``LORA_MIN_LR`` misses
+    (docs/lora.md's measured rates) and the override to try; ``""`` otherwise."""
+    rank, lr = cfg.trainer.lora.rank, cfg.trainer.lr
+    if not rank or lr >= LORA_MIN_LR:
+        return ""
+    return (f"trainer.lora.rank={rank} with trainer.lr={lr:g}, below {LORA_MIN_LR:g}: docs/lora.md measured LoRA "
+            f"to need 10-30x full fine-tuning's learning rate (SmolLM2-135M, 100 steps: full fine-tuning at 1e-5 "
+            f"was matched by r = 32 at 1e-4 and r = 8 at 3e-4; r = 32 at 3e-5 learned less); try "
+            f"trainer.lr={'1e-4' if rank >= 32 else '3e-4'}")
+
+
 def check_run_dir(cfg: Config) -> None:
     """Raise ``ValueError`` if the run directory exists but cannot hold the run: it is a file, or
     a file cannot be created in it (the ``run_root`` itself is checked by ``lock_run``)."""
@@ -210,8 +225,9 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
                          f"{len(test)} prompts; set eval.num_prompts={len(test)} or fewer")
     if e.every_steps > cfg.trainer.total_steps:
         print(f"[launcher] warning: {sparse_eval_warning(cfg)}", file=sys.stderr, flush=True)
-    if warning := lora_off_warning(cfg):
-        print(f"[launcher] warning: {warning}", file=sys.stderr, flush=True)
+    for warning in (lora_off_warning(cfg), lora_lr_warning(cfg)):
+        if warning:
+            print(f"[launcher] warning: {warning}", file=sys.stderr, flush=True)
     if cfg.reward.fn:  # empty: the task's own reward function
         resolve_reward_fn(cfg.reward.fn)  # ValueError naming the fix, before any process starts
     if cfg.rollout.workflow:
@@ -256,7 +272,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
     if cfg.trainer.lora.rank:  # target modules, and a resume's settings, checked before anything starts
         from areal_async.trainer.lora import check_lora_settings
 
-        if warning := check_lora_settings(model_path, cfg.trainer.lora, run_dir / "checkpoint" if resume else None):
+        if warning := check_lora_settings(model_path, cfg.trainer.lora, run_dir / "checkpoint" if resume else None,
+                                          cfg.trainer.dtype):
             print(f"[launcher] warning: {warning}", file=sys.stderr, flush=True)
     if replace:
         shutil.rmtree(run_dir)

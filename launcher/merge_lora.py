@@ -2,10 +2,11 @@
 
     python -m launcher.merge_lora ADAPTER_DIR OUT_DIR [--base PATH] [--dtype float32|bfloat16] [--overwrite]
 
-``ADAPTER_DIR``: a LoRA run's ``RUN_DIR/checkpoint`` (or any peft adapter directory:
-``adapter_config.json`` + ``adapter_model.safetensors``). The base is ``--base`` or the adapter
-config's ``base_model_name_or_path`` (the run's ``model.path``); it is rounded to the dtype the
-trainer stored it in (``lora_base.json``, e.g. bfloat16), as the trained adapters saw it, then
+``ADAPTER_DIR``: a LoRA run's ``RUN_DIR/checkpoint``, a disk weight sync's ``RUN_DIR/adapters/vN``
+(or any peft adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors``). The base
+is ``--base`` or the adapter config's ``base_model_name_or_path`` (the run's ``model.path``); it is
+rounded to the dtype ``lora_base.json`` records (e.g. bfloat16; float32 without one): the trainer's
+for a checkpoint, as the trained adapters saw it, the servers' for ``adapters/vN``, as served; then
 peft's ``merge_and_unload`` adds ``(alpha/r) · B A`` in fp32. ``OUT_DIR`` gets the weights in
 ``--dtype`` (default float32, as a full fine-tuning checkpoint) with the base's config,
 generation config and tokenizer files (``checkpoint.save_hf_checkpoint``), written atomically;
@@ -17,7 +18,6 @@ inside, ``ADAPTER_DIR`` or the base; an existing non-empty one is replaced only 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
 import torch
@@ -27,7 +27,7 @@ from areal_async.config import ModelConfig
 from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
 from areal_async.trainer.checkpoint import save_hf_checkpoint
 from areal_async.trainer.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE, adapter_shapes, check_adapter_fits,
-                                      read_adapter_config)
+                                      read_adapter_config, read_base_dtype)
 
 
 def check_out_dir(adapter_dir: pathlib.Path, out_dir: pathlib.Path, overwrite: bool,
@@ -120,8 +120,7 @@ def merge(adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path, base: st
     base = resolve_base(adapter_dir, base)
     check_out_dir(adapter_dir, out_dir, overwrite, base)
     check_base_fits(adapter_dir, base)
-    info = json.loads((adapter_dir / LORA_BASE).read_text()) if (adapter_dir / LORA_BASE).is_file() else {}
-    stored = dtype_from_name(info.get("base_dtype", "float32"), FLOAT_DTYPES, "base_dtype")
+    stored = dtype_from_name(read_base_dtype(adapter_dir) or "float32", FLOAT_DTYPES, f"{LORA_BASE} base_dtype")
     lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         for p in lm.parameters():  # the base as the trainer held it (tied weights: one Parameter)

@@ -90,7 +90,7 @@ def sglang_lora_start(cfg: Config, adapter: pathlib.Path | None) -> tuple[pathli
     """For a LoRA job on SGLang, which serves the base model to a request naming no loaded adapter:
     the adapter its servers start with under the name ``policy`` (``adapter``, a resumed job's
     checkpoint, or else version 0, ``lora.initial_adapter`` in ``model.dtype``, written to
-    ``RUN_DIR/adapters/v0``) and ``sglang_lora_flags`` for ``trainer.lora``. Call after
+    ``RUN_DIR/adapters/v0`` with ``lora_base.json``) and ``sglang_lora_flags`` for ``trainer.lora``. Call after
     ``remove_stale_weights``."""
     from areal_async.dtypes import FLOAT_DTYPES, dtype_from_name
     from areal_async.trainer.lora import initial_adapter
@@ -99,7 +99,7 @@ def sglang_lora_start(cfg: Config, adapter: pathlib.Path | None) -> tuple[pathli
     dtype = dtype_from_name(cfg.model.dtype, FLOAT_DTYPES, "model.dtype")
     tensors, config = initial_adapter(cfg.model.path, cfg.trainer.lora, dtype)
     if adapter is None:
-        adapter = write_adapter_dir(cfg.run_dir / "adapters" / "v0", tensors, config).resolve()
+        adapter = write_adapter_dir(cfg.run_dir / "adapters" / "v0", tensors, config, dtype).resolve()
     return adapter, sglang_lora_flags(config["r"], config["target_modules"])
 
 

@@ -317,6 +317,23 @@ def test_lora_settings_without_a_rank_are_a_warning_at_launch(tmp_path, tiny_mod
     assert "warning" not in capsys.readouterr().err
 
 
+def test_lora_at_a_full_fine_tuning_learning_rate_is_a_warning_at_launch(tmp_path, tiny_model_dir, capsys):
+    # trainer.lora.rank=8 at the quickstart's trainer.lr=1e-5 started without a word; docs/lora.md
+    # measured LoRA to need 10-30x full fine-tuning's rate (1e-4 at r = 32, 3e-4 at r = 8)
+    from launcher.local import prepare_run
+
+    base = [f"model.path={tiny_model_dir}", f"run_root={tmp_path}", "inference.num_servers=1", "trainer.lora.rank=8"]
+    prepare_run(load_config("configs/quickstart_cpu.yaml", [*base, "name=a", "trainer.lr=1e-5"]), overwrite=False)
+    err = capsys.readouterr().err
+    assert ("[launcher] warning: trainer.lora.rank=8 with trainer.lr=1e-05, below 5e-05: docs/lora.md measured "
+            "LoRA to need 10-30x full fine-tuning's learning rate") in err, err
+    assert "try trainer.lr=3e-4" in err and "ValueError" not in err
+    prepare_run(load_config("configs/quickstart_cpu.yaml", [*base, "name=b", "trainer.lr=1e-4"]), overwrite=False)
+    assert "warning" not in capsys.readouterr().err
+    prepare_run(load_config("configs/quickstart_cpu.yaml", [*base[:3], "name=c", "trainer.lr=1e-5"]), overwrite=False)
+    assert "warning" not in capsys.readouterr().err  # full fine-tuning at its own rate
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
 def test_an_unwritable_run_root_is_a_launch_error(tmp_path, capsys):
     from launcher.local import main

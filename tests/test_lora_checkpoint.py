@@ -117,6 +117,30 @@ def test_a_resume_with_another_alpha_is_refused_before_anything_starts(tiny_mode
         prepare_run(launch, overwrite=False, resume=True)
 
 
+def test_a_resume_with_another_trainer_dtype_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    # a resume with trainer.dtype changed used to run: the adapters, trained against the base
+    # rounded to the checkpoint's dtype (lora_base.json), went on training on another base
+    from areal_async.trainer.learner import save_checkpoint
+    from areal_async.trainer.lora import check_lora_settings
+    from launcher.local import prepare_run
+
+    cfg = _config(tiny_model_dir, "trainer.dtype=float32")
+    save_checkpoint(cfg, *_learner(cfg), tmp_path / "exp", 1, [])
+    ckpt = tmp_path / "exp" / "checkpoint"
+    assert json.loads((ckpt / "lora_base.json").read_text())["base_dtype"] == "float32"
+    launch = load_config("configs/quickstart_cpu.yaml", [f"model.path={tiny_model_dir}", f"run_root={tmp_path}",
+                                                         "name=exp", "inference.num_servers=1", "trainer.total_steps=3",
+                                                         "trainer.lora.rank=4", "trainer.dtype=bfloat16"])
+    with pytest.raises(ValueError, match=r"trained with trainer.dtype=float32 \(its lora_base.json\) but this run "
+                                         r"has trainer.dtype=bfloat16.*Resume with trainer.dtype=float32, "):
+        prepare_run(launch, overwrite=False, resume=True)
+    assert check_lora_settings(str(tiny_model_dir), cfg.trainer.lora, ckpt, "float32") == ""
+    with pytest.raises(ValueError, match=r"Resume with trainer.dtype=float32, or start a new run"):
+        check_lora_settings(str(tiny_model_dir), cfg.trainer.lora, ckpt, "bfloat16")
+    (ckpt / "lora_base.json").unlink()  # a checkpoint written before lora_base.json: not checked
+    assert check_lora_settings(str(tiny_model_dir), cfg.trainer.lora, ckpt, "bfloat16") == ""
+
+
 def _wider_model(model_dir, out_dir):
     """``model_dir``'s model with twice its MLP width (random weights, the same tokenizer)."""
     import shutil
@@ -215,6 +239,48 @@ def test_merge_lora_writes_a_checkpoint_that_matches_the_adapted_model(tiny_mode
         got, want = merged(ids).logits, ref(ids).logits
     assert not torch.allclose(want, AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits, atol=1e-4)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_merge_lora_of_a_disk_sync_adapter_equals_the_bf16_engine_bit_for_bit(tiny_model_dir, tmp_path,
+                                                                              one_torch_thread):
+    # RUN_DIR/adapters/vN had no lora_base.json: merge_lora merged it onto the fp32 base, not the
+    # bf16 one the trainer and the engine hold, and the merged model differed from what was served
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from areal_async.inference.client import InferenceClient
+    from areal_async.trainer.main import make_sender
+    from tests.support.servers import running
+
+    cfg = _config(tiny_model_dir, "trainer.dtype=bfloat16", "model.dtype=bfloat16", "trainer.weight_sync=disk",
+                  "inference.num_servers=1")
+    policy = _learner(cfg)[0]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a trained adapter: B no longer zero
+        for name, p in policy.named_parameters():
+            if ".lora_" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+
+    async def serve() -> dict[str, torch.Tensor]:
+        async with running(tiny_model_dir, dtype="bfloat16") as (api, engine):
+            async with InferenceClient([api.url]) as client:
+                await make_sender(cfg, policy, client, tmp_path, CPU).send(1)
+                assert await client.get_weight_version(0) == 1
+            return {k: v.detach().clone() for k, v in engine.forward.model.named_parameters()}
+
+    served = asyncio.run(serve())
+    out = tmp_path / "merged"
+    proc = subprocess.run([sys.executable, "-m", "launcher.merge_lora", str(tmp_path / "adapters" / "v1"), str(out),
+                           "--dtype", "bfloat16"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = load_file(str(out / "model.safetensors"))
+    assert set(served) <= set(merged)
+    for name, want in served.items():
+        got = merged[name]
+        assert got.dtype == want.dtype == torch.bfloat16, name
+        same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert same, f"{name}: {int((got != want).sum())} of {got.numel()} values differ"
 
 
 def test_merge_lora_refuses_a_full_checkpoint(tiny_model_dir, tmp_path):

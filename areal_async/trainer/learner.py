@@ -53,7 +53,7 @@ class Learner:
         if t.resume:
             check_checkpoint_kind(ckpt_dir, t.lora.rank)
             if t.lora.rank:
-                check_lora_settings(cfg.model.path, t.lora, ckpt_dir)
+                check_lora_settings(cfg.model.path, t.lora, ckpt_dir, t.dtype)
         if t.lora.rank:  # a LoRA checkpoint holds the adapters only: the base is the model's
             self.policy = build_policy(cfg.model.path, t, self.device, batch_invariant=deterministic,
                                        adapter_dir=str(ckpt_dir) if t.resume else None)

@@ -237,20 +237,24 @@ def _meta_model(model_path: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
 
 
-def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | pathlib.Path | None = None) -> str:
+def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | pathlib.Path | None = None,
+                        dtype: str | None = None) -> str:
     """Check ``trainer.lora`` against the model at ``model_path`` (its config alone) before a job
     starts and, for ``--resume``, against the checkpoint ``ckpt_dir`` it continues: the adapted
     policy is ``base + (alpha / r) · B A`` on the target modules, so a resume that changed rank,
     alpha, target modules or the base would train one policy while the servers serve another
-    (``trainer.lora.dropout`` may change). Returns a warning, or ``""``: the checkpoint was trained
-    on another ``model.path`` whose linear layers have the same shapes (a moved or another base).
+    (``trainer.lora.dropout`` may change); nor may ``dtype`` (``trainer.dtype``, resolved) differ
+    from the base dtype the checkpoint was trained with (``lora_base.json``, when it has one).
+    Returns a warning, or ``""``: the checkpoint was trained on another ``model.path`` whose linear
+    layers have the same shapes (a moved or another base).
 
     Raises:
         ValueError: a target module that is no linear layer of the decoder blocks, a rank above
             their widths (``check_rank``), a setting
-            that differs from the checkpoint's ``adapter_config.json`` (the message names both
-            values and the override that resumes it), or a checkpoint adapter that does not fit
-            the linear layers of ``model_path`` (the message names the base it was trained on).
+            that differs from the checkpoint's ``adapter_config.json`` or ``lora_base.json`` (the
+            message names both values and the override that resumes it), or a checkpoint adapter
+            that does not fit the linear layers of ``model_path`` (the message names the base it
+            was trained on).
     """
     lm = _meta_model(model_path)
     targets = resolve_target_modules(lm, cfg.target_modules)
@@ -271,6 +275,13 @@ def check_lora_settings(model_path: str, cfg: LoraSettings, ckpt_dir: str | path
                          + ", ".join(f"{key}={want[key]}" for key in changed)
                          + f"; the servers would serve another policy than the trainer trains. Resume with "
                            f"{fix}, or start a new run (another name=...) with the new settings")
+    trained_dtype = read_base_dtype(path.parent)
+    if dtype not in (None, "auto") and trained_dtype is not None and trained_dtype != dtype:
+        raise ValueError(f"--resume: the checkpoint {path.parent} was trained with trainer.dtype={trained_dtype} "
+                         f"(its {LORA_BASE}) but this run has trainer.dtype={dtype}; its adapters were trained "
+                         f"against the base rounded to {trained_dtype}, so the trainer would continue another "
+                         f"policy on another base. Resume with trainer.dtype={trained_dtype}, or start a new run "
+                         f"(another name=...) with the new settings")
     trained_on = saved.get("base_model_name_or_path")
     adapter_shapes(path.parent)  # a damaged file is named as such, not as another base
     try:
@@ -300,6 +311,27 @@ def read_adapter_config(adapter_dir: str | pathlib.Path) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not readable (no JSON object); the adapter directory is damaged")
     return config
+
+
+def read_base_dtype(adapter_dir: str | pathlib.Path) -> str | None:
+    """The base dtype ``adapter_dir/lora_base.json`` records (``"bfloat16"``, ...), or ``None``
+    without the file (a peft directory written elsewhere).
+
+    Raises:
+        ValueError: the file is not readable or names no dtype (naming it).
+    """
+    path = pathlib.Path(adapter_dir) / LORA_BASE
+    if not path.is_file():
+        return None
+    try:
+        dtype = json.loads(path.read_text())["base_dtype"]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{path} is not readable ({type(exc).__name__}: {exc}); the adapter directory is "
+                         f"damaged or incomplete") from None
+    if not isinstance(dtype, str):
+        raise ValueError(f"{path} is not readable (base_dtype {dtype!r} is no dtype name); the adapter directory "
+                         f"is damaged")
+    return dtype
 
 
 def adapter_shapes(adapter_dir: str | pathlib.Path) -> tuple[int | None, dict[str, tuple[int, ...]]]:
@@ -399,8 +431,8 @@ def write_adapter_dir(out_dir: str | pathlib.Path, tensors: dict[str, Tensor], c
                       stored_dtype: torch.dtype | None = None) -> pathlib.Path:
     """Write a peft adapter directory into the existing ``out_dir``: ``adapter_model.safetensors``
     (``tensors``, peft names), ``adapter_config.json`` (``config``, JSON-ready) and, with
-    ``stored_dtype`` (a checkpoint), ``lora_base.json`` (the base's dtype during training, which
-    ``launcher.merge_lora`` rounds the base to)."""
+    ``stored_dtype``, ``lora_base.json`` (the base's dtype: during training for a checkpoint, on
+    the servers for a disk sync's ``adapters/vN``), which ``launcher.merge_lora`` rounds the base to."""
     from safetensors.torch import save_file
 
     out_dir = pathlib.Path(out_dir)

@@ -14,7 +14,8 @@ the trainer's LoRA module plugs in without this module knowing peft's wrapping:
 ``/update_weights_from_distributed`` call carrying ``lora_name`` and ``config_dict`` (the embedded
 server's extension; SGLang 0.5.23 has no distributed LoRA update). ``DiskAdapterSender`` writes a
 peft adapter directory ``adapters_dir/v{N}/`` atomically and has each live server load it through
-SGLang's ``/load_lora_adapter``. Every version sends the whole adapter, so a restarted server is
+SGLang's ``/load_lora_adapter``, with ``lora_base.json`` (the servers' base dtype) beside it for
+``launcher.merge_lora``. Every version sends the whole adapter, so a restarted server is
 brought up to date by the next update (with the disk sync the launcher starts it with the newest
 adapter already). ``update_bytes`` is what one update moves. Decisions, names and endpoints:
 docs/lora_sync.md.
@@ -54,13 +55,16 @@ def adapter_config_json(config) -> dict:
     return plain(dict(config))
 
 
-def write_adapter_dir(out_dir: pathlib.Path, tensors: dict[str, torch.Tensor], config: dict) -> pathlib.Path:
+def write_adapter_dir(out_dir: pathlib.Path, tensors: dict[str, torch.Tensor], config: dict,
+                      base_dtype: torch.dtype | None = None) -> pathlib.Path:
     """Write a peft adapter directory (``adapter_model.safetensors``, ``adapter_config.json``:
-    what ``PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read) atomically
-    (``atomic_dir.write_atomically``; the files: ``lora.write_adapter_dir``); returns ``out_dir``."""
+    what ``PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read; with
+    ``base_dtype``, ``lora_base.json``: the dtype the servers hold the base in, which
+    ``launcher.merge_lora`` rounds the base to) atomically (``atomic_dir.write_atomically``; the
+    files: ``lora.write_adapter_dir``); returns ``out_dir``."""
     out_dir = pathlib.Path(out_dir)
     with write_atomically(out_dir) as staging:
-        lora.write_adapter_dir(staging, tensors, adapter_config_json(config))
+        lora.write_adapter_dir(staging, tensors, adapter_config_json(config), base_dtype)
     return out_dir
 
 
@@ -106,6 +110,9 @@ class DiskAdapterSender:
         adapters_dir: where ``v{version}/`` adapter directories are written, readable by the
             servers: ``RUN_DIR/adapters``, where the launcher finds the newest for a restarted server.
         save_dtype: dtype of the written adapter tensors (float32: the trainer's, bit for bit).
+        base_dtype: the dtype the servers hold the base in (``model.dtype``), written as each
+            directory's ``lora_base.json`` so that ``launcher.merge_lora`` of it gives the merged
+            weights the servers served.
         interrupt_on_update: pause the servers (mode ``abort``) around the load.
         lora_name: the adapter's name on the servers.
         backend: ``"embedded"``: one ``/load_lora_adapter`` with ``weight_version`` (replaces the
@@ -120,14 +127,14 @@ class DiskAdapterSender:
 
     def __init__(self, items: AdapterItems, config, client, num_servers: int, adapters_dir: pathlib.Path,
                  save_dtype: torch.dtype = torch.float32, interrupt_on_update: bool = True,
-                 lora_name: str = LORA_NAME, backend: str = "embedded"):
+                 lora_name: str = LORA_NAME, backend: str = "embedded", base_dtype: torch.dtype = torch.float32):
         if backend not in ("embedded", "sglang"):
             raise ValueError(f"backend {backend!r} is not 'embedded' or 'sglang'")
         if backend == "sglang" and not interrupt_on_update:
             raise ValueError("the LoRA disk sync to SGLang unloads and loads the adapter: generation must be paused "
                              "around it (rollout.interrupt_on_update=true)")
         self.items, self.config, self.client, self.num_servers = items, config, client, num_servers
-        self.adapters_dir, self.save_dtype = pathlib.Path(adapters_dir), save_dtype
+        self.adapters_dir, self.save_dtype, self.base_dtype = pathlib.Path(adapters_dir), save_dtype, base_dtype
         self.interrupt_on_update, self.lora_name, self.backend = interrupt_on_update, lora_name, backend
         self._previous: pathlib.Path | None = None
 
@@ -141,7 +148,8 @@ class DiskAdapterSender:
                 tensors[name] = full.detach().to(device="cpu", dtype=self.save_dtype)
         if _rank() != 0:
             return
-        path = await asyncio.to_thread(write_adapter_dir, self.adapters_dir / f"v{version}", tensors, self.config)
+        path = await asyncio.to_thread(write_adapter_dir, self.adapters_dir / f"v{version}", tensors, self.config,
+                                       self.base_dtype)
         await self.client.servers.probe(require_version=False)  # a restarted server gets this version too
         if self.interrupt_on_update:
             await self.client.pause()

@@ -39,7 +39,7 @@ def make_sender(cfg: Config, policy, client, run_dir: pathlib.Path, device: torc
         items, config = functools.partial(adapter_parameters, policy), functools.partial(adapter_config, policy)
         if cfg.trainer.weight_sync == "disk":
             return DiskAdapterSender(items, config, client, n, run_dir / "adapters", dtype, interrupt,
-                                     backend=cfg.inference.backend)
+                                     backend=cfg.inference.backend, base_dtype=dtype)
         return DistributedAdapterSender(items, config, client, n, cfg.trainer.weight_sync_host,
                                         cfg.trainer.weight_sync_port, cfg.trainer.weight_bucket_bytes, device, dtype,
                                         interrupt)

@@ -27,9 +27,10 @@ BUCKET = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]
 
 
 @contextlib.asynccontextmanager
-async def running(model_dir, slots: int = 8, max_seq_len: int = 256):
-    """An in-process server of ``model_dir`` (``slots`` running requests); yields ``(Api, engine)``."""
-    engine, tokenizer = load_engine(str(model_dir), "float32", "cpu", slots, max_seq_len)
+async def running(model_dir, slots: int = 8, max_seq_len: int = 256, dtype: str = "float32"):
+    """An in-process server of ``model_dir`` (``slots`` running requests, weights in ``dtype``);
+    yields ``(Api, engine)``."""
+    engine, tokenizer = load_engine(str(model_dir), dtype, "cpu", slots, max_seq_len)
     async with serve(InferenceServer(engine, tokenizer, str(model_dir))) as url, aiohttp.ClientSession() as http:
         yield Api(url, http), engine
 
