@@ -62,12 +62,13 @@ def test_the_learning_table_judges_blocks_and_evaluations(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
     correct = [0.2] * 4 + [0.5] * 4 + [0.4] * 2
-    rows = [{"step": k, "time": 60.0 * k, "rollout/correct": c, "train/entropy": 1.0 - 0.05 * k}
+    rows = [{"step": k, "time": 60.0 * k, "perf/step_s": 1.0, "rollout/correct": c, "train/entropy": 1.0 - 0.05 * k}
             for k, c in enumerate(correct)]
+    rows.append({"step": 10, "time": 540.0, "perf/step_s": 1.0})  # a step none of whose episodes was scored
     rows += [{"step": 0, "time": 0.0, "eval/pass@1": 0.30}, {"step": 9, "time": 540.0, "eval/pass@1": 0.45}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     row = table.summarize(run, block=4)
-    assert row["steps"] == 10 and row["minutes"] == pytest.approx(9.0)
+    assert row["steps"] == 11 and row["minutes"] == pytest.approx(9.0)
     assert (row["first"], row["best"], row["last"], row["worst_later"]) == pytest.approx((0.2, 0.5, 0.4, 0.4))
     assert (row["gain"], row["hold"], row["eval"]) == (True, True, True)  # 0.4 ≥ 0.35; 0.4 ≥ 0.15; 0.45 ≥ 0.40
     assert (row["ent0"], row["ent1"]) == pytest.approx((1.0 - 0.05 * 1.5, 1.0 - 0.05 * 8.5))

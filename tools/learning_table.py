@@ -59,9 +59,9 @@ def blocks(values: list[float], size: int) -> list[float]:
 def summarize(run_dir: pathlib.Path, block: int) -> dict:
     """One row of the table for ``run_dir`` (keys below; ``None`` where a value is missing)."""
     rows = read_rows(run_dir)
-    steps = [r for r in rows if "rollout/correct" in r]
+    steps = [r for r in rows if "perf/step_s" in r]  # every training step's row (rollout/correct: a scored one)
     evals = [r for r in rows if "eval/pass@1" in r]
-    correct = [r["rollout/correct"] for r in steps]
+    correct = [r["rollout/correct"] for r in steps if "rollout/correct" in r]
     entropy = [r["train/entropy"] for r in steps if "train/entropy" in r]
     b = blocks(correct, block)
     e = blocks(entropy, block)
@@ -122,7 +122,7 @@ def run_jobs(args: argparse.Namespace) -> int:
         if time.monotonic() - last[0] < args.progress_s:
             return
         last[0] = time.monotonic()
-        done = {j.name: len([r for r in read_rows(root / j.name) if "rollout/correct" in r]) for j in jobs}
+        done = {j.name: len([r for r in read_rows(root / j.name) if "perf/step_s" in r]) for j in jobs}
         print(f"[grid] {(time.monotonic() - t0) / 60:.1f} min: " + ", ".join(f"{n} {s}" for n, s in done.items()),
               flush=True)
 
