@@ -38,7 +38,9 @@ def test_jobs_run_at_most_parallel_at_once_and_each_exit_is_named(tmp_path):
 
 
 def test_a_deadline_stops_the_running_jobs_and_starts_no_more(tmp_path):
-    sleeper = "import time; time.sleep(60)"
+    # SIGINT handled as launcher.local handles it (interrupt_on_signals), also where this test's
+    # process inherited it ignored (started with & from a script): the child would then ignore it
+    sleeper = "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"
     jobs = [_job(tmp_path, "a", sleeper), _job(tmp_path, "b", sleeper)]
     t0 = time.monotonic()
     assert run_jobs(jobs, 1, poll_s=0.05, deadline_s=0.5, grace_s=5) is False
