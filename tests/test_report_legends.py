@@ -42,8 +42,14 @@ def test_every_legend_lies_within_its_figure(tmp_path, monkeypatch, points):
     figures = []
     png = plots._png
     widths = []  # of the PNG (cut to what is drawn) against its figure's, in pixels
-    monkeypatch.setattr(plots, "_png", lambda fig: (figures.append(fig), widths.append(
-        (int.from_bytes(png(fig)[16:20], "big"), fig.get_figwidth() * 100)), png(fig))[2])
+
+    def png_once(fig):
+        data = png(fig)
+        figures.append(fig)
+        widths.append((int.from_bytes(data[16:20], "big"), fig.get_figwidth() * 100))
+        return data
+
+    monkeypatch.setattr(plots, "_png", png_once)
     _study(tmp_path / "s", points)
     _, cells = study_cells(tmp_path / "s")
     write_report(cells, tmp_path / "s", title="t")
