@@ -249,7 +249,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
     run_dir = cfg.run_dir
     replace = not resume and (run_dir / "metrics.jsonl").exists()
     if resume:
-        from areal_async.trainer.resume import read_step, recover_checkpoint
+        from areal_async.trainer.resume import check_restored_groups, read_step, recover_checkpoint
 
         if not run_dir.is_dir():
             raise ValueError(f"--resume: run_root {cfg.run_root} holds no run '{cfg.name}' ({run_dir} does not "
@@ -260,6 +260,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
         from areal_async.trainer.lora import check_checkpoint_kind
 
         check_checkpoint_kind(run_dir / "checkpoint", cfg.trainer.lora.rank)  # adapters only, or full weights
+        check_restored_groups(run_dir / "checkpoint", cfg.queue.batch_size)  # else the queue fails after the start
         if done >= cfg.trainer.total_steps:
             raise ValueError(f"--resume: the checkpoint of run '{cfg.name}' is at step {done}, and "
                              f"trainer.total_steps={cfg.trainer.total_steps} leaves nothing to run; give "

@@ -50,6 +50,33 @@ def test_jitter_flags_and_deterministic_env():
     assert deterministic_env(load_config(None, ["mode=throughput"]).mode) == {}
 
 
+def test_a_resume_with_another_queue_batch_size_than_its_checkpoint_is_a_launch_error(tmp_path, tiny_model_dir,
+                                                                                     monkeypatch, capsys):
+    # It started every process, then the replay queue died on the saved groups ("restored groups
+    # [12, 13] must be exactly [24, 25]"), after config.yaml had been overwritten with the new size
+    import json
+
+    import msgspec
+
+    import launcher.local
+    from launcher.local import main
+    from tests.support.batches import traj
+
+    monkeypatch.setattr(launcher.local.signal, "signal", lambda *args: None)  # keep pytest's SIGTERM
+    monkeypatch.setattr(launcher.local, "run_job", lambda cfg, sup: None)
+    ckpt = tmp_path / "exp" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 6}))
+    (ckpt / "buffer.msgpack").write_bytes(msgspec.msgpack.encode([traj(12), traj(13)]))  # queue.batch_size=2
+    argv = ["configs/quickstart_cpu.yaml", f"run_root={tmp_path}", "name=exp", f"model.path={tiny_model_dir}",
+            "trainer.total_steps=8", "eval.every_steps=0", "inference.num_servers=1", "--resume"]
+    assert main([*argv, "queue.batch_size=4"]) == 2
+    err = capsys.readouterr().err
+    assert "groups 12-13" in err and "queue.batch_size=2" in err and "queue.batch_size=4" in err
+    assert not (tmp_path / "exp" / "config.yaml").exists()
+    assert main([*argv, "queue.batch_size=2"]) == 0
+
+
 def test_ports_in_use_or_shared_are_named():
     import socket
 

@@ -102,6 +102,22 @@ def read_step(ckpt_dir: pathlib.Path) -> int:
     return int(json.loads(path.read_text())["step"])
 
 
+def check_restored_groups(ckpt_dir: pathlib.Path, batch_size: int) -> None:
+    """Raise ``ValueError`` naming ``queue.batch_size`` if the groups the checkpoint in ``ckpt_dir``
+    saved (``buffer.msgpack``) are not those a queue resumed at its step restores: ids from step ×
+    ``batch_size`` on (``ReplayQueue``), i.e. the run used another ``queue.batch_size``. Raises as
+    ``read_step``; a checkpoint without saved groups passes."""
+    step, path = read_step(ckpt_dir), pathlib.Path(ckpt_dir) / "buffer.msgpack"
+    ids = sorted(t.group_id for t in msgspec.msgpack.decode(path.read_bytes(), type=list[Trajectory])) \
+        if path.exists() else []
+    if not ids or ids == list(range(step * batch_size, step * batch_size + len(ids))):
+        return
+    used = f"queue.batch_size={ids[0] // step}" if step and ids[0] % step == 0 else "another queue.batch_size"
+    raise ValueError(f"--resume: the checkpoint at step {step} saved groups {ids[0]}-{ids[-1]}, made with {used}, "
+                     f"but this launch has queue.batch_size={batch_size} (its groups start at step × batch size); "
+                     f"resume with the run's {used}")
+
+
 def read_elapsed(ckpt_dir: pathlib.Path) -> float:
     """The training wall time (seconds) recorded with the checkpoint in ``ckpt_dir``; 0.0 for a
     checkpoint written before it was recorded. Raises as ``read_step``."""
