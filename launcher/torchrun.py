@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import signal
 import sys
 
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in _NOTICE_LOGGERS:
         logging.getLogger(name).addFilter(_DropShutdownNotices())
     argv = sys.argv[1:] if argv is None else argv
+    # the ranks' parent, which they check after tying their death to it: one that died while they
+    # started is otherwise never seen (their parent is then init)
+    os.environ["AREAL_ASYNC_TORCHRUN_PID"] = str(os.getpid())  # trainer.main.TORCHRUN_PID_ENV
     store = rendezvous_store(argv)  # torchrun's agent reuses it: held until torchrun returns
     try:
         torchrun_main(argv)

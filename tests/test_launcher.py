@@ -458,3 +458,18 @@ def test_only_the_first_signal_interrupts_so_a_second_cannot_break_off_the_stop(
     assert "SIGTERM again: still stopping every process" in err and "SIGINT again" in err
 
 
+
+
+def test_a_trainer_rank_whose_torchrun_died_before_the_rank_started_exits():
+    # A launcher killed with SIGKILL while the ranks imported left a rank running, blocked, for good:
+    # torchrun had already died with it, so the rank read init as its parent and tied no death to it
+    import subprocess
+
+    from tests.support import REPO
+
+    rank = ("import time; time.sleep(1); from areal_async.trainer.main import _die_with_parent; "
+            "_die_with_parent(); print('alive', flush=True)")
+    torchrun = ("import os, subprocess, sys; os.environ['AREAL_ASYNC_TORCHRUN_PID'] = str(os.getpid()); "
+                f"subprocess.Popen([sys.executable, '-c', {rank!r}])")  # exits at once, as if killed
+    out = subprocess.run([sys.executable, "-c", torchrun], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "alive" not in out.stdout  # the pipe closes when the rank exits too

@@ -68,10 +68,14 @@ async def train(cfg: Config, run_dir: pathlib.Path) -> None:
     dist.destroy_process_group()
 
 
+TORCHRUN_PID_ENV = "AREAL_ASYNC_TORCHRUN_PID"  # set by launcher.torchrun: the ranks' parent
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this rank when its parent (torchrun) dies, even when the parent is killed
-    with SIGKILL and cannot stop its ranks (the launcher gives torchrun the same setting)."""
-    parent = os.getppid()
+    with SIGKILL and cannot stop its ranks (the launcher gives torchrun the same setting). Exit at
+    once if the parent, ``TORCHRUN_PID_ENV`` where set, is already gone."""
+    parent = int(os.environ.get(TORCHRUN_PID_ENV) or os.getppid())
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
