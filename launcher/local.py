@@ -260,7 +260,8 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False, own_gpus: bo
         from areal_async.trainer.lora import check_checkpoint_kind
 
         check_checkpoint_kind(run_dir / "checkpoint", cfg.trainer.lora.rank)  # adapters only, or full weights
-        check_restored_groups(run_dir / "checkpoint", cfg.queue.batch_size)  # else the queue fails after the start
+        # else the queue or the trainer fails on them once every process has started
+        check_restored_groups(run_dir / "checkpoint", cfg.queue.batch_size, cfg.rollout.n_samples)
         if done >= cfg.trainer.total_steps:
             raise ValueError(f"--resume: the checkpoint of run '{cfg.name}' is at step {done}, and "
                              f"trainer.total_steps={cfg.trainer.total_steps} leaves nothing to run; give "

@@ -50,8 +50,8 @@ def test_jitter_flags_and_deterministic_env():
     assert deterministic_env(load_config(None, ["mode=throughput"]).mode) == {}
 
 
-def test_a_resume_with_another_queue_batch_size_than_its_checkpoint_is_a_launch_error(tmp_path, tiny_model_dir,
-                                                                                     monkeypatch, capsys):
+def test_a_resume_with_another_batch_size_or_n_samples_than_its_checkpoint_is_a_launch_error(tmp_path, tiny_model_dir,
+                                                                                            monkeypatch, capsys):
     # It started every process, then the replay queue died on the saved groups ("restored groups
     # [12, 13] must be exactly [24, 25]"), after config.yaml had been overwritten with the new size
     import json
@@ -74,7 +74,11 @@ def test_a_resume_with_another_queue_batch_size_than_its_checkpoint_is_a_launch_
     err = capsys.readouterr().err
     assert "groups 12-13" in err and "queue.batch_size=2" in err and "queue.batch_size=4" in err
     assert not (tmp_path / "exp" / "config.yaml").exists()
-    assert main([*argv, "queue.batch_size=2"]) == 0
+    # the same for the samples of a group: the trainer stopped at its first batch with a ContractViolation
+    assert main([*argv, "queue.batch_size=2", "rollout.n_samples=4"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.n_samples=2" in err and "rollout.n_samples=4" in err
+    assert main([*argv, "queue.batch_size=2", "rollout.n_samples=2"]) == 0
 
 
 def test_ports_in_use_or_shared_are_named():

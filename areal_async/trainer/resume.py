@@ -102,20 +102,25 @@ def read_step(ckpt_dir: pathlib.Path) -> int:
     return int(json.loads(path.read_text())["step"])
 
 
-def check_restored_groups(ckpt_dir: pathlib.Path, batch_size: int) -> None:
-    """Raise ``ValueError`` naming ``queue.batch_size`` if the groups the checkpoint in ``ckpt_dir``
-    saved (``buffer.msgpack``) are not those a queue resumed at its step restores: ids from step ×
-    ``batch_size`` on (``ReplayQueue``), i.e. the run used another ``queue.batch_size``. Raises as
-    ``read_step``; a checkpoint without saved groups passes."""
+def check_restored_groups(ckpt_dir: pathlib.Path, batch_size: int, n_samples: int) -> None:
+    """Raise ``ValueError`` naming the key if the groups the checkpoint in ``ckpt_dir`` saved
+    (``buffer.msgpack``) do not fit this launch: a queue resumed at its step restores ids from step ×
+    ``queue.batch_size`` on (``ReplayQueue``), and the trainer takes groups of ``rollout.n_samples``
+    samples. Raises as ``read_step``; a checkpoint without saved groups passes."""
     step, path = read_step(ckpt_dir), pathlib.Path(ckpt_dir) / "buffer.msgpack"
-    ids = sorted(t.group_id for t in msgspec.msgpack.decode(path.read_bytes(), type=list[Trajectory])) \
-        if path.exists() else []
-    if not ids or ids == list(range(step * batch_size, step * batch_size + len(ids))):
+    groups = msgspec.msgpack.decode(path.read_bytes(), type=list[Trajectory]) if path.exists() else []
+    if not groups:
         return
-    used = f"queue.batch_size={ids[0] // step}" if step and ids[0] % step == 0 else "another queue.batch_size"
-    raise ValueError(f"--resume: the checkpoint at step {step} saved groups {ids[0]}-{ids[-1]}, made with {used}, "
-                     f"but this launch has queue.batch_size={batch_size} (its groups start at step × batch size); "
-                     f"resume with the run's {used}")
+    ids = sorted(t.group_id for t in groups)
+    if ids != list(range(step * batch_size, step * batch_size + len(ids))):
+        used = f"queue.batch_size={ids[0] // step}" if step and ids[0] % step == 0 else "another queue.batch_size"
+        raise ValueError(f"--resume: the checkpoint at step {step} saved groups {ids[0]}-{ids[-1]}, made with {used}, "
+                         f"but this launch has queue.batch_size={batch_size} (its groups start at step × batch "
+                         f"size); resume with the run's {used}")
+    if sizes := sorted({len(t.samples) for t in groups} - {n_samples}):
+        raise ValueError(f"--resume: the checkpoint at step {step} saved groups of {sizes[0]} samples "
+                         f"(rollout.n_samples={sizes[0]}), but this launch has rollout.n_samples={n_samples}; "
+                         f"resume with the run's rollout.n_samples={sizes[0]}")
 
 
 def read_elapsed(ckpt_dir: pathlib.Path) -> float:
