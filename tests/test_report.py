@@ -292,10 +292,10 @@ def test_a_run_directory_reads_interruption_from_its_config(tmp_path):
                                              ("decoupled: true", "decoupled"), ("eps_clip: 0.2", None)])
 def test_a_cell_objective_is_read_from_algo_objective_or_the_boolean_of_older_runs(tmp_path, algo, objective):
     # Run directories written before algo.objective replaced algo.decoupled still name their objective.
-    from areal_async.report.runs import read_cell_config
+    from areal_async.report.runs import cell_config, read_config
 
     (tmp_path / "config.yaml").write_text(f"seed: 3\nqueue:\n  max_staleness: 2\nalgo:\n  {algo}\n")
-    assert read_cell_config(tmp_path) == {"eta": 2, "objective": objective, "interrupt": "on", "seed": 3, "grid": {}}
+    assert cell_config(read_config(tmp_path)) == {"eta": 2, "objective": objective, "interrupt": "on", "seed": 3, "grid": {}}
 
 
 def _grid_study(root, cells, grid):

@@ -171,11 +171,6 @@ def read_config(run_dir: pathlib.Path) -> dict | None:
     return cfg if isinstance(cfg, dict) else {} if cfg is None else None
 
 
-def read_cell_config(run_dir: pathlib.Path, group_by: list[str] = ()) -> dict:
-    """``cell_config`` of ``run_dir/config.yaml``."""
-    return cell_config(read_config(run_dir), group_by)
-
-
 def cell_config(cfg: dict | None, group_by: list[str] = ()) -> dict:
     """``eta``, ``objective``, ``interrupt``, ``seed`` of a run's config (``read_config``), and
     ``grid``: ``{key: value}`` of each dotted key of ``group_by`` (``None`` where missing).
